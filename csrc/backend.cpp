@@ -1,0 +1,763 @@
+#include "backend.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <thread>
+
+namespace ft {
+
+namespace {
+
+using std::chrono::milliseconds;
+
+std::string messageOf(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+void checkTensor(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_VALUE(t.defined(), "ft: ", op, ": got an undefined tensor");
+  TORCH_CHECK_VALUE(
+      t.layout() == at::kStrided,
+      "ft: ",
+      op,
+      ": only dense tensors are supported, got layout ",
+      t.layout());
+  TORCH_CHECK_VALUE(
+      t.is_contiguous(),
+      "ft: ",
+      op,
+      ": tensors must be contiguous (shape ",
+      t.sizes(),
+      ", strides ",
+      t.strides(),
+      "); call .contiguous() first");
+  if (t.is_cuda()) {
+    TORCH_CHECK_VALUE(
+        false,
+        "ft: ",
+        op,
+        ": got a CUDA tensor, but this build of ft has no NCCL path "
+        "(it was built against a CPU-only torch)");
+  }
+  TORCH_CHECK_VALUE(
+      t.device().is_cpu(),
+      "ft: ",
+      op,
+      ": unsupported device ",
+      t.device(),
+      " (supported: cpu, and cuda in an NCCL build)");
+}
+
+// All tensors of one op: valid, and of one dtype and device.
+void checkTensors(const std::vector<at::Tensor>& tensors, const char* op) {
+  for (const auto& t : tensors) {
+    checkTensor(t, op);
+    TORCH_CHECK_TYPE(
+        t.scalar_type() == tensors.front().scalar_type(),
+        "ft: ",
+        op,
+        ": all tensors must have one dtype, got ",
+        tensors.front().scalar_type(),
+        " and ",
+        t.scalar_type());
+    TORCH_CHECK_VALUE(
+        t.device() == tensors.front().device(),
+        "ft: ",
+        op,
+        ": all tensors must be on one device, got ",
+        tensors.front().device(),
+        " and ",
+        t.device());
+  }
+}
+
+void checkTensorLists(
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const char* op) {
+  for (const auto& list : lists) {
+    checkTensors(list, op);
+  }
+}
+
+std::vector<at::Tensor> flatten(
+    const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> flat;
+  for (const auto& list : lists) {
+    flat.insert(flat.end(), list.begin(), list.end());
+  }
+  return flat;
+}
+
+// Gloo has no AVG: ft runs it as SUM and divides on completion. Returns the
+// reduce op to hand to Gloo and whether a division is owed.
+c10d::ReduceOp innerReduceOp(
+    const c10d::ReduceOp& op,
+    const std::vector<at::Tensor>& outputs,
+    const char* name,
+    bool* divide) {
+  *divide = false;
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      op != c10d::ReduceOp::PREMUL_SUM,
+      "ft: ",
+      name,
+      ": ReduceOp.PREMUL_SUM is not supported on the Gloo path");
+  if (op == c10d::ReduceOp::AVG) {
+    for (const auto& t : outputs) {
+      TORCH_CHECK_TYPE(
+          at::isFloatingType(t.scalar_type()) ||
+              at::isComplexType(t.scalar_type()),
+          "ft: ",
+          name,
+          ": ReduceOp.AVG needs floating-point tensors, got ",
+          t.scalar_type());
+    }
+    *divide = true;
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  return op;
+}
+
+std::function<void(int)> divideBySize(std::vector<at::Tensor> tensors) {
+  return [tensors = std::move(tensors)](int size) {
+    for (const auto& t : tensors) {
+      t.div_(size);
+    }
+  };
+}
+
+} // namespace
+
+FtBackend::FtBackend(
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    int numLanes)
+    : c10d::Backend(rank, size),
+      numLanes_(numLanes),
+      timeoutMs_(timeout.count()),
+      reaper_(timeout + milliseconds(2000)) {
+  TORCH_CHECK_VALUE(
+      numLanes >= 1 && numLanes <= 64,
+      "ft: num_lanes must be in [1, 64], got ",
+      numLanes);
+  TORCH_CHECK_VALUE(
+      timeout.count() > 0,
+      "ft: timeout must be positive, got ",
+      timeout.count(),
+      " ms");
+  watchdog_ = std::make_unique<DeadlineWatchdog>([this] { return sweepDeadlines(); });
+}
+
+FtBackend::~FtBackend() {
+  watchdog_.reset();
+  std::shared_ptr<Generation> last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = std::move(generation_);
+  }
+  if (last) {
+    last->abort(FailureKind::kShutdown, "the backend was destroyed");
+    reaper_.reap(std::move(last));
+  }
+  // ~Reaper drains the queue, then joins.
+}
+
+std::shared_ptr<Generation> FtBackend::currentGeneration() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return generation_;
+}
+
+std::shared_ptr<Generation> FtBackend::requireGeneration(const char* name) const {
+  auto generation = currentGeneration();
+  TORCH_CHECK(
+      generation != nullptr,
+      "ft: ",
+      name,
+      " called before configure(): this process group has no members yet. "
+      "Call configure(store_addr, replica_id, rank, world_size) first");
+  return generation;
+}
+
+void FtBackend::configure(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size) {
+  TORCH_CHECK_VALUE(size >= 1, "ft: world_size must be >= 1, got ", size);
+  TORCH_CHECK_VALUE(
+      rank >= 0 && rank < size,
+      "ft: rank ",
+      rank,
+      " is out of range for world_size ",
+      size,
+      " (valid ranks: 0..",
+      size - 1,
+      ")");
+  TORCH_CHECK_VALUE(store, "ft: configure() needs a store");
+
+  std::shared_ptr<Generation> old;
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!shutdown_, "ft: configure() after shutdown()");
+    old = std::move(generation_);
+    id = nextGenerationId_++;
+  }
+  if (old) {
+    old->abort(
+        FailureKind::kAborted,
+        "superseded by reconfigure to generation " + std::to_string(id));
+    reaper_.reap(std::move(old));
+  }
+
+  const uint64_t epoch = abortEpoch_.load();
+  const milliseconds timeout(timeoutMs_.load());
+  OwnedSockets sockets;
+  std::vector<Lane> lanes;
+  try {
+    lanes = buildGlooLanes(store, rank, size, numLanes_, timeout, &sockets);
+  } catch (const std::exception&) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "ft: configure(rank=" + std::to_string(rank) + ", world_size=" +
+            std::to_string(size) + ") could not connect to its peers within " +
+            std::to_string(timeout.count()) +
+            " ms: " + messageOf(std::current_exception()));
+  }
+  auto generation = std::make_shared<Generation>(
+      id, rank, size, std::move(lanes), std::move(sockets));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!shutdown_ && abortEpoch_.load() == epoch) {
+      generation_ = generation;
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+      rank_ = rank;
+      size_ = size;
+#endif
+      return;
+    }
+  }
+  generation->abort(FailureKind::kAborted, "abort() during configure()");
+  reaper_.reap(std::move(generation));
+  C10_THROW_ERROR(
+      DistBackendError,
+      "ft: configure() was interrupted by abort() or shutdown()");
+}
+
+void FtBackend::abort() {
+  abortEpoch_.fetch_add(1);
+  if (auto generation = currentGeneration()) {
+    generation->abort(FailureKind::kAborted, "aborted by abort()");
+  }
+}
+
+void FtBackend::shutdown() {
+  std::shared_ptr<Generation> last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    shutdown_ = true;
+    last = std::move(generation_);
+  }
+  abortEpoch_.fetch_add(1);
+  if (last) {
+    last->abort(FailureKind::kShutdown, "the process group was shut down");
+    reaper_.reap(std::move(last));
+  }
+}
+
+std::optional<Failure> FtBackend::errored() const {
+  auto generation = currentGeneration();
+  return generation ? generation->failure() : std::nullopt;
+}
+
+void FtBackend::setTimeout(std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(
+      timeout.count() > 0,
+      "ft: timeout must be positive, got ",
+      timeout.count(),
+      " ms");
+  timeoutMs_.store(timeout.count());
+  reaper_.setDrainTimeout(timeout + milliseconds(2000));
+}
+
+std::chrono::milliseconds FtBackend::timeout() const {
+  return milliseconds(timeoutMs_.load());
+}
+
+int FtBackend::currentRank() const {
+  auto generation = currentGeneration();
+  return generation ? generation->rank : getRank();
+}
+
+int FtBackend::currentSize() const {
+  auto generation = currentGeneration();
+  return generation ? generation->size : getSize();
+}
+
+uint64_t FtBackend::generationId() const {
+  auto generation = currentGeneration();
+  return generation ? generation->id : 0;
+}
+
+bool FtBackend::configured() const {
+  return currentGeneration() != nullptr;
+}
+
+size_t FtBackend::generationSocketCount() const {
+  auto generation = currentGeneration();
+  return generation ? generation->socketCount() : 0;
+}
+
+size_t FtBackend::reaperPending() {
+  return reaper_.pending();
+}
+
+std::optional<Clock::time_point> FtBackend::sweepDeadlines() {
+  auto generation = currentGeneration();
+  return generation ? generation->enforceDeadlines(Clock::now())
+                    : std::nullopt;
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::launch(
+    c10d::OpType opType,
+    const char* name,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds optsTimeout,
+    const Issue& issue,
+    Finalize finalize) {
+  auto generation = requireGeneration(name);
+  if (auto failure = generation->failure()) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        std::string("ft: ") + name + " refused: generation " +
+            std::to_string(generation->id) +
+            " has failed (" + failure->message +
+            "); call configure() to build a new one");
+  }
+  const int laneIndex = currentLane();
+  Lane& lane = generation->lane(laneIndex);
+  const milliseconds timeout =
+      optsTimeout.count() > 0 ? optsTimeout : milliseconds(timeoutMs_.load());
+  auto work = c10::make_intrusive<FtWork>(
+      generation->rank,
+      opType,
+      name,
+      std::move(outputs),
+      Clock::now() + timeout,
+      timeout,
+      laneIndex,
+      generation->id);
+  if (!generation->track(work)) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        std::string("ft: ") + name + " refused: generation " +
+            std::to_string(generation->id) + " was aborted");
+  }
+
+  c10::intrusive_ptr<c10d::Work> inner;
+  try {
+    inner = issue(*lane.gloo);
+  } catch (...) {
+    // Gloo validated and refused the op before sending anything, so the
+    // generation stays usable.
+    auto error = std::current_exception();
+    work->fail(error);
+    generation->innerDone(work.get());
+    std::rethrow_exception(error);
+  }
+  watchdog_->poke(work->deadline());
+
+  std::weak_ptr<Generation> weakGeneration = generation;
+  const int size = generation->size;
+  auto onInnerDone = [weakGeneration, work, size, finalize = std::move(finalize)](
+                         std::exception_ptr error) {
+    auto generation = weakGeneration.lock();
+    if (error) {
+      const std::string message =
+          "inner communicator error: " + messageOf(error);
+      if (generation) {
+        generation->abort(FailureKind::kCommunication, message);
+      }
+      work->fail(error);
+    } else {
+      work->succeed(finalize ? std::function<void()>([&] { finalize(size); })
+                             : std::function<void()>());
+    }
+    if (generation) {
+      generation->innerDone(work.get());
+    }
+  };
+
+  c10::intrusive_ptr<c10::ivalue::Future> innerFuture;
+  try {
+    innerFuture = inner->getFuture();
+  } catch (const c10::Error&) {
+    // Gloo's point-to-point works have no future.
+  }
+  if (innerFuture) {
+    innerFuture->addCallback([onInnerDone](c10::ivalue::Future& future) {
+      onInnerDone(future.hasError() ? future.exception_ptr() : nullptr);
+    });
+  } else {
+    std::thread([inner, onInnerDone] {
+      try {
+        inner->wait();
+        onInnerDone(nullptr);
+      } catch (...) {
+        onInnerDone(std::current_exception());
+      }
+    }).detach();
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  checkTensors(tensors, "broadcast");
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      opts.rootRank >= 0 && opts.rootRank < size,
+      "ft: broadcast: root rank ",
+      opts.rootRank,
+      " is out of range for world_size ",
+      size);
+  return launch(
+      c10d::OpType::BROADCAST, "broadcast", tensors, opts.timeout,
+      [tensors, opts](c10d::Backend& inner) mutable {
+        return inner.broadcast(tensors, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  checkTensors(tensors, "allreduce");
+  bool divide = false;
+  c10d::AllreduceOptions innerOpts = opts;
+  innerOpts.reduceOp = innerReduceOp(opts.reduceOp, tensors, "allreduce", &divide);
+  auto finalize = divide ? divideBySize(tensors) : Finalize();
+  return launch(
+      c10d::OpType::ALLREDUCE, "allreduce", tensors, opts.timeout,
+      [tensors, innerOpts](c10d::Backend& inner) mutable {
+        return inner.allreduce(tensors, innerOpts);
+      },
+      finalize);
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  checkTensors(tensors, "allreduce_coalesced");
+  bool divide = false;
+  c10d::AllreduceCoalescedOptions innerOpts = opts;
+  innerOpts.reduceOp =
+      innerReduceOp(opts.reduceOp, tensors, "allreduce_coalesced", &divide);
+  auto finalize = divide ? divideBySize(tensors) : Finalize();
+  return launch(
+      c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
+      opts.timeout,
+      [tensors, innerOpts](c10d::Backend& inner) mutable {
+        return inner.allreduce_coalesced(tensors, innerOpts);
+      },
+      finalize);
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  checkTensors(tensors, "reduce");
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      opts.rootRank >= 0 && opts.rootRank < size,
+      "ft: reduce: root rank ",
+      opts.rootRank,
+      " is out of range for world_size ",
+      size);
+  bool divide = false;
+  c10d::ReduceOptions innerOpts = opts;
+  innerOpts.reduceOp = innerReduceOp(opts.reduceOp, tensors, "reduce", &divide);
+  // Only the root holds the reduced value.
+  auto finalize = divide && opts.rootRank == currentRank()
+      ? divideBySize(tensors)
+      : Finalize();
+  return launch(
+      c10d::OpType::REDUCE, "reduce", tensors, opts.timeout,
+      [tensors, innerOpts](c10d::Backend& inner) mutable {
+        return inner.reduce(tensors, innerOpts);
+      },
+      finalize);
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputTensors,
+    std::vector<at::Tensor>& inputTensors,
+    const c10d::AllgatherOptions& opts) {
+  checkTensors(inputTensors, "allgather");
+  checkTensorLists(outputTensors, "allgather");
+  return launch(
+      c10d::OpType::ALLGATHER, "allgather", flatten(outputTensors), opts.timeout,
+      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
+        return inner.allgather(outputTensors, inputTensors, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::_allgather_base(
+    at::Tensor& outputBuffer,
+    at::Tensor& inputBuffer,
+    const c10d::AllgatherOptions& opts) {
+  checkTensors({outputBuffer, inputBuffer}, "all_gather_into_tensor");
+  TORCH_CHECK_VALUE(
+      outputBuffer.numel() == inputBuffer.numel() * currentSize(),
+      "ft: all_gather_into_tensor: output has ",
+      outputBuffer.numel(),
+      " elements, expected input (",
+      inputBuffer.numel(),
+      ") x world_size (",
+      currentSize(),
+      ")");
+  return launch(
+      c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {outputBuffer},
+      opts.timeout,
+      [outputBuffer, inputBuffer, opts](c10d::Backend& inner) mutable {
+        return inner._allgather_base(outputBuffer, inputBuffer, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputTensorLists,
+    std::vector<at::Tensor>& inputTensors,
+    const c10d::AllgatherOptions& opts) {
+  checkTensors(inputTensors, "allgather_coalesced");
+  checkTensorLists(outputTensorLists, "allgather_coalesced");
+  return launch(
+      c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced",
+      flatten(outputTensorLists), opts.timeout,
+      [outputTensorLists, inputTensors, opts](c10d::Backend& inner) mutable {
+        return inner.allgather_coalesced(outputTensorLists, inputTensors, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  checkTensors(inputs, "allgather_into_tensor_coalesced");
+  checkTensors(outputs, "allgather_into_tensor_coalesced");
+  return launch(
+      c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", outputs,
+      opts.timeout,
+      [outputs, inputs, opts](c10d::Backend& inner) mutable {
+        return inner.allgather_into_tensor_coalesced(outputs, inputs, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputTensors,
+    std::vector<at::Tensor>& inputTensors,
+    const c10d::GatherOptions& opts) {
+  checkTensors(inputTensors, "gather");
+  checkTensorLists(outputTensors, "gather");
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      opts.rootRank >= 0 && opts.rootRank < size,
+      "ft: gather: root rank ",
+      opts.rootRank,
+      " is out of range for world_size ",
+      size);
+  return launch(
+      c10d::OpType::GATHER, "gather", flatten(outputTensors), opts.timeout,
+      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
+        return inner.gather(outputTensors, inputTensors, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::scatter(
+    std::vector<at::Tensor>& outputTensors,
+    std::vector<std::vector<at::Tensor>>& inputTensors,
+    const c10d::ScatterOptions& opts) {
+  checkTensors(outputTensors, "scatter");
+  checkTensorLists(inputTensors, "scatter");
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      opts.rootRank >= 0 && opts.rootRank < size,
+      "ft: scatter: root rank ",
+      opts.rootRank,
+      " is out of range for world_size ",
+      size);
+  return launch(
+      c10d::OpType::SCATTER, "scatter", outputTensors, opts.timeout,
+      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
+        return inner.scatter(outputTensors, inputTensors, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputTensors,
+    std::vector<std::vector<at::Tensor>>& inputTensors,
+    const c10d::ReduceScatterOptions& opts) {
+  checkTensors(outputTensors, "reduce_scatter");
+  checkTensorLists(inputTensors, "reduce_scatter");
+  bool divide = false;
+  c10d::ReduceScatterOptions innerOpts = opts;
+  innerOpts.reduceOp =
+      innerReduceOp(opts.reduceOp, outputTensors, "reduce_scatter", &divide);
+  auto finalize = divide ? divideBySize(outputTensors) : Finalize();
+  return launch(
+      c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputTensors,
+      opts.timeout,
+      [outputTensors, inputTensors, innerOpts](c10d::Backend& inner) mutable {
+        return inner.reduce_scatter(outputTensors, inputTensors, innerOpts);
+      },
+      finalize);
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::_reduce_scatter_base(
+    at::Tensor& outputBuffer,
+    at::Tensor& inputBuffer,
+    const c10d::ReduceScatterOptions& opts) {
+  checkTensors({outputBuffer, inputBuffer}, "reduce_scatter_tensor");
+  TORCH_CHECK_VALUE(
+      inputBuffer.numel() == outputBuffer.numel() * currentSize(),
+      "ft: reduce_scatter_tensor: input has ",
+      inputBuffer.numel(),
+      " elements, expected output (",
+      outputBuffer.numel(),
+      ") x world_size (",
+      currentSize(),
+      ")");
+  bool divide = false;
+  c10d::ReduceScatterOptions innerOpts = opts;
+  innerOpts.reduceOp = innerReduceOp(
+      opts.reduceOp, {outputBuffer}, "reduce_scatter_tensor", &divide);
+  auto finalize = divide ? divideBySize({outputBuffer}) : Finalize();
+  return launch(
+      c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
+      {outputBuffer}, opts.timeout,
+      [outputBuffer, inputBuffer, innerOpts](c10d::Backend& inner) mutable {
+        return inner._reduce_scatter_base(outputBuffer, inputBuffer, innerOpts);
+      },
+      finalize);
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  checkTensors(outputs, "reduce_scatter_tensor_coalesced");
+  checkTensors(inputs, "reduce_scatter_tensor_coalesced");
+  bool divide = false;
+  c10d::ReduceScatterOptions innerOpts = opts;
+  innerOpts.reduceOp = innerReduceOp(
+      opts.reduceOp, outputs, "reduce_scatter_tensor_coalesced", &divide);
+  auto finalize = divide ? divideBySize(outputs) : Finalize();
+  return launch(
+      c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+      "reduce_scatter_tensor_coalesced", outputs, opts.timeout,
+      [outputs, inputs, innerOpts](c10d::Backend& inner) mutable {
+        return inner.reduce_scatter_tensor_coalesced(outputs, inputs, innerOpts);
+      },
+      finalize);
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::alltoall_base(
+    at::Tensor& outputBuffer,
+    at::Tensor& inputBuffer,
+    std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes,
+    const c10d::AllToAllOptions& opts) {
+  checkTensors({outputBuffer, inputBuffer}, "all_to_all_single");
+  return launch(
+      c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {outputBuffer},
+      opts.timeout,
+      [outputBuffer, inputBuffer, outputSplitSizes, inputSplitSizes, opts](
+          c10d::Backend& inner) mutable {
+        return inner.alltoall_base(
+            outputBuffer, inputBuffer, outputSplitSizes, inputSplitSizes, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::alltoall(
+    std::vector<at::Tensor>& outputTensors,
+    std::vector<at::Tensor>& inputTensors,
+    const c10d::AllToAllOptions& opts) {
+  checkTensors(outputTensors, "all_to_all");
+  checkTensors(inputTensors, "all_to_all");
+  return launch(
+      c10d::OpType::ALLTOALL, "all_to_all", outputTensors, opts.timeout,
+      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
+        return inner.alltoall(outputTensors, inputTensors, opts);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::send(
+    std::vector<at::Tensor>& tensors,
+    int dstRank,
+    int tag) {
+  checkTensors(tensors, "send");
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      dstRank >= 0 && dstRank < size && dstRank != currentRank(),
+      "ft: send: destination rank ",
+      dstRank,
+      " is invalid (world_size ",
+      size,
+      ", own rank ",
+      currentRank(),
+      ")");
+  return launch(
+      c10d::OpType::SEND, "send", tensors, milliseconds(-1),
+      [tensors, dstRank, tag](c10d::Backend& inner) mutable {
+        return inner.send(tensors, dstRank, tag);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::recv(
+    std::vector<at::Tensor>& tensors,
+    int srcRank,
+    int tag) {
+  checkTensors(tensors, "recv");
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      srcRank >= 0 && srcRank < size && srcRank != currentRank(),
+      "ft: recv: source rank ",
+      srcRank,
+      " is invalid (world_size ",
+      size,
+      ", own rank ",
+      currentRank(),
+      ")");
+  return launch(
+      c10d::OpType::RECV, "recv", tensors, milliseconds(-1),
+      [tensors, srcRank, tag](c10d::Backend& inner) mutable {
+        return inner.recv(tensors, srcRank, tag);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::recvAnysource(
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  checkTensors(tensors, "recv");
+  return launch(
+      c10d::OpType::RECVANYSOURCE, "recv (any source)", tensors,
+      milliseconds(-1),
+      [tensors, tag](c10d::Backend& inner) mutable {
+        return inner.recvAnysource(tensors, tag);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> FtBackend::barrier(
+    const c10d::BarrierOptions& opts) {
+  return launch(
+      c10d::OpType::BARRIER, "barrier", {}, opts.timeout,
+      [opts](c10d::Backend& inner) mutable { return inner.barrier(opts); });
+}
+
+} // namespace ft

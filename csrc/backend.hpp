@@ -1,0 +1,176 @@
+// FtBackend: the c10d::Backend registered with torch as "ft".
+//
+// Contract:
+//  * One object lives for the whole job. configure() swaps in a new
+//    generation (fresh store prefix, new rank and world size) in the same
+//    process; the old one is aborted at once and torn down on the Reaper's
+//    thread, off the caller's path.
+//  * Collectives dispatch on the tensors' device: CPU tensors run on the
+//    current lane's Gloo communicator; CUDA tensors need an NCCL build.
+//  * Every op has a deadline (its options' timeout, else the backend's),
+//    enforced by a C++ watchdog: a missed deadline aborts the generation and
+//    sets errored().
+//  * abort() may be called from any thread, fails every in-flight Work before
+//    it returns, and leaves the backend ready for the next configure().
+//  * errored() never blocks on communication.
+//  * Bad input (bad rank or world size, non-contiguous / sparse / mixed-dtype
+//    / wrong-device tensors, unsupported reduce ops) raises before anything
+//    is sent, so the generation stays usable.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "deadline.hpp"
+#include "generation.hpp"
+#include "work.hpp"
+
+namespace ft {
+
+class FtBackend : public c10d::Backend {
+ public:
+  // rank/size are torch's view at creation; the live values are
+  // currentRank()/currentSize() (torch < 2.14 keeps Backend::size_ const).
+  FtBackend(int rank, int size, std::chrono::milliseconds timeout, int numLanes);
+  ~FtBackend() override;
+
+  // Builds a new generation on `store` (already carrying a fresh prefix).
+  // Blocks until every peer has connected or the timeout passes.
+  void configure(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
+  void abort() override;
+  void shutdown() override;
+  // The current generation's sticky failure, if any. "Not configured" is not
+  // an error.
+  std::optional<Failure> errored() const;
+
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  std::chrono::milliseconds timeout() const;
+  int currentRank() const;
+  int currentSize() const;
+  uint64_t generationId() const;
+  int numLanes() const {
+    return numLanes_;
+  }
+  bool configured() const;
+  size_t generationSocketCount() const;
+  size_t reaperPending();
+
+  const std::string getBackendName() const override {
+    return "ft";
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputTensorLists,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<std::vector<at::Tensor>>& inputTensors,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<std::vector<at::Tensor>>& inputTensors,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(
+      std::vector<at::Tensor>& tensors,
+      int dstRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(
+      std::vector<at::Tensor>& tensors,
+      int srcRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(
+      std::vector<at::Tensor>& tensors,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts) override;
+
+ private:
+  using Issue =
+      std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend& inner)>;
+  // Runs on success only, with the generation's world size; the one place ft
+  // writes into the caller's tensors after the inner op.
+  using Finalize = std::function<void(int worldSize)>;
+
+  // The one path every op takes: pick the generation and lane, register the
+  // FtWork with its deadline, issue the inner op, and complete the FtWork
+  // from the inner op's completion (running `finalize` only on success).
+  c10::intrusive_ptr<c10d::Work> launch(
+      c10d::OpType opType,
+      const char* name,
+      std::vector<at::Tensor> outputs,
+      std::chrono::milliseconds optsTimeout,
+      const Issue& issue,
+      Finalize finalize = Finalize());
+
+  std::shared_ptr<Generation> requireGeneration(const char* name) const;
+  std::shared_ptr<Generation> currentGeneration() const;
+  std::optional<Clock::time_point> sweepDeadlines();
+
+  const int numLanes_;
+  std::atomic<int64_t> timeoutMs_;
+  mutable std::mutex mutex_;
+  std::shared_ptr<Generation> generation_;
+  uint64_t nextGenerationId_ = 1;
+  // Bumped by abort(); a configure() that was building when abort() came in
+  // discards what it built.
+  std::atomic<uint64_t> abortEpoch_{0};
+  bool shutdown_ = false;
+
+  Reaper reaper_;
+  // Last member: destroyed first, so the sweep never sees a dead backend.
+  std::unique_ptr<DeadlineWatchdog> watchdog_;
+};
+
+} // namespace ft

@@ -1,0 +1,100 @@
+// Python module ft._C: the only file that touches pybind11 or the GIL.
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
+#include "backend.hpp"
+#include "gloo_comm.hpp"
+#include "lane.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// Builds torch's own ProcessGroupGloo through its Python binding (torch ships
+// no Gloo headers). Called from configure(), on the configuring thread; the
+// binding releases the GIL while it waits for peers.
+c10::intrusive_ptr<c10d::Backend> makeGloo(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout) {
+  py::gil_scoped_acquire gil;
+  py::object cls =
+      py::module_::import("torch.distributed").attr("ProcessGroupGloo");
+  // Gloo's own timeout is a backstop: ft's watchdog fires first.
+  const auto innerTimeout = timeout + std::max(
+      std::chrono::milliseconds(1000), timeout / 10);
+  py::object pg = cls(store, rank, size, innerTimeout);
+  auto backend = pg.cast<c10::intrusive_ptr<c10d::Backend>>();
+  pg = py::object(); // drop the Python wrapper while we hold the GIL
+  return backend;
+}
+
+const char* kindName(ft::FailureKind kind) {
+  switch (kind) {
+    case ft::FailureKind::kAborted:
+      return "aborted";
+    case ft::FailureKind::kDeadline:
+      return "deadline";
+    case ft::FailureKind::kCommunication:
+      return "communication";
+    case ft::FailureKind::kShutdown:
+      return "shutdown";
+    default:
+      return "none";
+  }
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ft's C++ backend (see csrc/backend.hpp for the contract)";
+  // c10d::Backend must be registered before we derive from it.
+  py::module_::import("torch.distributed");
+  ft::setGlooFactory(&makeGloo);
+
+#ifdef FT_USE_NCCL
+  m.attr("has_nccl") = true;
+#else
+  m.attr("has_nccl") = false;
+#endif
+
+  m.def("set_current_lane", &ft::setCurrentLane, py::arg("lane"),
+        "Selects the lane the calling thread's next ops run on.");
+  m.def("get_current_lane", &ft::currentLane);
+
+  py::class_<ft::FtBackend, c10d::Backend, c10::intrusive_ptr<ft::FtBackend>>(
+      m, "FtBackend")
+      .def(py::init([](int rank, int size, std::chrono::milliseconds timeout,
+                       int numLanes) {
+             return c10::make_intrusive<ft::FtBackend>(rank, size, timeout, numLanes);
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("num_lanes") = 2)
+      .def("configure", &ft::FtBackend::configure, py::arg("store"),
+           py::arg("rank"), py::arg("world_size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("abort", &ft::FtBackend::abort,
+           py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &ft::FtBackend::shutdown,
+           py::call_guard<py::gil_scoped_release>())
+      .def("errored",
+           [](const ft::FtBackend& self) -> py::object {
+             auto failure = self.errored();
+             if (!failure) {
+               return py::none();
+             }
+             return py::make_tuple(kindName(failure->kind), failure->message);
+           })
+      .def("set_timeout", &ft::FtBackend::setTimeout, py::arg("timeout"))
+      .def_property_readonly("timeout", &ft::FtBackend::timeout)
+      .def("current_rank", &ft::FtBackend::currentRank)
+      .def("current_size", &ft::FtBackend::currentSize)
+      .def("generation", &ft::FtBackend::generationId)
+      .def("configured", &ft::FtBackend::configured)
+      .def_property_readonly("num_lanes", &ft::FtBackend::numLanes)
+      .def("_generation_socket_count", &ft::FtBackend::generationSocketCount)
+      .def("_reaper_pending", &ft::FtBackend::reaperPending);
+}

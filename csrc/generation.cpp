@@ -1,0 +1,200 @@
+#include "generation.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace ft {
+
+Generation::Generation(
+    uint64_t id,
+    int rank,
+    int size,
+    std::vector<Lane> lanes,
+    OwnedSockets sockets)
+    : id(id),
+      rank(rank),
+      size(size),
+      lanes_(std::move(lanes)),
+      sockets_(std::move(sockets)) {}
+
+Lane& Generation::lane(int index) {
+  TORCH_CHECK_VALUE(
+      index >= 0 && index < numLanes(),
+      "ft: lane ",
+      index,
+      " does not exist; this process group has ",
+      numLanes(),
+      " lanes (0..",
+      numLanes() - 1,
+      "). Pass num_lanes when creating it.");
+  return lanes_[index];
+}
+
+bool Generation::track(const c10::intrusive_ptr<FtWork>& work) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_) {
+    return false;
+  }
+  inflight_.emplace(work.get(), work);
+  return true;
+}
+
+void Generation::innerDone(FtWork* work) {
+  c10::intrusive_ptr<FtWork> released;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = inflight_.find(work);
+    if (it == inflight_.end()) {
+      return;
+    }
+    released = std::move(it->second);
+    inflight_.erase(it);
+    if (inflight_.empty()) {
+      drained_.notify_all();
+    }
+  }
+  // `released` (and the tensors it keeps alive) drops outside the lock.
+}
+
+bool Generation::abort(FailureKind kind, const std::string& message) {
+  std::vector<c10::intrusive_ptr<FtWork>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) {
+      return false;
+    }
+    failure_ = Failure{kind, message};
+    victims.reserve(inflight_.size());
+    for (auto& entry : inflight_) {
+      victims.push_back(entry.second);
+    }
+  }
+  // Cut the wires first: a stuck inner op then fails promptly, and no more
+  // bytes can arrive for a receive that was posted into a caller's tensor.
+  sockets_.sever();
+  for (auto& work : victims) {
+    try {
+      C10_THROW_ERROR(
+          DistBackendError,
+          "ft: " + work->description() + " on lane " +
+              std::to_string(work->lane()) + " of generation " +
+              std::to_string(id) + " failed: " + message);
+    } catch (...) {
+      work->fail(std::current_exception());
+    }
+  }
+  return true;
+}
+
+std::optional<Failure> Generation::failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+std::optional<Clock::time_point> Generation::enforceDeadlines(
+    Clock::time_point now) {
+  std::optional<Clock::time_point> next;
+  const FtWork* expired = nullptr;
+  std::string expiredMessage;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) {
+      return std::nullopt;
+    }
+    for (const auto& entry : inflight_) {
+      const FtWork* work = entry.first;
+      if (work->done()) {
+        continue;
+      }
+      if (work->deadline() <= now) {
+        expired = work;
+        expiredMessage = work->description() + " on lane " +
+            std::to_string(work->lane()) + " missed its deadline of " +
+            std::to_string(work->timeout().count()) +
+            " ms; the generation was aborted";
+        break;
+      }
+      if (!next || work->deadline() < *next) {
+        next = work->deadline();
+      }
+    }
+  }
+  if (expired != nullptr) {
+    abort(FailureKind::kDeadline, expiredMessage);
+    return std::nullopt;
+  }
+  return next;
+}
+
+bool Generation::waitInnerDrained(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return drained_.wait_until(lock, deadline, [&] { return inflight_.empty(); });
+}
+
+void Generation::releaseLanes() {
+  std::vector<Lane> lanes;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    lanes.swap(lanes_);
+  }
+  // Destroying the inner communicators joins their threads.
+  lanes.clear();
+}
+
+Reaper::Reaper(std::chrono::milliseconds drainTimeout)
+    : drainTimeout_(drainTimeout), thread_([this] { run(); }) {}
+
+Reaper::~Reaper() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+}
+
+void Reaper::reap(std::shared_ptr<Generation> generation) {
+  if (!generation) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(generation));
+  }
+  cv_.notify_all();
+}
+
+void Reaper::setDrainTimeout(std::chrono::milliseconds drainTimeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  drainTimeout_ = drainTimeout;
+}
+
+size_t Reaper::pending() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return queue_.size() + (busy_ ? 1 : 0);
+}
+
+void Reaper::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) {
+      return; // stop requested and nothing left to tear down
+    }
+    auto generation = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    const auto drainTimeout = drainTimeout_;
+    lock.unlock();
+    // The generation was aborted and its sockets severed, so inner ops fail
+    // quickly; the bound only matters if Gloo ignores the severed sockets.
+    generation->waitInnerDrained(Clock::now() + drainTimeout);
+    generation->releaseLanes();
+    generation.reset();
+    lock.lock();
+    busy_ = false;
+  }
+}
+
+} // namespace ft

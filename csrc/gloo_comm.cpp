@@ -1,0 +1,148 @@
+#include "gloo_comm.hpp"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <dirent.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+namespace ft {
+
+namespace {
+std::mutex factoryMutex;
+GlooFactory glooFactory;
+} // namespace
+
+void setGlooFactory(GlooFactory factory) {
+  std::lock_guard<std::mutex> lock(factoryMutex);
+  glooFactory = std::move(factory);
+}
+
+OwnedSockets::FdTable OwnedSockets::snapshot() {
+  FdTable table;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) {
+    return table;
+  }
+  const int dirFd = dirfd(dir);
+  while (struct dirent* entry = readdir(dir)) {
+    char* end = nullptr;
+    long fd = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0' || fd == dirFd) {
+      continue;
+    }
+    char target[128] = {0};
+    const std::string path = std::string("/proc/self/fd/") + entry->d_name;
+    ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) {
+      continue;
+    }
+    target[n] = '\0';
+    unsigned long inode = 0;
+    if (std::sscanf(target, "socket:[%lu]", &inode) == 1) {
+      table.sockets.push_back({static_cast<int>(fd), inode});
+    } else if (std::strcmp(target, "anon_inode:[eventpoll]") == 0) {
+      table.epolls.push_back(static_cast<int>(fd));
+    }
+  }
+  closedir(dir);
+  return table;
+}
+
+OwnedSockets OwnedSockets::fromNewEpolls(
+    const FdTable& before,
+    const FdTable& after) {
+  OwnedSockets owned;
+  for (int epoll : after.epolls) {
+    if (std::find(before.epolls.begin(), before.epolls.end(), epoll) !=
+        before.epolls.end()) {
+      continue;
+    }
+    std::ifstream info("/proc/self/fdinfo/" + std::to_string(epoll));
+    std::string line;
+    while (std::getline(info, line)) {
+      // "tfd:       20 events:       19 data: ... ino:3db9 sdev:9"
+      int fd = -1;
+      if (std::sscanf(line.c_str(), "tfd: %d", &fd) != 1) {
+        continue;
+      }
+      auto pos = line.find(" ino:");
+      if (pos == std::string::npos) {
+        continue;
+      }
+      unsigned long inode = std::strtoul(line.c_str() + pos + 5, nullptr, 16);
+      for (const auto& s : after.sockets) {
+        if (s.fd == fd && s.inode == inode) {
+          owned.sockets_.push_back(s);
+        }
+      }
+    }
+  }
+  return owned;
+}
+
+void OwnedSockets::sever() const {
+  for (const auto& s : sockets_) {
+    struct stat st {};
+    if (fstat(s.fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
+        static_cast<unsigned long>(st.st_ino) != s.inode) {
+      continue; // closed, or the number now belongs to someone else
+    }
+    // Leave listening sockets alone: Gloo's listener treats a failed accept()
+    // as fatal (it terminates the process). Connected pairs are what carry
+    // data into the caller's tensors.
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    if (getsockopt(s.fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 &&
+        listening) {
+      continue;
+    }
+    ::shutdown(s.fd, SHUT_RDWR);
+  }
+}
+
+std::vector<Lane> buildGlooLanes(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    int numLanes,
+    std::chrono::milliseconds timeout,
+    OwnedSockets* sockets) {
+  GlooFactory factory;
+  {
+    std::lock_guard<std::mutex> lock(factoryMutex);
+    factory = glooFactory;
+  }
+  TORCH_CHECK(factory, "ft: no Gloo factory installed (import ft first)");
+  const auto before = OwnedSockets::snapshot();
+  std::vector<Lane> lanes;
+  lanes.reserve(numLanes);
+  for (int i = 0; i < numLanes; ++i) {
+    auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
+        "lane" + std::to_string(i), store);
+    lanes.push_back(Lane{i, factory(laneStore, rank, size, timeout)});
+  }
+  if (sockets != nullptr) {
+    *sockets = OwnedSockets::fromNewEpolls(before, OwnedSockets::snapshot());
+  }
+  // Gloo's full-mesh connect can return on one rank while its peer is still
+  // finishing the handshake. Wait until every rank is done, so that a quick
+  // reconfigure (which severs this generation's sockets) cannot break a peer
+  // that is still connecting.
+  if (store->add("ft_connected", 1) == size) {
+    store->set("ft_all_connected", std::vector<uint8_t>{1});
+  }
+  store->wait({"ft_all_connected"}, timeout);
+  return lanes;
+}
+
+} // namespace ft

@@ -1,0 +1,126 @@
+#include "work.hpp"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+namespace ft {
+
+namespace {
+std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors) {
+    if (!t.device().is_cpu() &&
+        std::find(devices.begin(), devices.end(), t.device()) ==
+            devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+} // namespace
+
+FtWork::FtWork(
+    int rank,
+    c10d::OpType opType,
+    std::string description,
+    std::vector<at::Tensor> outputs,
+    Clock::time_point deadline,
+    std::chrono::milliseconds timeout,
+    int lane,
+    uint64_t generation)
+    : c10d::Work(rank, opType),
+      description_(std::move(description)),
+      outputs_(std::move(outputs)),
+      deadline_(deadline),
+      timeout_(timeout),
+      lane_(lane),
+      generation_(generation),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()),
+          devicesOf(outputs_))) {}
+
+bool FtWork::isCompleted() {
+  return done();
+}
+
+bool FtWork::isSuccess() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && !exception_;
+}
+
+std::exception_ptr FtWork::exception() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exception_;
+}
+
+std::vector<at::Tensor> FtWork::result() {
+  return outputs_;
+}
+
+bool FtWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Every op has a deadline enforced by the backend's watchdog, so an
+  // unbounded wait here still ends by the op's deadline.
+  if (timeout == kNoTimeout) {
+    cv_.wait(lock, [&] { return completed_; });
+  } else if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "ft: wait() timed out after " + std::to_string(timeout.count()) +
+            " ms on " + description_ +
+            " (the op is still pending; it will fail at its deadline)");
+  }
+  if (exception_) {
+    std::rethrow_exception(exception_);
+  }
+  return true;
+}
+
+void FtWork::synchronize() {
+  // CPU ops have nothing to synchronize beyond completion.
+  wait();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> FtWork::getFuture() {
+  return future_;
+}
+
+bool FtWork::succeed(const std::function<void()>& finalize) {
+  std::exception_ptr finalizeError;
+  {
+    std::lock_guard<std::mutex> commit(commitMutex_);
+    if (done()) {
+      return false;
+    }
+    if (finalize) {
+      try {
+        finalize();
+      } catch (...) {
+        finalizeError = std::current_exception();
+      }
+    }
+    done_.store(true, std::memory_order_release);
+  }
+  finish(finalizeError);
+  if (finalizeError) {
+    future_->setError(finalizeError);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  return true;
+}
+
+bool FtWork::fail(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> commit(commitMutex_);
+    if (done()) {
+      return false;
+    }
+    done_.store(true, std::memory_order_release);
+  }
+  finish(error);
+  future_->setError(error);
+  return true;
+}
+
+} // namespace ft

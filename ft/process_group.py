@@ -1,0 +1,262 @@
+"""Python face of the ft backend: torchft-compatible process groups.
+
+`ProcessGroupGloo` / `ProcessGroupNCCL` are torch ProcessGroups whose CPU and
+CUDA ops go to one `ft._C.FtBackend`. Unlike torch's process groups they are
+built empty and then `configure()`d, again and again, inside one process:
+every configure aborts the current generation and connects a new one (new
+store prefix, rank and world size). Use them wherever torch takes a process
+group (`dist.all_reduce(t, group=pg)`, `DistributedDataParallel(...,
+process_group=pg)`).
+
+Importing this module registers the torch backend "ft", so
+`torch.distributed.init_process_group("ft")` works too.
+
+Lanes: each generation has `num_lanes` independent communicators. Ops go to
+the calling thread's current lane, chosen with `with ft.lane(k): ...`.
+
+torch 2.13 note: torch's C++ ProcessGroup keeps the world size it was created
+with. The facade overrides `size()`/`rank()` and `getSize()`/`getRank()`, so
+Python callers and torch's C++ code (e.g. DDP's reducer) see the live values
+through the Python override. A group made by `init_process_group("ft")` is
+never reconfigured, so its size is always right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from datetime import timedelta
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, PrefixStore, TCPStore
+
+from ft import _C
+
+__all__ = [
+    "ProcessGroup",
+    "ProcessGroupFt",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "lane",
+    "parse_store_addr",
+]
+
+DEFAULT_NUM_LANES = 2
+BACKEND_NAME = "ft"
+
+
+class ProcessGroupErrored(RuntimeError):
+    """The process group's current generation failed (sticky until configure)."""
+
+
+class ProcessGroupTimeout(ProcessGroupErrored, TimeoutError):
+    """An op missed its deadline and the generation was aborted."""
+
+
+def _failure_to_exception(failure: Optional[Tuple[str, str]]) -> Optional[Exception]:
+    if failure is None:
+        return None
+    kind, message = failure
+    if kind == "deadline":
+        return ProcessGroupTimeout(message)
+    return ProcessGroupErrored(f"{kind}: {message}")
+
+
+@contextlib.contextmanager
+def lane(index: int) -> Iterator[int]:
+    """Runs the calling thread's ops inside the block on lane `index`."""
+    previous = _C.get_current_lane()
+    _C.set_current_lane(index)
+    try:
+        yield index
+    finally:
+        _C.set_current_lane(previous)
+
+
+def parse_store_addr(store_addr: str) -> Tuple[str, int, str]:
+    """Splits "host:port/prefix" (host may be "[v6]") into its parts."""
+    if not isinstance(store_addr, str) or not store_addr:
+        raise ValueError(f"store_addr must be 'host:port/prefix', got {store_addr!r}")
+    hostport, _, prefix = store_addr.partition("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"store_addr must be 'host:port/prefix', got {store_addr!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    port_number = int(port)
+    if not 0 < port_number < 65536:
+        raise ValueError(f"store_addr port out of range in {store_addr!r}")
+    return host, port_number, prefix
+
+
+def _to_timedelta(timeout) -> timedelta:
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)):
+        return timedelta(seconds=timeout)
+    raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
+
+
+class ProcessGroupFt(ProcessGroup):
+    """A reconfigurable torch ProcessGroup backed by ft's C++ backend.
+
+    Thread safety: configure/abort/shutdown/errored may be called from any
+    thread; abort() is meant to be called while another thread is blocked in
+    an op (it fails that op at once).
+    """
+
+    def __init__(
+        self,
+        timeout: timedelta = timedelta(seconds=60),
+        num_lanes: int = DEFAULT_NUM_LANES,
+    ) -> None:
+        super().__init__(0, 1)
+        self._timeout = _to_timedelta(timeout)
+        self._backend = _C.FtBackend(0, 1, self._timeout, num_lanes)
+        for device in ("cpu", "cuda"):
+            self._register_backend(
+                torch.device(device), ProcessGroup.BackendType.CUSTOM, self._backend
+            )
+        self._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        self._store_lock = threading.Lock()
+        self._store_key: Optional[Tuple[str, int]] = None
+        self._store: Optional[TCPStore] = None
+        self._replica_id: Optional[str] = None
+        self._quorum_id: Optional[int] = None
+
+    # -- configuration -------------------------------------------------------
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: Optional[int] = None,
+        group_rank: Optional[int] = None,
+        group_world_size: Optional[int] = None,
+        global_ranks: Optional[List[int]] = None,
+    ) -> None:
+        """Aborts the current generation and connects a new one.
+
+        store_addr is "host:port/prefix"; the prefix must be fresh for every
+        call (the Manager puts the quorum id in it).
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank!r} is out of range for world_size {world_size}")
+        host, port, prefix = parse_store_addr(store_addr)
+        store = self._client_store(host, port)
+        self._replica_id = replica_id
+        self._quorum_id = quorum_id
+        try:
+            self._backend.configure(PrefixStore(f"{prefix}/ft", store), rank, world_size)
+        except Exception:
+            # The store server may be gone; connect afresh next time.
+            self._drop_store(host, port)
+            raise
+
+    def _client_store(self, host: str, port: int) -> TCPStore:
+        with self._store_lock:
+            if self._store_key != (host, port) or self._store is None:
+                self._store = None
+                try:
+                    self._store = TCPStore(
+                        host, port, is_master=False, timeout=self._timeout,
+                        wait_for_workers=False,
+                    )
+                except Exception as e:  # names the address; the group stays usable
+                    raise dist.DistStoreError(
+                        f"ft: cannot reach the store at {host}:{port} within "
+                        f"{self._timeout.total_seconds():.1f}s: {e}"
+                    ) from e
+                self._store_key = (host, port)
+            return self._store
+
+    def _drop_store(self, host: str, port: int) -> None:
+        with self._store_lock:
+            if self._store_key == (host, port):
+                self._store, self._store_key = None, None
+
+    def abort(self) -> None:
+        """Fails every in-flight op of the current generation at once."""
+        self._backend.abort()
+
+    def shutdown(self) -> None:
+        self._backend.shutdown()
+
+    def errored(self) -> Optional[Exception]:
+        """The current generation's sticky error, or None. Never blocks."""
+        return _failure_to_exception(self._backend.errored())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = _to_timedelta(timeout)
+        self._backend.set_timeout(self._timeout)
+
+    @property
+    def backend(self):
+        """The underlying ft._C.FtBackend."""
+        return self._backend
+
+    @property
+    def num_lanes(self) -> int:
+        return self._backend.num_lanes
+
+    # -- torch.distributed.ProcessGroup surface ------------------------------
+
+    def size(self) -> int:
+        return self._backend.current_size()
+
+    def rank(self) -> int:
+        return self._backend.current_rank()
+
+    def getSize(self) -> int:  # noqa: N802 - torch's C++ name
+        return self.size()
+
+    def getRank(self) -> int:  # noqa: N802 - torch's C++ name
+        return self.rank()
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(generation={self._backend.generation()}, "
+            f"rank={self.rank()}, size={self.size()}, lanes={self.num_lanes})"
+        )
+
+
+class ProcessGroupGloo(ProcessGroupFt):
+    """torchft's name for the CPU process group (ft backend underneath)."""
+
+
+class ProcessGroupNCCL(ProcessGroupFt):
+    """torchft's name for the CUDA process group (ft backend underneath).
+
+    CUDA tensors need an NCCL build of ft (`ft._C.has_nccl`).
+    """
+
+
+def _create_backend(store, rank: int, world_size: int, timeout: timedelta):
+    """Creator for `init_process_group("ft")`: one generation, never reconfigured."""
+    backend = _C.FtBackend(rank, world_size, timeout, DEFAULT_NUM_LANES)
+    backend.configure(store, rank, world_size)
+    _keepalive.append(backend)  # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the object
+    return backend
+
+
+_keepalive: list = []
+
+
+def _register() -> None:
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(
+        BACKEND_NAME, _create_backend, extended_api=False, devices=["cpu", "cuda"]
+    )
+
+
+_register()
