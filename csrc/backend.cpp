@@ -133,7 +133,16 @@ std::function<void(int)> divideBySize(std::vector<at::Tensor> tensors) {
   };
 }
 
+BlockingRegion& blockingRegion() {
+  static BlockingRegion region = [](const std::function<void()>& fn) { fn(); };
+  return region;
+}
+
 } // namespace
+
+void setBlockingRegion(BlockingRegion region) {
+  blockingRegion() = std::move(region);
+}
 
 FtBackend::FtBackend(
     int rank,
@@ -363,7 +372,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
 
   c10::intrusive_ptr<c10d::Work> inner;
   try {
-    inner = issue(*lane.gloo);
+    blockingRegion()([&] { inner = issue(*lane.gloo); });
   } catch (...) {
     // Gloo validated and refused the op before sending anything, so the
     // generation stays usable.
@@ -373,6 +382,9 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
     std::rethrow_exception(error);
   }
   watchdog_->poke(work->deadline());
+  // The inner Work owns the tensors Gloo uses; holding it here means Gloo's
+  // threads never drop the last C++ reference to a caller's tensor.
+  work->holdInner(inner);
 
   std::weak_ptr<Generation> weakGeneration = generation;
   const int size = generation->size;

@@ -32,6 +32,16 @@
 
 namespace ft {
 
+// Runs `fn` with the GIL released if the calling thread holds it. Installed by
+// bindings.cpp (the only file that knows Python); a plain call until then.
+//
+// Why: torch calls into a Python-subclassed ProcessGroup without releasing
+// the GIL, and Gloo's worker threads may need the GIL while holding their
+// queue lock (dropping a tensor decrefs its PyObject). Enqueueing an op while
+// holding the GIL can then deadlock.
+using BlockingRegion = std::function<void(const std::function<void()>&)>;
+void setBlockingRegion(BlockingRegion region);
+
 class FtBackend : public c10d::Backend {
  public:
   // rank/size are torch's view at creation; the live values are

@@ -54,6 +54,14 @@ PYBIND11_MODULE(_C, m) {
   // c10d::Backend must be registered before we derive from it.
   py::module_::import("torch.distributed");
   ft::setGlooFactory(&makeGloo);
+  ft::setBlockingRegion([](const std::function<void()>& fn) {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release noGil;
+      fn();
+    } else {
+      fn();
+    }
+  });
 
 #ifdef FT_USE_NCCL
   m.attr("has_nccl") = true;

@@ -52,7 +52,7 @@ void Generation::innerDone(FtWork* work) {
       drained_.notify_all();
     }
   }
-  // `released` (and the tensors it keeps alive) drops outside the lock.
+  releaseLater(std::move(released));
 }
 
 bool Generation::abort(FailureKind kind, const std::string& message) {

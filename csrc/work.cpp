@@ -3,6 +3,10 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
 namespace ft {
 
 namespace {
@@ -121,6 +125,50 @@ bool FtWork::fail(std::exception_ptr error) {
   finish(error);
   future_->setError(error);
   return true;
+}
+
+namespace {
+
+class Releaser {
+ public:
+  Releaser() {
+    // Detached: at process exit the queue may hold works whose tensors need
+    // an interpreter that is already gone; leaking them is harmless.
+    std::thread([this] { run(); }).detach();
+  }
+
+  void push(c10::intrusive_ptr<FtWork> work) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [&] { return !queue_.empty(); });
+      std::deque<c10::intrusive_ptr<FtWork>> batch;
+      batch.swap(queue_);
+      lock.unlock();
+      batch.clear();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<FtWork>> queue_;
+};
+
+} // namespace
+
+void releaseLater(c10::intrusive_ptr<FtWork> work) {
+  // Never destroyed: see the comment in the constructor.
+  static Releaser* releaser = new Releaser();
+  releaser->push(std::move(work));
 }
 
 } // namespace ft

@@ -51,6 +51,12 @@ class FtWork : public c10d::Work {
   // Fails the work with `error` unless it already completed.
   bool fail(std::exception_ptr error);
 
+  // Keeps the inner op's Work (and with it every tensor the inner op holds)
+  // alive for as long as this FtWork lives; see releaseLater().
+  void holdInner(c10::intrusive_ptr<c10d::Work> inner) {
+    inner_ = std::move(inner);
+  }
+
   bool done() const {
     return done_.load(std::memory_order_acquire);
   }
@@ -77,9 +83,19 @@ class FtWork : public c10d::Work {
   const std::chrono::milliseconds timeout_;
   const int lane_;
   const uint64_t generation_;
+  c10::intrusive_ptr<c10d::Work> inner_;
   std::mutex commitMutex_;
   std::atomic<bool> done_{false};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
+
+// Drops a reference on a dedicated thread.
+//
+// Dropping a tensor reference can need the GIL (torch decrefs the tensor's
+// PyObject when the C++ refcount falls to one). Inner communicator threads
+// must never block on the GIL: a Python thread holding it may be waiting for
+// them (Gloo's enqueue lock, say), which deadlocks. So the last references an
+// op holds are released here, where nobody waits.
+void releaseLater(c10::intrusive_ptr<FtWork> work);
 
 } // namespace ft

@@ -1,0 +1,211 @@
+"""Quorum benchmark: round latency with unchanged membership, and failure detection time.
+
+    python bench/quorum_bench.py [--groups 2 8 32] [--rounds 50] [--quick]
+
+The lighthouse runs in its own process (``python -m ft.coordination.cli``), as in a real job.
+For N simulated replica groups it measures the median time of one quorum round with unchanged
+membership (from all groups asking to the last answer), two ways:
+
+* ``lighthouse``: every group calls ``LighthouseClient.quorum`` directly;
+* ``full stack``: every group is a ``ManagerServer`` (world_size 1) asked by a ``ManagerClient``,
+  i.e. rank -> ManagerServer -> lighthouse -> answers.
+
+Then, with 4 groups heartbeating every 100 ms, it stops one group's heartbeats and measures the
+time from its last heartbeat to the failure notification (``subscribe_failures``) and to the
+survivors' next quorum. Targets: a round under 5 ms at 8 groups; notification within
+heartbeat_timeout + one tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ft.coordination import LighthouseClient, ManagerClient, ManagerServer  # noqa: E402
+
+
+def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, tick_ms: int, join_timeout_ms: int):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ft.coordination.cli", "--bind", "127.0.0.1:0",
+         "--min_replicas", str(min_replicas), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+         "--quorum_tick_ms", str(tick_ms), "--join_timeout_ms", str(join_timeout_ms),
+         "--http_bind", "", "--log_level", "ERROR"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    line = proc.stdout.readline()
+    if not line.startswith("ft-lighthouse ready"):
+        proc.kill()
+        raise RuntimeError(f"lighthouse did not start: {line!r}")
+    return proc, line.split("grpc=")[1].split()[0]
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def timed_rounds(n: int, rounds: int, ask) -> list:
+    """n threads call ask(i) once per round; returns each round's duration (all asked -> last answer)."""
+    starts, ends = [], [[0.0] * n for _ in range(rounds)]
+    barrier = threading.Barrier(n, action=lambda: starts.append(time.perf_counter()))
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            for r in range(rounds):
+                barrier.wait(timeout=30)
+                ask(i)
+                ends[r][i] = time.perf_counter()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return [max(ends[r]) - starts[r] for r in range(rounds)]
+
+
+def bench_rounds(n: int, rounds: int) -> dict:
+    proc, addr = start_lighthouse(n, 5000, 100, 60000)
+    servers = []
+    try:
+        lh = LighthouseClient(addr, timedelta(seconds=10))
+        ids = [f"group{i:03d}" for i in range(n)]
+        for rid in ids:
+            lh.heartbeat(rid, timeout=5)
+        # baseline: the same n concurrent callers doing a trivial RPC (Heartbeat) on the same server
+        floor = timed_rounds(n, rounds + 1, lambda i: lh.heartbeat(ids[i], timeout=30))[1:]
+        # warm-up round forms the quorum; then membership is unchanged
+        lh_times = timed_rounds(n, rounds + 1, lambda i: lh.quorum(ids[i], timeout=30, step=1))[1:]
+
+        servers = [ManagerServer(f"mgr{i:03d}", addr, "127.0.0.1", "127.0.0.1:0", f"store{i}", 1,
+                                 timedelta(milliseconds=100), timedelta(seconds=10)) for i in range(n)]
+        clients = [ManagerClient(s.address(), timedelta(seconds=10)) for s in servers]
+        full_times = timed_rounds(
+            n, rounds + 1, lambda i: clients[i]._quorum(0, 1, "", False, timedelta(seconds=30))
+        )[1:]
+        return {
+            "groups": n,
+            "floor_median_ms": statistics.median(floor) * 1000,
+            "lighthouse_median_ms": statistics.median(lh_times) * 1000,
+            "lighthouse_p90_ms": sorted(lh_times)[int(0.9 * len(lh_times))] * 1000,
+            "full_median_ms": statistics.median(full_times) * 1000,
+            "full_p90_ms": sorted(full_times)[int(0.9 * len(full_times))] * 1000,
+        }
+    finally:
+        for s in servers:
+            s.shutdown(0.1)
+        stop(proc)
+
+
+def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int) -> dict:
+    proc, addr = start_lighthouse(1, heartbeat_timeout_ms, tick_ms, 60000)
+    try:
+        lh = LighthouseClient(addr, timedelta(seconds=10))
+        to_notify, to_quorum = [], []
+        for trial in range(trials):
+            ids = [f"t{trial}-g{i}" for i in range(4)]
+            victim = ids[-1]
+            stops = {rid: threading.Event() for rid in ids}
+            last_hb = {}
+
+            def heartbeat(rid):
+                while not stops[rid].is_set():
+                    lh.heartbeat(rid, timeout=2)
+                    last_hb[rid] = time.perf_counter()
+                    stops[rid].wait(0.1)
+
+            hbs = [threading.Thread(target=heartbeat, args=(rid,), daemon=True) for rid in ids]
+            for t in hbs:
+                t.start()
+            while len(last_hb) < len(ids):
+                time.sleep(0.01)
+            timed_rounds(len(ids), 1, lambda i: lh.quorum(ids[i], timeout=30))
+            note = {}
+            got = threading.Event()
+
+            def on_failure(n):
+                if n.replica_id == victim and "t" not in note:
+                    note["t"] = time.perf_counter()
+                    got.set()
+
+            sub = lh.subscribe_failures(on_failure)
+            sub.wait_subscribed(10)
+            stops[victim].set()
+            hbs[-1].join(5)
+            t_dead = last_hb[victim]
+            survivors = ids[:-1]
+            q_end = []
+            timed_rounds(len(survivors), 1,
+                         lambda i: (lh.quorum(survivors[i], timeout=30), q_end.append(time.perf_counter())))
+            got.wait(30)
+            sub.close()
+            for rid in survivors:
+                stops[rid].set()
+            for t in hbs:
+                t.join(5)
+            to_notify.append(note["t"] - t_dead)
+            to_quorum.append(max(q_end) - t_dead)
+        return {
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+            "tick_ms": tick_ms,
+            "notify_median_ms": statistics.median(to_notify) * 1000,
+            "notify_max_ms": max(to_notify) * 1000,
+            "quorum_median_ms": statistics.median(to_quorum) * 1000,
+            "quorum_max_ms": max(to_quorum) * 1000,
+        }
+    finally:
+        stop(proc)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--heartbeat_timeout_ms", type=int, default=1000)
+    p.add_argument("--tick_ms", type=int, default=100)
+    p.add_argument("--quick", action="store_true", help="fewer rounds and trials")
+    a = p.parse_args()
+    if a.quick:
+        a.rounds, a.trials = 10, 1
+    print(f"quorum round, unchanged membership ({a.rounds} rounds, lighthouse in its own process)")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; baseline = the same "
+          "callers doing one trivial RPC (Heartbeat) each")
+    print(f"{'groups':>6} {'baseline':>10} {'lighthouse':>11} {'p90':>9} {'ratio':>6}"
+          f" {'full stack':>11} {'p90':>9}")
+    for n in a.groups:
+        r = bench_rounds(n, a.rounds)
+        print(f"{n:>6} {r['floor_median_ms']:>7.2f} ms {r['lighthouse_median_ms']:>8.2f} ms"
+              f" {r['lighthouse_p90_ms']:>6.2f} ms {r['lighthouse_median_ms'] / r['floor_median_ms']:>5.2f}x"
+              f" {r['full_median_ms']:>8.2f} ms {r['full_p90_ms']:>6.2f} ms", flush=True)
+    d = bench_death(a.heartbeat_timeout_ms, a.tick_ms, a.trials)
+    bound = a.heartbeat_timeout_ms + a.tick_ms
+    print(f"\nmember death (heartbeats stop), heartbeat_timeout {a.heartbeat_timeout_ms} ms, tick "
+          f"{a.tick_ms} ms, {a.trials} trials, 4 groups; bound heartbeat_timeout + tick = {bound} ms")
+    print(f"  last heartbeat -> failure notification: median {d['notify_median_ms']:.0f} ms, "
+          f"max {d['notify_max_ms']:.0f} ms")
+    print(f"  last heartbeat -> survivors' next quorum: median {d['quorum_median_ms']:.0f} ms, "
+          f"max {d['quorum_max_ms']:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

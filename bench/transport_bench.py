@@ -1,0 +1,195 @@
+"""Checkpoint transport benchmark: a 16 MiB state dict over HTTPTransport and PGTransport (Gloo)
+on loopback, against a local memory copy (torch.clone) of the same bytes.
+
+    PYTHONPATH=. .venv/bin/python bench/transport_bench.py [--mb 16] [--reps 7]
+
+The sender runs in a separate process (as in a real heal); the receiver is this process. Each
+transfer is timed from the receiver's recv_checkpoint call to its return: request, checksums,
+reassembly and (for HTTP) the header round trip included. Medians over --reps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from datetime import timedelta
+from typing import Any, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ft.checkpointing import HTTPTransport, PGTransport  # noqa: E402
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def make_state(mb: int) -> Dict[str, Any]:
+    """~mb MiB of float32 in 8 layers (like a 4M-parameter model for 16 MiB) plus scalars."""
+    g = torch.Generator().manual_seed(0)
+    n = mb * (1 << 18)  # float32 elements
+    per = n // 8
+    model = {f"layers.{i}.weight": torch.randn(per, generator=g) for i in range(8)}
+    return {"user": {"model": model}, "torchft": {"step": 1, "batches_committed": 3}}
+
+
+def model_tensors(state: Dict[str, Any]) -> List[torch.Tensor]:
+    return list(state["user"]["model"].values())
+
+
+def gloo_pg(store: object, rank: int, world: int) -> object:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def child(mode: str, mb: int, reps: int, port: int) -> None:
+    state = make_state(mb)
+    if mode == "tcp":  # raw loopback TCP, for scale: no HTTP, no checksums, no serialization
+        import socket
+
+        flat = torch.cat(model_tensors(state)).view(torch.uint8).numpy()
+        srv = socket.create_server(("127.0.0.1", 0))
+        print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
+        for _ in range(reps + 1):
+            conn, _ = srv.accept()
+            conn.sendall(memoryview(flat))
+            conn.close()
+    elif mode == "http":
+        tr = HTTPTransport(TIMEOUT, 4, advertise_host="127.0.0.1")
+        tr.send_checkpoint([1], 1, state, TIMEOUT)
+        print(json.dumps({"url": tr.metadata()}), flush=True)
+        sys.stdin.readline()
+        tr.shutdown()
+    else:
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=TIMEOUT)
+        pg = gloo_pg(store, 0, 2)
+        tr = PGTransport(pg, TIMEOUT, torch.device("cpu"))
+        for _ in range(reps + 1):
+            pg.barrier().wait()  # type: ignore[attr-defined]
+            tr.send_checkpoint([1], 1, state, TIMEOUT)
+    os._exit(0)
+
+
+def spawn(mode: str, mb: int, reps: int, port: int = 0) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--child", mode, "--mb", str(mb),
+         "--reps", str(reps), "--port", str(port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def median_time(fn, reps: int) -> tuple:  # type: ignore[no-untyped-def]
+    """(median, min) seconds over ``reps`` timed calls after one warm-up call."""
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mb", type=int, default=16)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--child", default=None)
+    p.add_argument("--port", type=int, default=0)
+    a = p.parse_args()
+    if a.child:
+        child(a.child, a.mb, a.reps, a.port)
+        return
+
+    state = make_state(a.mb)
+    tensors = model_tensors(state)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    mib = size / (1 << 20)
+    rows: List[tuple] = []
+
+    torch.set_num_threads(1)  # a loaded 2-core box makes multi-threaded copies erratic
+    t_copy = median_time(lambda: [t.clone() for t in tensors], a.reps)
+    rows.append(("memory copy (torch.clone)", t_copy))
+    dst = [torch.empty_like(t) for t in tensors]
+    t_memcpy = median_time(lambda: [d.copy_(t) for d, t in zip(dst, tensors)], a.reps)
+    rows.append(("copy_ into preallocated tensors", t_memcpy))
+    flat = torch.cat(tensors).view(torch.uint8).numpy()
+    t_crc = median_time(lambda: zlib.crc32(flat), a.reps)
+    rows.append(("zlib.crc32 of the same bytes", t_crc))
+
+    proc = spawn("tcp", a.mb, a.reps)
+    try:
+        import socket
+
+        tcp_port = json.loads(proc.stdout.readline())["port"]  # type: ignore[union-attr]
+        buf = memoryview(bytearray(size))
+
+        def tcp_recv() -> None:
+            with socket.create_connection(("127.0.0.1", tcp_port), timeout=60) as c:
+                got = 0
+                while got < size:
+                    n = c.recv_into(buf[got:])
+                    assert n
+                    got += n
+
+        rows.append(("raw loopback TCP, 1 stream", median_time(tcp_recv, a.reps)))
+    finally:
+        proc.wait(30)
+
+    proc = spawn("http", a.mb, a.reps)
+    try:
+        url = json.loads(proc.stdout.readline())["url"]  # type: ignore[union-attr]
+        for chunks in (1, 2, 4, 8):
+            with HTTPTransport(TIMEOUT, chunks, advertise_host="127.0.0.1") as rx:
+                t = median_time(lambda: rx.recv_checkpoint(0, url, 1, TIMEOUT), a.reps)
+                got = rx.recv_checkpoint(0, url, 1, TIMEOUT)
+            assert all(
+                torch.equal(x, y) for x, y in zip(tensors, got["user"]["model"].values())
+            )
+            rows.append((f"HTTPTransport, {chunks} chunk(s)", t))
+    finally:
+        proc.stdin.write("quit\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        proc.wait(30)
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=TIMEOUT, wait_for_workers=False)
+    proc = spawn("pg", a.mb, a.reps, store.port)
+    try:
+        pg = gloo_pg(dist.TCPStore("127.0.0.1", store.port, 2, False, timeout=TIMEOUT), 1, 2)
+        rx = PGTransport(pg, TIMEOUT, torch.device("cpu"))
+
+        def pg_recv() -> None:
+            pg.barrier().wait()  # type: ignore[attr-defined]
+            rx.recv_checkpoint(0, "<n/a>", 1, TIMEOUT)
+
+        rows.append(("PGTransport (Gloo)", median_time(pg_recv, a.reps)))
+    finally:
+        proc.wait(60)
+
+    print(f"state dict: {mib:.1f} MiB in {len(tensors)} tensors; {a.reps} runs each; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    clone, memcpy = t_copy[0], t_memcpy[0]
+    print(f"{'method':34s} {'median ms':>9s} {'min ms':>7s} {'MiB/s':>7s} "
+          f"{'/clone':>7s} {'/copy_':>7s}")
+    for name, (med, best) in rows:
+        print(f"{name:34s} {med * 1e3:9.1f} {best * 1e3:7.1f} {mib / med:7.0f} "
+              f"{med / clone:6.1f}x {med / memcpy:6.1f}x")
+    http_best = min(med for name, (med, _) in rows if name.startswith("HTTP"))
+    pg = next(med for name, (med, _) in rows if name.startswith("PG"))
+    print(f"16 MiB-class recovery transfer: HTTP {http_best * 1e3:.0f} ms (best chunking), "
+          f"PG/Gloo {pg * 1e3:.0f} ms; target < 1 s: "
+          f"{'met' if max(http_best, pg) < 1 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Benchmark: ft.optim.ZeroRedundancyOptimizer vs torch's, side by side on one process group.
+
+    python bench/zero_bench.py [--world 3] [--iters 20] [--backend gloo|ft]
+
+Starts ``--world`` ranks on loopback (one process each, 1 thread each). Every rank builds the
+same model of about 9.5M parameters (6 MLP blocks, d=512, ffn=1536, LayerNorm) twice. One copy
+gets ft's ZeRO (Adam) and the other gets torch's (Adam), both on the same group. Gradients are
+filled once with fixed random values. Each iteration times one ``step()`` of each optimizer, in
+alternating order, after a barrier. An iteration's time is the slowest rank's. The report gives
+the median over iterations for ``parameters_as_bucket_view`` False and True, the ratio of the
+medians (ft / torch), and the median of the per-iteration ratios ("paired": each pair of
+steps ran back to back, so it is less sensitive to load changes on a shared machine).
+
+Memory: the bytes of optimizer state (the tensors in ``optimizer.state``) per rank, after the
+steps, against a plain ``torch.optim.Adam`` over the whole model. Adam allocates its state at
+the first step and never grows it, so this is also the peak of persistent state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(6):
+        blocks += [nn.Linear(512, 1536), nn.GELU(), nn.Linear(1536, 512), nn.LayerNorm(512)]
+    return nn.Sequential(*blocks)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for st in opt.state.values()
+               for v in st.values() if torch.is_tensor(v))
+
+
+def fill_grads(model: nn.Module) -> None:
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+
+
+def timed_step(opt) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: int) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    from ft.optim import ZeroRedundancyOptimizer as FtZero
+
+    torch.set_num_threads(1)
+    if backend == "ft":
+        import ft  # noqa: F401  (registers the "ft" backend)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=120))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    report = {"world": world, "backend": backend, "configs": {}}
+    try:
+        base = make_model()
+        n_params = sum(p.numel() for p in base.parameters())
+        report["params"] = n_params
+        for bucket in (False, True):
+            m_ft, m_t = copy.deepcopy(base), copy.deepcopy(base)
+            fill_grads(m_ft)
+            fill_grads(m_t)
+            z_ft = FtZero(m_ft.parameters(), torch.optim.Adam, lr=1e-4,
+                          parameters_as_bucket_view=bucket)
+            z_t = TorchZero(m_t.parameters(), torch.optim.Adam, lr=1e-4,
+                            parameters_as_bucket_view=bucket)
+            times = {"ft": [], "torch": []}
+            for i in range(warmup + iters):
+                order = [("ft", z_ft), ("torch", z_t)]
+                if i % 2:
+                    order.reverse()
+                for name, opt in order:
+                    t = timed_step(opt)
+                    if i >= warmup:
+                        times[name].append(t)
+            # The slowest rank defines an iteration's time.
+            t_all = torch.tensor([times["ft"], times["torch"]], dtype=torch.float64)
+            dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
+            ft_med = statistics.median(t_all[0].tolist())
+            t_med = statistics.median(t_all[1].tolist())
+            # Paired: the two steps of one iteration ran back to back, under the same load.
+            paired = statistics.median((t_all[0] / t_all[1]).tolist())
+            mine = torch.tensor([state_bytes(z_ft.optim), state_bytes(z_t.optim)],
+                                dtype=torch.int64)
+            per_rank = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(per_rank, mine)
+            same = all(torch.equal(a, b) for a, b in zip(m_ft.parameters(), m_t.parameters()))
+            report["configs"][f"bucket_view={bucket}"] = {
+                "ft_ms": ft_med * 1e3, "torch_ms": t_med * 1e3, "ratio": ft_med / t_med,
+                "paired_ratio": paired,
+                "ft_state_bytes_per_rank": [int(t[0]) for t in per_rank],
+                "torch_state_bytes_per_rank": [int(t[1]) for t in per_rank],
+                "params_bitwise_equal": same,
+            }
+        if rank == 0:
+            plain_model = copy.deepcopy(base)
+            fill_grads(plain_model)
+            plain = torch.optim.Adam(plain_model.parameters(), lr=1e-4)
+            plain.step()
+            report["plain_adam_state_bytes"] = state_bytes(plain)
+            print("RESULT " + json.dumps(report), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(args) -> int:
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=args.timeout),
+                          wait_for_workers=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [sys.executable, __file__, "--world", str(args.world), "--iters", str(args.iters),
+           "--warmup", str(args.warmup), "--backend", args.backend, "--port", str(store.port)]
+    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                              text=True) for r in range(args.world)]
+    try:
+        out, _ = procs[0].communicate(timeout=args.timeout)
+        codes = [procs[0].returncode] + [p.wait(timeout=30) for p in procs[1:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    if any(codes):
+        print(f"ranks failed with exit codes {codes}", file=sys.stderr)
+        return 1
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+    rep = json.loads(line[len("RESULT "):])
+    n, plain = rep["world"], rep["plain_adam_state_bytes"]
+    print(f"ZeroRedundancyOptimizer bench: {n} ranks, backend {rep['backend']}, "
+          f"{rep['params'] / 1e6:.2f}M params, Adam, {args.iters} iterations (median, slowest rank)")
+    print(f"{'config':<24}{'ft ms':>10}{'torch ms':>10}{'ft/torch':>10}{'paired':>10}"
+          "  bitwise-equal")
+    for name, c in rep["configs"].items():
+        print(f"{name:<24}{c['ft_ms']:>10.2f}{c['torch_ms']:>10.2f}{c['ratio']:>10.3f}"
+              f"{c['paired_ratio']:>10.3f}  {c['params_bitwise_equal']}")
+    c = rep["configs"]["bucket_view=False"]
+    worst = max(c["ft_state_bytes_per_rank"])
+    print(f"optimizer state per rank (bytes): ft {c['ft_state_bytes_per_rank']}, "
+          f"torch {c['torch_state_bytes_per_rank']}, plain Adam {plain}")
+    print(f"largest rank / plain Adam = {worst / plain:.4f} "
+          f"(1/N = {1 / n:.4f}; target <= {1 / n + 0.05:.4f})")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "ft"])
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--port", type=int, default=None)
+    args = ap.parse_args()
+    if args.rank is None:
+        return launch(args)
+    worker(args.rank, args.world, args.port, args.backend, args.warmup, args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

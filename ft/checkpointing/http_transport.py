@@ -1,0 +1,776 @@
+"""HTTPTransport: a healthy replica serves its state dict over HTTP; recovering replicas pull it.
+
+Wire protocol (all requests carry ``Authorization: Bearer <token>`` when a token is set)::
+
+    GET /ft/v1/checkpoint/{step}/meta?chunks=N&wait=S
+        -> 200, body = header JSON (serialization.encode_header) + CRC32 (4 bytes, big endian)
+           response header X-FT-Lease: a lease id for the data requests that follow
+           If {step} is ahead of what is staged, the server waits up to S seconds for it.
+    GET /ft/v1/checkpoint/{step}/data?staging=ID&lease=L&start=A&end=B
+        -> 200, body = bytes [A, B) of the concatenated tensor bytes + CRC32 of those bytes
+
+    403: wrong or missing token. 404: step not staged. 410: withdrawn. 503: shutting down.
+
+The sender keeps references to the tensors (no serialization at ``send_checkpoint``) and reads
+them only while answering requests; the CRC is computed over exactly the bytes it writes, so
+corruption anywhere on the way is detected by the receiver, which then raises
+:class:`CheckpointCorruptError` and returns nothing. ``disallow_checkpoint`` waits (bounded by
+the timeout) until transfers that already started have finished, so that after it returns the
+caller may mutate the tensors again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import http.client
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as futures_wait
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+from ft.checkpointing import serialization as ser
+from ft.checkpointing.transport import (
+    CheckpointAuthError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotAvailableError,
+    CheckpointTransferError,
+    CheckpointTransport,
+)
+
+T = TypeVar("T")
+
+__all__ = ["HTTPTransport", "default_advertise_host", "plan_chunks"]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "FT_CHECKPOINT_TOKEN"
+ADVERTISE_ENV = "FT_ADVERTISE_HOST"
+_PREFIX = "/ft/v1/checkpoint/"
+_SLICE = 1 << 20  # bytes per read/crc/write step
+_MIN_CHUNK = 1 << 20  # don't split transfers into chunks smaller than this
+_MAX_CHUNKS = 256
+_MAX_HEADER = 1 << 30
+_TRAILER = struct.Struct(">I")
+
+
+def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
+    """Splits ``[0, total)`` into at most ``num_chunks`` contiguous byte ranges (>= 1 MiB)."""
+    if total <= 0:
+        return []
+    n = max(1, min(num_chunks, _MAX_CHUNKS, -(-total // _MIN_CHUNK)))
+    bounds = [total * i // n for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def default_advertise_host(bind_host: Optional[str] = None) -> str:
+    """The address peers should use to reach this host.
+
+    ``FT_ADVERTISE_HOST`` if set; else a specific ``bind_host``; else a non-loopback address
+    of this host's name; else the address of the interface holding the default route; else
+    the host name itself.
+    """
+    env = os.environ.get(ADVERTISE_ENV)
+    if env:
+        return env
+    if bind_host not in (None, "", "0.0.0.0", "::"):
+        return bind_host  # type: ignore[return-value]
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        addrs = [info[4][0] for info in infos]
+    except OSError:
+        addrs = []
+    good = [a for a in addrs if not _is_loopback(a)]
+    if good:
+        good.sort(key=lambda a: ":" in a)  # prefer IPv4
+        return good[0]
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))  # UDP connect sends nothing; it only picks a route
+                addr = s.getsockname()[0]
+            if not _is_loopback(addr) and not ipaddress.ip_address(addr).is_unspecified:
+                return addr
+        except OSError:
+            pass
+    logger.warning("no non-loopback address found; advertising %s", name)
+    return name
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class _Lease:
+    __slots__ = ("remaining", "deadline")
+
+    def __init__(self, remaining: int, deadline: float) -> None:
+        self.remaining = remaining
+        self.deadline = deadline
+
+
+class _Staging:
+    """One staged checkpoint: references to its tensors plus bookkeeping."""
+
+    def __init__(self, step: int, state_dict: Any) -> None:
+        self.id = uuid.uuid4().hex
+        self.step = step
+        tree, self.specs, self.tensors = ser.flatten(state_dict)
+        self.offsets = [0]
+        for spec in self.specs:
+            self.offsets.append(self.offsets[-1] + spec.nbytes)
+        self.total = self.offsets[-1]
+        self.header = ser.encode_header(
+            tree, self.specs, step=step, staging=self.id, total_bytes=self.total
+        )
+        self.closing = False  # no new transfers; started ones may finish
+        self.withdrawn = False  # nothing may read the tensors any more
+        self.active = 0  # data responses currently reading tensors
+        self.conns: Set[socket.socket] = set()  # their connections, to cut them off
+        self.leases: Dict[str, _Lease] = {}
+        self._cpu: Dict[int, torch.Tensor] = {}
+        self._cpu_lock = threading.Lock()
+
+    def view(self, i: int) -> memoryview:
+        t = self.tensors[i]
+        if t.device.type != "cpu":
+            with self._cpu_lock:
+                if i not in self._cpu:
+                    self._cpu[i] = t.to("cpu")
+                t = self._cpu[i]
+        return ser.memview(t)
+
+    def prune(self, now: float) -> None:
+        for k in [k for k, lease in self.leases.items() if lease.deadline <= now]:
+            del self.leases[k]
+
+
+class _HTTPError(Exception):
+    def __init__(self, code: int, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+
+
+class _Abort(Exception):
+    pass
+
+
+class _Server(HTTPServer):
+    """HTTPServer with tracked per-request threads and sockets, so shutdown is bounded."""
+
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, addr: Tuple[str, int], handler: Any, family: int) -> None:
+        self.address_family = family
+        self.threads: Set[threading.Thread] = set()
+        self.sockets: Set[socket.socket] = set()
+        self.track_lock = threading.Lock()
+        super().__init__(addr, handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6:
+            try:
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            except OSError:
+                pass
+        # skip HTTPServer.server_bind's getfqdn(): it can block on DNS
+        if self.allow_reuse_address:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(self.server_address)
+        self.server_address = self.socket.getsockname()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        t = threading.Thread(
+            target=self._run, args=(request, client_address), daemon=True, name="ft-ckpt-http"
+        )
+        with self.track_lock:
+            self.threads.add(t)
+            self.sockets.add(request)
+        t.start()
+
+    def _run(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - a broken client must not kill the server
+            logger.debug("checkpoint request from %s failed", client_address, exc_info=True)
+        finally:
+            self.shutdown_request(request)
+            with self.track_lock:
+                self.sockets.discard(request)
+                self.threads.discard(threading.current_thread())
+
+    def kill_connections(self, only: Optional[Set[socket.socket]] = None) -> None:
+        with self.track_lock:
+            socks = list(self.sockets if only is None else self.sockets & only)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class HTTPTransport(CheckpointTransport[T]):
+    """Checkpoint transport over HTTP, with parallel chunks, checksums and an optional token.
+
+    Args:
+        timeout: default bound for transfers and for waits inside the server.
+        num_chunks: parallel connections (byte ranges) a receiver uses; 0 or 1: one.
+        token: shared secret every request must carry (default: env ``FT_CHECKPOINT_TOKEN``);
+            ``None`` and no env: no authentication.
+        advertise_host: host put in ``metadata()`` (default: env ``FT_ADVERTISE_HOST`` or
+            :func:`default_advertise_host`).
+        bind_host: interface to listen on (default: all, IPv4 and IPv6 where available).
+        port: port to listen on (default: any free port).
+        device: where received tensors are placed (default CPU).
+    """
+
+    def __init__(
+        self,
+        timeout: timedelta,
+        num_chunks: int,
+        token: Optional[str] = None,
+        advertise_host: Optional[str] = None,
+        bind_host: Optional[str] = None,
+        port: int = 0,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self._timeout = timeout
+        self._num_chunks = max(1, int(num_chunks))
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        self._token = token
+        self._device = torch.device("cpu") if device is None else torch.device(device)
+        self._cond = threading.Condition()
+        self._staging: Optional[_Staging] = None
+        self._last_step: Optional[int] = None
+        self._closed = False
+
+        if bind_host is None:
+            bind_host = "::" if socket.has_dualstack_ipv6() else "0.0.0.0"
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._server = _Server((bind_host, port), self._handler_class(), family)
+        self._port = self._server.server_address[1]
+        self._advertise = advertise_host or default_advertise_host(bind_host)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            daemon=True,
+            name="ft-ckpt-http-server",
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public interface
+
+    def metadata(self) -> str:
+        return f"http://{_bracket(self._advertise)}:{self._port}"
+
+    def address(self) -> str:
+        return self.metadata()
+
+    def send_checkpoint(
+        self, dst_ranks: List[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
+        """Stages ``state_dict`` for ``step`` (keeps references; serializes on request).
+
+        Raises TypeError (naming the key path) for values that cannot be sent safely. A
+        previously staged checkpoint is withdrawn first.
+        """
+        staging = _Staging(step, state_dict)  # validates before anything is withdrawn
+        self.disallow_checkpoint()
+        with self._cond:
+            if self._closed:
+                raise CheckpointError("HTTPTransport is shut down")
+            self._staging = staging
+            self._last_step = step
+            self._cond.notify_all()
+        logger.debug(
+            "staged checkpoint step=%d bytes=%d tensors=%d for %s",
+            step,
+            staging.total,
+            len(staging.tensors),
+            dst_ranks,
+        )
+
+    def disallow_checkpoint(self) -> None:
+        """Withdraws the staged checkpoint.
+
+        New requests get 410 at once. Transfers that already started get up to ``timeout`` to
+        finish; then they are cut off. When this returns, no server thread reads the tensors.
+        """
+        with self._cond:
+            st = self._staging
+            if st is None:
+                return
+            st.closing = True
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while True:
+                now = time.monotonic()
+                st.prune(now)
+                if (not st.leases and st.active == 0) or now >= deadline:
+                    break
+                self._cond.wait(min(deadline - now, 0.1))
+            st.withdrawn = True
+            conns = set(st.conns)
+            if st.active:
+                logger.warning("cutting off %d checkpoint transfer(s) still running", st.active)
+        if conns:
+            self._server.kill_connections(conns)
+        with self._cond:
+            self._cond.wait_for(lambda: st.active == 0, timeout=5.0)
+            if self._staging is st:
+                self._staging = None
+            self._cond.notify_all()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Fetches the checkpoint for ``step`` from the server at ``metadata`` (its URL).
+
+        Raises:
+            CheckpointCorruptError: a checksum did not match (nothing is returned).
+            CheckpointAuthError: the server refused the token.
+            CheckpointNotAvailableError: the server does not serve ``step``.
+            CheckpointTransferError: connection failure, vanished peer, or timeout.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        url = urlsplit(metadata)
+        if url.scheme != "http" or not url.hostname or not url.port:
+            raise CheckpointError(f"bad checkpoint address {metadata!r} (want http://host:port)")
+        host, port = url.hostname, url.port
+        where = f"checkpoint step {step} from rank {src_rank} at {metadata}"
+
+        remaining = deadline - time.monotonic()
+        wait_s = max(0.0, remaining - min(1.0, remaining / 4))
+        path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
+        body, lease = self._get_small(host, port, path, deadline, where)
+        if len(body) < _TRAILER.size:
+            raise CheckpointTransferError(f"{where}: truncated metadata")
+        header, (crc,) = body[: -_TRAILER.size], _TRAILER.unpack(body[-_TRAILER.size :])
+        if ser.crc32(header) != crc:
+            raise CheckpointCorruptError(f"{where}: metadata checksum mismatch")
+        doc, tree, specs = ser.decode_header(header)
+        total = sum(s.nbytes for s in specs)
+        if doc.get("step") != step or doc.get("total_bytes") != total:
+            raise CheckpointFormatError(
+                f"{where}: server answered step {doc.get('step')!r} with "
+                f"{doc.get('total_bytes')!r} bytes (expected step {step}, {total} bytes)"
+            )
+        staging = doc.get("staging")
+        if type(staging) is not str or not staging.isalnum() or not staging.isascii():
+            raise CheckpointFormatError(f"{where}: bad staging id")
+        if not (lease.isalnum() and lease.isascii()):
+            lease = ""  # an unknown lease still works while the checkpoint is staged
+
+        tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
+        offsets = [0]
+        views = []
+        for t, s in zip(tensors, specs):
+            views.append(ser.memview(t))
+            offsets.append(offsets[-1] + s.nbytes)
+
+        ranges = plan_chunks(total, self._num_chunks)
+        stop = threading.Event()
+        if ranges:
+            pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="ft-ckpt-fetch")
+            try:
+                futs = [
+                    pool.submit(
+                        self._fetch_range,
+                        host,
+                        port,
+                        f"{_PREFIX}{step}/data?staging={staging}&lease={lease}&start={a}&end={b}",
+                        a,
+                        b,
+                        offsets,
+                        views,
+                        deadline,
+                        stop,
+                        where,
+                    )
+                    for a, b in ranges
+                ]
+                done, pending = futures_wait(
+                    futs, timeout=max(0.0, deadline - time.monotonic()) + 1.0,
+                    return_when=FIRST_EXCEPTION,
+                )
+                errors = [f.exception() for f in done if f.exception() is not None]
+                if errors or pending:
+                    stop.set()
+                    # prefer the most telling error: corruption > auth > availability > other
+                    order = (
+                        CheckpointCorruptError,
+                        CheckpointAuthError,
+                        CheckpointNotAvailableError,
+                    )
+                    errors.sort(
+                        key=lambda e: next(
+                            (i for i, c in enumerate(order) if isinstance(e, c)), len(order)
+                        )
+                    )
+                    if errors:
+                        raise errors[0]
+                    raise CheckpointTransferError(f"{where}: timed out after {timeout}")
+            finally:
+                stop.set()
+                pool.shutdown(wait=False, cancel_futures=True)
+
+        out = []
+        for t, s in zip(tensors, specs):
+            if self._device.type != "cpu":
+                t = t.to(self._device)
+            out.append(ser.finalize(t, s))
+        return ser.unflatten(tree, out)
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            st = self._staging
+            if st is not None:
+                st.closing = True
+                st.withdrawn = True
+            self._cond.notify_all()
+        self._server.shutdown()  # serve_forever polls every 50 ms
+        self._server.server_close()
+        self._server.kill_connections()
+        if wait:
+            end = time.monotonic() + min(5.0, self._timeout.total_seconds())
+            self._thread.join(max(0.0, end - time.monotonic()))
+            with self._server.track_lock:
+                threads = list(self._server.threads)
+            for t in threads:
+                t.join(max(0.0, end - time.monotonic()))
+        with self._cond:
+            self._staging = None
+
+    def __enter__(self) -> "HTTPTransport[T]":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ client side
+
+    def _headers(self) -> Dict[str, str]:
+        h = {"Connection": "close"}
+        if self._token:
+            h["Authorization"] = f"Bearer {self._token}"
+        return h
+
+    def _open(
+        self, host: str, port: int, path: str, deadline: float, where: str
+    ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CheckpointTransferError(f"{where}: timed out")
+        conn = http.client.HTTPConnection(host, port, timeout=remaining)
+        try:
+            conn.request("GET", path, headers=self._headers())
+            sock = conn.sock  # HTTPConnection drops it once a 'close' response arrives
+            resp = conn.getresponse()
+        except (socket.timeout, TimeoutError):
+            conn.close()
+            raise CheckpointTransferError(f"{where}: timed out") from None
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise CheckpointTransferError(
+                f"{where}: request failed ({type(e).__name__}: {e})"
+            ) from None
+        if resp.status != 200:
+            try:
+                msg = resp.read(4096).decode("utf-8", "replace").strip()
+            except (OSError, http.client.HTTPException):
+                msg = ""
+            conn.close()
+            text = f"{where}: HTTP {resp.status} {resp.reason}: {msg}"
+            if resp.status in (401, 403):
+                raise CheckpointAuthError(text)
+            if resp.status in (404, 410):
+                raise CheckpointNotAvailableError(text)
+            raise CheckpointTransferError(text)
+        return conn, resp, sock
+
+    def _get_small(
+        self, host: str, port: int, path: str, deadline: float, where: str
+    ) -> Tuple[bytes, str]:
+        conn, resp, sock = self._open(host, port, path, deadline, where)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            length = int(resp.getheader("Content-Length") or -1)
+            if not 0 <= length <= _MAX_HEADER:
+                raise CheckpointFormatError(f"{where}: bad metadata length {length}")
+            body = resp.read()
+            return body, resp.getheader("X-FT-Lease", "")
+        except (socket.timeout, TimeoutError):
+            raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
+        except ValueError:
+            raise CheckpointFormatError(f"{where}: bad metadata length") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise CheckpointTransferError(
+                f"{where}: peer vanished while sending metadata ({type(e).__name__}: {e})"
+            ) from None
+        finally:
+            resp.close()
+            conn.close()
+
+    def _fetch_range(
+        self,
+        host: str,
+        port: int,
+        path: str,
+        start: int,
+        end: int,
+        offsets: List[int],
+        views: List[memoryview],
+        deadline: float,
+        stop: threading.Event,
+        where: str,
+    ) -> None:
+        conn, resp, sock = self._open(host, port, path, deadline, where)
+        got = 0
+        try:
+            length = resp.getheader("Content-Length")
+            if length is None or int(length) != end - start + _TRAILER.size:
+                raise CheckpointTransferError(f"{where}: bad Content-Length {length!r}")
+            crc = 0
+            i = bisect.bisect_right(offsets, start) - 1
+            pos = start
+            while pos < end:
+                while offsets[i + 1] <= pos:  # skip empty tensors
+                    i += 1
+                seg_end = min(end, offsets[i + 1])
+                view = views[i]
+                while pos < seg_end:
+                    if stop.is_set():
+                        raise _Abort()
+                    n = min(_SLICE, seg_end - pos)
+                    lo = pos - offsets[i]
+                    dst = view[lo : lo + n]
+                    self._read_exact(sock, resp, dst, deadline)
+                    crc = ser.crc32(dst, crc)
+                    pos += n
+                    got += n
+            trailer = bytearray(_TRAILER.size)
+            self._read_exact(sock, resp, memoryview(trailer), deadline)
+            if _TRAILER.unpack(trailer)[0] != crc:
+                raise CheckpointCorruptError(
+                    f"{where}: checksum mismatch in bytes [{start}, {end}); data discarded"
+                )
+        except _Abort:
+            raise CheckpointTransferError(f"{where}: cancelled") from None
+        except (socket.timeout, TimeoutError):
+            raise CheckpointTransferError(
+                f"{where}: timed out after {got} of {end - start} bytes of range [{start}, {end})"
+            ) from None
+        except (OSError, http.client.HTTPException, EOFError) as e:
+            raise CheckpointTransferError(
+                f"{where}: peer vanished after {got} of {end - start} bytes of range "
+                f"[{start}, {end}) ({type(e).__name__}: {e})"
+            ) from None
+        finally:
+            resp.close()
+            conn.close()
+
+    @staticmethod
+    def _read_exact(
+        sock: socket.socket,
+        resp: http.client.HTTPResponse,
+        dst: memoryview,
+        deadline: float,
+    ) -> None:
+        filled = 0
+        while filled < len(dst):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError()
+            sock.settimeout(remaining)
+            n = resp.readinto(dst[filled:])
+            if not n:
+                raise EOFError("connection closed by peer")
+            filled += n
+
+    # ------------------------------------------------------------------ server side
+
+    def _handler_class(self) -> type:
+        transport = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = self._timeout.total_seconds()  # socket timeout for every read/write
+            server_version = "ft-checkpoint/1"
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                logger.debug("%s " + fmt, self.address_string(), *args)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self.close_connection = True
+                try:
+                    transport._serve(self)
+                except _HTTPError as e:
+                    body = (e.msg + "\n").encode("utf-8", "replace")
+                    self.send_response(e.code)
+                    self.send_header("Content-Type", "text/plain; charset=utf-8")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(body)
+
+        return Handler
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        if self._token is not None:
+            got = h.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self._token}".encode()):
+                raise _HTTPError(403, "missing or wrong checkpoint token")
+        url = urlsplit(h.path)
+        if not url.path.startswith(_PREFIX):
+            raise _HTTPError(404, f"unknown path {url.path[:100]!r}")
+        parts = url.path[len(_PREFIX) :].split("/")
+        if len(parts) != 2:
+            raise _HTTPError(404, f"unknown path {url.path[:100]!r}")
+        try:
+            step = int(parts[0])
+        except ValueError:
+            raise _HTTPError(400, f"bad step {parts[0][:40]!r}") from None
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if parts[1] == "meta":
+            self._serve_meta(h, step, q)
+        elif parts[1] == "data":
+            self._serve_data(h, step, q)
+        else:
+            raise _HTTPError(404, f"unknown path {url.path[:100]!r}")
+
+    @staticmethod
+    def _num(q: Dict[str, str], key: str, kind: type, default: Any = None) -> Any:
+        if key not in q:
+            if default is None:
+                raise _HTTPError(400, f"missing parameter {key!r}")
+            return default
+        try:
+            return kind(q[key])
+        except ValueError:
+            raise _HTTPError(400, f"bad parameter {key}={q[key][:40]!r}") from None
+
+    def _serve_meta(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
+        chunks = min(max(1, self._num(q, "chunks", int, 1)), _MAX_CHUNKS)
+        wait_s = min(max(0.0, self._num(q, "wait", float, 0.0)), self._timeout.total_seconds())
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise _HTTPError(503, "checkpoint server is shutting down")
+                st = self._staging
+                if st is not None and st.step == step and not st.closing:
+                    break
+                last = self._last_step
+                if last is not None and step <= last:
+                    if step == last:
+                        raise _HTTPError(410, f"checkpoint for step {step} was withdrawn")
+                    raise _HTTPError(
+                        404, f"step {step} is not available (last staged step is {last})"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise _HTTPError(
+                        404,
+                        f"step {step} is not available "
+                        + ("(nothing staged)" if last is None else f"(last staged step {last})"),
+                    )
+                self._cond.wait(remaining)
+            lease = uuid.uuid4().hex
+            n = len(plan_chunks(st.total, chunks))
+            if n:
+                st.leases[lease] = _Lease(n, time.monotonic() + self._timeout.total_seconds())
+            body = st.header + _TRAILER.pack(ser.crc32(st.header))
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.send_header("X-FT-Lease", lease)
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.wfile.write(body)
+
+    def _serve_data(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
+        staging_id = q.get("staging", "")
+        lease_id = q.get("lease", "")
+        start = self._num(q, "start", int)
+        end = self._num(q, "end", int)
+        with self._cond:
+            st = self._staging
+            if self._closed:
+                raise _HTTPError(503, "checkpoint server is shutting down")
+            if st is None or st.step != step or st.id != staging_id or st.withdrawn:
+                raise _HTTPError(410, f"checkpoint for step {step} is no longer served")
+            lease = st.leases.get(lease_id)
+            if st.closing and lease is None:
+                raise _HTTPError(410, f"checkpoint for step {step} was withdrawn")
+            if not 0 <= start <= end <= st.total:
+                raise _HTTPError(400, f"bad range [{start}, {end}) of {st.total} bytes")
+            st.active += 1
+            st.conns.add(h.connection)
+        ok = False
+        try:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/octet-stream")
+            h.send_header("Content-Length", str(end - start + _TRAILER.size))
+            h.send_header("Connection", "close")
+            h.end_headers()
+            crc = 0
+            i = bisect.bisect_right(st.offsets, start) - 1
+            pos = start
+            while pos < end:
+                while st.offsets[i + 1] <= pos:
+                    i += 1
+                view = st.view(i)
+                seg_end = min(end, st.offsets[i + 1])
+                while pos < seg_end:
+                    if st.withdrawn:
+                        raise _Abort()
+                    n = min(_SLICE, seg_end - pos)
+                    lo = pos - st.offsets[i]
+                    piece = view[lo : lo + n]
+                    crc = ser.crc32(piece, crc)
+                    self._send_slice(h, piece)
+                    pos += n
+            h.wfile.write(_TRAILER.pack(crc))
+            ok = True
+        except _Abort:
+            logger.debug("checkpoint transfer cut off (withdrawn)")
+        except OSError as e:
+            logger.debug("checkpoint transfer to %s failed: %s", h.client_address, e)
+        finally:
+            with self._cond:
+                st.active -= 1
+                st.conns.discard(h.connection)
+                lease = st.leases.get(lease_id)
+                if lease is not None:
+                    lease.remaining -= 1
+                    if lease.remaining <= 0 or not ok:
+                        del st.leases[lease_id]
+                self._cond.notify_all()
+
+    def _send_slice(self, h: BaseHTTPRequestHandler, piece: memoryview) -> None:
+        """Writes one slice of a data response (a seam for tests that throttle the sender)."""
+        h.wfile.write(piece)

@@ -1,0 +1,76 @@
+"""The checkpoint transport interface and its errors.
+
+A transport moves one replica's state dict to the replicas that must heal. The Manager calls
+``send_checkpoint`` on the healthy source and ``recv_checkpoint`` on the recovering ones;
+``metadata()`` is the opaque string the source publishes (through the ManagerServer) so that
+receivers can find it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Generic, List, TypeVar
+
+T = TypeVar("T")
+
+__all__ = [
+    "CheckpointTransport",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointNotAvailableError",
+    "CheckpointTransferError",
+    "CheckpointAuthError",
+    "CheckpointFormatError",
+]
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every failure of a checkpoint transfer.
+
+    A Manager treats any of these as a failed heal: nothing received is loaded.
+    """
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The bytes that arrived do not match the checksum the sender computed."""
+
+
+class CheckpointNotAvailableError(CheckpointError):
+    """The source does not (or no longer) serve the requested step."""
+
+
+class CheckpointTransferError(CheckpointError):
+    """The peer vanished, the connection broke, or the transfer ran past its timeout."""
+
+
+class CheckpointAuthError(CheckpointError):
+    """The source refused the request's token (HTTP 403)."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The peer sent metadata that is not a valid ft checkpoint description."""
+
+
+class CheckpointTransport(Generic[T], ABC):
+    """Moves a state dict from one replica to others (torchft-compatible interface)."""
+
+    @abstractmethod
+    def metadata(self) -> str:
+        """Returns what a receiver needs to find this sender (for HTTP: its URL)."""
+
+    @abstractmethod
+    def send_checkpoint(
+        self, dst_ranks: List[int], step: int, state_dict: T, timeout: timedelta
+    ) -> None:
+        """Makes ``state_dict`` for ``step`` available to (or sends it to) ``dst_ranks``."""
+
+    def disallow_checkpoint(self) -> None:
+        """Withdraws a staged checkpoint; after it returns the state dict is no longer read."""
+
+    @abstractmethod
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Receives the state dict for ``step`` from ``src_rank`` (found via ``metadata``)."""
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Releases the transport's resources (servers, threads)."""

@@ -1,0 +1,200 @@
+"""gRPC plumbing shared by the coordination servers and clients (internal)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import socket
+import time
+from typing import Optional, Tuple, Union
+
+import grpc
+
+from .quorum import Quorum, QuorumMember
+from ._proto import torchft_pb2 as pb
+
+Timeout = Union[_dt.timedelta, float, int]
+
+# Servers refuse requests larger than this (RESOURCE_EXHAUSTED); clients accept answers up to it.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# String fields that name things (replica ids, addresses) must be shorter than this.
+MAX_NAME_LEN = 1024
+# Largest rank / world size accepted.
+MAX_RANK = 1 << 20
+# A deadline further away than this is treated as "no deadline" (gRPC reports ~9.2e18 s).
+_NO_DEADLINE_S = 1e9
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect quickly after a server restart instead of gRPC's default 1 s..120 s backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+]
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class CoordinationError(RuntimeError):
+    """An RPC failed with a gRPC status other than DEADLINE_EXCEEDED."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, method: str = "") -> None:
+        self.code = code
+        self.details = details
+        self.method = method
+        super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
+
+
+def seconds(t: Optional[Timeout]) -> Optional[float]:
+    if t is None:
+        return None
+    if isinstance(t, _dt.timedelta):
+        return t.total_seconds()
+    return float(t)
+
+
+def grpc_target(addr: str) -> str:
+    """'http://host:port' / 'host:port' / '[::1]:port' -> a gRPC target string."""
+    for scheme in ("http://", "https://", "grpc://"):
+        if addr.startswith(scheme):
+            addr = addr[len(scheme):]
+            break
+    return addr.rstrip("/")
+
+
+def split_hostport(addr: str) -> Tuple[str, int]:
+    """'[::1]:80' -> ('::1', 80); 'host:80' -> ('host', 80)."""
+    addr = grpc_target(addr)
+    if addr.startswith("["):
+        host, _, rest = addr[1:].partition("]")
+        port = rest.lstrip(":")
+    else:
+        host, _, port = addr.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"address {addr!r} has no port")
+    return host, int(port)
+
+
+def join_hostport(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def advertised_host(bind_host: str, hostname: Optional[str] = None) -> str:
+    """The host peers should dial for a server bound to ``bind_host``."""
+    if hostname:
+        return hostname
+    if bind_host in ("", "0.0.0.0", "::", "[::]", "*"):
+        return socket.gethostname()
+    return bind_host.strip("[]")
+
+
+def make_channel(addr: str) -> grpc.Channel:
+    return grpc.insecure_channel(grpc_target(addr), options=CHANNEL_OPTIONS)
+
+
+def translate(err: grpc.RpcError, method: str) -> BaseException:
+    """A client-side RpcError -> TimeoutError (missed deadline) or CoordinationError."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else str(err)) or ""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(f"{method}: deadline exceeded: {details}")
+    return CoordinationError(code, details, method)
+
+
+def wait_ready(channel: grpc.Channel, addr: str, timeout: float) -> None:
+    """Blocks until the channel is connected, or raises TimeoutError."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=max(timeout, 0.0))
+    except grpc.FutureTimeoutError:
+        raise TimeoutError(f"could not connect to {addr} within {timeout:.3f}s") from None
+
+
+def server_deadline(context: grpc.ServicerContext, method: str) -> float:
+    """The time.monotonic() by which a handler must answer. Aborts INVALID_ARGUMENT without one.
+
+    The server answers a little before the caller's deadline, so that its explanation (which
+    rank is missing, ...) reaches the caller instead of a bare client-side deadline error.
+    """
+    remaining = context.time_remaining()
+    if remaining is None or remaining > _NO_DEADLINE_S:
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{method}: a deadline is required (set a timeout on the call)",
+        )
+    margin = min(0.05, remaining * 0.1)
+    return time.monotonic() + remaining - margin
+
+
+def bad(context: grpc.ServicerContext, msg: str) -> None:
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
+
+
+def check_name(context: grpc.ServicerContext, what: str, value: str, allow_empty: bool = False) -> None:
+    if not value and not allow_empty:
+        bad(context, f"{what} must not be empty")
+    if len(value) > MAX_NAME_LEN:
+        bad(context, f"{what} is too long ({len(value)} > {MAX_NAME_LEN} characters)")
+
+
+def check_rank(context: grpc.ServicerContext, what: str, value: int, world_size: Optional[int] = None) -> None:
+    if value < 0:
+        bad(context, f"{what} must be >= 0, got {value}")
+    if world_size is not None and value >= world_size:
+        bad(context, f"{what} {value} is out of range for world_size {world_size}")
+    if value > MAX_RANK:
+        bad(context, f"{what} {value} is too large")
+
+
+# --- conversions -------------------------------------------------------------------------
+
+
+def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
+    return pb.QuorumMember(
+        replica_id=m.replica_id,
+        address=m.address,
+        store_address=m.store_address,
+        step=m.step,
+        world_size=m.world_size,
+        shrink_only=m.shrink_only,
+        data=m.data,
+        commit_failures=m.commit_failures,
+    )
+
+
+def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
+    return QuorumMember(
+        replica_id=m.replica_id,
+        address=m.address,
+        store_address=m.store_address,
+        step=m.step,
+        world_size=m.world_size,
+        shrink_only=m.shrink_only,
+        data=m.data,
+        commit_failures=m.commit_failures,
+    )
+
+
+def quorum_to_pb(q: Quorum) -> pb.Quorum:
+    out = pb.Quorum(quorum_id=q.quorum_id, participants=[member_to_pb(m) for m in q.participants])
+    out.created.FromDatetime(q.created)
+    return out
+
+
+def quorum_from_pb(q: pb.Quorum) -> Quorum:
+    created = (
+        q.created.ToDatetime(tzinfo=_dt.timezone.utc)
+        if q.HasField("created")
+        else _dt.datetime.now(_dt.timezone.utc)
+    )
+    return Quorum(
+        quorum_id=q.quorum_id,
+        participants=tuple(member_from_pb(m) for m in q.participants),
+        created=created,
+    )

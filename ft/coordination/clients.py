@@ -1,0 +1,349 @@
+"""Clients of the lighthouse and of a ManagerServer.
+
+Every call takes a timeout (``datetime.timedelta`` or seconds) that bounds the whole call,
+connecting included. A missed deadline raises :class:`TimeoutError`; any other failure raises
+:class:`CoordinationError` (a ``RuntimeError`` carrying the gRPC ``code`` and ``details``).
+
+Failure notifications
+---------------------
+The lighthouse streams a notification within one quorum tick of a member of the current quorum
+missing its heartbeat deadline. Two ways to receive them::
+
+    client = LighthouseClient("http://lighthouse:29510", connect_timeout=timedelta(seconds=10))
+
+    # 1. callback on a background thread, resubscribing by itself until closed
+    sub = client.subscribe_failures(lambda n: pg.abort())   # n: FailureNotification
+    sub.wait_subscribed(timeout=5)    # optional: True once the stream is open
+    ...
+    sub.close()
+
+    # 2. a plain iterator over one stream, bounded by ``timeout``
+    for n in client.failures(timeout=timedelta(minutes=5)):
+        print(n.replica_id, n.quorum_id, n.error_message)
+
+``FailureNotification`` has ``replica_id``, ``error_message``, ``quorum_id`` (the quorum the
+replica belonged to), ``heartbeat_age_s`` and ``detected`` (datetime, UTC). A subscription only
+sees failures detected while it is open; between two streams (every ``stream_timeout``, default
+5 minutes) there is a gap of one round trip.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import grpc
+
+from . import _rpc
+from ._proto import torchft_pb2 as pb
+from ._proto import torchft_pb2_grpc as pb_grpc
+from ._rpc import CoordinationError, Timeout
+from .quorum import Quorum, QuorumResult
+
+logger = logging.getLogger("ft.coordination")
+
+__all__ = [
+    "LighthouseClient",
+    "ManagerClient",
+    "FailureNotification",
+    "FailureSubscription",
+    "CoordinationError",
+]
+
+
+def _required(t: Optional[Timeout], what: str) -> float:
+    s = _rpc.seconds(t)
+    if s is None:
+        raise ValueError(f"{what}: a timeout is required")
+    return s
+
+
+class _Client:
+    _stub_cls = None
+
+    def __init__(self, addr: str, connect_timeout: Timeout) -> None:
+        self._addr = addr
+        self._connect_timeout = _required(connect_timeout, "connect_timeout")
+        self._channel = _rpc.make_channel(addr)
+        self._stub = self._stub_cls(self._channel)
+        self._connected = False
+
+    def _call(self, method: str, request, timeout: Timeout, wait_for_ready: bool = True):
+        t = _required(timeout, method)
+        if t <= 0:
+            raise TimeoutError(f"{method}: timeout must be > 0, got {t}")
+        if wait_for_ready and not self._connected:
+            # Bound the connection phase by connect_timeout as well as by the call's timeout.
+            connect = min(self._connect_timeout, t)
+            try:
+                _rpc.wait_ready(self._channel, self._addr, connect)
+            except TimeoutError as e:
+                raise TimeoutError(f"{method}: {e}") from None
+        try:
+            resp = getattr(self._stub, method)(request, timeout=t, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._connected = False
+            raise _rpc.translate(e, method) from None
+        self._connected = True
+        return resp
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class FailureNotification:
+    replica_id: str
+    error_message: str
+    quorum_id: int
+    heartbeat_age_s: float
+    detected: _dt.datetime
+
+
+def _notification_from_pb(m: pb.FailureNotification) -> FailureNotification:
+    return FailureNotification(
+        replica_id=m.replica_id,
+        error_message=m.error_message,
+        quorum_id=m.quorum_id,
+        heartbeat_age_s=m.heartbeat_age_s,
+        detected=m.detected.ToDatetime(tzinfo=_dt.timezone.utc),
+    )
+
+
+class FailureSubscription:
+    """A background subscription to lighthouse failure notifications (see module docstring)."""
+
+    def __init__(
+        self,
+        client: "LighthouseClient",
+        callback: Callable[[FailureNotification], None],
+        subscriber: str,
+        stream_timeout: float,
+    ) -> None:
+        self._client = client
+        self._callback = callback
+        self._subscriber = subscriber
+        self._stream_timeout = stream_timeout
+        self._closed = threading.Event()
+        self._subscribed = threading.Event()
+        self._lock = threading.Lock()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name="ft-failure-subscription", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ..utils.retry import backoff_delays
+
+        delays = backoff_delays(0.05, 1.0)
+        while not self._closed.is_set():
+            try:
+                call = self._client._stub.SubscribeFailures(
+                    pb.SubscribeFailuresRequest(subscriber=self._subscriber),
+                    timeout=self._stream_timeout,
+                    wait_for_ready=True,
+                )
+                with self._lock:
+                    self._call = call
+                    if self._closed.is_set():
+                        call.cancel()
+                for msg in call:
+                    if msg.keepalive:
+                        self._subscribed.set()
+                        delays = backoff_delays(0.05, 1.0)
+                        continue
+                    try:
+                        self._callback(_notification_from_pb(msg))
+                    except Exception:
+                        logger.exception("failure notification callback raised")
+            except grpc.RpcError as e:
+                self._subscribed.clear()
+                if self._closed.is_set():
+                    break
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    logger.debug("failure subscription to %s: %s", self._client._addr, e.code())
+                    self._closed.wait(next(delays))
+                continue
+            self._subscribed.clear()
+            if not self._closed.is_set():
+                # The server ended the stream (shutdown); resubscribe after a pause.
+                self._closed.wait(next(delays))
+
+    def wait_subscribed(self, timeout: Optional[Timeout] = None) -> bool:
+        """True once a stream is open (the lighthouse sent its first keep-alive)."""
+        return self._subscribed.wait(_rpc.seconds(timeout))
+
+    @property
+    def subscribed(self) -> bool:
+        return self._subscribed.is_set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        self._thread.join(timeout)
+
+
+class LighthouseClient(_Client):
+    """Client of ``LighthouseService``. ``addr``: ``"http://host:port"`` or ``"host:port"``."""
+
+    _stub_cls = pb_grpc.LighthouseServiceStub
+
+    def quorum(
+        self,
+        replica_id: str,
+        timeout: Timeout,
+        address: str = "",
+        store_address: str = "",
+        step: int = 0,
+        world_size: int = 0,
+        shrink_only: bool = False,
+        data: Optional[dict] = None,
+        commit_failures: int = 0,
+        *,
+        wait_for_ready: bool = True,
+    ) -> Quorum:
+        """Joins the next quorum and blocks until it is issued (or ``timeout``)."""
+        member = pb.QuorumMember(
+            replica_id=replica_id,
+            address=address,
+            store_address=store_address,
+            step=step,
+            world_size=world_size,
+            shrink_only=shrink_only,
+            data=json.dumps(data) if data is not None else "",
+            commit_failures=commit_failures,
+        )
+        resp = self._call(
+            "Quorum", pb.LighthouseQuorumRequest(requester=member), timeout, wait_for_ready
+        )
+        return _rpc.quorum_from_pb(resp.quorum)
+
+    def heartbeat(
+        self,
+        replica_id: str,
+        timeout: Timeout = _dt.timedelta(seconds=5),
+        *,
+        wait_for_ready: bool = True,
+    ) -> None:
+        self._call(
+            "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout, wait_for_ready
+        )
+
+    def subscribe_failures(
+        self,
+        callback: Callable[[FailureNotification], None],
+        subscriber: str = "",
+        stream_timeout: Timeout = _dt.timedelta(minutes=5),
+    ) -> FailureSubscription:
+        """Calls ``callback(notification)`` on a background thread for every failure."""
+        return FailureSubscription(self, callback, subscriber, _required(stream_timeout, "stream_timeout"))
+
+    def failures(self, timeout: Timeout, subscriber: str = "") -> Iterator[FailureNotification]:
+        """Yields failure notifications from one stream until ``timeout`` (then returns)."""
+        call = self._stub.SubscribeFailures(
+            pb.SubscribeFailuresRequest(subscriber=subscriber),
+            timeout=_required(timeout, "failures"),
+            wait_for_ready=True,
+        )
+        try:
+            for msg in call:
+                if not msg.keepalive:
+                    yield _notification_from_pb(msg)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise _rpc.translate(e, "SubscribeFailures") from None
+        finally:
+            call.cancel()
+
+
+def _result_from_pb(r: pb.ManagerQuorumResponse) -> QuorumResult:
+    return QuorumResult(
+        quorum_id=r.quorum_id,
+        replica_rank=r.replica_rank,
+        replica_world_size=r.replica_world_size,
+        recover_src_manager_address=r.recover_src_manager_address,
+        recover_src_replica_rank=(
+            r.recover_src_replica_rank if r.HasField("recover_src_replica_rank") else None
+        ),
+        recover_dst_replica_ranks=list(r.recover_dst_replica_ranks),
+        store_address=r.store_address,
+        max_step=r.max_step,
+        max_replica_rank=r.max_replica_rank if r.HasField("max_replica_rank") else None,
+        max_world_size=r.max_world_size,
+        heal=r.heal,
+        commit_failures=r.commit_failures,
+        replica_ids=list(r.replica_ids),
+    )
+
+
+def _result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
+    out = pb.ManagerQuorumResponse(
+        quorum_id=r.quorum_id,
+        replica_rank=r.replica_rank,
+        replica_world_size=r.replica_world_size,
+        recover_src_manager_address=r.recover_src_manager_address,
+        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
+        store_address=r.store_address,
+        max_step=r.max_step,
+        max_world_size=r.max_world_size,
+        heal=r.heal,
+        commit_failures=r.commit_failures,
+        replica_ids=r.replica_ids,
+    )
+    if r.recover_src_replica_rank is not None:
+        out.recover_src_replica_rank = r.recover_src_replica_rank
+    if r.max_replica_rank is not None:
+        out.max_replica_rank = r.max_replica_rank
+    return out
+
+
+class ManagerClient(_Client):
+    """Client of a replica group's ``ManagerService`` (torchft-compatible names)."""
+
+    _stub_cls = pb_grpc.ManagerServiceStub
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: Timeout,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+    ) -> QuorumResult:
+        req = pb.ManagerQuorumRequest(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+        )
+        return _result_from_pb(self._call("Quorum", req, timeout))
+
+    def _checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+        resp = self._call("CheckpointMetadata", pb.CheckpointMetadataRequest(rank=rank), timeout)
+        return resp.checkpoint_metadata
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
+    ) -> bool:
+        req = pb.ShouldCommitRequest(should_commit=should_commit, group_rank=group_rank, step=step)
+        return self._call("ShouldCommit", req, timeout).should_commit
+
+    def kill(self, msg: str, timeout: Timeout = _dt.timedelta(seconds=5)) -> None:
+        """Asks the ManagerServer's process to exit with a non-zero status."""
+        self._call("Kill", pb.KillRequest(msg=msg), timeout)

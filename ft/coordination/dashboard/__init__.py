@@ -1,0 +1,13 @@
+"""The lighthouse dashboard: one self-contained HTML page (no CDN, no outside fetch).
+
+The page polls ``/api/status`` every second and renders the current quorum, why the next one
+is or is not ready, heartbeat ages (dead members marked), and a kill button per member.
+"""
+
+from pathlib import Path
+
+_PAGE = Path(__file__).with_name("index.html")
+
+
+def page_html() -> str:
+    return _PAGE.read_text(encoding="utf-8")

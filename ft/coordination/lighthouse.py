@@ -1,0 +1,757 @@
+"""The lighthouse: one per job. Decides, every round, which replica groups train together.
+
+``LighthouseServer(bind, min_replicas, join_timeout_ms=None, quorum_tick_ms=None,
+heartbeat_timeout_ms=None)`` serves ``torchft.LighthouseService`` over gRPC (Quorum long-poll,
+Heartbeat, and the ft extension ``SubscribeFailures``) and, on a second port, an HTTP dashboard:
+
+* ``GET /``            self-contained, self-refreshing HTML page;
+* ``GET /api/status``  the same information as JSON;
+* ``GET /metrics``     Prometheus text format;
+* ``POST /api/kill``   ``{"replica_id": ..., "msg": ...}``: forwards Kill to that group's
+  ManagerServer. Needs ``Authorization: Bearer <token>`` when an auth token is configured
+  (``auth_token=`` or env ``FT_AUTH_TOKEN``).
+
+Quorum ids never repeat across restarts: the counter starts from the wall clock in microseconds
+(a restarted lighthouse starts above every id the previous one can have issued, since issuing
+an id takes far more than a microsecond), or from the id in ``quorum_id_file`` when that file exists
+and holds a larger one (guards against a clock that steps back). The file is rewritten at every bump.
+
+A replica waiting in an open Quorum call counts as heartbeating (the call is a continuous
+heartbeat; gRPC keepalive pings end the call of a stalled peer). Replicas whose heartbeat is older than ``heartbeat_timeout + dead_grace`` are forgotten (they
+leave the dashboard). When a member of the current quorum misses its heartbeat deadline, every
+``SubscribeFailures`` stream gets a ``FailureNotification`` at the next tick.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hmac
+import json
+import logging
+import os
+import queue
+import socket
+import statistics
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Dict, List, Optional, Set, Tuple
+from urllib.parse import parse_qs, urlparse
+
+import grpc
+
+from . import _rpc
+from ._proto import torchft_pb2 as pb
+from ._proto import torchft_pb2_grpc as pb_grpc
+from .quorum import (
+    LighthouseOptions,
+    Quorum,
+    QuorumMember,
+    next_quorum_id,
+    quorum_compute,
+)
+
+logger = logging.getLogger("ft.lighthouse")
+
+__all__ = ["LighthouseServer"]
+
+DEFAULT_JOIN_TIMEOUT_MS = 60_000
+DEFAULT_QUORUM_TICK_MS = 100
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
+DEFAULT_DEAD_GRACE_MS = 30_000
+KEEPALIVE_S = 5.0
+MAX_DATA_BYTES = 64 * 1024
+
+
+class _Unavailable(Exception):
+    pass
+
+
+@dataclass
+class _Waiter:
+    replica_id: str
+    is_active: Callable[[], bool] = lambda: True
+    answer: Optional[Quorum] = None
+
+
+@dataclass
+class _Stats:
+    quorums_issued: int = 0
+    quorum_changes: int = 0
+    failure_notifications: int = 0
+    last_latency_s: float = 0.0
+    latencies: List[float] = field(default_factory=list)  # last 1000
+
+
+class _LighthouseState:
+    """All lighthouse state, guarded by one lock; the gRPC and HTTP faces call into it."""
+
+    def __init__(
+        self,
+        opts: LighthouseOptions,
+        tick_s: float,
+        dead_grace_s: float,
+        quorum_id_file: Optional[str],
+    ) -> None:
+        self.opts = opts
+        self.tick_s = tick_s
+        self.dead_grace_s = dead_grace_s
+        self.quorum_id_file = quorum_id_file
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.participants: Dict[str, Tuple[float, QuorumMember]] = {}
+        self.heartbeats: Dict[str, float] = {}
+        self.last_member: Dict[str, QuorumMember] = {}  # latest info per replica (dashboard, kill)
+        self.waiters: Dict[int, _Waiter] = {}
+        self.prev: Optional[Quorum] = None
+        self.prev_issued_mono = 0.0
+        self.quorum_id = self._initial_quorum_id()
+        self.reason = "no participants"
+        self.notified: Set[Tuple[int, str]] = set()
+        self.subscribers: Set["queue.Queue"] = set()
+        self.stats = _Stats()
+        self.closed = False
+
+    # --- quorum ids -------------------------------------------------------------------
+    def _initial_quorum_id(self) -> int:
+        seed = time.time_ns() // 1000
+        if self.quorum_id_file and os.path.exists(self.quorum_id_file):
+            try:
+                with open(self.quorum_id_file) as f:
+                    seed = max(seed, int(f.read().strip()))
+            except (OSError, ValueError) as e:
+                logger.warning("ignoring unreadable quorum_id_file %s: %s", self.quorum_id_file, e)
+        return seed
+
+    def _persist_quorum_id(self) -> None:
+        if not self.quorum_id_file:
+            return
+        tmp = f"{self.quorum_id_file}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(str(self.quorum_id))
+            os.replace(tmp, self.quorum_id_file)
+        except OSError as e:
+            logger.warning("could not persist quorum id to %s: %s", self.quorum_id_file, e)
+
+    # --- quorum -----------------------------------------------------------------------
+    def quorum(self, member: QuorumMember, deadline: float, is_active) -> Quorum:
+        rid = member.replica_id
+        waiter = _Waiter(rid, is_active)
+        with self.cond:
+            if self.closed:
+                raise _Unavailable("lighthouse is shutting down")
+            now = time.monotonic()
+            self.heartbeats[rid] = now
+            self.last_member[rid] = member
+            joined = self.participants[rid][0] if rid in self.participants else now
+            self.participants[rid] = (joined, member)
+            self.waiters[id(waiter)] = waiter
+            try:
+                self._tick_locked(now)
+                while waiter.answer is None:
+                    if self.closed:
+                        raise _Unavailable("lighthouse is shutting down")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"no quorum for {rid} before its deadline; last state: {self.reason}"
+                        )
+                    if not is_active():
+                        raise TimeoutError("caller went away")
+                    self.cond.wait(min(remaining, 1.0))
+                return waiter.answer
+            finally:
+                del self.waiters[id(waiter)]
+                if waiter.answer is None and not any(
+                    w.replica_id == rid for w in self.waiters.values()
+                ):
+                    # Nobody is waiting for this replica any more: it is no longer a participant.
+                    self.participants.pop(rid, None)
+
+    def heartbeat(self, replica_id: str) -> None:
+        with self.lock:
+            if self.closed:
+                raise _Unavailable("lighthouse is shutting down")
+            self.heartbeats[replica_id] = time.monotonic()
+
+    def tick(self) -> None:
+        with self.cond:
+            if not self.closed:
+                self._tick_locked(time.monotonic())
+
+    def _tick_locked(self, now: float) -> None:
+        # An open Quorum call is a continuous heartbeat: its caller is alive and listening (a
+        # dropped connection ends the call, and gRPC keepalive catches a stalled peer).
+        for w in self.waiters.values():
+            if w.answer is None and w.is_active():
+                self.heartbeats[w.replica_id] = now
+        self._detect_failures_locked(now)
+        self._forget_dead_locked(now)
+        decision = quorum_compute(now, self.participants, self.heartbeats, self.prev, self.opts)
+        self.reason = decision.reason
+        if decision.members is not None:
+            self._issue_locked(now, decision.members, decision.reason)
+
+    def _issue_locked(self, now: float, members, why_ready: str) -> None:
+        new_id, why_id = next_quorum_id(self.prev, self.quorum_id, members)
+        first_joined = min(self.participants[m.replica_id][0] for m in members)
+        changed = new_id != self.quorum_id
+        self.quorum_id = new_id
+        if changed:
+            self._persist_quorum_id()
+        quorum = Quorum(quorum_id=new_id, participants=tuple(members))
+        self.prev = quorum
+        self.prev_issued_mono = now
+        ids = {m.replica_id for m in members}
+        self.participants.clear()
+        for w in self.waiters.values():
+            if w.replica_id in ids:
+                w.answer = quorum
+            elif w.replica_id not in self.participants:
+                # Not in this quorum: stays a participant for the next round.
+                self.participants[w.replica_id] = (now, self.last_member[w.replica_id])
+        latency = now - first_joined
+        st = self.stats
+        st.quorums_issued += 1
+        st.last_latency_s = latency
+        st.latencies.append(latency)
+        del st.latencies[:-1000]
+        if changed:
+            st.quorum_changes += 1
+            logger.info(
+                "quorum %d: %s; %s; members: %s",
+                new_id, why_id, why_ready, ", ".join(sorted(ids)),
+            )
+        self.reason = f"issued quorum {new_id} ({why_ready})"
+        self.cond.notify_all()
+
+    def _detect_failures_locked(self, now: float) -> None:
+        if self.prev is None:
+            return
+        timeout = self.opts.heartbeat_timeout_s
+        for m in self.prev.participants:
+            key = (self.prev.quorum_id, m.replica_id)
+            last = self.heartbeats.get(m.replica_id)
+            age = None if last is None else now - last
+            if key in self.notified or (age is not None and age < timeout):
+                continue
+            self.notified.add(key)
+            msg = pb.FailureNotification(
+                replica_id=m.replica_id,
+                error_message=(
+                    f"replica {m.replica_id} missed its heartbeat deadline "
+                    f"({timeout:.3f}s) in quorum {self.prev.quorum_id}"
+                ),
+                quorum_id=self.prev.quorum_id,
+                heartbeat_age_s=age if age is not None else float("inf"),
+            )
+            msg.detected.GetCurrentTime()
+            self.stats.failure_notifications += 1
+            logger.warning("%s", msg.error_message)
+            for q in list(self.subscribers):
+                q.put(msg)
+        # Forget notifications of old quorums.
+        self.notified = {k for k in self.notified if k[0] == self.prev.quorum_id}
+
+    def _forget_dead_locked(self, now: float) -> None:
+        limit = self.opts.heartbeat_timeout_s + self.dead_grace_s
+        waiting = {w.replica_id for w in self.waiters.values()}
+        for rid, last in list(self.heartbeats.items()):
+            if now - last > limit and rid not in waiting:
+                del self.heartbeats[rid]
+                self.participants.pop(rid, None)
+                in_prev = self.prev is not None and rid in {
+                    p.replica_id for p in self.prev.participants
+                }
+                if not in_prev:
+                    self.last_member.pop(rid, None)
+
+    # --- subscriptions ----------------------------------------------------------------
+    def subscribe(self) -> "queue.Queue":
+        q: "queue.Queue" = queue.Queue()
+        with self.lock:
+            if self.closed:
+                raise _Unavailable("lighthouse is shutting down")
+            self.subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: "queue.Queue") -> None:
+        with self.lock:
+            self.subscribers.discard(q)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            for q in self.subscribers:
+                q.put(None)
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    # --- observation ------------------------------------------------------------------
+    def status(self) -> dict:
+        with self.lock:
+            now = time.monotonic()
+            wall = time.time()
+            timeout = self.opts.heartbeat_timeout_s
+
+            def age(rid: str) -> Optional[float]:
+                t = self.heartbeats.get(rid)
+                return None if t is None else round(now - t, 3)
+
+            def alive(rid: str) -> bool:
+                a = age(rid)
+                return a is not None and a < timeout
+
+            quorum = None
+            in_quorum: Set[str] = set()
+            if self.prev is not None:
+                max_step = max(m.step for m in self.prev.participants)
+                in_quorum = {m.replica_id for m in self.prev.participants}
+                quorum = {
+                    "quorum_id": self.prev.quorum_id,
+                    "created": self.prev.created.timestamp(),
+                    "age_s": round(now - self.prev_issued_mono, 3),
+                    "max_step": max_step,
+                    "members": [
+                        {
+                            "replica_id": m.replica_id,
+                            "address": m.address,
+                            "store_address": m.store_address,
+                            "step": m.step,
+                            "world_size": m.world_size,
+                            "recovering": m.step != max_step,
+                            "shrink_only": m.shrink_only,
+                            "commit_failures": m.commit_failures,
+                            "heartbeat_age_s": age(m.replica_id),
+                            "alive": alive(m.replica_id),
+                        }
+                        for m in self.prev.participants
+                    ],
+                }
+            known = sorted(set(self.heartbeats) | in_quorum)
+            replicas = [
+                {
+                    "replica_id": rid,
+                    "heartbeat_age_s": age(rid),
+                    "alive": alive(rid),
+                    "participating": rid in self.participants,
+                    "in_quorum": rid in in_quorum,
+                    "address": self.last_member[rid].address if rid in self.last_member else "",
+                    "step": self.last_member[rid].step if rid in self.last_member else None,
+                }
+                for rid in known
+            ]
+            lat = self.stats.latencies
+            return {
+                "now": wall,
+                "quorum": quorum,
+                "next_quorum": {
+                    "reason": self.reason,
+                    "participants": sorted(self.participants),
+                },
+                "replicas": replicas,
+                "config": {
+                    "min_replicas": self.opts.min_replicas,
+                    "join_timeout_ms": int(self.opts.join_timeout_s * 1000),
+                    "heartbeat_timeout_ms": int(self.opts.heartbeat_timeout_s * 1000),
+                    "quorum_tick_ms": int(self.tick_s * 1000),
+                    "dead_grace_ms": int(self.dead_grace_s * 1000),
+                },
+                "stats": {
+                    "quorums_issued": self.stats.quorums_issued,
+                    "quorum_changes": self.stats.quorum_changes,
+                    "failure_notifications": self.stats.failure_notifications,
+                    "last_quorum_latency_s": self.stats.last_latency_s,
+                    "median_quorum_latency_s": statistics.median(lat) if lat else 0.0,
+                    "subscribers": len(self.subscribers),
+                },
+            }
+
+
+def _prom_escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_metrics(status: dict) -> str:
+    lines: List[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_prom_escape(str(v))}"' for k, v in labels.items())
+            lines.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+
+    q = status["quorum"]
+    st = status["stats"]
+    metric("ft_lighthouse_quorum_id", "gauge", "Id of the current quorum (0: none yet).",
+           [({}, q["quorum_id"] if q else 0)])
+    metric("ft_lighthouse_quorum_members", "gauge", "Members of the current quorum.",
+           [({}, len(q["members"]) if q else 0)])
+    metric("ft_lighthouse_quorum_age_seconds", "gauge", "Seconds since the current quorum was issued.",
+           [({}, q["age_s"] if q else 0)])
+    metric("ft_lighthouse_participants", "gauge", "Replicas waiting for the next quorum.",
+           [({}, len(status["next_quorum"]["participants"]))])
+    metric("ft_lighthouse_heartbeat_age_seconds", "gauge", "Seconds since each replica's last heartbeat.",
+           [({"replica_id": r["replica_id"]}, r["heartbeat_age_s"])
+            for r in status["replicas"] if r["heartbeat_age_s"] is not None])
+    metric("ft_lighthouse_replica_alive", "gauge", "1 if the replica's heartbeat is fresh.",
+           [({"replica_id": r["replica_id"]}, int(r["alive"])) for r in status["replicas"]])
+    metric("ft_lighthouse_quorum_latency_seconds", "gauge",
+           "Time from the first participant joining to the quorum being issued (last round).",
+           [({}, st["last_quorum_latency_s"])])
+    metric("ft_lighthouse_quorum_latency_median_seconds", "gauge",
+           "Median quorum latency over the last 1000 rounds.", [({}, st["median_quorum_latency_s"])])
+    metric("ft_lighthouse_quorums_total", "counter", "Quorums issued.", [({}, st["quorums_issued"])])
+    metric("ft_lighthouse_quorum_changes_total", "counter", "Quorums with a new quorum_id.",
+           [({}, st["quorum_changes"])])
+    metric("ft_lighthouse_failure_notifications_total", "counter",
+           "Failure notifications sent (heartbeat expiries of quorum members).",
+           [({}, st["failure_notifications"])])
+    metric("ft_lighthouse_failure_subscribers", "gauge", "Open SubscribeFailures streams.",
+           [({}, st["subscribers"])])
+    return "\n".join(lines) + "\n"
+
+
+class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
+    def __init__(self, state: _LighthouseState) -> None:
+        self._state = state
+
+    def Quorum(self, request, context):
+        deadline = _rpc.server_deadline(context, "Quorum")
+        if not request.HasField("requester"):
+            _rpc.bad(context, "Quorum: requester is required")
+        r = request.requester
+        _rpc.check_name(context, "requester.replica_id", r.replica_id)
+        _rpc.check_name(context, "requester.address", r.address, allow_empty=True)
+        _rpc.check_name(context, "requester.store_address", r.store_address, allow_empty=True)
+        if r.step < 0:
+            _rpc.bad(context, f"requester.step must be >= 0, got {r.step}")
+        if r.world_size > _rpc.MAX_RANK:
+            _rpc.bad(context, f"requester.world_size {r.world_size} is too large")
+        if r.commit_failures < 0:
+            _rpc.bad(context, f"requester.commit_failures must be >= 0, got {r.commit_failures}")
+        if len(r.data) > MAX_DATA_BYTES:
+            _rpc.bad(context, f"requester.data is too large ({len(r.data)} > {MAX_DATA_BYTES} bytes)")
+        if r.data:
+            try:
+                json.loads(r.data)
+            except ValueError as e:
+                _rpc.bad(context, f"requester.data is not valid JSON: {e}")
+        member = _rpc.member_from_pb(r)
+        context.add_callback(self._state.wake)
+        try:
+            q = self._state.quorum(member, deadline, context.is_active)
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except _Unavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.LighthouseQuorumResponse(quorum=_rpc.quorum_to_pb(q))
+
+    def Heartbeat(self, request, context):
+        _rpc.server_deadline(context, "Heartbeat")
+        _rpc.check_name(context, "replica_id", request.replica_id)
+        try:
+            self._state.heartbeat(request.replica_id)
+        except _Unavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.LighthouseHeartbeatResponse()
+
+    def SubscribeFailures(self, request, context):
+        _rpc.server_deadline(context, "SubscribeFailures")
+        _rpc.check_name(context, "subscriber", request.subscriber, allow_empty=True)
+        try:
+            q = self._state.subscribe()
+        except _Unavailable as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        context.add_callback(lambda: q.put(None))
+        try:
+            yield pb.FailureNotification(keepalive=True)
+            while context.is_active():
+                try:
+                    item = q.get(timeout=KEEPALIVE_S)
+                except queue.Empty:
+                    yield pb.FailureNotification(keepalive=True)
+                    continue
+                if item is None:
+                    return
+                yield item
+        finally:
+            self._state.unsubscribe(q)
+
+
+def _make_http_handler(lh: "LighthouseServer"):
+    page_cache: Dict[str, bytes] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "ft-lighthouse"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # quiet
+            logger.debug("http: " + fmt, *args)
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _json(self, code: int, obj) -> None:
+            self._send(code, json.dumps(obj).encode(), "application/json")
+
+        def do_HEAD(self):
+            self.do_GET()
+
+        def do_GET(self):
+            path = urlparse(self.path).path
+            if path in ("/", "/index.html"):
+                if "page" not in page_cache:
+                    from .dashboard import page_html
+
+                    page_cache["page"] = page_html().encode()
+                self._send(200, page_cache["page"], "text/html; charset=utf-8")
+            elif path == "/api/status":
+                st = lh._state.status()
+                st["config"]["auth_required"] = lh._auth_token is not None
+                self._json(200, st)
+            elif path == "/metrics":
+                self._send(200, render_metrics(lh._state.status()).encode(),
+                           "text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/healthz":
+                self._send(200, b"ok\n", "text/plain")
+            else:
+                self._json(404, {"error": f"no such page: {path}"})
+
+        def _authorized(self) -> bool:
+            token = lh._auth_token
+            if token is None:
+                return True
+            got = self.headers.get("Authorization", "")
+            if got.startswith("Bearer "):
+                got = got[len("Bearer "):]
+            else:
+                got = self.headers.get("X-FT-Token", "")
+            return hmac.compare_digest(got.encode(), token.encode())
+
+        def do_POST(self):
+            parsed = urlparse(self.path)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0 or length > 64 * 1024:
+                self._json(413, {"error": "request body too large"})
+                return
+            body = self.rfile.read(length) if length else b""
+            if not self._authorized():
+                self._json(401, {"error": "missing or wrong auth token"})
+                return
+            if parsed.path != "/api/kill":
+                self._json(404, {"error": f"no such endpoint: {parsed.path}"})
+                return
+            try:
+                args = json.loads(body) if body else {}
+                if not isinstance(args, dict):
+                    raise ValueError("body must be a JSON object")
+            except ValueError as e:
+                self._json(400, {"error": f"bad JSON: {e}"})
+                return
+            qs = parse_qs(parsed.query)
+            rid = args.get("replica_id") or (qs.get("replica_id") or [""])[0]
+            msg = str(args.get("msg") or "killed from the lighthouse dashboard")
+            if not isinstance(rid, str) or not rid:
+                self._json(400, {"error": "replica_id is required"})
+                return
+            code, result = lh._kill(rid, msg)
+            self._json(code, result)
+
+    return Handler
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class LighthouseServer:
+    """Runs the lighthouse gRPC service, its ticker and its HTTP dashboard in this process.
+
+    Args:
+        bind: gRPC address, e.g. ``"[::]:29510"``; port 0 picks a free port.
+        min_replicas: fewest replica groups in a (non fast-path) quorum.
+        join_timeout_ms: how long the earliest participant waits for heartbeating stragglers.
+        quorum_tick_ms: period of the quorum evaluation and failure detection.
+        heartbeat_timeout_ms: a replica is dead after this long without a heartbeat.
+        http_bind: dashboard address; default: the gRPC host with an ephemeral port. ``""``
+            disables the dashboard.
+        auth_token: required by mutating dashboard endpoints; default env ``FT_AUTH_TOKEN``.
+        dead_grace_ms: dead replicas leave the dashboard this long after their heartbeat expired.
+        quorum_id_file: optional file persisting the last quorum id (see module docstring).
+        hostname: host name to advertise in :meth:`address` (default: derived from ``bind``).
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        min_replicas: int,
+        join_timeout_ms: Optional[int] = None,
+        quorum_tick_ms: Optional[int] = None,
+        heartbeat_timeout_ms: Optional[int] = None,
+        *,
+        http_bind: Optional[str] = None,
+        auth_token: Optional[str] = None,
+        dead_grace_ms: Optional[int] = None,
+        quorum_id_file: Optional[str] = None,
+        hostname: Optional[str] = None,
+        max_workers: int = 1024,
+    ) -> None:
+        if min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        join_timeout_ms = DEFAULT_JOIN_TIMEOUT_MS if join_timeout_ms is None else join_timeout_ms
+        quorum_tick_ms = DEFAULT_QUORUM_TICK_MS if quorum_tick_ms is None else quorum_tick_ms
+        heartbeat_timeout_ms = (
+            DEFAULT_HEARTBEAT_TIMEOUT_MS if heartbeat_timeout_ms is None else heartbeat_timeout_ms
+        )
+        dead_grace_ms = DEFAULT_DEAD_GRACE_MS if dead_grace_ms is None else dead_grace_ms
+        for name, v in (("join_timeout_ms", join_timeout_ms), ("heartbeat_timeout_ms", heartbeat_timeout_ms),
+                        ("dead_grace_ms", dead_grace_ms)):
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if quorum_tick_ms <= 0:
+            raise ValueError(f"quorum_tick_ms must be > 0, got {quorum_tick_ms}")
+        if auth_token is None:
+            auth_token = os.environ.get("FT_AUTH_TOKEN") or None
+        self._auth_token = auth_token
+        opts = LighthouseOptions(
+            min_replicas=min_replicas,
+            join_timeout_s=join_timeout_ms / 1000,
+            heartbeat_timeout_s=heartbeat_timeout_ms / 1000,
+        )
+        self._state = _LighthouseState(opts, quorum_tick_ms / 1000, dead_grace_ms / 1000, quorum_id_file)
+
+        keepalive_ms = max(1000, heartbeat_timeout_ms)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ft-lighthouse"),
+            options=_rpc.SERVER_OPTIONS + [
+                # Ping idle connections so that a stalled waiter's call ends.
+                ("grpc.keepalive_time_ms", keepalive_ms),
+                ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ],
+            maximum_concurrent_rpcs=max_workers,
+        )
+        pb_grpc.add_LighthouseServiceServicer_to_server(_LighthouseServicer(self._state), self._server)
+        bind_host, _ = _rpc.split_hostport(bind)
+        self._port = self._server.add_insecure_port(_rpc.grpc_target(bind))
+        if self._port == 0:
+            raise OSError(f"lighthouse could not bind {bind!r}")
+        self._host = _rpc.advertised_host(bind_host, hostname)
+        self._server.start()
+
+        self._http: Optional[_HTTPServer] = None
+        self._http_thread: Optional[threading.Thread] = None
+        if http_bind is None:
+            http_bind = _rpc.join_hostport(bind_host or "::", 0)
+        if http_bind:
+            try:
+                self._start_http(http_bind)
+            except OSError:
+                self._server.stop(0)
+                raise
+
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_loop, name="ft-lighthouse-tick", daemon=True)
+        self._ticker.start()
+        logger.info(
+            "lighthouse serving gRPC on %s, dashboard on %s (min_replicas=%d, join_timeout_ms=%d, "
+            "quorum_tick_ms=%d, heartbeat_timeout_ms=%d, first quorum id > %d)",
+            self.address(), self.dashboard_address() or "(disabled)", min_replicas, join_timeout_ms,
+            quorum_tick_ms, heartbeat_timeout_ms, self._state.quorum_id,
+        )
+
+    def _start_http(self, http_bind: str) -> None:
+        host, port = _rpc.split_hostport(http_bind)
+        host = host.strip("[]")
+        if host in ("", "*"):
+            host = "::"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        class Server(_HTTPServer):
+            address_family = family
+
+        self._http = Server((host, port), _make_http_handler(self))
+        self._http_thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
+            name="ft-lighthouse-http", daemon=True,
+        )
+        self._http_thread.start()
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self._state.tick_s):
+            try:
+                self._state.tick()
+            except Exception:  # never let the ticker die
+                logger.exception("lighthouse tick failed")
+
+    def _kill(self, replica_id: str, msg: str) -> Tuple[int, dict]:
+        with self._state.lock:
+            member = self._state.last_member.get(replica_id)
+        if member is None:
+            return 404, {"error": f"unknown replica_id {replica_id!r}"}
+        if not member.address:
+            return 409, {"error": f"replica {replica_id!r} has no manager address"}
+        from .clients import ManagerClient
+
+        client = ManagerClient(member.address, connect_timeout=_dt.timedelta(seconds=2))
+        try:
+            client.kill(msg, timeout=_dt.timedelta(seconds=5))
+        except Exception as e:  # the process may die before answering
+            logger.warning("kill of %s at %s: %s", replica_id, member.address, e)
+            return 502, {"error": f"kill of {replica_id} failed: {e}"}
+        finally:
+            client.close()
+        logger.warning("killed %s (%s): %s", replica_id, member.address, msg)
+        return 200, {"killed": replica_id}
+
+    def address(self) -> str:
+        """``http://host:port`` of the gRPC service (what managers and clients dial)."""
+        return f"http://{_rpc.join_hostport(self._host, self._port)}"
+
+    def dashboard_address(self) -> Optional[str]:
+        """``http://host:port`` of the dashboard, or None when disabled."""
+        if self._http is None:
+            return None
+        port = self._http.server_address[1]
+        return f"http://{_rpc.join_hostport(self._host, port)}"
+
+    def status(self) -> dict:
+        """The dashboard's status document (for tests and tools)."""
+        return self._state.status()
+
+    def shutdown(self, grace: float = 0.5) -> None:
+        """Stops serving; waiting Quorum calls get UNAVAILABLE, failure streams end."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._state.close()
+        self._server.stop(grace).wait(timeout=grace + 5)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self._ticker.join(timeout=5)
+        logger.info("lighthouse %s stopped", self.address())
+
+    def __enter__(self) -> "LighthouseServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,369 @@
+"""ManagerServer: one per replica group, in group rank 0's process (SPEC section 5).
+
+* Quorum: waits until all ``world_size`` local ranks asked, sends one request to the lighthouse
+  (a member whose step is the group's step), and answers every rank with its own
+  :class:`~ft.coordination.quorum.QuorumResult` (heal source/destinations, store address, ...).
+  Lighthouse failures are retried ``quorum_retries`` times with backoff inside the callers'
+  deadline; the final failure is sent to every waiting rank (never left to hang). A rank whose
+  deadline passes before the others arrive gets DEADLINE_EXCEEDED naming the missing ranks.
+* ShouldCommit: an AND vote over the group's ranks, answered to all once every rank voted. A vote
+  whose step disagrees with the round's (the first vote's) step is rejected with
+  FAILED_PRECONDITION and counts as a "no", so the group does not commit.
+* CheckpointMetadata: the metadata the given rank sent with its latest Quorum request.
+* Kill: answers, then exits the process with status 1.
+* Heartbeats to the lighthouse every ``heartbeat_interval`` from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Set, Tuple
+
+import grpc
+
+from . import _rpc
+from ..utils.retry import retry_until
+from ._proto import torchft_pb2 as pb
+from ._proto import torchft_pb2_grpc as pb_grpc
+from ._rpc import CoordinationError, Timeout
+from .clients import LighthouseClient, _result_to_pb
+from .quorum import GroupRequest, Quorum, compute_quorum_result, merge_group_requests
+
+logger = logging.getLogger("ft.manager_server")
+
+__all__ = ["ManagerServer"]
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@dataclass
+class _QuorumRound:
+    requests: Dict[int, GroupRequest] = field(default_factory=dict)
+    arrived: Set[int] = field(default_factory=set)  # every rank that asked in this round
+    launched: bool = False
+    done: bool = False
+    quorum: Optional[Quorum] = None
+    init_sync: bool = True
+    error: Optional[Tuple[grpc.StatusCode, str]] = None
+
+
+@dataclass
+class _CommitRound:
+    votes: Dict[int, Tuple[bool, int]] = field(default_factory=dict)  # rank -> (vote, step)
+    voted: Set[int] = field(default_factory=set)  # every rank that voted in this round
+    decision: Optional[bool] = None
+
+    def step(self) -> Optional[int]:
+        return next(iter(self.votes.values()))[1] if self.votes else None
+
+
+class _ManagerServicer(pb_grpc.ManagerServiceServicer):
+    def __init__(self, server: "ManagerServer") -> None:
+        self._s = server
+
+    # --- Quorum ---------------------------------------------------------------------
+    def Quorum(self, request, context):
+        s = self._s
+        deadline = _rpc.server_deadline(context, "Quorum")
+        _rpc.check_rank(context, "group_rank", request.group_rank, s._world_size)
+        if request.step < 0:
+            _rpc.bad(context, f"step must be >= 0, got {request.step}")
+        if request.commit_failures < 0:
+            _rpc.bad(context, f"commit_failures must be >= 0, got {request.commit_failures}")
+        req = GroupRequest(
+            group_rank=request.group_rank,
+            step=request.step,
+            checkpoint_metadata=request.checkpoint_metadata,
+            shrink_only=request.shrink_only,
+            init_sync=request.init_sync,
+            commit_failures=request.commit_failures,
+        )
+        rank = req.group_rank
+        leader = False
+        with s._cond:
+            if s._closed:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+            s._checkpoint_metadata[rank] = req.checkpoint_metadata
+            rnd = s._round
+            rnd.requests[rank] = req
+            rnd.arrived.add(rank)
+            if len(rnd.requests) == s._world_size:
+                rnd.launched = True
+                s._round = _QuorumRound()
+                leader = True
+        if leader:
+            s._ask_lighthouse(rnd, deadline)
+        with s._cond:
+            while not rnd.done:
+                remaining = deadline - time.monotonic()
+                if s._closed:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+                if remaining <= 0:
+                    if not rnd.launched:
+                        if rnd.requests.get(rank) is req:
+                            del rnd.requests[rank]
+                        missing = sorted(set(range(s._world_size)) - rnd.arrived)
+                        context.abort(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"replica {s._replica_id}: timed out waiting for group ranks "
+                            f"{missing} to request the quorum",
+                        )
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"replica {s._replica_id}: timed out waiting for the lighthouse quorum",
+                    )
+                s._cond.wait(remaining)
+        if rnd.error is not None:
+            context.abort(*rnd.error)
+        assert rnd.quorum is not None
+        try:
+            result = compute_quorum_result(
+                rnd.quorum.quorum_id, rnd.quorum.participants, s._replica_id, rank, rnd.init_sync
+            )
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"lighthouse answered a bad quorum: {e}")
+        return _result_to_pb(result)
+
+    # --- CheckpointMetadata -----------------------------------------------------------
+    def CheckpointMetadata(self, request, context):
+        s = self._s
+        _rpc.server_deadline(context, "CheckpointMetadata")
+        _rpc.check_rank(context, "rank", request.rank, s._world_size)
+        with s._lock:
+            md = s._checkpoint_metadata.get(request.rank)
+        if md is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"replica {s._replica_id}: rank {request.rank} has not sent checkpoint metadata yet",
+            )
+        return pb.CheckpointMetadataResponse(checkpoint_metadata=md)
+
+    # --- ShouldCommit -----------------------------------------------------------------
+    def ShouldCommit(self, request, context):
+        s = self._s
+        deadline = _rpc.server_deadline(context, "ShouldCommit")
+        _rpc.check_rank(context, "group_rank", request.group_rank, s._world_size)
+        if request.step < 0:
+            _rpc.bad(context, f"step must be >= 0, got {request.step}")
+        rank = request.group_rank
+        with s._cond:
+            rnd = s._commit
+            # The round's step is that of the other ranks' votes (a re-vote replaces one's own).
+            others = [st for r, (_, st) in rnd.votes.items() if r != rank]
+            expected = others[0] if others else None
+            mismatch = expected is not None and request.step != expected
+            if mismatch:
+                rnd.votes[rank] = (False, expected)
+            else:
+                rnd.votes[rank] = (bool(request.should_commit), request.step)
+            rnd.voted.add(rank)
+            if len(rnd.votes) == s._world_size:
+                rnd.decision = all(v for v, _ in rnd.votes.values())
+                s._commit = _CommitRound()
+                s._cond.notify_all()
+                if not rnd.decision:
+                    logger.info("replica %s: group voted not to commit step %s", s._replica_id, rnd.step())
+            while rnd.decision is None:
+                remaining = deadline - time.monotonic()
+                if s._closed:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+                if remaining <= 0:
+                    rnd.votes.pop(rank, None)
+                    missing = sorted(set(range(s._world_size)) - rnd.voted)
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"replica {s._replica_id}: timed out waiting for group ranks {missing} "
+                        f"to vote on step {request.step}",
+                    )
+                s._cond.wait(remaining)
+        if mismatch:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"group rank {rank} voted for step {request.step} but the group is at step "
+                f"{expected}; counted as a vote not to commit",
+            )
+        return pb.ShouldCommitResponse(should_commit=rnd.decision)
+
+    # --- Kill -------------------------------------------------------------------------
+    def Kill(self, request, context):
+        s = self._s
+        _rpc.server_deadline(context, "Kill")
+        logger.error("replica %s: killed by request: %s", s._replica_id, request.msg[:1000])
+        t = threading.Timer(0.2, s._exit, args=(1,))
+        t.daemon = True
+        t.start()
+        return pb.KillResponse()
+
+
+class ManagerServer:
+    """One replica group's coordination server (torchft-compatible constructor).
+
+    Args:
+        replica_id: this group's id (``"{name}:{uuid4}"``, new on every start).
+        lighthouse_addr: ``"http://host:port"`` of the lighthouse.
+        hostname: host name peers use to reach this server (part of :meth:`address`).
+        bind: gRPC bind address, e.g. ``"[::]:0"``.
+        store_addr: this group's store address, sent to the lighthouse (``store_address``).
+        world_size: number of local ranks that join each quorum and vote.
+        heartbeat_interval: period of heartbeats to the lighthouse (timedelta or seconds).
+        connect_timeout: bound on connecting to the lighthouse (timedelta or seconds).
+        quorum_retries: extra lighthouse attempts per quorum round.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: Timeout,
+        connect_timeout: Timeout,
+        quorum_retries: int = 0,
+    ) -> None:
+        if not replica_id:
+            raise ValueError("replica_id must not be empty")
+        if world_size < 1 or world_size > _rpc.MAX_RANK:
+            raise ValueError(f"world_size must be in [1, {_rpc.MAX_RANK}], got {world_size}")
+        if quorum_retries < 0:
+            raise ValueError(f"quorum_retries must be >= 0, got {quorum_retries}")
+        self._replica_id = replica_id
+        self._lighthouse_addr = lighthouse_addr
+        self._store_addr = store_addr
+        self._world_size = world_size
+        self._heartbeat_interval = _rpc.seconds(heartbeat_interval) or 0.1
+        self._quorum_retries = quorum_retries
+        self._exit = os._exit  # replaced in tests
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._round = _QuorumRound()
+        self._commit = _CommitRound()
+        self._checkpoint_metadata: Dict[int, str] = {}
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout)
+
+        workers = 64 + 4 * min(world_size, 1024)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ft-manager-server"),
+            options=_rpc.SERVER_OPTIONS,
+            maximum_concurrent_rpcs=workers,
+        )
+        pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
+        bind_host, _ = _rpc.split_hostport(bind)
+        self._port = self._server.add_insecure_port(_rpc.grpc_target(bind))
+        if self._port == 0:
+            raise OSError(f"manager server could not bind {bind!r}")
+        self._host = _rpc.advertised_host(bind_host, hostname)
+        self._server.start()
+
+        self._stop = threading.Event()
+        self._heartbeater = threading.Thread(
+            target=self._heartbeat_loop, name="ft-manager-heartbeat", daemon=True
+        )
+        self._heartbeater.start()
+        logger.info(
+            "manager server %s for replica %s (world_size=%d) on %s, lighthouse %s",
+            self.address(), replica_id, world_size, bind, lighthouse_addr,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        timeout = max(1.0, self._heartbeat_interval)
+        last_log = 0.0
+        while not self._stop.is_set():
+            try:
+                self._lighthouse.heartbeat(self._replica_id, timeout=timeout, wait_for_ready=False)
+            except (TimeoutError, CoordinationError) as e:
+                now = time.monotonic()
+                if now - last_log > 10:
+                    last_log = now
+                    logger.warning("replica %s: heartbeat to %s failed: %s",
+                                   self._replica_id, self._lighthouse_addr, e)
+            if self._stop.wait(self._heartbeat_interval):
+                return
+
+    def _ask_lighthouse(self, rnd: _QuorumRound, deadline: float) -> None:
+        step, shrink_only, init_sync, commit_failures = merge_group_requests(
+            rnd.requests, self._world_size
+        )
+        attempts = [0]
+
+        def attempt(remaining: float) -> Quorum:
+            attempts[0] += 1
+            return self._lighthouse.quorum(
+                self._replica_id,
+                timeout=remaining,
+                address=self.address(),
+                store_address=self._store_addr,
+                step=step,
+                world_size=self._world_size,
+                shrink_only=shrink_only,
+                commit_failures=commit_failures,
+                wait_for_ready=False,
+            )
+
+        def on_retry(i: int, exc: BaseException, delay: float) -> None:
+            logger.warning("replica %s: lighthouse quorum attempt %d failed (%s); retrying in %.2fs",
+                           self._replica_id, i + 1, exc, delay)
+
+        quorum = None
+        error = None
+        try:
+            quorum = retry_until(
+                attempt,
+                deadline,
+                retries=self._quorum_retries,
+                retry_on=lambda e: isinstance(e, CoordinationError) and e.code in _RETRYABLE,
+                on_retry=on_retry,
+            )
+        except TimeoutError as e:
+            error = (grpc.StatusCode.DEADLINE_EXCEEDED,
+                     f"replica {self._replica_id}: lighthouse quorum timed out after "
+                     f"{attempts[0]} attempt(s): {e}")
+        except CoordinationError as e:
+            code = e.code if e.code in _RETRYABLE else grpc.StatusCode.UNAVAILABLE
+            error = (code, f"replica {self._replica_id}: lighthouse quorum failed after "
+                           f"{attempts[0]} attempt(s): {e}")
+        except Exception as e:  # pragma: no cover - defensive
+            error = (grpc.StatusCode.INTERNAL, f"lighthouse quorum failed: {e!r}")
+        if error is not None:
+            logger.warning("%s", error[1])
+        with self._cond:
+            rnd.quorum = quorum
+            rnd.init_sync = init_sync
+            rnd.error = error
+            rnd.done = True
+            self._cond.notify_all()
+
+    def address(self) -> str:
+        """``http://host:port`` of this server."""
+        return f"http://{_rpc.join_hostport(self._host, self._port)}"
+
+    def shutdown(self, grace: float = 0.5) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._server.stop(grace).wait(timeout=grace + 5)
+        self._heartbeater.join(timeout=5)
+        self._lighthouse.close()
+
+    def __enter__(self) -> "ManagerServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,335 @@
+"""Pure coordination algorithms: data in, data out. No I/O, no clocks, no threads.
+
+* :func:`quorum_compute` is the lighthouse rule (SPEC section 4): given the participants, the
+  heartbeats, the previous quorum and the options, is a quorum ready now, with whom, and why (or
+  why not).
+* :func:`next_quorum_id` decides whether a quorum is a new one (membership change or commit
+  failures).
+* :func:`compute_quorum_result` is a ManagerServer's per-rank answer (SPEC section 5): replica
+  rank, max step, the primary's store address, and the heal assignment (round-robin over the
+  up-to-date members, offset by the group rank).
+* :func:`merge_group_requests` folds the Quorum requests of all local ranks of one replica group
+  into the one member that the ManagerServer sends to the lighthouse.
+
+Times are plain floats in seconds on any monotonic clock the caller chooses.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = [
+    "QuorumMember",
+    "Quorum",
+    "QuorumResult",
+    "LighthouseOptions",
+    "QuorumDecision",
+    "GroupRequest",
+    "quorum_compute",
+    "next_quorum_id",
+    "compute_quorum_result",
+    "merge_group_requests",
+]
+
+
+@dataclass(frozen=True)
+class QuorumMember:
+    """One replica group as the lighthouse sees it (proto ``QuorumMember``)."""
+
+    replica_id: str
+    address: str = ""
+    store_address: str = ""
+    step: int = 0
+    world_size: int = 0
+    shrink_only: bool = False
+    data: str = ""  # opaque user JSON
+    commit_failures: int = 0
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """An issued quorum (proto ``Quorum``). ``participants`` are sorted by replica_id."""
+
+    quorum_id: int
+    participants: Tuple[QuorumMember, ...]
+    created: _dt.datetime = field(
+        default_factory=lambda: _dt.datetime.now(_dt.timezone.utc), compare=False
+    )
+
+    @property
+    def replica_ids(self) -> List[str]:
+        return [p.replica_id for p in self.participants]
+
+
+@dataclass
+class QuorumResult:
+    """One rank's answer from its ManagerServer (mirrors proto ``ManagerQuorumResponse``)."""
+
+    quorum_id: int = 0
+    replica_rank: int = 0
+    replica_world_size: int = 0
+    recover_src_manager_address: str = ""
+    recover_src_replica_rank: Optional[int] = None
+    recover_dst_replica_ranks: List[int] = field(default_factory=list)
+    store_address: str = ""
+    max_step: int = 0
+    max_replica_rank: Optional[int] = None
+    max_world_size: int = 0
+    heal: bool = False
+    commit_failures: int = 0
+    replica_ids: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LighthouseOptions:
+    min_replicas: int = 1
+    join_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class QuorumDecision:
+    """Result of :func:`quorum_compute`.
+
+    ``members`` is None when no quorum is ready; ``reason`` says why (for logs and dashboard).
+    """
+
+    members: Optional[Tuple[QuorumMember, ...]]
+    reason: str
+    fast_path: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.members is not None
+
+
+def _ids(ids) -> str:
+    ids = sorted(ids)
+    if len(ids) > 8:
+        return ", ".join(ids[:8]) + f", ... (+{len(ids) - 8})"
+    return ", ".join(ids)
+
+
+def quorum_compute(
+    now: float,
+    participants: Mapping[str, Tuple[float, QuorumMember]],
+    heartbeats: Mapping[str, float],
+    prev: Optional[Quorum],
+    opts: LighthouseOptions,
+) -> QuorumDecision:
+    """The lighthouse quorum rule of SPEC section 4.
+
+    Args:
+        now: current time.
+        participants: replica_id -> (joined time, member) of every replica waiting in Quorum.
+        heartbeats: replica_id -> time of its last heartbeat (a Quorum request counts as one).
+        prev: the previously issued quorum, if any.
+        opts: min_replicas, join timeout and heartbeat timeout.
+
+    Rules, in order:
+      1. healthy = heartbeat younger than the heartbeat timeout; candidates = healthy
+         participants sorted by replica_id.
+      2. shrink_only if any healthy participant asked for it.
+      3. with a previous quorum: under shrink_only keep only its members; if every member of the
+         previous quorum is a healthy participant, issue the candidates at once (fast path,
+         ignores min_replicas and the join wait).
+      4. otherwise wait while candidates < min_replicas, or while healthy participants are at
+         most half of the heartbeating replicas (split-brain guard).
+      5. if some heartbeating replicas are not participating, wait until the earliest healthy
+         participant has waited the join timeout.
+
+    Note on 4: the min_replicas check counts the candidates (after the shrink_only filter),
+    which equals the healthy participants unless shrink_only drops someone; this way a quorum
+    smaller than min_replicas is never issued.
+    """
+    heartbeating = {
+        rid for rid, t in heartbeats.items() if now - t < opts.heartbeat_timeout_s
+    }
+    healthy = {
+        rid: (joined, m)
+        for rid, (joined, m) in participants.items()
+        if rid in heartbeating
+    }
+    candidates = [healthy[rid][1] for rid in sorted(healthy)]
+    shrink_only = any(m.shrink_only for _, m in healthy.values())
+
+    if not candidates:
+        if participants:
+            return QuorumDecision(
+                None, f"no healthy participants ({len(participants)} waiting with expired heartbeats)"
+            )
+        return QuorumDecision(None, "no participants: waiting for replicas to request a quorum")
+
+    if prev is not None:
+        prev_ids = {p.replica_id for p in prev.participants}
+        if shrink_only:
+            candidates = [m for m in candidates if m.replica_id in prev_ids]
+        if prev_ids and prev_ids.issubset(healthy.keys()) and candidates:
+            return QuorumDecision(
+                tuple(candidates),
+                f"fast path: all {len(prev_ids)} members of quorum {prev.quorum_id} are participating",
+                fast_path=True,
+            )
+
+    if len(candidates) < opts.min_replicas:
+        return QuorumDecision(
+            None,
+            f"waiting: {len(candidates)} healthy participants < min_replicas {opts.min_replicas}"
+            + (" (shrink_only)" if shrink_only else ""),
+        )
+    if 2 * len(healthy) <= len(heartbeating):
+        return QuorumDecision(
+            None,
+            f"waiting: split-brain guard: {len(healthy)} healthy participants is not more than "
+            f"half of {len(heartbeating)} heartbeating replicas",
+        )
+    stragglers = heartbeating - healthy.keys()
+    if stragglers:
+        first_joined = min(joined for joined, _ in healthy.values())
+        waited = now - first_joined
+        if waited < opts.join_timeout_s:
+            return QuorumDecision(
+                None,
+                f"waiting: {len(candidates)} participants ready, waiting for "
+                f"{len(stragglers)} heartbeating replicas to join ({_ids(stragglers)}); "
+                f"join timeout in {opts.join_timeout_s - waited:.1f}s",
+            )
+        return QuorumDecision(
+            tuple(candidates),
+            f"join timeout elapsed: issuing {len(candidates)} without "
+            f"{len(stragglers)} stragglers ({_ids(stragglers)})",
+        )
+    return QuorumDecision(
+        tuple(candidates), f"all {len(candidates)} heartbeating replicas are participating"
+    )
+
+
+def next_quorum_id(
+    prev: Optional[Quorum], current_id: int, members: Sequence[QuorumMember]
+) -> Tuple[int, str]:
+    """Returns (quorum_id for ``members``, why).
+
+    The id is bumped when the sorted replica_id list differs from the previous quorum's, or
+    when any member reports ``commit_failures > 0``.
+    """
+    ids = sorted(m.replica_id for m in members)
+    if prev is None:
+        return current_id + 1, "first quorum"
+    prev_ids = sorted(p.replica_id for p in prev.participants)
+    if ids != prev_ids:
+        joined = set(ids) - set(prev_ids)
+        left = set(prev_ids) - set(ids)
+        parts = []
+        if joined:
+            parts.append(f"joined: {_ids(joined)}")
+        if left:
+            parts.append(f"left: {_ids(left)}")
+        return current_id + 1, "membership changed (" + "; ".join(parts) + ")"
+    failing = [m.replica_id for m in members if m.commit_failures > 0]
+    if failing:
+        return current_id + 1, f"commit failures reported by {_ids(failing)}"
+    return current_id, "unchanged"
+
+
+def compute_quorum_result(
+    quorum_id: int,
+    participants: Sequence[QuorumMember],
+    replica_id: str,
+    group_rank: int,
+    init_sync: bool = True,
+) -> QuorumResult:
+    """A rank's answer to Quorum (SPEC section 5).
+
+    Raises:
+        ValueError: ``replica_id`` is not in ``participants`` or ``participants`` is empty.
+    """
+    members = sorted(participants, key=lambda m: m.replica_id)
+    ids = [m.replica_id for m in members]
+    if replica_id not in ids:
+        raise ValueError(f"replica {replica_id!r} is not a member of quorum {quorum_id}")
+    if group_rank < 0:
+        raise ValueError(f"group_rank must be >= 0, got {group_rank}")
+    replica_rank = ids.index(replica_id)
+
+    max_step = max(m.step for m in members)
+    max_members = [m for m in members if m.step == max_step]
+    max_ids = [m.replica_id for m in max_members]
+    max_replica_rank = max_ids.index(replica_id) if replica_id in max_ids else None
+    primary = max_members[group_rank % len(max_members)]
+
+    # Recovering members, in replica order; up-to-date members are the rest.
+    recovering = [
+        i
+        for i, m in enumerate(members)
+        if m.step != max_step
+        or (init_sync and max_step == 0 and m.replica_id != primary.replica_id)
+    ]
+    recovering_set = set(recovering)
+    up_to_date = [i for i in range(len(members)) if i not in recovering_set]
+
+    # The i-th recovering member heals from up_to_date[(i + group_rank) % len(up_to_date)].
+    assignment: Dict[int, int] = {
+        dst: up_to_date[(i + group_rank) % len(up_to_date)] for i, dst in enumerate(recovering)
+    }
+
+    heal = replica_rank in recovering_set
+    result = QuorumResult(
+        quorum_id=quorum_id,
+        replica_rank=replica_rank,
+        replica_world_size=len(members),
+        store_address=primary.store_address,
+        max_step=max_step,
+        max_replica_rank=max_replica_rank,
+        max_world_size=len(max_members),
+        heal=heal,
+        commit_failures=max(m.commit_failures for m in members),
+        replica_ids=ids,
+    )
+    if heal:
+        src = assignment[replica_rank]
+        result.recover_src_replica_rank = src
+        result.recover_src_manager_address = members[src].address
+    else:
+        result.recover_dst_replica_ranks = sorted(
+            dst for dst, src in assignment.items() if src == replica_rank
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One local rank's Quorum request to its ManagerServer."""
+
+    group_rank: int
+    step: int
+    checkpoint_metadata: str = ""
+    shrink_only: bool = False
+    init_sync: bool = True
+    commit_failures: int = 0
+
+
+def merge_group_requests(
+    requests: Mapping[int, GroupRequest], world_size: int
+) -> Tuple[int, bool, bool, int]:
+    """Folds every local rank's request into (step, shrink_only, init_sync, commit_failures).
+
+    The ranks of a group normally agree. Where they do not, the merge is conservative:
+    step = the minimum (a group with a lagging rank heals), shrink_only and init_sync = any,
+    commit_failures = the maximum.
+
+    Raises:
+        ValueError: not exactly ranks 0..world_size-1.
+    """
+    if sorted(requests) != list(range(world_size)):
+        raise ValueError(
+            f"need requests from group ranks 0..{world_size - 1}, have {sorted(requests)}"
+        )
+    reqs = list(requests.values())
+    return (
+        min(r.step for r in reqs),
+        any(r.shrink_only for r in reqs),
+        any(r.init_sync for r in reqs),
+        max(r.commit_failures for r in reqs),
+    )

@@ -1,0 +1,1 @@
+"""Small stdlib-only helpers shared across ft (no torch imports here)."""

@@ -1,0 +1,392 @@
+"""HTTPTransport over real loopback HTTP, with senders in separate processes where it matters."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ckpt_testlib import Peer, assert_same, check_payload  # noqa: E402
+
+from ft.checkpointing import (  # noqa: E402
+    CheckpointAuthError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotAvailableError,
+    CheckpointTransferError,
+    HTTPTransport,
+)
+from ft.checkpointing.http_transport import default_advertise_host, plan_chunks  # noqa: E402
+
+TO = timedelta(seconds=10)
+
+
+def transport(**kw: Any) -> HTTPTransport:
+    kw.setdefault("timeout", TO)
+    kw.setdefault("num_chunks", 4)
+    kw.setdefault("advertise_host", "127.0.0.1")
+    return HTTPTransport(**kw)
+
+
+class Slow(HTTPTransport):
+    slow = 0.05
+
+    def _send_slice(self, h, piece):  # type: ignore[no-untyped-def]
+        time.sleep(self.slow)
+        super()._send_slice(h, piece)
+
+
+def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
+    out: Dict[str, Any] = {}
+
+    def target() -> None:
+        t0 = time.monotonic()
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+        out["t"] = time.monotonic() - t0
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    out["thread"] = th
+    return out
+
+
+# ----------------------------------------------------------------------------- cross-process
+
+
+def test_round_trip_separate_process_multi_dst_and_token(payload_path: str) -> None:
+    peer = Peer(
+        "http", "--step", "7", "--token", "s3cret", "--chunks", "3", "--payload", payload_path
+    )
+    receivers: List[HTTPTransport] = []
+    try:
+        url = peer.expect("ready")["url"]
+        receivers = [transport(token="s3cret", num_chunks=n) for n in (1, 3)]
+        runs = [
+            run_in_thread(lambda r=r: r.recv_checkpoint(0, url, 7, TO)) for r in receivers
+        ]
+        for run in runs:
+            run["thread"].join(20)
+            assert "error" not in run, run.get("error")
+            check_payload(run["value"])
+
+        # a third destination later, with the default chunking
+        check_payload(receivers[0].recv_checkpoint(0, url, 7, TO))
+
+        # wrong token, no token -> 403 -> clear error
+        with transport(token="wrong") as bad, transport(token=None) as none:
+            with pytest.raises(CheckpointAuthError, match="403"):
+                bad.recv_checkpoint(0, url, 7, TO)
+            with pytest.raises(CheckpointAuthError, match="403"):
+                none.recv_checkpoint(0, url, 7, TO)
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(f"{url}/ft/v1/checkpoint/7/meta", timeout=5)
+        assert ei.value.code == 403
+
+        # an older step than the staged one: not available, at once
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointNotAvailableError, match="step 3"):
+            receivers[0].recv_checkpoint(0, url, 3, TO)
+        assert time.monotonic() - t0 < 2
+    finally:
+        for r in receivers:
+            r.shutdown()
+        peer.close()
+
+
+def test_sender_killed_mid_transfer_fails_within_timeout() -> None:
+    peer = Peer(
+        "http", "--step", "1", "--plain", "--big-mb", "16", "--slow", "0.25", "--chunks", "4"
+    )
+    recv = transport(num_chunks=4)
+    try:
+        url = peer.expect("ready")["url"]
+        run = run_in_thread(lambda: recv.recv_checkpoint(0, url, 1, timedelta(seconds=20)))
+        time.sleep(1.0)  # meta done, data flowing (16 MiB at 4 x 4 MiB/s: ~4 s)
+        assert run["thread"].is_alive()
+        killed = time.monotonic()
+        peer.kill9()
+        run["thread"].join(15)
+        assert not run["thread"].is_alive()
+        assert isinstance(run.get("error"), CheckpointTransferError), run
+        assert "vanished" in str(run["error"]) or "closed" in str(run["error"])
+        print(f"http receiver failed {time.monotonic() - killed:.2f}s after kill -9")
+        assert time.monotonic() - killed < 3
+    finally:
+        recv.shutdown()
+        peer.close()
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+class CorruptingProxy:
+    """TCP proxy that flips one byte of the body of one kind of response ("meta"/"data")."""
+
+    def __init__(self, target_port: int, kind: str, body_offset: int) -> None:
+        self.target = target_port
+        self.kind = kind
+        self.offset = body_offset
+        self.flipped = 0
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.srv.settimeout(0.2)
+        self.port = self.srv.getsockname()[1]
+        self.stop = threading.Event()
+        self.threads: List[threading.Thread] = []
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                c, _ = self.srv.accept()
+            except (socket.timeout, OSError):
+                continue
+            s = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+            c.settimeout(10)
+            req: Dict[str, Any] = {"first": b""}
+            for args in ((c, s, True, req), (s, c, False, req)):
+                t = threading.Thread(target=self._pump, args=args, daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, req: Dict) -> None:
+        head = b""
+        body_seen: Optional[int] = None
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if upstream:
+                    req["first"] += data
+                else:
+                    corrupt = f"/{self.kind}".encode() in req["first"].split(b"\r\n")[0]
+                    if corrupt and body_seen is None:
+                        head += data
+                        end = head.find(b"\r\n\r\n")
+                        if end >= 0:
+                            body_seen = 0
+                            data = head[end + 4 :]
+                            dst.sendall(head[: end + 4])
+                        else:
+                            continue
+                    if corrupt and body_seen is not None:
+                        k = self.offset - body_seen
+                        if 0 <= k < len(data):
+                            data = bytearray(data)
+                            data[k] ^= 0x5A
+                            data = bytes(data)
+                            self.flipped += 1
+                        body_seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for x in (src, dst):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.srv.close()
+        for t in self.threads:
+            t.join(5)
+
+
+@pytest.mark.parametrize("kind,offset", [("data", 12345), ("meta", 40)])
+def test_corruption_in_transit_is_detected_and_not_returned(kind: str, offset: int) -> None:
+    state = {"w": torch.randn(1 << 20), "meta": {"step": 3}}  # 4 MiB: several chunks
+    with transport(num_chunks=3) as src, transport(num_chunks=3) as dst:
+        src.send_checkpoint([1], 3, state, TO)
+        port = int(src.metadata().rsplit(":", 1)[1])
+        proxy = CorruptingProxy(port, kind, offset)
+        try:
+            with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+                dst.recv_checkpoint(0, f"http://127.0.0.1:{proxy.port}", 3, TO)
+            assert proxy.flipped >= 1
+        finally:
+            proxy.close()
+        # the same transfer without the proxy is fine (the heal can be retried)
+        got = dst.recv_checkpoint(0, src.metadata(), 3, TO)
+        assert_same(state, got)
+
+
+# ----------------------------------------------------------------------------- staging
+
+
+def test_disallow_withdraws_and_restage_works() -> None:
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 5, {"a": torch.ones(3)}, TO)
+        assert_same({"a": torch.ones(3)}, dst.recv_checkpoint(0, src.metadata(), 5, TO))
+        src.disallow_checkpoint()
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointNotAvailableError, match="410"):
+            dst.recv_checkpoint(0, src.metadata(), 5, TO)
+        assert time.monotonic() - t0 < 2
+        src.send_checkpoint([1], 6, {"a": torch.zeros(2)}, TO)
+        assert_same({"a": torch.zeros(2)}, dst.recv_checkpoint(0, src.metadata(), 6, TO))
+
+
+def test_receiver_ahead_of_sender_waits_for_staging() -> None:
+    with transport() as src, transport() as dst:
+        run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 9, TO))
+        time.sleep(0.3)
+        src.send_checkpoint([1], 9, {"x": 1}, TO)
+        run["thread"].join(10)
+        assert run.get("value") == {"x": 1}, run
+        # nothing ever staged for step 10: a clear error within the (short) timeout
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointNotAvailableError, match="step 10"):
+            dst.recv_checkpoint(0, src.metadata(), 10, timedelta(seconds=1))
+        assert time.monotonic() - t0 < 2
+
+
+def test_disallow_waits_for_transfers_in_flight() -> None:
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB, 2 chunks, 0.1 s per MiB slice
+    src = Slow(TO, 2, advertise_host="127.0.0.1")
+    src.slow = 0.1
+    try:
+        with transport(num_chunks=2) as dst:
+            src.send_checkpoint([1], 1, state, TO)
+            run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 1, TO))
+            deadline = time.monotonic() + 5
+            while src._staging is not None and not src._staging.active:  # noqa: SLF001
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            src.disallow_checkpoint()  # must not return before the transfer is done
+            waited = time.monotonic() - t0
+            run["thread"].join(5)
+            assert waited > 0.05
+            assert "error" not in run, run.get("error")
+            assert_same(state, run["value"])
+    finally:
+        src.shutdown()
+
+
+def test_disallow_cuts_off_a_stuck_transfer_after_timeout() -> None:
+    state = {"w": torch.randn(1 << 21)}  # 8 MiB, 1 chunk: 8 slices x 0.5 s
+    src = Slow(timedelta(seconds=0.6), 1, advertise_host="127.0.0.1")
+    src.slow = 0.5
+    try:
+        with transport(num_chunks=1) as dst:
+            src.send_checkpoint([1], 1, state, TO)
+            run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 1, TO))
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            src.disallow_checkpoint()
+            assert time.monotonic() - t0 < 2.0
+            run["thread"].join(5)
+            assert isinstance(run.get("error"), CheckpointError), run
+    finally:
+        src.shutdown()
+
+
+def test_unsupported_leaf_raises_type_error_naming_the_path() -> None:
+    with transport() as src:
+        src.send_checkpoint([1], 1, {"ok": 1}, TO)
+        with pytest.raises(TypeError, match=r"\['user'\]\['opt'\]\[3\].*object"):
+            src.send_checkpoint([1], 2, {"user": {"opt": [1, 2, 3, object()]}}, TO)
+        with pytest.raises(TypeError, match="dict key"):
+            src.send_checkpoint([1], 2, {frozenset(): 1}, TO)
+        # the earlier checkpoint is still served
+        with transport() as dst:
+            assert dst.recv_checkpoint(0, src.metadata(), 1, TO) == {"ok": 1}
+
+
+def test_empty_and_tensorless_state_dicts() -> None:
+    with transport() as src, transport() as dst:
+        for i, sd in enumerate([{}, {"a": [1, "x"]}, {"e": torch.empty(0)}]):
+            src.send_checkpoint([1], i, sd, TO)
+            assert_same(sd, dst.recv_checkpoint(0, src.metadata(), i, TO))
+
+
+def test_shutdown_is_bounded_with_idle_and_stuck_clients() -> None:
+    src = transport(timeout=timedelta(seconds=30))
+    src.send_checkpoint([1], 1, {"w": torch.ones(10)}, TO)
+    port = int(src.metadata().rsplit(":", 1)[1])
+    idle = socket.create_connection(("127.0.0.1", port), timeout=5)  # sends nothing
+    try:
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        src.shutdown()
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(CheckpointError):
+            with transport() as dst:
+                dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=1))
+    finally:
+        idle.close()
+
+
+def test_timeout_against_a_silent_server() -> None:
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        with transport() as dst:
+            t0 = time.monotonic()
+            with pytest.raises(CheckpointTransferError, match="timed out"):
+                dst.recv_checkpoint(
+                    0, f"http://127.0.0.1:{silent.getsockname()[1]}", 1, timedelta(seconds=0.5)
+                )
+            assert time.monotonic() - t0 < 1.5
+    finally:
+        silent.close()
+
+
+def test_token_and_advertise_host_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FT_CHECKPOINT_TOKEN", "envtok")
+    monkeypatch.setenv("FT_ADVERTISE_HOST", "127.0.0.1")
+    with HTTPTransport(TO, 2) as src, HTTPTransport(TO, 2) as dst:
+        assert src.metadata().startswith("http://127.0.0.1:")
+        src.send_checkpoint([1], 1, {"a": 1}, TO)
+        assert dst.recv_checkpoint(0, src.metadata(), 1, TO) == {"a": 1}
+        with transport(token="other") as bad:
+            with pytest.raises(CheckpointAuthError):
+                bad.recv_checkpoint(0, src.metadata(), 1, TO)
+
+
+def test_default_advertise_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FT_ADVERTISE_HOST", raising=False)
+    host = default_advertise_host()
+    assert host and host not in ("0.0.0.0", "::")
+    assert default_advertise_host("127.0.0.1") == "127.0.0.1"
+    # the default is something this host can actually be reached at
+    with HTTPTransport(TO, 1) as src, transport() as dst:
+        src.send_checkpoint([1], 1, {"a": 2}, TO)
+        assert dst.recv_checkpoint(0, src.metadata(), 1, TO) == {"a": 2}
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6")
+def test_ipv6_metadata_is_bracketed() -> None:
+    try:
+        src = HTTPTransport(TO, 1, advertise_host="::1", bind_host="::1")
+    except OSError:
+        pytest.skip("IPv6 loopback unavailable")
+    with src, transport() as dst:
+        assert src.metadata().startswith("http://[::1]:")
+        src.send_checkpoint([1], 1, {"a": 3}, TO)
+        assert dst.recv_checkpoint(0, src.metadata(), 1, TO) == {"a": 3}
+
+
+def test_plan_chunks() -> None:
+    assert plan_chunks(0, 4) == []
+    assert plan_chunks(10, 4) == [(0, 10)]
+    r = plan_chunks((16 << 20) + 3, 4)
+    assert len(r) == 4 and r[0][0] == 0 and r[-1][1] == (16 << 20) + 3
+    assert all(a[1] == b[0] for a, b in zip(r, r[1:]))

@@ -1,0 +1,71 @@
+"""Child-process entry point for the coordination tests.
+
+Loads ``ft.coordination`` without running ``ft/__init__.py`` (which imports torch and the C++
+extension), so child processes start in a fraction of a second and these tests do not depend
+on the backend build. Modes:
+
+    _child.py manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S]
+    _child.py lighthouse [LighthouseServer kwargs as JSON]
+    _child.py cli [ft-lighthouse flags...]
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def light_import():
+    if "ft" not in sys.modules:
+        pkg = types.ModuleType("ft")
+        pkg.__path__ = [os.path.join(ROOT, "ft")]
+        sys.modules["ft"] = pkg
+    import ft.coordination  # noqa: F401
+
+    return ft.coordination
+
+
+def _serve_forever(server) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    server.shutdown()
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    if mode != "cli":
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
+    coord = light_import()
+    if mode == "manager":
+        replica_id, lighthouse, world_size = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        hb = float(sys.argv[5]) if len(sys.argv) > 5 else 0.05
+        server = coord.ManagerServer(
+            replica_id, lighthouse, "127.0.0.1", "127.0.0.1:0", f"store-{replica_id}",
+            world_size, hb, 5.0,
+        )
+        print(f"ADDRESS {server.address()}", flush=True)
+        _serve_forever(server)
+    elif mode == "lighthouse":
+        kwargs = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+        server = coord.LighthouseServer(**kwargs)
+        print(f"ADDRESS {server.address()} {server.dashboard_address()}", flush=True)
+        _serve_forever(server)
+    elif mode == "cli":
+        from ft.coordination.cli import main as cli_main
+
+        return cli_main(sys.argv[2:])
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""ft-lighthouse: flags in both spellings, --help, logging of quorum changes, clean shutdown."""
+
+import signal
+
+import pytest
+
+from conftest import wait_for
+from ft.coordination import LighthouseClient
+from ft.coordination.cli import build_parser, main
+
+
+def test_help_lists_both_spellings(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--min_replicas", "--min-replicas", "--join_timeout_ms", "--join-timeout-ms",
+                 "--quorum_tick_ms", "--quorum-tick-ms", "--heartbeat_timeout_ms",
+                 "--heartbeat-timeout-ms", "--bind", "--auth_token", "--auth-token"):
+        assert flag in out
+
+
+def test_flag_spellings_parse_the_same():
+    p = build_parser()
+    a = p.parse_args(["--min_replicas", "3", "--join_timeout_ms", "10", "--quorum_tick_ms", "5",
+                      "--heartbeat_timeout_ms", "7", "--http_bind", ""])
+    b = p.parse_args(["--min-replicas", "3", "--join-timeout-ms", "10", "--quorum-tick-ms", "5",
+                      "--heartbeat-timeout-ms", "7", "--http-bind", ""])
+    assert vars(a) == vars(b)
+    assert a.min_replicas == 3 and a.join_timeout_ms == 10 and a.bind == "[::]:29510"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serves_logs_and_shuts_down_cleanly(children, sig):
+    child = children("cli", "--bind", "127.0.0.1:0", "--min-replicas", "1", "--quorum-tick-ms", "20",
+                     "--heartbeat-timeout-ms", "500", "--join_timeout_ms", "100")
+    line = child.ready_line()
+    grpc_addr = line.split("grpc=")[1].split()[0]
+    assert "dashboard=http://127.0.0.1:" in line
+    q = LighthouseClient(grpc_addr, 5.0).quorum("cli-replica", 5.0)
+    assert [p.replica_id for p in q.participants] == ["cli-replica"]
+    wait_for(lambda: f"quorum {q.quorum_id}: first quorum" in child.output(), what="quorum change logged")
+    child.proc.send_signal(sig)
+    assert child.wait(10) == 0
+    assert "shutting down" in child.output()

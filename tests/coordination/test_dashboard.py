@@ -1,0 +1,248 @@
+"""The lighthouse dashboard: HTTP endpoints, /metrics, auth on kill, and headless Chromium."""
+
+import base64
+import json
+import re
+import shutil
+import struct
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+import pytest
+
+from conftest import free_port, parallel, wait_for
+from ft.coordination import LighthouseClient
+
+
+def http(url, data=None, headers=None, timeout=5.0):
+    req = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+def form(lh, *rids, **kw):
+    c = LighthouseClient(lh.address(), 5.0)
+    for rid in rids:
+        c.heartbeat(rid, timeout=1.0)
+    qs = parallel([lambda rid=rid, i=i: c.quorum(rid, 5.0, step=10 + i, world_size=4,
+                                                 address=f"http://127.0.0.1:{9000 + i}", **kw)
+                   for i, rid in enumerate(rids)])
+    assert all(not isinstance(q, BaseException) for q in qs), qs
+    return c, qs[0]
+
+
+def test_page_status_and_metrics(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=5000)
+    base = lh.dashboard_address()
+    code, ctype, page = http(base + "/")
+    assert code == 200 and ctype.startswith("text/html")
+    # Self-contained: no external scripts, styles or fetches.
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
+    assert "http://" not in page and "https://" not in page
+    assert "setInterval(refresh" in page
+    _, q = form(lh, "a", "b")
+    code, ctype, body = http(base + "/api/status")
+    st = json.loads(body)
+    assert st["quorum"]["quorum_id"] == q.quorum_id
+    assert [m["replica_id"] for m in st["quorum"]["members"]] == ["a", "b"]
+    assert [m["recovering"] for m in st["quorum"]["members"]] == [True, False]
+    assert st["quorum"]["members"][0]["world_size"] == 4
+    assert "issued" in st["next_quorum"]["reason"] or "waiting" in st["next_quorum"]["reason"]
+    assert st["config"]["auth_required"] is False
+    code, ctype, metrics = http(base + "/metrics")
+    assert code == 200 and ctype.startswith("text/plain")
+    assert f"ft_lighthouse_quorum_id {q.quorum_id}\n" in metrics
+    assert "ft_lighthouse_quorum_members 2\n" in metrics
+    assert re.search(r'ft_lighthouse_heartbeat_age_seconds\{replica_id="a"\} [0-9.]+', metrics)
+    assert re.search(r"ft_lighthouse_quorum_latency_seconds [0-9.e-]+", metrics)
+    for line in metrics.splitlines():  # Prometheus text syntax
+        assert line.startswith("#") or re.match(r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$', line), line
+    assert http(base + "/nope")[0] == 404
+
+
+def test_kill_requires_token(lighthouse_factory, children, monkeypatch):
+    monkeypatch.setenv("FT_AUTH_TOKEN", "s3cret")
+    lh = lighthouse_factory(min_replicas=1)
+    base = lh.dashboard_address()
+    child = children("manager", "victim", lh.address(), "1")
+    child.address()
+    wait_for(lambda: any(r["replica_id"] == "victim" for r in lh.status()["replicas"]))
+    from ft.coordination import ManagerClient
+
+    ManagerClient(child.address(), 5.0)._quorum(0, 0, "", False, 5.0)
+    body = json.dumps({"replica_id": "victim"}).encode()
+    assert http(base + "/api/kill", body)[0] == 401
+    assert http(base + "/api/kill", body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert json.loads(http(base + "/api/status")[2])["config"]["auth_required"] is True
+    ok = {"Authorization": "Bearer s3cret"}
+    assert http(base + "/api/kill", json.dumps({"replica_id": "ghost"}).encode(), ok)[0] == 404
+    assert http(base + "/api/kill", b"{not json", ok)[0] == 400
+    assert http(base + "/api/kill", b"{}", ok)[0] == 400
+    code, _, out = http(base + "/api/kill", body, ok)
+    assert code == 200, out
+    assert child.wait(10) == 1
+
+
+def test_kill_without_token_configured(lighthouse_factory, children, monkeypatch):
+    monkeypatch.delenv("FT_AUTH_TOKEN", raising=False)
+    lh = lighthouse_factory(min_replicas=1)
+    child = children("manager", "victim2", lh.address(), "1")
+    from ft.coordination import ManagerClient
+
+    ManagerClient(child.address(), 5.0)._quorum(0, 0, "", False, 5.0)
+    code, _, out = http(lh.dashboard_address() + "/api/kill", json.dumps({"replica_id": "victim2"}).encode())
+    assert code == 200, out
+    assert child.wait(10) == 1
+
+
+# --- headless Chromium ------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+CHROMEDRIVER = shutil.which("chromedriver")
+ALIVE_RGB = (0x00, 0xC8, 0x53)  # --alive in dashboard/index.html: the member swatch colour
+
+
+def png_pixels(data: bytes):
+    """Minimal PNG decoder (8-bit RGB/RGBA, non-interlaced): returns (w, h, rows of RGB tuples)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    w = h = bpp = 0
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, chunk = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+        if kind == b"IHDR":
+            w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunk)
+            assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+            bpp = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat += chunk
+    raw = zlib.decompress(idat)
+    stride = w * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(h):
+        f = raw[y * (stride + 1)]
+        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b = prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append([tuple(line[x * bpp:x * bpp + 3]) for x in range(w)])
+        prev = line
+    return w, h, rows
+
+
+def count_swatches(rows, rgb, tol=8):
+    """Number of separate vertical runs of rows containing the colour (one per table row)."""
+    runs, inside = 0, False
+    for row in rows:
+        hit = sum(1 for p in row if all(abs(p[i] - rgb[i]) <= tol for i in range(3))) >= 6
+        if hit and not inside:
+            runs += 1
+        inside = hit
+    return runs
+
+
+class WebDriver:
+    """Just enough of the W3C WebDriver protocol over urllib (no selenium dependency)."""
+
+    def __init__(self, port):
+        self.base = f"http://127.0.0.1:{port}"
+        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {
+            "binary": CHROMIUM,
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--window-size=1200,1000", "--force-device-scale-factor=1",
+                     "--hide-scrollbars", "--no-first-run"]}}}}
+        self.sid = self.cmd("POST", "/session", caps)["sessionId"]
+
+    def cmd(self, method, path, body=None, timeout=30):
+        data = json.dumps(body or {}).encode() if method == "POST" else None
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())["value"]
+
+    def s(self, method, path, body=None):
+        return self.cmd(method, f"/session/{self.sid}{path}", body)
+
+    def run(self, script):
+        return self.s("POST", "/execute/sync", {"script": script, "args": []})
+
+    def quit(self):
+        try:
+            self.cmd("DELETE", f"/session/{self.sid}", timeout=10)
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def webdriver(tmp_path):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("headless Chromium not available: apt-get install -y chromium chromium-driver")
+    port = free_port()
+    log = open(tmp_path / "chromedriver.log", "w")
+    proc = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], stdout=log, stderr=subprocess.STDOUT)
+    driver = None
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=1).read()
+                break
+            except Exception:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.skip("chromedriver did not start")
+                time.sleep(0.1)
+        driver = WebDriver(port)
+        yield driver
+    finally:
+        if driver is not None:
+            driver.quit()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def test_dashboard_renders_members_in_chromium(lighthouse_factory, webdriver, tmp_path):
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=20000)
+    members = ["replica-a", "replica-b", "replica-c"]
+    c, q = form(lh, *members)
+    for rid in members:  # same step everywhere: every member rendered as alive (green swatch)
+        c.heartbeat(rid, timeout=1.0)
+    parallel([lambda rid=rid: c.quorum(rid, 5.0, step=5, world_size=4) for rid in members])
+    webdriver.s("POST", "/url", {"url": lh.dashboard_address() + "/"})
+    deadline = time.monotonic() + 15
+    while webdriver.run("return document.querySelectorAll('#members tr.member').length") != 3:
+        assert time.monotonic() < deadline, "members never rendered"
+        time.sleep(0.1)
+    rendered = webdriver.run(
+        "return [...document.querySelectorAll('#members tr.member')].map(r => r.dataset.replica)")
+    assert rendered == members
+    assert webdriver.run("return document.getElementById('quorum-id').textContent") == str(
+        lh.status()["quorum"]["quorum_id"])
+    assert webdriver.run("return document.querySelectorAll('button.kill').length") == 3
+    png = base64.b64decode(webdriver.s("GET", "/screenshot"))
+    (tmp_path / "dashboard.png").write_bytes(png)
+    w, h, rows = png_pixels(png)
+    assert w >= 800 and h >= 600
+    assert count_swatches(rows, ALIVE_RGB) == 3, "screenshot should show one green swatch per member"

@@ -1,0 +1,336 @@
+"""Integration tests of the lighthouse over real gRPC on loopback (SPEC section 4)."""
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import parallel, run_threads, wait_for
+from ft.coordination import CoordinationError, LighthouseClient, LighthouseServer
+from ft.coordination._proto import torchft_pb2 as pb
+from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
+
+
+@pytest.fixture
+def heartbeater():
+    """heartbeater(client, replica_id) keeps heartbeating every 30 ms until stopped/teardown."""
+    stops = []
+
+    def start(client: LighthouseClient, replica_id: str):
+        stop = threading.Event()
+
+        def loop():
+            while not stop.is_set():
+                try:
+                    client.heartbeat(replica_id, timeout=1.0)
+                except Exception:
+                    pass
+                stop.wait(0.03)
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        stops.append((stop, t))
+        return stop
+
+    try:
+        yield start
+    finally:
+        for stop, t in stops:
+            stop.set()
+            t.join(5)
+
+
+def client(lh: LighthouseServer) -> LighthouseClient:
+    return LighthouseClient(lh.address(), connect_timeout=5.0)
+
+
+def ids(q):
+    return [p.replica_id for p in q.participants]
+
+
+def form(c: LighthouseClient, *rids: str, **kw):
+    """All of rids ask at once; they heartbeat first so that none can go ahead alone."""
+    for rid in rids:
+        c.heartbeat(rid, timeout=1.0)
+    qs = parallel([lambda rid=rid: c.quorum(rid, 5.0, **kw) for rid in rids])
+    for q in qs:
+        assert not isinstance(q, BaseException), q
+        assert ids(q) == sorted(rids) and q == qs[0]
+    return qs[0]
+
+
+def test_quorum_of_two_and_fast_path_keeps_id(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=2)
+    c = client(lh)
+    a, b = parallel([lambda: c.quorum("a", 5.0, step=1), lambda: c.quorum("b", 5.0, step=2)])
+    assert ids(a) == ["a", "b"] and a == b
+    assert [p.step for p in a.participants] == [1, 2]
+    # Same membership: fast path, same quorum id.
+    a2, b2 = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0)])
+    assert a2.quorum_id == a.quorum_id and ids(a2) == ["a", "b"]
+    # The created timestamp is set and recent.
+    assert abs(a2.created.timestamp() - time.time()) < 10
+
+
+def test_join_timeout_waits_for_heartbeating_straggler(lighthouse_factory, heartbeater):
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=400, heartbeat_timeout_ms=1000)
+    c = client(lh)
+    heartbeater(c, "straggler")
+    wait_for(lambda: any(r["replica_id"] == "straggler" for r in lh.status()["replicas"]))
+    t0 = time.monotonic()
+    qa, qb = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0)])
+    waited = time.monotonic() - t0
+    assert ids(qa) == ["a", "b"] and qa == qb
+    assert 0.35 <= waited < 2.0, waited
+    # Without stragglers, a quorum is immediate.
+    lh2 = lighthouse_factory(min_replicas=1, join_timeout_ms=5000)
+    t0 = time.monotonic()
+    assert ids(client(lh2).quorum("a", 5.0)) == ["a"]
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_heartbeat_expiry_drops_member(lighthouse_factory, heartbeater):
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=300)
+    c = client(lh)
+    q1 = form(c, "a", "b")
+    # b is silent: a waits (no fast path: b is not participating) until b's heartbeat expires.
+    t0 = time.monotonic()
+    q2 = c.quorum("a", 5.0)
+    assert ids(q2) == ["a"] and q2.quorum_id == q1.quorum_id + 1
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_split_brain_guard(lighthouse_factory, heartbeater):
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=50, heartbeat_timeout_ms=1000)
+    c = client(lh)
+    for rid in "abcd":
+        heartbeater(c, rid)
+    wait_for(lambda: len(lh.status()["replicas"]) == 4)
+    # 2 of 4 heartbeating replicas must not form a quorum, even after the join timeout.
+    a, b = parallel([lambda: c.quorum("a", 0.6), lambda: c.quorum("b", 0.6)])
+    assert isinstance(a, TimeoutError) and isinstance(b, TimeoutError), (a, b)
+    assert "split-brain" in str(a) or "split-brain" in lh.status()["next_quorum"]["reason"]
+    # 3 of 4 may.
+    a, b, cc = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0), lambda: c.quorum("c", 5.0)])
+    assert ids(a) == ["a", "b", "c"] and a == b == cc
+
+
+def test_min_replicas(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=3, join_timeout_ms=50)
+    c = client(lh)
+    a, b = parallel([lambda: c.quorum("a", 0.5), lambda: c.quorum("b", 0.5)])
+    assert isinstance(a, TimeoutError) and isinstance(b, TimeoutError)
+    assert "min_replicas" in str(a)
+
+
+def test_shrink_only_and_waiter_outside_quorum(lighthouse_factory):
+    # Long join timeout: a round without b must not be issued while b is still heartbeating.
+    lh = lighthouse_factory(min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=5000)
+    c = client(lh)
+    q1 = form(c, "a", "b")
+    with run_threads([lambda: c.quorum("n", 5.0)]) as newcomer:
+        wait_for(lambda: "n" in lh.status()["next_quorum"]["participants"], what="n waiting")
+        qa, qb = parallel([lambda: c.quorum("a", 5.0, shrink_only=True), lambda: c.quorum("b", 5.0)])
+        assert ids(qa) == ["a", "b"] and qa.quorum_id == q1.quorum_id
+        # n was not in that quorum: it waits for the next round, still a participant.
+        time.sleep(0.1)
+        assert newcomer[0] is None
+        assert lh.status()["next_quorum"]["participants"] == ["n"]
+        # The next (normal) round takes it in through the fast path.
+        qa2, qb2 = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0)])
+    assert ids(qa2) == ["a", "b", "n"] and qa2.quorum_id == q1.quorum_id + 1
+    assert newcomer[0] == qa2
+
+
+def test_commit_failures_bump_quorum_id(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=2)
+    c = client(lh)
+    q1, _ = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0)])
+    q2, _ = parallel([lambda: c.quorum("a", 5.0, commit_failures=1), lambda: c.quorum("b", 5.0)])
+    assert q2.quorum_id == q1.quorum_id + 1
+    assert [p.commit_failures for p in q2.participants] == [1, 0]
+    q3, _ = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0)])
+    assert q3.quorum_id == q2.quorum_id
+
+
+def test_quorum_ids_never_repeat_across_restart(lighthouse_factory, tmp_path):
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=100)
+    port = int(lh.address().rsplit(":", 1)[1])
+    c = client(lh)
+    first = [c.quorum("a", 5.0).quorum_id]
+    for i in range(3):  # membership changes: ids go up
+        first.append(c.quorum(f"x{i}", 5.0).quorum_id)
+    assert first == sorted(set(first))
+    lh.shutdown()
+    c.close()
+    # Restart on the same port: the new ids are above every old one.
+    lh2 = lighthouse_factory(f"127.0.0.1:{port}", min_replicas=1)
+    c2 = client(lh2)
+    again = c2.quorum("a", 5.0).quorum_id
+    assert again > max(first)
+    # A persisted quorum id wins over the clock.
+    f = tmp_path / "qid"
+    f.write_text(str(1 << 60))
+    lh3 = lighthouse_factory(min_replicas=1, quorum_id_file=str(f))
+    q = client(lh3).quorum("a", 5.0)
+    assert q.quorum_id == (1 << 60) + 1
+    assert int(f.read_text()) == q.quorum_id
+
+
+def test_failure_notification_within_one_tick(lighthouse_factory, heartbeater):
+    timeout_ms, tick_ms = 300, 20
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=timeout_ms, quorum_tick_ms=tick_ms)
+    c = client(lh)
+    got = []
+    arrived = threading.Event()
+    sub = c.subscribe_failures(lambda n: (got.append((time.monotonic(), n)), arrived.set()))
+    try:
+        assert sub.wait_subscribed(5)
+        stop_b = heartbeater(c, "b")
+        heartbeater(c, "a")
+        q = form(c, "a", "b")
+        stop_b.set()
+        time.sleep(0.06)  # let an in-flight heartbeat land
+        last_b = time.monotonic()
+        assert arrived.wait(5), "no failure notification"
+        t, n = got[0]
+        assert n.replica_id == "b" and n.quorum_id == q.quorum_id
+        assert "heartbeat" in n.error_message
+        # heartbeat_timeout + one tick (+ scheduling slack on a loaded 2-core machine)
+        assert t - last_b <= (timeout_ms + tick_ms) / 1000 + 0.15, t - last_b
+        time.sleep(0.2)
+        assert [x[1].replica_id for x in got] == ["b"], "notified once per quorum"
+    finally:
+        sub.close()
+    assert not sub.subscribed
+
+
+def test_failures_iterator(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=200)
+    c = client(lh)
+    c.quorum("a", 5.0)
+    got = list(c.failures(timeout=0.6))
+    assert [n.replica_id for n in got] == ["a"]
+
+
+def test_dead_replicas_leave_dashboard(lighthouse_factory, heartbeater):
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=200, dead_grace_ms=200)
+    c = client(lh)
+    heartbeater(c, "a")
+    c.heartbeat("ghost", timeout=1.0)
+    form(c, "a", "b")
+
+    def replica(rid):
+        return next((r for r in lh.status()["replicas"] if r["replica_id"] == rid), None)
+
+    wait_for(lambda: replica("b") is not None and not replica("b")["alive"], what="b marked dead")
+    member_b = [m for m in lh.status()["quorum"]["members"] if m["replica_id"] == "b"][0]
+    assert member_b["alive"] is False
+    wait_for(lambda: replica("ghost") is None, timeout=3, what="ghost forgotten")
+    # b stays listed while it is a member of the current quorum, and goes once it is not.
+    c.quorum("a", 5.0)
+    wait_for(lambda: replica("b") is None, timeout=3, what="b forgotten")
+    assert replica("a")["alive"]
+
+
+def test_waiter_timeout_is_bounded_and_cleans_up(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=2)
+    c = client(lh)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="min_replicas"):
+        c.quorum("a", 0.3)
+    assert time.monotonic() - t0 < 0.8
+    assert lh.status()["next_quorum"]["participants"] == []
+
+
+def test_shutdown_releases_waiters(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=2)
+    c = client(lh)
+    with run_threads([lambda: c.quorum("a", 10.0)]) as res:
+        wait_for(lambda: lh.status()["next_quorum"]["participants"] == ["a"])
+        t0 = time.monotonic()
+        lh.shutdown()
+    assert isinstance(res[0], CoordinationError), res
+    assert res[0].code == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - t0 < 3
+
+
+def test_unreachable_lighthouse_times_out():
+    port_dead = "127.0.0.1:1"
+    c = LighthouseClient(port_dead, connect_timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="connect"):
+        c.quorum("a", 5.0)
+    assert time.monotonic() - t0 < 1.5
+    with pytest.raises(CoordinationError) as e:
+        c.heartbeat("a", timeout=1.0, wait_for_ready=False)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _raw_stub(lh, max_send=64 * 1024 * 1024):
+    ch = grpc.insecure_channel(
+        lh.address().replace("http://", ""), options=[("grpc.max_send_message_length", max_send)]
+    )
+    return ch, pb_grpc.LighthouseServiceStub(ch)
+
+
+def test_rpc_without_deadline_is_invalid_argument(lighthouse_factory):
+    lh = lighthouse_factory()
+    ch, stub = _raw_stub(lh)
+    with ch:
+        calls = [
+            lambda: stub.Quorum(pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a"))),
+            lambda: stub.Heartbeat(pb.LighthouseHeartbeatRequest(replica_id="a")),
+            lambda: list(stub.SubscribeFailures(pb.SubscribeFailuresRequest())),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "deadline" in e.value.details()
+
+
+BAD_REQUESTS = [
+    (pb.LighthouseQuorumRequest(), "requester is required"),
+    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember()), "replica_id must not be empty"),
+    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", step=-1)), "step"),
+    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", commit_failures=-3)),
+     "commit_failures"),
+    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", world_size=1 << 40)),
+     "world_size"),
+    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", data="{nope")), "JSON"),
+    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x" * 5000)), "too long"),
+]
+
+
+def test_bad_fields_are_invalid_argument_and_server_survives(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=1)
+    ch, stub = _raw_stub(lh)
+    with ch:
+        for req, msg in BAD_REQUESTS:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Quorum(req, timeout=2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+            assert msg in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Heartbeat(pb.LighthouseHeartbeatRequest(replica_id=""), timeout=2)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Oversized message: refused by the server's size limit.
+        huge = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", data="x" * (5 << 20)))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Quorum(huge, timeout=5)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [p.replica_id for p in client(lh).quorum("ok", 5.0).participants] == ["ok"]
+
+
+def test_ipv6_loopback(lighthouse_factory):
+    if not os.path.exists("/proc/net/if_inet6"):
+        pytest.skip("no IPv6 on this machine")
+    try:
+        lh = lighthouse_factory("[::1]:0", min_replicas=1)
+    except OSError:
+        pytest.skip("cannot bind [::1]")
+    assert "[::1]" in lh.address()
+    assert ids(client(lh).quorum("a", 5.0)) == ["a"]

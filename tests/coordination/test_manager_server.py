@@ -1,0 +1,266 @@
+"""Integration tests of ManagerServer / ManagerClient over real gRPC on loopback (SPEC 5)."""
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from conftest import free_port, parallel, run_threads, wait_for
+from ft.coordination import CoordinationError, LighthouseClient, ManagerClient, QuorumResult
+from ft.coordination._proto import torchft_pb2 as pb
+from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
+
+
+def mc(server) -> ManagerClient:
+    return ManagerClient(server.address(), connect_timeout=5.0)
+
+
+def group_round(server, steps, timeout=5.0, **kw):
+    """Every local rank of one group asks at once; returns the answers by group rank."""
+    c = mc(server)
+    return parallel(
+        [lambda r=r, s=s: c._quorum(r, s, f"meta-{r}", False, timeout, **kw) for r, s in enumerate(steps)]
+    )
+
+
+def count_lighthouse_calls(server):
+    calls = []
+    orig = server._lighthouse.quorum
+
+    def wrapped(*a, **kw):
+        calls.append(kw.get("step"))
+        return orig(*a, **kw)
+
+    server._lighthouse.quorum = wrapped
+    return calls
+
+
+def test_two_groups_per_rank_answers(lighthouse_factory, manager_factory):
+    lh = lighthouse_factory(min_replicas=2)
+    s0 = manager_factory("g0", lh.address(), world_size=2)
+    s1 = manager_factory("g1", lh.address(), world_size=2)
+    calls0 = count_lighthouse_calls(s0)
+    wait_for(lambda: len(lh.status()["replicas"]) == 2, what="heartbeats from both groups")
+    with run_threads([lambda: group_round(s0, [3, 3]), lambda: group_round(s1, [5, 5])]) as res:
+        pass
+    (a0, a1), (b0, b1) = res
+    assert calls0 == [3], "one lighthouse request per group, with the group's step"
+    for r in (a0, a1, b0, b1):
+        assert isinstance(r, QuorumResult), r
+        assert r.replica_ids == ["g0", "g1"] and r.replica_world_size == 2
+        assert r.max_step == 5 and r.max_world_size == 1
+        assert r.store_address == "store-g1"
+        assert r.quorum_id == a0.quorum_id
+    assert a0.replica_rank == 0 and b0.replica_rank == 1
+    assert a0.heal and a1.heal and not b0.heal and not b1.heal
+    assert a0.recover_src_replica_rank == 1 and a0.recover_src_manager_address == s1.address()
+    assert b0.recover_dst_replica_ranks == [0] and b1.recover_dst_replica_ranks == [0]
+    assert a0.max_replica_rank is None and b0.max_replica_rank == 0
+    # A healing peer reads the source's checkpoint metadata for its group rank.
+    assert ManagerClient(a1.recover_src_manager_address, 5.0)._checkpoint_metadata(1, 5.0) == "meta-1"
+
+
+def test_init_sync_at_step_zero(lighthouse_factory, manager_factory):
+    lh = lighthouse_factory(min_replicas=2)
+    s0 = manager_factory("g0", lh.address(), world_size=2)
+    s1 = manager_factory("g1", lh.address(), world_size=2)
+    wait_for(lambda: len(lh.status()["replicas"]) == 2)
+    with run_threads([lambda: group_round(s0, [0, 0]), lambda: group_round(s1, [0, 0])]) as res:
+        pass
+    (a0, a1), (b0, b1) = res
+    # group rank 0: primary is g0 (max_participants[0]); g1 heals from it. group rank 1: reversed.
+    assert (a0.heal, b0.heal) == (False, True) and b0.recover_src_replica_rank == 0
+    assert (a1.heal, b1.heal) == (True, False) and a1.recover_src_replica_rank == 1
+    assert a0.store_address == b0.store_address == "store-g0"
+    assert a1.store_address == b1.store_address == "store-g1"
+    with run_threads([lambda: group_round(s0, [0, 0], init_sync=False),
+                      lambda: group_round(s1, [0, 0], init_sync=False)]) as res:
+        pass
+    assert not any(r.heal for pair in res for r in pair)
+
+
+def test_commit_failures_is_max_and_bumps_quorum(lighthouse_factory, manager_factory):
+    lh = lighthouse_factory(min_replicas=1)
+    s = manager_factory("g0", lh.address(), world_size=2)
+    c = mc(s)
+    first = group_round(s, [1, 1])
+    res = parallel([lambda: c._quorum(0, 1, "", False, 5.0, commit_failures=0),
+                    lambda: c._quorum(1, 1, "", False, 5.0, commit_failures=2)])
+    assert [r.commit_failures for r in res] == [2, 2]
+    assert res[0].quorum_id == first[0].quorum_id + 1
+
+
+def test_missing_rank_times_out_under_one_second(lighthouse_factory, manager_factory):
+    lh = lighthouse_factory(min_replicas=1)
+    s = manager_factory("g0", lh.address(), world_size=3)
+    c = mc(s)
+    t0 = time.monotonic()
+    res = parallel([lambda: c._quorum(0, 1, "", False, 0.5), lambda: c._quorum(1, 1, "", False, 0.5)])
+    elapsed = time.monotonic() - t0
+    assert all(isinstance(r, TimeoutError) for r in res), res
+    assert "group ranks [2]" in str(res[0])
+    assert elapsed < 1.0, elapsed
+    # The server survives and the next full round works.
+    assert all(isinstance(r, QuorumResult) for r in group_round(s, [1, 1, 1]))
+
+
+def test_should_commit_vote(manager_factory, lighthouse_factory):
+    lh = lighthouse_factory()
+    s = manager_factory("g0", lh.address(), world_size=2)
+    c = mc(s)
+    assert parallel([lambda: c.should_commit(0, 1, True, 5.0), lambda: c.should_commit(1, 1, True, 5.0)]) == [True, True]
+    assert parallel([lambda: c.should_commit(0, 2, True, 5.0), lambda: c.should_commit(1, 2, False, 5.0)]) == [False, False]
+    # A vote whose step disagrees is rejected and counts as "no".
+    with run_threads([lambda: c.should_commit(0, 3, True, 5.0)]) as first:
+        wait_for(lambda: len(s._commit.votes) == 1)
+        with pytest.raises(CoordinationError) as e:
+            c.should_commit(1, 4, True, 5.0)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "step 4" in e.value.details and "step 3" in e.value.details
+    assert first == [False]
+    # A missing vote: bounded timeout, then the server still works.
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"group ranks \[1\]"):
+        c.should_commit(0, 5, True, 0.3)
+    assert time.monotonic() - t0 < 0.8
+    assert parallel([lambda: c.should_commit(0, 5, True, 5.0), lambda: c.should_commit(1, 5, True, 5.0)]) == [True, True]
+
+
+def test_checkpoint_metadata_errors(manager_factory, lighthouse_factory):
+    lh = lighthouse_factory()
+    s = manager_factory("g0", lh.address(), world_size=2)
+    c = mc(s)
+    with pytest.raises(CoordinationError) as e:
+        c._checkpoint_metadata(1, 2.0)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    for bad in (-1, 2, 1 << 40):
+        with pytest.raises(CoordinationError) as e:
+            c._checkpoint_metadata(bad, 2.0)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_bad_requests(manager_factory, lighthouse_factory):
+    lh = lighthouse_factory()
+    s = manager_factory("g0", lh.address(), world_size=2)
+    ch = grpc.insecure_channel(s.address().replace("http://", ""))
+    stub = pb_grpc.ManagerServiceStub(ch)
+    with ch:
+        no_deadline = [
+            lambda: stub.Quorum(pb.ManagerQuorumRequest(group_rank=0)),
+            lambda: stub.ShouldCommit(pb.ShouldCommitRequest(group_rank=0)),
+            lambda: stub.CheckpointMetadata(pb.CheckpointMetadataRequest(rank=0)),
+            lambda: stub.Kill(pb.KillRequest(msg="x")),
+        ]
+        for call in no_deadline:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline" in e.value.details()
+        bad = [
+            (stub.Quorum, pb.ManagerQuorumRequest(group_rank=-1), "group_rank"),
+            (stub.Quorum, pb.ManagerQuorumRequest(group_rank=2), "out of range"),
+            (stub.Quorum, pb.ManagerQuorumRequest(group_rank=1 << 62), "group_rank"),
+            (stub.Quorum, pb.ManagerQuorumRequest(group_rank=0, step=-5), "step"),
+            (stub.Quorum, pb.ManagerQuorumRequest(group_rank=0, commit_failures=-1), "commit_failures"),
+            (stub.ShouldCommit, pb.ShouldCommitRequest(group_rank=7), "out of range"),
+            (stub.ShouldCommit, pb.ShouldCommitRequest(group_rank=0, step=-1), "step"),
+        ]
+        for method, req, msg in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                method(req, timeout=2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
+            assert msg in e.value.details()
+        big = pb.ManagerQuorumRequest(group_rank=0, checkpoint_metadata="x" * (5 << 20))
+        ch2 = grpc.insecure_channel(s.address().replace("http://", ""),
+                                    options=[("grpc.max_send_message_length", 64 << 20)])
+        with ch2, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.ManagerServiceStub(ch2).Quorum(big, timeout=5)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert all(isinstance(r, QuorumResult) for r in group_round(s, [0, 0]))
+
+
+def test_heartbeats_at_interval(lighthouse_factory, manager_factory):
+    lh = lighthouse_factory(heartbeat_timeout_ms=2000)
+    manager_factory("g0", lh.address(), world_size=1, heartbeat_interval=0.05)
+    wait_for(lambda: lh.status()["replicas"], what="first heartbeat")
+    ages = []
+    for _ in range(10):
+        ages.append(lh.status()["replicas"][0]["heartbeat_age_s"])
+        time.sleep(0.03)
+    assert max(ages) < 0.3, ages
+
+
+def test_lighthouse_down_fails_waiting_ranks(manager_factory):
+    port = free_port()  # nothing listens here
+    s = manager_factory("g0", f"http://127.0.0.1:{port}", world_size=2, quorum_retries=2)
+    t0 = time.monotonic()
+    res = parallel([lambda r=r: mc(s)._quorum(r, 0, "", False, 3.0) for r in range(2)])
+    for r in res:
+        assert isinstance(r, CoordinationError) and r.code == grpc.StatusCode.UNAVAILABLE, r
+        assert "3 attempt(s)" in str(r)
+    assert time.monotonic() - t0 < 2.9, "failure is delivered before the deadline"
+
+
+def test_lighthouse_restart_mid_quorum(lighthouse_factory, manager_factory):
+    port = free_port()
+    lh = lighthouse_factory(f"127.0.0.1:{port}", min_replicas=2)
+    addr = lh.address()
+    s0 = manager_factory("g0", addr, world_size=1, quorum_retries=20)
+    s1 = manager_factory("g1", addr, world_size=1, quorum_retries=20)
+    wait_for(lambda: len(lh.status()["replicas"]) == 2)
+    first = parallel([lambda: mc(s0)._quorum(0, 1, "", False, 5.0), lambda: mc(s1)._quorum(0, 1, "", False, 5.0)])
+    with run_threads([lambda: mc(s0)._quorum(0, 2, "", False, 8.0)]) as res:
+        wait_for(lambda: lh.status()["next_quorum"]["participants"] == ["g0"], what="g0 waiting")
+        lh.shutdown()  # the lighthouse dies while g0 waits
+        time.sleep(0.2)
+        lh2 = lighthouse_factory(f"127.0.0.1:{port}", min_replicas=2)
+        r1 = mc(s1)._quorum(0, 2, "", False, 8.0)
+    r0 = res[0]
+    assert isinstance(r0, QuorumResult), r0
+    assert r0.quorum_id == r1.quorum_id > first[0].quorum_id
+    assert r0.replica_ids == ["g0", "g1"]
+    assert lh2.status()["quorum"]["quorum_id"] == r0.quorum_id
+
+
+def test_kill_exits_process_nonzero(lighthouse_factory, children):
+    lh = lighthouse_factory()
+    child = children("manager", "victim", lh.address(), "1")
+    c = ManagerClient(child.address(), 5.0)
+    c.kill("test says die", timeout=5.0)
+    assert child.wait(10) == 1
+    assert "test says die" in child.output()
+
+
+def test_kill9_manager_survivors_and_notification(lighthouse_factory, manager_factory, children):
+    hb_ms, tick_ms = 400, 20
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=hb_ms, quorum_tick_ms=tick_ms,
+                            join_timeout_ms=100)
+    survivor = manager_factory("a-survivor", lh.address(), world_size=1)
+    child = children("manager", "b-victim", lh.address(), "1", "0.05")
+    victim = ManagerClient(child.address(), 5.0)
+    wait_for(lambda: len(lh.status()["replicas"]) == 2, what="two replicas heartbeating")
+    notified = []
+    got = threading.Event()
+    sub = LighthouseClient(lh.address(), 5.0).subscribe_failures(
+        lambda n: (notified.append((time.monotonic(), n)), got.set()))
+    try:
+        assert sub.wait_subscribed(5)
+        first = parallel([lambda: mc(survivor)._quorum(0, 1, "", False, 5.0),
+                          lambda: victim._quorum(0, 1, "", False, 5.0)])
+        assert first[0].replica_ids == ["a-survivor", "b-victim"], first
+        os.kill(child.proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        assert child.wait(10) == -signal.SIGKILL
+        r = mc(survivor)._quorum(0, 2, "", False, 5.0)
+        t_quorum = time.monotonic()
+        assert r.replica_ids == ["a-survivor"] and r.quorum_id == first[0].quorum_id + 1
+        assert got.wait(5)
+        t_note, note = notified[0]
+        assert note.replica_id == "b-victim" and note.quorum_id == first[0].quorum_id
+        bound = (hb_ms + tick_ms) / 1000 + 0.25
+        assert t_note - t_kill < bound, t_note - t_kill
+        assert t_quorum - t_kill < bound + 0.2, t_quorum - t_kill
+    finally:
+        sub.close()
