@@ -24,6 +24,44 @@ def torch_version():
     return int(major), int(minor)
 
 
+def find_nccl():
+    """(include dir, lib dir) of the NCCL wheel torch depends on.
+
+    nvidia.nccl is a namespace package (no __file__) and its __path__ may list
+    a folder twice; cu13 wheels may also nest it as nvidia/cu13. Search every
+    candidate for nccl.h and libnccl.so.2.
+    """
+    roots = []
+    try:
+        import nvidia  # noqa: F401
+
+        for base in list(nvidia.__path__):
+            roots += [os.path.join(base, "nccl"), os.path.join(base, "cu13"),
+                      os.path.join(base, "cu12")]
+    except ImportError:
+        pass
+    roots.append(os.environ.get("NCCL_HOME", "/usr"))
+    for root in roots:
+        inc, lib = os.path.join(root, "include"), os.path.join(root, "lib")
+        if os.path.exists(os.path.join(inc, "nccl.h")) and os.path.exists(
+            os.path.join(lib, "libnccl.so.2")
+        ):
+            return inc, lib
+    raise RuntimeError(
+        "ft: CUDA torch found but no NCCL headers/library (looked in %s); "
+        "install the nvidia-nccl wheel or set FT_USE_NCCL=0" % ", ".join(roots)
+    )
+
+
+def find_cuda_home():
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    for home in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    raise RuntimeError("ft: CUDA torch found but no CUDA toolkit (set CUDA_HOME)")
+
+
 def extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     nccl_sources = [s for s in sources if os.path.basename(s).startswith("nccl_")]
@@ -40,14 +78,15 @@ def extension():
         define_macros.append(("C10D_BACKEND_HAS_RECONFIGURE", "1"))
     use_nccl = torch.version.cuda is not None and os.environ.get("FT_USE_NCCL", "1") != "0"
     if use_nccl:
-        import nvidia.nccl  # the NCCL wheel torch depends on
-
-        nccl_root = os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0]
+        nccl_include, nccl_lib = find_nccl()
+        cuda_home = find_cuda_home()
         define_macros.append(("FT_USE_NCCL", "1"))
         sources += nccl_sources
-        include_dirs += [os.path.join(nccl_root, "include"), "/usr/local/cuda/include"]
-        library_dirs.append(os.path.join(nccl_root, "lib"))
-        libraries.append(":libnccl.so.2")
+        include_dirs += [nccl_include, os.path.join(cuda_home, "include")]
+        library_dirs += [nccl_lib, os.path.join(cuda_home, "lib64")]
+        # torch has already loaded libnccl.so.2 and libcudart.so.13 by the time
+        # ft._C is imported (import ft imports torch first), so no rpath.
+        libraries += [":libnccl.so.2", "c10_cuda", "cudart"]
     return CppExtension(
         name="ft._C",
         sources=sources,
@@ -61,8 +100,16 @@ def extension():
 
 def generate_proto():
     script = os.path.join(ROOT, "tools", "gen_proto.py")
-    if os.path.exists(script):
-        subprocess.check_call([sys.executable, script])
+    if not os.path.exists(script):
+        return
+    try:
+        import grpc_tools  # noqa: F401
+    except ImportError:
+        # e.g. the GPU machine (no package index): keep the checked-in stubs.
+        if glob.glob(os.path.join(ROOT, "ft", "coordination", "_proto", "*_pb2.py")):
+            print("ft: grpc_tools not installed; using the checked-in proto stubs")
+            return
+    subprocess.check_call([sys.executable, script])
 
 
 class Build(BuildExtension):

@@ -4,6 +4,12 @@
 
 #include <thread>
 
+#ifdef FT_USE_NCCL
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "nccl_comm.hpp"
+#endif
+
 namespace ft {
 
 namespace {
@@ -39,6 +45,11 @@ void checkTensor(const at::Tensor& t, const char* op) {
       ", strides ",
       t.strides(),
       "); call .contiguous() first");
+#ifdef FT_USE_NCCL
+  if (t.is_cuda()) {
+    return; // the NCCL lane checks dtype and device
+  }
+#else
   if (t.is_cuda()) {
     TORCH_CHECK_VALUE(
         false,
@@ -47,6 +58,7 @@ void checkTensor(const at::Tensor& t, const char* op) {
         ": got a CUDA tensor, but this build of ft has no NCCL path "
         "(it was built against a CPU-only torch)");
   }
+#endif
   TORCH_CHECK_VALUE(
       t.device().is_cpu(),
       "ft: ",
@@ -104,6 +116,9 @@ c10d::ReduceOp innerReduceOp(
     const char* name,
     bool* divide) {
   *divide = false;
+  if (!outputs.empty() && outputs.front().is_cuda()) {
+    return op; // NCCL reduces natively (AVG included) and checks the op
+  }
   TORCH_CHECK_NOT_IMPLEMENTED(
       op != c10d::ReduceOp::PREMUL_SUM,
       "ft: ",
@@ -211,6 +226,11 @@ void FtBackend::configure(
       ")");
   TORCH_CHECK_VALUE(store, "ft: configure() needs a store");
 
+  const auto started = Clock::now();
+  auto msSince = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  ReconfigureTimings timings;
   std::shared_ptr<Generation> old;
   uint64_t id = 0;
   {
@@ -219,12 +239,16 @@ void FtBackend::configure(
     old = std::move(generation_);
     id = nextGenerationId_++;
   }
+  timings.generation = id;
   if (old) {
+    // Aborts the old generation's NCCL communicators too (ncclCommAbort).
     old->abort(
         FailureKind::kAborted,
         "superseded by reconfigure to generation " + std::to_string(id));
     reaper_.reap(std::move(old));
   }
+  timings.abortMs = msSince(started);
+  const auto glooStarted = Clock::now();
 
   const uint64_t epoch = abortEpoch_.load();
   const milliseconds timeout(timeoutMs_.load());
@@ -240,8 +264,20 @@ void FtBackend::configure(
             std::to_string(timeout.count()) +
             " ms: " + messageOf(std::current_exception()));
   }
+  timings.glooMs = msSince(glooStarted);
+#ifdef FT_USE_NCCL
+  // Every lane gets an NCCL lane; its communicator is created below (eager)
+  // or on the lane's first CUDA op. Nothing here touches CUDA.
+  for (auto& lane : lanes) {
+    lane.nccl = c10::make_intrusive<NcclLane>(
+        c10::make_intrusive<c10d::PrefixStore>(
+            "nccl" + std::to_string(lane.index), store),
+        rank, size, lane.index, timeout);
+  }
+#endif
   auto generation = std::make_shared<Generation>(
       id, rank, size, std::move(lanes), std::move(sockets));
+  bool published = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!shutdown_ && abortEpoch_.load() == epoch) {
@@ -250,14 +286,62 @@ void FtBackend::configure(
       rank_ = rank;
       size_ = size;
 #endif
-      return;
+      published = true;
     }
+  }
+  if (published) {
+#ifdef FT_USE_NCCL
+    // Published first, so abort() from another thread reaches (and aborts)
+    // a communicator whose init is in progress.
+    const int device = cudaDevice_.load();
+    if (device >= 0) {
+      const auto ncclStarted = Clock::now();
+      const auto deadline = started + timeout;
+      try {
+        for (int i = 0; i < generation->numLanes(); ++i) {
+          auto& nccl = static_cast<NcclLane&>(*generation->lane(i).nccl);
+          nccl.connect(device, deadline);
+        }
+      } catch (const std::exception&) {
+        const std::string message = "configure(rank=" + std::to_string(rank) +
+            ", world_size=" + std::to_string(size) +
+            ") could not create its NCCL communicators within " +
+            std::to_string(timeout.count()) +
+            " ms: " + messageOf(std::current_exception());
+        generation->abort(
+            Clock::now() >= deadline ? FailureKind::kDeadline
+                                     : FailureKind::kCommunication,
+            message);
+        C10_THROW_ERROR(DistBackendError, "ft: " + message);
+      }
+      timings.ncclMs = msSince(ncclStarted);
+    }
+#endif
+    timings.totalMs = msSince(started);
+    std::lock_guard<std::mutex> lock(mutex_);
+    lastTimings_ = timings;
+    return;
   }
   generation->abort(FailureKind::kAborted, "abort() during configure()");
   reaper_.reap(std::move(generation));
   C10_THROW_ERROR(
       DistBackendError,
       "ft: configure() was interrupted by abort() or shutdown()");
+}
+
+void FtBackend::setCudaDevice(int device) {
+  TORCH_CHECK_VALUE(device >= -1, "ft: bad CUDA device ", device);
+#ifndef FT_USE_NCCL
+  TORCH_CHECK_VALUE(
+      device == -1,
+      "ft: this build of ft has no NCCL path (built against a CPU-only torch)");
+#endif
+  cudaDevice_.store(device);
+}
+
+ReconfigureTimings FtBackend::lastReconfigureTimings() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return lastTimings_;
 }
 
 void FtBackend::abort() {
@@ -334,6 +418,103 @@ std::optional<Clock::time_point> FtBackend::sweepDeadlines() {
                     : std::nullopt;
 }
 
+namespace {
+
+// Ops whose tensors have the same count, sizes and dtype on every rank.
+bool symmetricOp(c10d::OpType opType) {
+  switch (opType) {
+    case c10d::OpType::BROADCAST:
+    case c10d::OpType::ALLREDUCE:
+    case c10d::OpType::ALLREDUCE_COALESCED:
+    case c10d::OpType::REDUCE:
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::_ALLGATHER_BASE:
+    case c10d::OpType::ALLGATHER_COALESCED:
+    case c10d::OpType::COALESCED:
+    case c10d::OpType::REDUCE_SCATTER:
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+    case c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED:
+    case c10d::OpType::BARRIER:
+      return true;
+    default:
+      return false;
+  }
+}
+
+constexpr int64_t kSignatureLength = 5;
+
+std::string describeSignature(const int64_t* sig) {
+  std::string text = c10d::opTypeToString(static_cast<c10d::OpType>(sig[0]));
+  text += " on " + std::to_string(sig[2]) + " tensor(s) of " +
+      std::to_string(sig[3]) + " elements";
+  if (sig[2] > 0) {
+    text += std::string(", dtype ") +
+        c10::toString(static_cast<c10::ScalarType>(sig[1]));
+  }
+  return text;
+}
+
+} // namespace
+
+void FtBackend::verifyAgreement(
+    Generation& generation,
+    Lane& lane,
+    c10d::OpType opType,
+    const char* name,
+    const std::vector<at::Tensor>& tensors,
+    std::chrono::milliseconds timeout) {
+  if (!symmetricOp(opType)) {
+    return;
+  }
+  int64_t numel = 0;
+  int64_t shapeHash = 0;
+  for (const auto& t : tensors) {
+    numel += t.numel();
+    for (auto d : t.sizes()) {
+      shapeHash = shapeHash * 31 + d;
+    }
+  }
+  const int64_t signature[kSignatureLength] = {
+      static_cast<int64_t>(opType),
+      tensors.empty() ? -1 : static_cast<int64_t>(tensors.front().scalar_type()),
+      static_cast<int64_t>(tensors.size()),
+      numel,
+      shapeHash};
+  auto mine = at::empty({kSignatureLength}, at::kLong);
+  std::copy(signature, signature + kSignatureLength, mine.data_ptr<int64_t>());
+  std::vector<std::vector<at::Tensor>> all(1);
+  for (int r = 0; r < generation.size; ++r) {
+    all[0].push_back(at::empty({kSignatureLength}, at::kLong));
+  }
+  std::vector<at::Tensor> in{mine};
+  try {
+    blockingRegion()([&] { lane.gloo->allgather(all, in)->wait(timeout); });
+  } catch (...) {
+    const std::string message = std::string("agreement check before ") + name +
+        " failed: " + messageOf(std::current_exception());
+    generation.abort(FailureKind::kCommunication, message);
+    C10_THROW_ERROR(DistBackendError, "ft: " + message);
+  }
+  std::string disagreement;
+  for (int r = 0; r < generation.size; ++r) {
+    const int64_t* theirs = all[0][r].data_ptr<int64_t>();
+    if (!std::equal(signature, signature + kSignatureLength, theirs)) {
+      disagreement += "; rank " + std::to_string(r) + " calls " +
+          describeSignature(theirs);
+    }
+  }
+  TORCH_CHECK_VALUE(
+      disagreement.empty(),
+      "ft: ",
+      name,
+      ": ranks disagree on the collective (rank ",
+      generation.rank,
+      " calls ",
+      describeSignature(signature),
+      disagreement,
+      "). Nothing was sent; the group is still usable");
+}
+
 c10::intrusive_ptr<c10d::Work> FtBackend::launch(
     c10d::OpType opType,
     const char* name,
@@ -354,6 +535,20 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
   Lane& lane = generation->lane(laneIndex);
   const milliseconds timeout =
       optsTimeout.count() > 0 ? optsTimeout : milliseconds(timeoutMs_.load());
+  if (checkAgreement_.load()) {
+    verifyAgreement(*generation, lane, opType, name, outputs, timeout);
+  }
+  // Dispatch on the device: CUDA tensors go to the lane's NCCL communicator.
+  const bool onCuda = !outputs.empty() && outputs.front().is_cuda();
+  c10d::Backend* innerBackend = lane.gloo.get();
+  if (onCuda) {
+    TORCH_CHECK_VALUE(
+        lane.nccl,
+        "ft: ",
+        name,
+        ": got a CUDA tensor, but this build of ft has no NCCL path");
+    innerBackend = lane.nccl.get();
+  }
   auto work = c10::make_intrusive<FtWork>(
       generation->rank,
       opType,
@@ -370,18 +565,33 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
             std::to_string(generation->id) + " was aborted");
   }
 
+  // Before issuing: an NCCL lane may connect (or wait for a non-blocking
+  // call to settle) inside issue(), and the watchdog bounds that too.
+  watchdog_->poke(work->deadline());
   c10::intrusive_ptr<c10d::Work> inner;
   try {
-    blockingRegion()([&] { inner = issue(*lane.gloo); });
+    blockingRegion()([&] { inner = issue(*innerBackend); });
+  } catch (const c10::DistBackendError&) {
+    // Only the NCCL lane raises this from issue(): its communicator failed,
+    // missed a deadline or was aborted, so the generation is unusable.
+    auto error = std::current_exception();
+    work->fail(error);
+    if (onCuda) {
+      generation->abort(
+          FailureKind::kCommunication,
+          std::string(name) + " on lane " + std::to_string(laneIndex) +
+              " failed: " + messageOf(error));
+    }
+    generation->innerDone(work.get());
+    std::rethrow_exception(error);
   } catch (...) {
-    // Gloo validated and refused the op before sending anything, so the
-    // generation stays usable.
+    // The inner communicator validated and refused the op before sending
+    // anything, so the generation stays usable.
     auto error = std::current_exception();
     work->fail(error);
     generation->innerDone(work.get());
     std::rethrow_exception(error);
   }
-  watchdog_->poke(work->deadline());
   // The inner Work owns the tensors Gloo uses; holding it here means Gloo's
   // threads never drop the last C++ reference to a caller's tensor.
   work->holdInner(inner);
@@ -767,6 +977,21 @@ c10::intrusive_ptr<c10d::Work> FtBackend::recvAnysource(
 
 c10::intrusive_ptr<c10d::Work> FtBackend::barrier(
     const c10d::BarrierOptions& opts) {
+#ifdef FT_USE_NCCL
+  // A CUDA barrier runs over NCCL (and its wait() blocks the CPU) when the
+  // backend has a CUDA device; otherwise every barrier is a Gloo one.
+  const int device = cudaDevice_.load();
+  if (device >= 0 && opts.device && opts.device->is_cuda()) {
+    const int index = opts.device->has_index() ? opts.device->index() : device;
+    auto token = at::empty(
+        {1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, index));
+    return launch(
+        c10d::OpType::BARRIER, "barrier", {token}, opts.timeout,
+        [index, opts](c10d::Backend& inner) {
+          return static_cast<NcclLane&>(inner).barrierOn(index, opts.timeout);
+        });
+  }
+#endif
   return launch(
       c10d::OpType::BARRIER, "barrier", {}, opts.timeout,
       [opts](c10d::Backend& inner) mutable { return inner.barrier(opts); });

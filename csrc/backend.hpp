@@ -42,6 +42,15 @@ namespace ft {
 using BlockingRegion = std::function<void(const std::function<void()>&)>;
 void setBlockingRegion(BlockingRegion region);
 
+// How long each step of the last configure() took, in milliseconds.
+struct ReconfigureTimings {
+  uint64_t generation = 0;
+  double abortMs = 0; // aborting the old generation (ncclCommAbort included)
+  double glooMs = 0; // connecting the Gloo lanes
+  double ncclMs = 0; // creating the NCCL communicators (eager init only)
+  double totalMs = 0;
+};
+
 class FtBackend : public c10d::Backend {
  public:
   // rank/size are torch's view at creation; the live values are
@@ -67,8 +76,27 @@ class FtBackend : public c10d::Backend {
     return numLanes_;
   }
   bool configured() const;
+  // When on, every collective first checks (with a small allgather) that all
+  // ranks call the same op on tensors of the same count, size and dtype, and
+  // raises a clear error on every rank otherwise, before any data moves.
+  // Off by default: it costs one extra round trip per op. Without it, Gloo
+  // terminates the process on a size mismatch.
+  void setCheckAgreement(bool on) {
+    checkAgreement_.store(on);
+  }
+  bool checkAgreement() const {
+    return checkAgreement_.load();
+  }
   size_t generationSocketCount() const;
   size_t reaperPending();
+  // The CUDA device whose NCCL communicators configure() creates eagerly
+  // (-1: none; each lane then connects on its first CUDA op). A CUDA barrier
+  // runs over NCCL only when this is set. Only meaningful in an NCCL build.
+  void setCudaDevice(int device);
+  int cudaDevice() const {
+    return cudaDevice_.load();
+  }
+  ReconfigureTimings lastReconfigureTimings() const;
 
   const std::string getBackendName() const override {
     return "ft";
@@ -169,7 +197,18 @@ class FtBackend : public c10d::Backend {
   std::optional<Clock::time_point> sweepDeadlines();
 
   const int numLanes_;
+  void verifyAgreement(
+      Generation& generation,
+      Lane& lane,
+      c10d::OpType opType,
+      const char* name,
+      const std::vector<at::Tensor>& tensors,
+      std::chrono::milliseconds timeout);
+
   std::atomic<int64_t> timeoutMs_;
+  std::atomic<bool> checkAgreement_{false};
+  std::atomic<int> cudaDevice_{-1};
+  ReconfigureTimings lastTimings_; // guarded by mutex_
   mutable std::mutex mutex_;
   std::shared_ptr<Generation> generation_;
   uint64_t nextGenerationId_ = 1;

@@ -7,6 +7,7 @@
 #include "backend.hpp"
 #include "gloo_comm.hpp"
 #include "lane.hpp"
+#include "nccl_comm.hpp" // empty unless FT_USE_NCCL
 
 namespace py = pybind11;
 
@@ -65,8 +66,17 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef FT_USE_NCCL
   m.attr("has_nccl") = true;
+  m.def("nccl_version", []() -> py::object {
+    const int code = ft::ncclLinkedVersion(); // calls ncclGetVersion
+    // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
+    return py::make_tuple(code / 10000, (code % 10000) / 100, code % 100);
+  }, "Version of the linked NCCL library (ncclGetVersion), as a tuple.");
+  m.def("_nccl_live_streams", &ft::ncclLiveStreams,
+        "Lane CUDA streams created and not yet destroyed (leak checks).");
 #else
   m.attr("has_nccl") = false;
+  m.def("nccl_version", []() -> py::object { return py::none(); },
+        "None: this build of ft has no NCCL path.");
 #endif
 
   m.def("set_current_lane", &ft::setCurrentLane, py::arg("lane"),
@@ -98,11 +108,31 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("set_timeout", &ft::FtBackend::setTimeout, py::arg("timeout"))
       .def_property_readonly("timeout", &ft::FtBackend::timeout)
+      .def_property("check_agreement", &ft::FtBackend::checkAgreement,
+                    &ft::FtBackend::setCheckAgreement)
       .def("current_rank", &ft::FtBackend::currentRank)
       .def("current_size", &ft::FtBackend::currentSize)
       .def("generation", &ft::FtBackend::generationId)
       .def("configured", &ft::FtBackend::configured)
       .def_property_readonly("num_lanes", &ft::FtBackend::numLanes)
+      .def("set_cuda_device", &ft::FtBackend::setCudaDevice, py::arg("device"),
+           "CUDA device whose NCCL communicators configure() creates "
+           "eagerly (-1: connect each lane on its first CUDA op).")
+      .def_property_readonly("cuda_device", &ft::FtBackend::cudaDevice)
+      .def("last_reconfigure_timings",
+           [](const ft::FtBackend& self) {
+             const auto t = self.lastReconfigureTimings();
+             py::dict d;
+             d["generation"] = t.generation;
+             d["abort_ms"] = t.abortMs;
+             d["gloo_ms"] = t.glooMs;
+             d["nccl_ms"] = t.ncclMs;
+             d["total_ms"] = t.totalMs;
+             return d;
+           },
+           "Milliseconds each step of the last configure() took: aborting "
+           "the old generation (ncclCommAbort included), connecting Gloo, "
+           "creating NCCL communicators (eager init), and the total.")
       .def("_generation_socket_count", &ft::FtBackend::generationSocketCount)
       .def("_reaper_pending", &ft::FtBackend::reaperPending);
 }

@@ -57,6 +57,7 @@ void Generation::innerDone(FtWork* work) {
 
 bool Generation::abort(FailureKind kind, const std::string& message) {
   std::vector<c10::intrusive_ptr<FtWork>> victims;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> deviceComms;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_) {
@@ -66,6 +67,11 @@ bool Generation::abort(FailureKind kind, const std::string& message) {
     victims.reserve(inflight_.size());
     for (auto& entry : inflight_) {
       victims.push_back(entry.second);
+    }
+    for (auto& lane : lanes_) {
+      if (lane.nccl) {
+        deviceComms.push_back(lane.nccl);
+      }
     }
   }
   // Cut the wires first: a stuck inner op then fails promptly, and no more
@@ -81,6 +87,13 @@ bool Generation::abort(FailureKind kind, const std::string& message) {
     } catch (...) {
       work->fail(std::current_exception());
     }
+  }
+  // Then stop the device side: ncclCommAbort ends the lanes' kernels (also a
+  // communicator still initializing), so no more data lands in the caller's
+  // tensors once abort() returns. Works failed first, so waiters are released
+  // even if an abort is slow.
+  for (auto& comm : deviceComms) {
+    comm->abort();
   }
   return true;
 }

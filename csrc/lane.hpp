@@ -4,7 +4,9 @@
 // behind a stopped peer) never delays an op issued on another. The lane an op
 // runs on is chosen by the calling thread (set_current_lane / `ft.lane(k)`),
 // so torch's own collective APIs reach the right lane without new arguments.
-// A CUDA build adds a per-lane NCCL communicator, stream and events here.
+// An NCCL build adds `nccl`: the lane's NCCL communicator with its own CUDA
+// stream and events (see nccl_comm.hpp). FtBackend::launch() picks `gloo` or
+// `nccl` by the tensors' device; Generation::abort() aborts `nccl` too.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -15,6 +17,9 @@ struct Lane {
   int index = 0;
   // Inner Gloo communicator for CPU tensors.
   c10::intrusive_ptr<c10d::Backend> gloo;
+  // Inner NCCL communicator for CUDA tensors (an ft::NcclLane); null in a
+  // CPU-only build. Its abort() calls ncclCommAbort.
+  c10::intrusive_ptr<c10d::Backend> nccl;
 };
 
 // The lane the calling thread's next op uses (thread-local, default 0).

@@ -39,6 +39,7 @@ FtWork::FtWork(
       timeout_(timeout),
       lane_(lane),
       generation_(generation),
+      deviceOp_(!devicesOf(outputs_).empty()),
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()),
           devicesOf(outputs_))) {}
@@ -62,6 +63,20 @@ std::vector<at::Tensor> FtWork::result() {
 }
 
 bool FtWork::wait(std::chrono::milliseconds timeout) {
+  if (deviceOp_ && inner_) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (completed_ && exception_) {
+        std::rethrow_exception(exception_);
+      }
+    }
+    // Stream-ordered: the caller's current stream waits, the CPU does not.
+    return inner_->wait(timeout);
+  }
+  return waitCompleted(timeout);
+}
+
+bool FtWork::waitCompleted(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   // Every op has a deadline enforced by the backend's watchdog, so an
   // unbounded wait here still ends by the op's deadline.
@@ -81,8 +96,10 @@ bool FtWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void FtWork::synchronize() {
-  // CPU ops have nothing to synchronize beyond completion.
-  wait();
+  waitCompleted(kNoTimeout);
+  if (deviceOp_ && inner_) {
+    inner_->wait(kNoTimeout); // order the current stream after the op
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> FtWork::getFuture() {
@@ -137,20 +154,29 @@ class Releaser {
     std::thread([this] { run(); }).detach();
   }
 
-  void push(c10::intrusive_ptr<FtWork> work) {
+  void push(c10::intrusive_ptr<c10d::Work> work) {
+    bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(std::move(work));
+      wake = queue_.size() >= kBatch;
     }
-    cv_.notify_one();
+    // Waking a thread per op costs a context switch on the hot path; batch
+    // instead, with a short periodic drain.
+    if (wake) {
+      cv_.notify_one();
+    }
   }
 
  private:
   void run() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      cv_.wait(lock, [&] { return !queue_.empty(); });
-      std::deque<c10::intrusive_ptr<FtWork>> batch;
+      cv_.wait_for(lock, kDrainPeriod, [&] { return queue_.size() >= kBatch; });
+      if (queue_.empty()) {
+        continue;
+      }
+      std::deque<c10::intrusive_ptr<c10d::Work>> batch;
       batch.swap(queue_);
       lock.unlock();
       batch.clear();
@@ -158,14 +184,16 @@ class Releaser {
     }
   }
 
+  static constexpr size_t kBatch = 64;
+  static constexpr std::chrono::milliseconds kDrainPeriod{20};
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<c10::intrusive_ptr<FtWork>> queue_;
+  std::deque<c10::intrusive_ptr<c10d::Work>> queue_;
 };
 
 } // namespace
 
-void releaseLater(c10::intrusive_ptr<FtWork> work) {
+void releaseLater(c10::intrusive_ptr<c10d::Work> work) {
   // Never destroyed: see the comment in the constructor.
   static Releaser* releaser = new Releaser();
   releaser->push(std::move(work));

@@ -10,6 +10,12 @@
 //  * Completion (success or failure) marks the c10 Future and wakes wait().
 //    Future callbacks run on the completing thread, outside the commit lock.
 //  * Any thread may call any method.
+//  * CUDA ops (outputs on a CUDA device): wait() does not block the CPU; it
+//    raises if the op already failed, else hands over to the inner NCCL
+//    Work's wait(), which makes the caller's current stream wait on the op's
+//    completion event. synchronize() blocks the CPU until the op completed,
+//    then orders the current stream after it. The future is CUDA-aware: it
+//    is completed on the lane's stream once the op's event has fired.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -77,12 +83,16 @@ class FtWork : public c10d::Work {
   }
 
  private:
+  // Blocks the CPU until the op completed; rethrows its error.
+  bool waitCompleted(std::chrono::milliseconds timeout);
+
   const std::string description_;
   std::vector<at::Tensor> outputs_;
   const Clock::time_point deadline_;
   const std::chrono::milliseconds timeout_;
   const int lane_;
   const uint64_t generation_;
+  const bool deviceOp_;
   c10::intrusive_ptr<c10d::Work> inner_;
   std::mutex commitMutex_;
   std::atomic<bool> done_{false};
@@ -96,6 +106,8 @@ class FtWork : public c10d::Work {
 // must never block on the GIL: a Python thread holding it may be waiting for
 // them (Gloo's enqueue lock, say), which deadlocks. So the last references an
 // op holds are released here, where nobody waits.
-void releaseLater(c10::intrusive_ptr<FtWork> work);
+// Any Work: the NCCL lane's poller hands its references to inner Works here
+// too. One FIFO thread, so a reference pushed after another is dropped after.
+void releaseLater(c10::intrusive_ptr<c10d::Work> work);
 
 } // namespace ft

@@ -13,5 +13,19 @@ from ft.process_group import (  # noqa: F401
     ProcessGroupNCCL,
     lane,
 )
+from ft.manager import Manager, WorldSizeMode  # noqa: F401,E402
+from ft.optim.wrapper import Optimizer, OptimizerWrapper  # noqa: F401,E402
+from ft.ddp import DistributedDataParallel  # noqa: F401,E402
+from ft.data import DistributedSampler  # noqa: F401,E402
 
 __all__ = ["ProcessGroup", "ProcessGroupFt", "ProcessGroupGloo", "ProcessGroupNCCL", "lane"]
+__all__ += [
+    "Manager",
+    "WorldSizeMode",
+    "Optimizer",
+    "OptimizerWrapper",
+    "DistributedDataParallel",
+    "DistributedSampler",
+]
+from ft.local_sgd import DiLoCo, LocalSGD  # noqa: F401,E402
+__all__ += ["DiLoCo", "LocalSGD"]

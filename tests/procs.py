@@ -101,8 +101,11 @@ class Workers:
             self.spawn(rank)
         return self
 
-    def spawn(self, rank: int, **override: Any) -> Child:
-        kwargs = dict(self.kwargs, **override)
+    def spawn(self, rank: int, target: Optional[str] = None, **override: Any) -> Child:
+        """Starts one more child. With `target`, it runs that function with
+        only the given kwargs; otherwise the default target and kwargs."""
+        kwargs = dict(override) if target else dict(self.kwargs, **override)
+        target = target or self.target
         n = len(self.children)
         result_path = os.path.join(self.tmp, f"result-{rank}-{n}.pt")
         log_path = os.path.join(self.tmp, f"log-{rank}-{n}.txt")
@@ -110,7 +113,7 @@ class Workers:
         env.update(self.env)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         env.update(
-            FT_TEST_TARGET=self.target,
+            FT_TEST_TARGET=target,
             FT_TEST_RANK=str(rank),
             FT_TEST_WORLD_SIZE=str(self.world_size),
             FT_TEST_STORE_PORT=str(self.store.port),

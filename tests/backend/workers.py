@@ -211,3 +211,310 @@ def ddp_ft_vs_gloo(rank, world_size, port):
         }
     finally:
         dist.destroy_process_group()
+
+
+# --- reconfigure -----------------------------------------------------------
+
+
+def reconfigure_sequence(rank, world_size, port, plan):
+    """Follows `plan`, a list of [prefix, {old_rank: new_rank}, new_world_size].
+
+    A rank absent from the mapping leaves. Returns the allreduce result of each
+    generation it took part in."""
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    results = []
+    my_rank = rank
+    for prefix, mapping, ws in plan:
+        mapping = {int(k): v for k, v in mapping.items()}
+        if my_rank not in mapping:
+            break
+        my_rank = mapping[my_rank]
+        pg.configure(f"{ADDR}:{port}/{prefix}", "r", my_rank, ws)
+        t = torch.full((2,), float(my_rank + 1))
+        dist.all_reduce(t, group=pg)
+        results.append((prefix, pg.rank(), pg.size(), t))
+    return results
+
+
+def join_late(rank, world_size, port, prefix, new_rank, ws):
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    pg.configure(f"{ADDR}:{port}/{prefix}", "r", new_rank, ws)
+    t = torch.full((2,), float(new_rank + 1))
+    dist.all_reduce(t, group=pg)
+    return [(prefix, pg.rank(), pg.size(), t)]
+
+
+def survivor_after_kill(rank, world_size, port):
+    """Rank 0 of 3: trains with ranks 1, 2; rank 2 is killed; then regroups
+    with rank 1 and a brand-new rank 2."""
+    store = connect_store(port)
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    pg.configure(f"{ADDR}:{port}/gen1", "r", rank, 3)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=pg)
+    store.set(f"ready/{rank}", "1")
+    store.wait(["killed"], timedelta(seconds=20))
+    failure = None
+    try:
+        dist.all_reduce(torch.ones(2), group=pg)
+    except Exception as e:  # the dead peer
+        failure = str(e)
+    store.wait(["replacement_started"], timedelta(seconds=20))
+    pg.configure(f"{ADDR}:{port}/gen2", "r", rank, 3)
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t, group=pg)
+    return {"failure": failure, "errored": repr(pg.errored()), "result": t}
+
+
+def victim(rank, world_size, port):
+    store = connect_store(port)
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    pg.configure(f"{ADDR}:{port}/gen1", "r", rank, 3)
+    dist.all_reduce(torch.ones(2), group=pg)
+    store.set(f"ready/{rank}", "1")
+    time.sleep(60)  # killed by the test
+
+
+def replacement(rank, world_size, port):
+    store = connect_store(port)
+    store.set("replacement_started", "1")
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    pg.configure(f"{ADDR}:{port}/gen2", "r", rank, 3)
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t, group=pg)
+    return {"result": t}
+
+
+def _counts():
+    rss_kb = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss_kb = int(line.split()[1])
+    return {
+        "threads": len(os.listdir("/proc/self/task")),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "rss_kb": rss_kb,
+    }
+
+
+def _settle(pg, deadline_s=10.0):
+    """Waits until the reaper has torn down every old generation."""
+    end = time.monotonic() + deadline_s
+    while pg.backend._reaper_pending() and time.monotonic() < end:
+        time.sleep(0.01)
+    time.sleep(0.2)
+
+
+def reconfigure_leak(rank, world_size, port, rounds):
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=20))
+    t = torch.ones(1024)
+    for i in range(20):  # warm up allocator, thread pools, store client
+        pg.configure(f"{ADDR}:{port}/w{i}", "r", rank, world_size)
+        dist.all_reduce(t, group=pg)
+    _settle(pg)
+    before = _counts()
+    times = []
+    for i in range(rounds):
+        start = time.perf_counter()
+        pg.configure(f"{ADDR}:{port}/r{i}", "r", rank, world_size)
+        times.append(time.perf_counter() - start)
+        dist.all_reduce(t, group=pg)
+    _settle(pg)
+    after = _counts()
+    return {"before": before, "after": after, "median_s": sorted(times)[len(times) // 2]}
+
+
+# --- failures ----------------------------------------------------------------
+
+
+def allreduce_until_failure(rank, world_size, port, timeout_s=20.0, numel=1 << 16):
+    """Allreduces in a loop; returns how long the failing op took."""
+    store = connect_store(port)
+    pg = ft_group(rank, world_size, port, timeout_s=timeout_s)
+    t = torch.ones(numel)
+    store.set(f"looping/{rank}", "1")
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        start = time.monotonic()
+        try:
+            pg.allreduce([t], dist.AllreduceOptions()).wait()
+        except Exception as e:
+            return {"elapsed": time.monotonic() - start, "error": str(e),
+                    "errored": repr(pg.errored())}
+    return {"elapsed": None, "error": None}
+
+
+def stuck_then_check_writes(rank, world_size, port, timeout_s):
+    """Rank 0: its allreduce hangs behind a stopped peer until the deadline
+    aborts it; then the peer resumes and must not write into our tensor."""
+    store = connect_store(port)
+    pg = ft_group(rank, world_size, port, timeout_s=timeout_s)
+    t = torch.full((1 << 18,), float(rank + 1))
+    if rank == 1:
+        store.set("peer_ready", "1")
+        store.wait(["go"], timedelta(seconds=30))  # the test stops us before this returns
+        try:
+            pg.allreduce([t], dist.AllreduceOptions()).wait()
+        except Exception:
+            pass
+        return {}
+    store.wait(["go"], timedelta(seconds=30))
+    start = time.monotonic()
+    error = None
+    try:
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+    except Exception as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    snapshot = t.clone()
+    store.set("aborted", "1")
+    store.wait(["continued"], timedelta(seconds=30))
+    time.sleep(1.5)  # the peer has resumed and sent its data by now
+    return {"elapsed": elapsed, "error": error, "unchanged": torch.equal(t, snapshot),
+            "errored": repr(pg.errored())}
+
+
+def abort_latency(rank, world_size, port, n_ops=4):
+    """Rank 0 issues ops the peer never joins, then abort() from another
+    thread; returns the time until every pending Work failed."""
+    store = connect_store(port)
+    pg = ft_group(rank, world_size, port, timeout_s=30)
+    if rank == 1:
+        store.wait(["done"], timedelta(seconds=30))
+        return {}
+    works = []
+    for i in range(n_ops):
+        with ft.lane(i % pg.num_lanes):
+            works.append(pg.allreduce([torch.ones(16)], dist.AllreduceOptions()))
+    time.sleep(0.2)
+    pending_before = sum(not w.is_completed() for w in works)
+    failed_at = []
+
+    def aborter():
+        pg.abort()
+
+    start = time.monotonic()
+    threading.Thread(target=aborter).start()
+    for w in works:
+        try:
+            w.wait()
+        except Exception:
+            pass
+        failed_at.append(time.monotonic() - start)
+    store.set("done", "1")
+    return {"pending_before": pending_before, "latency": max(failed_at),
+            "all_failed": all(w.exception() is not None for w in works),
+            "errored": repr(pg.errored())}
+
+
+# --- lanes -------------------------------------------------------------------
+
+
+def lanes_independent(rank, world_size, port):
+    """Rank 0 issues an op on lane 0 that rank 1 has not joined; an op on
+    lane 1 must still complete. Then rank 1 joins lane 0."""
+    store = connect_store(port)
+    pg = ft_group(rank, world_size, port, timeout_s=20)
+    res = {}
+    if rank == 0:
+        stuck = pg.allreduce([torch.ones(4)], dist.AllreduceOptions())
+        store.set("lane0_issued", "1")
+        with ft.lane(1):
+            t = torch.full((4,), 2.0)
+            start = time.monotonic()
+            pg.allreduce([t], dist.AllreduceOptions()).wait()
+            res["lane1_elapsed"] = time.monotonic() - start
+            res["lane1_result"] = t
+        res["lane0_completed_before_peer"] = stuck.is_completed()
+        store.set("lane1_done", "1")
+        stuck.wait()
+        res["lane0_result"] = stuck.result()[0]
+    else:
+        store.wait(["lane0_issued"], timedelta(seconds=20))
+        with ft.lane(1):
+            pg.allreduce([torch.full((4,), 2.0)], dist.AllreduceOptions()).wait()
+        store.wait(["lane1_done"], timedelta(seconds=20))
+        pg.allreduce([torch.ones(4)], dist.AllreduceOptions()).wait()
+    return res
+
+
+# --- bad input ---------------------------------------------------------------
+
+
+def bad_input(rank, world_size, port):
+    """Every local misuse raises a clear error and the group keeps working."""
+    errors = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=5))
+    expect("before_configure", lambda: pg.allreduce([torch.ones(2)], dist.AllreduceOptions()))
+    expect("rank_out_of_range", lambda: pg.configure(f"{ADDR}:{port}/x", "r", world_size, world_size))
+    expect("negative_rank", lambda: pg.configure(f"{ADDR}:{port}/x", "r", -1, world_size))
+    expect("world_size_zero", lambda: pg.configure(f"{ADDR}:{port}/x", "r", 0, 0))
+    expect("bad_store_addr", lambda: pg.configure("no-port-here", "r", rank, world_size))
+    expect("num_lanes_zero", lambda: ft.ProcessGroupGloo(num_lanes=0))
+    start = time.monotonic()
+    unreachable = ft.ProcessGroupGloo(timeout=timedelta(seconds=1))
+    from tests.procs import free_port
+    expect("unreachable_store", lambda: unreachable.configure(f"{ADDR}:{free_port()}/x", "r", 0, 2))
+    errors["unreachable_elapsed"] = time.monotonic() - start
+
+    pg.configure(f"{ADDR}:{port}/good", "r", rank, world_size)
+    opts = dist.AllreduceOptions()
+    expect("non_contiguous", lambda: pg.allreduce([torch.ones(4, 4).t()], opts))
+    expect("mixed_dtypes", lambda: pg.allreduce([torch.ones(2), torch.ones(2, dtype=torch.float64)], opts))
+    expect("sparse", lambda: pg.allreduce([torch.ones(2).to_sparse()], opts))
+    expect("meta_device", lambda: pg.allreduce([torch.ones(2, device="meta")], opts))
+    avg = dist.AllreduceOptions()
+    avg.reduceOp = dist.ReduceOp.AVG
+    expect("avg_on_int", lambda: pg.allreduce([torch.ones(2, dtype=torch.int32)], avg))
+    premul = dist.AllreduceOptions()
+    premul.reduceOp = dist._make_nccl_premul_sum(2.0)
+    expect("premul_sum", lambda: pg.allreduce([torch.ones(2)], premul))
+    bo = dist.BroadcastOptions()
+    bo.rootRank = world_size
+    expect("broadcast_bad_root", lambda: pg.broadcast([torch.ones(2)], bo))
+    expect("send_to_self", lambda: pg.send([torch.ones(2)], rank, 0))
+    expect("send_out_of_range", lambda: pg.send([torch.ones(2)], world_size + 3, 0))
+
+    def bad_lane():
+        with ft.lane(7):
+            pg.allreduce([torch.ones(2)], opts)
+
+    expect("lane_out_of_range", bad_lane)
+    expect("all_gather_into_tensor_size", lambda: pg._allgather_base(torch.zeros(3), torch.ones(2)))
+    # The group still works after all of that.
+    t = torch.full((3,), float(rank + 1))
+    pg.allreduce([t], opts).wait()
+    errors["still_works"] = t
+    errors["errored_after"] = pg.errored()
+    return errors
+
+
+def mismatched_sizes(rank, world_size, port):
+    """Ranks pass different sizes, then different dtypes."""
+    pg = ft_group(rank, world_size, port, prefix="mm", timeout_s=5)
+    res = {}
+    try:
+        pg.allreduce([torch.ones(4 + 4 * rank)], dist.AllreduceOptions()).wait()
+        res["error"] = None
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["errored"] = repr(pg.errored())
+    t = torch.ones(2)
+    pg.allreduce([t], dist.AllreduceOptions()).wait()
+    res["same_generation_after"] = t
+    try:
+        pg.allreduce([torch.ones(2, dtype=torch.float32 if rank == 0 else torch.float64)],
+                     dist.AllreduceOptions()).wait()
+        res["dtype_error"] = None
+    except Exception as e:
+        res["dtype_error"] = f"{type(e).__name__}: {e}"
+    return res

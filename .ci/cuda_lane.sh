@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# CUDA build lane (issue 3).
+#
+# Builds ft against the CUDA 13.0 build of torch 2.14.1 and the CUDA 13.0
+# toolkit on this GPU-less machine, with the NCCL path compiled in
+# (FT_USE_NCCL), checks that the extension imports with NCCL linked, and runs
+# the CPU test suite against that build. The CPU-torch build in the clone is
+# tested by .ci/run and is never touched here: the CUDA build happens in a
+# copy of the tree, because both builds would write ft/_C.cpython-311-*.so.
+#
+# Cached outside the clone, reused by later runs on the same machine, and
+# rebuilt from nothing on a fresh one:
+#   $FT_CUDA_VENV   (default /var/cache/ft/venv-cu130)  venv with CUDA torch + test deps
+#   $FT_CUDA_CACHE  (default /var/cache/ft)             source copy and object files
+#
+# Usage: bash .ci/cuda_lane.sh [extra pytest args]   (exit status: pytest's)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${FT_CUDA_CACHE:-/var/cache/ft}
+VENV=${FT_CUDA_VENV:-$CACHE/venv-cu130}
+SRC=$CACHE/src-cu130
+BUILD_TEMP=$CACHE/build-cu130
+TORCH_SPEC=${FT_CUDA_TORCH:-torch==2.14.1}
+BASE_PYTHON=${FT_CUDA_PYTHON:-python3}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
+# Only matters if a .cu file is ever added: without it torch's helper
+# crashes on a machine with no visible GPU.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-2}
+
+t0=$(date +%s)
+stamp() { echo "[cuda-lane +$(( $(date +%s) - t0 ))s] $*"; }
+
+mkdir -p "$CACHE"
+# One lane at a time per cache (the venv and the build dir are shared).
+exec 9>"$CACHE/.cuda-lane.lock"
+flock 9
+
+# --- 1. venv with the CUDA torch and ft's requirements ----------------------
+# Requirements come from setup.py (install_requires + the "test" extra), so
+# this list never drifts from the package's.
+REQS=$("$BASE_PYTHON" - "$ROOT/setup.py" <<'EOF'
+import ast, sys
+tree = ast.parse(open(sys.argv[1]).read())
+reqs = []
+for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup":
+        for kw in node.keywords:
+            if kw.arg == "install_requires":
+                reqs += [ast.literal_eval(e) for e in kw.value.elts]
+            elif kw.arg == "extras_require":
+                reqs += ast.literal_eval(kw.value).get("test", [])
+print("\n".join(r for r in reqs if not r.replace(" ", "").startswith("torch")))
+EOF
+)
+WANT="$TORCH_SPEC $(echo $REQS) setuptools wheel"
+if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.ft-requirements" 2>/dev/null)" != "$WANT" ]; then
+  stamp "creating $VENV ($WANT)"
+  rm -rf "$VENV"
+  "$BASE_PYTHON" -m venv "$VENV"
+  # shellcheck disable=SC2086
+  "$VENV/bin/pip" install -q --progress-bar off "$TORCH_SPEC" $REQS setuptools wheel \
+    2> >(grep -v "is neither a file nor a directory" >&2)
+  echo "$WANT" > "$VENV/.ft-requirements"
+else
+  stamp "reusing $VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -c "import torch, sys; assert torch.version.cuda, 'torch in $VENV is not a CUDA build: ' + torch.__version__"
+
+# --- 2. a copy of the tree (mtimes kept, so ninja rebuilds only what changed)
+stamp "copying the tree to $SRC"
+rm -rf "$SRC"
+mkdir -p "$SRC"
+tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./build \
+  --exclude='*.so' --exclude=__pycache__ --exclude=.pytest_cache --exclude=.hypothesis \
+  -cf - . | tar -C "$SRC" -xf -
+
+# --- 3. build ---------------------------------------------------------------
+stamp "building ft against $("$PY" -c 'import torch; print(torch.__version__)') and $CUDA_HOME"
+(cd "$SRC" && "$PY" setup.py -q build_ext --inplace --build-temp "$BUILD_TEMP" >"$CACHE/cuda-lane-build.log" 2>&1) || {
+  tail -n 60 "$CACHE/cuda-lane-build.log"
+  echo "cuda lane: build failed (full log: $CACHE/cuda-lane-build.log)"
+  exit 1
+}
+
+# --- 4. NCCL compiled, linked and imported ----------------------------------
+stamp "checking the extension"
+(cd "$SRC" && "$PY" - <<'EOF'
+import torch
+import ft
+from ft import _C
+
+assert torch.version.cuda, torch.__version__
+assert _C.has_nccl, "ft._C was built without the NCCL path"
+linked = _C.nccl_version()  # calls ncclGetVersion in the linked libnccl
+assert linked == tuple(torch.cuda.nccl.version()), (linked, torch.cuda.nccl.version())
+maps = open("/proc/self/maps").read()
+libs = sorted({line.split()[-1] for line in maps.splitlines() if "libnccl" in line})
+assert libs, "libnccl is not mapped"
+pg = ft.ProcessGroupNCCL()
+assert pg.backend.cuda_device == -1
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"cuda available: {torch.cuda.is_available()}")
+print(f"ft._C: {_C.__file__}")
+print(f"has_nccl={_C.has_nccl} nccl_version={linked} libnccl={libs}")
+EOF
+)
+
+# --- 5. the CPU test suite against the CUDA build ----------------------------
+stamp "running the test suite against the CUDA build"
+set +e
+(cd "$SRC" && "$PY" -m pytest -q -x -p no:cacheprovider tests/ "$@")
+rc=$?
+set -e
+stamp "done (pytest exit $rc)"
+exit $rc

@@ -1,0 +1,107 @@
+"""CUDA mode of the backend benchmark (run on a GPU machine; see tests/gpu/run_on_device.sh).
+
+At world size 1 on one GPU:
+  * launch overhead: CPU time to issue an allreduce (issue -> Work returned) and the
+    end-to-end time (issue -> stream synchronized), ft's NCCL lane vs torch's
+    ProcessGroupNCCL, for a few sizes;
+  * reconfigure cost: ft's configure() on CUDA (abort the old generation's NCCL
+    communicators, connect Gloo, create the new NCCL communicators), step by step.
+
+Prints a table and writes JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+SIZES = {"4KiB": 1 << 10, "1MiB": 1 << 18, "64MiB": 1 << 24}  # float32 elements
+
+
+def time_allreduce(allreduce, x, iters: int):
+    for _ in range(10):
+        allreduce(x)
+    torch.cuda.synchronize()
+    issue = []
+    t_start = time.perf_counter()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        allreduce(x)
+        issue.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t_start
+    return {
+        "issue_us_median": statistics.median(issue) * 1e6,
+        "end_to_end_us_per_op": total / iters * 1e6,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--reconfigures", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    import ft
+
+    if not ft._C.has_nccl:
+        print("ft was built without NCCL")
+        return 1
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "nccl": list(ft._C.nccl_version()), "launch": {}, "reconfigure": {}}
+
+    pg = ft.ProcessGroupNCCL(timeout=timedelta(seconds=30))
+    pg.configure(f"127.0.0.1:{port}/bench-0", "bench", 0, 1)
+    torch_pg = dist.ProcessGroupNCCL(dist.PrefixStore("torch-nccl", store), 0, 1)
+
+    def ft_allreduce(x):
+        pg.allreduce([x], dist.AllreduceOptions()).wait()
+
+    def torch_allreduce(x):
+        torch_pg.allreduce([x], dist.AllreduceOptions()).wait()
+
+    for name, n in SIZES.items():
+        x = torch.ones(n, device="cuda")
+        iters = args.iters if n < (1 << 20) else max(20, args.iters // 10)
+        results["launch"][name] = {
+            "ft": time_allreduce(ft_allreduce, x, iters),
+            "torch_nccl": time_allreduce(torch_allreduce, x, iters),
+        }
+
+    steps = []
+    x = torch.ones(1024, device="cuda")
+    for i in range(args.reconfigures):
+        pg.configure(f"127.0.0.1:{port}/bench-r{i}", "bench", 0, 1)
+        steps.append(pg.last_reconfigure_timings())
+        dist.all_reduce(x, group=pg)
+    torch.cuda.synchronize()
+    for key in ("abort_ms", "gloo_ms", "nccl_ms", "total_ms"):
+        vals = sorted(s[key] for s in steps)
+        results["reconfigure"][key] = {"median": vals[len(vals) // 2], "max": vals[-1]}
+
+    print(f"{'size':>6} {'ft issue us':>12} {'torch issue us':>15} {'ft e2e us':>10} {'torch e2e us':>13}")
+    for name, r in results["launch"].items():
+        print(f"{name:>6} {r['ft']['issue_us_median']:12.1f} {r['torch_nccl']['issue_us_median']:15.1f} "
+              f"{r['ft']['end_to_end_us_per_op']:10.1f} {r['torch_nccl']['end_to_end_us_per_op']:13.1f}")
+    print("reconfigure (ms):", json.dumps(results["reconfigure"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    pg.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1028 @@
+// See nccl_comm.hpp for the contract.
+#ifdef FT_USE_NCCL
+
+#include "nccl_comm.hpp"
+#include "work.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace ft {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+[[noreturn]] void throwBackend(const std::string& message) {
+  C10_THROW_ERROR(DistBackendError, "ft: " + message);
+}
+
+void checkCuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError(); // clear the sticky-free error state
+    throwBackend(std::string(what) + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+std::string ncclMessage(ncclResult_t r, ncclComm_t comm) {
+  std::string msg = ncclGetErrorString(r);
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') {
+    msg += " (";
+    msg += last;
+    msg += ")";
+  }
+  return msg;
+}
+
+ncclDataType_t ncclTypeOf(at::ScalarType type, const char* op) {
+  switch (type) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kHalf:
+      return ncclFloat16;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kLong:
+      return ncclInt64;
+    case at::kChar:
+      return ncclInt8;
+    case at::kByte:
+    case at::kBool:
+      return ncclUint8;
+    default:
+      TORCH_CHECK_TYPE(
+          false, "ft: ", op, ": dtype ", type, " is not supported on the NCCL path");
+  }
+  return ncclFloat32; // unreachable
+}
+
+ncclRedOp_t ncclOpOf(const c10d::ReduceOp& op, at::ScalarType type, const char* name) {
+  if (type == at::kBool) {
+    // NCCL has no bool: SUM/MAX are "any", PRODUCT/MIN are "all" on bytes.
+    if (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::MAX) {
+      return ncclMax;
+    }
+    if (op == c10d::ReduceOp::PRODUCT || op == c10d::ReduceOp::MIN) {
+      return ncclMin;
+    }
+  }
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return ncclSum;
+    case c10d::ReduceOp::PRODUCT:
+      return ncclProd;
+    case c10d::ReduceOp::MIN:
+      return ncclMin;
+    case c10d::ReduceOp::MAX:
+      return ncclMax;
+    case c10d::ReduceOp::AVG:
+      TORCH_CHECK_TYPE(
+          at::isFloatingType(type),
+          "ft: ",
+          name,
+          ": ReduceOp.AVG needs floating-point tensors, got ",
+          type);
+      return ncclAvg;
+    default:
+      TORCH_CHECK_NOT_IMPLEMENTED(
+          false,
+          "ft: ",
+          name,
+          ": this reduce op is not supported on the NCCL path "
+          "(supported: SUM, AVG, PRODUCT, MIN, MAX)");
+  }
+  return ncclSum; // unreachable
+}
+
+// All tensors of an op: CUDA, one device. Returns the device index.
+int deviceOf(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "ft: ", op, ": no tensors");
+  const auto device = tensors.front().device();
+  for (const auto& t : tensors) {
+    TORCH_CHECK_VALUE(
+        t.is_cuda() && t.device() == device,
+        "ft: ",
+        op,
+        ": all tensors must be on one CUDA device, got ",
+        device,
+        " and ",
+        t.device());
+  }
+  return device.index();
+}
+
+void* ptr(const at::Tensor& t) {
+  return t.data_ptr();
+}
+
+} // namespace
+
+namespace {
+std::atomic<int> liveStreams{0};
+} // namespace
+
+int ncclLiveStreams() {
+  return liveStreams.load();
+}
+
+int ncclLinkedVersion() {
+  int version = 0;
+  ncclResult_t r = ncclGetVersion(&version);
+  TORCH_CHECK(r == ncclSuccess, "ft: ncclGetVersion failed: ", ncclGetErrorString(r));
+  return version;
+}
+
+class NcclWork;
+
+struct NcclLane::State {
+  State(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int lane,
+        milliseconds timeout)
+      : store(std::move(store)), rank(rank), size(size), lane(lane), timeout(timeout) {}
+  ~State();
+
+  const c10::intrusive_ptr<c10d::Store> store;
+  const int rank;
+  const int size;
+  const int lane;
+  const milliseconds timeout;
+
+  std::mutex initMutex; // one connect() at a time
+  // Serializes every call on `comm` (enqueue, async-error poll, abort).
+  std::mutex commMutex;
+  ncclComm_t comm = nullptr;
+  std::atomic<int> device{-1};
+  cudaStream_t stream = nullptr;
+  std::atomic<bool> aborted{false};
+  std::atomic<bool> connected{false};
+
+  std::mutex eventMutex;
+  std::vector<cudaEvent_t> freeEvents;
+
+  std::mutex pollMutex;
+  std::condition_variable pollCv;
+  std::deque<c10::intrusive_ptr<NcclWork>> pending;
+  bool stopPoller = false;
+  std::thread poller;
+
+  cudaEvent_t takeEvent() {
+    {
+      std::lock_guard<std::mutex> lock(eventMutex);
+      if (!freeEvents.empty()) {
+        cudaEvent_t e = freeEvents.back();
+        freeEvents.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device.load()));
+    checkCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    return e;
+  }
+  void giveEvent(cudaEvent_t e) {
+    if (e != nullptr) {
+      std::lock_guard<std::mutex> lock(eventMutex);
+      freeEvents.push_back(e);
+    }
+  }
+
+  void abortComm();
+  // Waits while a non-blocking call on `comm` is in progress. `lock` holds
+  // commMutex on entry and on return.
+  ncclResult_t settle(
+      ncclResult_t r,
+      std::unique_lock<std::mutex>& lock,
+      Clock::time_point deadline,
+      const char* what);
+  void pollLoop();
+};
+
+// The inner Work of one NCCL op. Its future (no devices: completed by the
+// poller once the completion event has fired) drives the FtWork.
+class NcclWork : public c10d::Work {
+ public:
+  NcclWork(
+      int rank,
+      c10d::OpType opType,
+      std::shared_ptr<NcclLane::State> state,
+      int device,
+      std::vector<at::Tensor> outputs,
+      std::vector<at::Tensor> inputs,
+      bool blockingWait)
+      : c10d::Work(rank, opType),
+        state_(std::move(state)),
+        device_(device),
+        outputs_(std::move(outputs)),
+        inputs_(std::move(inputs)),
+        blockingWait_(blockingWait),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {
+    ready = state_->takeEvent();
+    end = state_->takeEvent();
+  }
+
+  ~NcclWork() override {
+    state_->giveEvent(ready);
+    state_->giveEvent(end);
+  }
+
+  bool isCompleted() override {
+    return future_->completed();
+  }
+  bool isSuccess() const override {
+    return future_->completed() && !future_->hasError();
+  }
+  std::exception_ptr exception() const override {
+    return future_->completed() && future_->hasError() ? future_->exception_ptr()
+                                                       : nullptr;
+  }
+  std::vector<at::Tensor> result() override {
+    return outputs_;
+  }
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    if (blockingWait_) {
+      return block(timeout);
+    }
+    if (future_->completed() && future_->hasError()) {
+      std::rethrow_exception(future_->exception_ptr());
+    }
+    // The caller's current stream waits for the op; the CPU does not.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    auto current = c10::cuda::getCurrentCUDAStream(device_);
+    checkCuda(cudaStreamWaitEvent(current.stream(), end, 0), "cudaStreamWaitEvent");
+    return true;
+  }
+
+  void synchronize() override {
+    block(kNoTimeout);
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+
+  // Blocks the CPU until the poller has seen the op finish (the backend's
+  // deadline watchdog aborts a hung op, which ends this wait).
+  bool block(std::chrono::milliseconds timeout) {
+    if (timeout == kNoTimeout) {
+      future_->wait();
+    } else {
+      const auto until = Clock::now() + timeout;
+      while (!future_->completed()) {
+        if (Clock::now() >= until) {
+          throwBackend("wait() timed out after " + std::to_string(timeout.count()) + " ms");
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    if (future_->hasError()) {
+      std::rethrow_exception(future_->exception_ptr());
+    }
+    // Order the caller's stream after the op too.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    auto current = c10::cuda::getCurrentCUDAStream(device_);
+    checkCuda(cudaStreamWaitEvent(current.stream(), end, 0), "cudaStreamWaitEvent");
+    return true;
+  }
+
+  void complete(std::exception_ptr error) {
+    if (future_->completed()) {
+      return;
+    }
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  cudaEvent_t ready = nullptr;
+  cudaEvent_t end = nullptr;
+
+ private:
+  std::shared_ptr<NcclLane::State> state_;
+  const int device_;
+  std::vector<at::Tensor> outputs_;
+  std::vector<at::Tensor> inputs_;
+  const bool blockingWait_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+NcclLane::State::~State() {
+  abortComm();
+  const int dev = device.load();
+  if (dev < 0) {
+    return;
+  }
+  // Best effort: at process exit the driver may already be gone.
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  (void)cudaSetDevice(dev);
+  for (cudaEvent_t e : freeEvents) {
+    (void)cudaEventDestroy(e);
+  }
+  if (stream != nullptr) {
+    if (cudaStreamDestroy(stream) == cudaSuccess) {
+      liveStreams.fetch_sub(1);
+    }
+  }
+  (void)cudaSetDevice(current);
+  (void)cudaGetLastError();
+}
+
+void NcclLane::State::abortComm() {
+  aborted.store(true);
+  {
+    std::lock_guard<std::mutex> lock(commMutex);
+    if (comm != nullptr) {
+      const int dev = device.load();
+      if (dev >= 0) {
+        c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+        (void)ncclCommAbort(comm);
+      } else {
+        (void)ncclCommAbort(comm);
+      }
+      comm = nullptr;
+    }
+  }
+  pollCv.notify_all();
+}
+
+ncclResult_t NcclLane::State::settle(
+    ncclResult_t r,
+    std::unique_lock<std::mutex>& lock,
+    Clock::time_point deadline,
+    const char* what) {
+  while (r == ncclInProgress) {
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    lock.lock();
+    if (aborted.load() || comm == nullptr) {
+      throwBackend(std::string(what) + " on NCCL lane " + std::to_string(lane) +
+                   " was aborted");
+    }
+    if (Clock::now() >= deadline) {
+      lock.unlock();
+      abortComm();
+      lock.lock();
+      throwBackend(std::string(what) + " on NCCL lane " + std::to_string(lane) +
+                   " missed its deadline; the communicator was aborted");
+    }
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    r = q != ncclSuccess ? q : state;
+  }
+  return r;
+}
+
+void NcclLane::State::pollLoop() {
+  const int dev = device.load();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  auto laneStream = c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(dev));
+  std::unique_lock<std::mutex> lock(pollMutex);
+  while (true) {
+    pollCv.wait(lock, [&] { return stopPoller || !pending.empty(); });
+    if (pending.empty()) {
+      return;
+    }
+    std::vector<c10::intrusive_ptr<NcclWork>> batch(pending.begin(), pending.end());
+    const bool stopping = stopPoller;
+    lock.unlock();
+
+    std::string failure;
+    if (aborted.load()) {
+      failure = "the NCCL communicator of lane " + std::to_string(lane) + " was aborted";
+    } else if (stopping) {
+      failure = "the NCCL lane " + std::to_string(lane) + " was released";
+    } else {
+      std::lock_guard<std::mutex> commLock(commMutex);
+      if (comm != nullptr) {
+        ncclResult_t state = ncclSuccess;
+        ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+        ncclResult_t r = q != ncclSuccess ? q : state;
+        if (r != ncclSuccess && r != ncclInProgress) {
+          failure = "NCCL communicator of lane " + std::to_string(lane) +
+              " failed: " + ncclMessage(r, comm);
+        }
+      }
+    }
+
+    size_t finished = 0;
+    std::vector<std::pair<c10::intrusive_ptr<NcclWork>, std::exception_ptr>> done;
+    for (auto& work : batch) {
+      std::exception_ptr error;
+      if (!failure.empty()) {
+        try {
+          throwBackend(failure);
+        } catch (...) {
+          error = std::current_exception();
+        }
+      } else {
+        cudaError_t q = cudaEventQuery(work->end);
+        if (q == cudaErrorNotReady) {
+          break; // one stream: later ops finish later
+        }
+        if (q != cudaSuccess) {
+          (void)cudaGetLastError();
+          try {
+            throwBackend(std::string("CUDA error on NCCL lane ") + std::to_string(lane) +
+                         ": " + cudaGetErrorString(q));
+          } catch (...) {
+            error = std::current_exception();
+          }
+        }
+      }
+      done.emplace_back(work, error);
+      ++finished;
+    }
+    batch.clear();
+    if (finished > 0) {
+      lock.lock();
+      for (size_t i = 0; i < finished && !pending.empty(); ++i) {
+        pending.pop_front(); // `done` still holds these
+      }
+      lock.unlock();
+      {
+        // Completing runs the FtWork's callbacks; with the lane stream
+        // current, a CUDA-aware future records its events on the stream the
+        // op ran on.
+        c10::cuda::CUDAStreamGuard streamGuard(laneStream);
+        for (auto& [work, error] : done) {
+          work->complete(error);
+        }
+      }
+      // Dropping the last reference to a caller's tensor may need the GIL:
+      // never here. The releaser drops them after the FtWork (FIFO).
+      for (auto& entry : done) {
+        releaseLater(std::move(entry.first));
+      }
+      done.clear();
+    }
+    lock.lock();
+    if (!pending.empty() && finished == 0) {
+      pollCv.wait_for(lock, std::chrono::microseconds(100));
+    }
+  }
+}
+
+NcclLane::NcclLane(
+    c10::intrusive_ptr<c10d::Store> store,
+    int rank,
+    int size,
+    int lane,
+    milliseconds timeout)
+    : c10d::Backend(rank, size),
+      state_(std::make_shared<State>(std::move(store), rank, size, lane, timeout)) {}
+
+NcclLane::~NcclLane() {
+  state_->abortComm();
+  {
+    std::lock_guard<std::mutex> lock(state_->pollMutex);
+    state_->stopPoller = true;
+  }
+  state_->pollCv.notify_all();
+  if (state_->poller.joinable()) {
+    if (state_->poller.get_id() == std::this_thread::get_id()) {
+      // The last reference went away on the poller itself (an abort it
+      // raised raced with the Reaper); it exits on its own and the state,
+      // shared with it, outlives it.
+      state_->poller.detach();
+    } else {
+      state_->poller.join();
+    }
+  }
+}
+
+bool NcclLane::connected() const {
+  return state_->connected.load();
+}
+
+int NcclLane::device() const {
+  return state_->device.load();
+}
+
+void NcclLane::abort() {
+  state_->abortComm();
+}
+
+void NcclLane::connect(int device, Clock::time_point deadline) {
+  State& s = *state_;
+  std::lock_guard<std::mutex> initLock(s.initMutex);
+  if (s.connected.load()) {
+    TORCH_CHECK_VALUE(
+        s.device.load() == device,
+        "ft: NCCL lane ",
+        s.lane,
+        " is bound to cuda:",
+        s.device.load(),
+        ", got a tensor on cuda:",
+        device);
+    if (s.aborted.load()) {
+      throwBackend("NCCL lane " + std::to_string(s.lane) + " was aborted");
+    }
+    return;
+  }
+  if (s.aborted.load()) {
+    throwBackend("NCCL lane " + std::to_string(s.lane) + " was aborted before it connected");
+  }
+  const std::string where = "NCCL init of lane " + std::to_string(s.lane) + " (rank " +
+      std::to_string(s.rank) + " of " + std::to_string(s.size) + ")";
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (s.stream == nullptr) {
+    s.device.store(device);
+    checkCuda(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    liveStreams.fetch_add(1);
+  }
+
+  ncclUniqueId uid;
+  std::memset(&uid, 0, sizeof(uid));
+  if (s.rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&uid);
+    if (r != ncclSuccess) {
+      throwBackend(where + ": ncclGetUniqueId failed: " + ncclGetErrorString(r));
+    }
+    const auto* bytes = reinterpret_cast<const uint8_t*>(&uid);
+    s.store->set("uid", std::vector<uint8_t>(bytes, bytes + sizeof(uid)));
+  } else {
+    // Poll, so abort() and the deadline can end the wait.
+    while (!s.store->check({"uid"})) {
+      if (s.aborted.load()) {
+        throwBackend(where + " was aborted while waiting for rank 0's unique id");
+      }
+      if (Clock::now() >= deadline) {
+        throwBackend(where + " missed its deadline waiting for rank 0's unique id");
+      }
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    auto bytes = s.store->get("uid");
+    TORCH_CHECK(bytes.size() == sizeof(uid), "ft: ", where, ": bad unique id in the store");
+    std::memcpy(&uid, bytes.data(), sizeof(uid));
+  }
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  {
+    std::unique_lock<std::mutex> lock(s.commMutex);
+    if (s.aborted.load()) {
+      throwBackend(where + " was aborted");
+    }
+    ncclComm_t comm = nullptr;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, s.size, uid, s.rank, &config);
+    if (comm != nullptr) {
+      s.comm = comm; // reachable by abort() while the init is in progress
+    }
+    if (r != ncclSuccess && r != ncclInProgress) {
+      lock.unlock();
+      s.abortComm();
+      throwBackend(where + ": ncclCommInitRankConfig failed: " + ncclGetErrorString(r));
+    }
+    while (true) {
+      if (s.aborted.load() || s.comm == nullptr) {
+        throwBackend(where + " was aborted");
+      }
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t q = ncclCommGetAsyncError(s.comm, &state);
+      ncclResult_t now = q != ncclSuccess ? q : state;
+      if (now == ncclSuccess) {
+        break;
+      }
+      if (now != ncclInProgress) {
+        const std::string msg = ncclMessage(now, s.comm);
+        lock.unlock();
+        s.abortComm();
+        throwBackend(where + " failed: " + msg);
+      }
+      if (Clock::now() >= deadline) {
+        lock.unlock();
+        s.abortComm();
+        throwBackend(where + " missed its deadline (a peer never joined); "
+                     "the communicator was aborted");
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(milliseconds(1));
+      lock.lock();
+    }
+  }
+  s.connected.store(true);
+  s.poller = std::thread([state = state_] { state->pollLoop(); });
+}
+
+namespace {
+
+struct OpSpec {
+  c10d::OpType type;
+  const char* name;
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> outputs;
+  // Runs on the lane stream before the NCCL calls (staging copies).
+  std::function<void()> pre;
+  // The NCCL calls (one, or a group); returns the last call's result.
+  std::function<ncclResult_t(ncclComm_t, cudaStream_t)> nccl;
+  // Runs on the lane stream after the NCCL calls (copies out).
+  std::function<void()> post;
+  bool blockingWait = false;
+};
+
+} // namespace
+
+// Shared by every op: see the stream semantics in nccl_comm.hpp.
+static c10::intrusive_ptr<c10d::Work> runOp(
+    const std::shared_ptr<NcclLane::State>& statePtr,
+    NcclLane& lane,
+    OpSpec spec) {
+  NcclLane::State& s = *statePtr;
+  std::vector<at::Tensor> all = spec.inputs;
+  all.insert(all.end(), spec.outputs.begin(), spec.outputs.end());
+  const int device = deviceOf(all, spec.name);
+  const auto deadline = Clock::now() + s.timeout;
+  lane.connect(device, deadline);
+
+  const auto dev = static_cast<c10::DeviceIndex>(device);
+  c10::cuda::CUDAGuard guard(dev);
+  auto caller = c10::cuda::getCurrentCUDAStream(dev);
+  auto laneStream = c10::cuda::getStreamFromExternal(s.stream, dev);
+  auto work = c10::make_intrusive<NcclWork>(
+      s.rank, spec.type, statePtr, device, spec.outputs, spec.inputs, spec.blockingWait);
+
+  checkCuda(cudaEventRecord(work->ready, caller.stream()), "cudaEventRecord");
+  checkCuda(cudaStreamWaitEvent(s.stream, work->ready, 0), "cudaStreamWaitEvent");
+  {
+    c10::cuda::CUDAStreamGuard streamGuard(laneStream);
+    if (spec.pre) {
+      spec.pre();
+    }
+    {
+      std::unique_lock<std::mutex> lock(s.commMutex);
+      if (s.aborted.load() || s.comm == nullptr) {
+        throwBackend(std::string(spec.name) + ": NCCL lane " + std::to_string(s.lane) +
+                     " was aborted");
+      }
+      ncclResult_t r = spec.nccl(s.comm, s.stream);
+      // Non-blocking communicator: the kernels are on the stream only once
+      // the call has settled.
+      r = s.settle(r, lock, deadline, spec.name);
+      if (r != ncclSuccess) {
+        const std::string msg = s.comm ? ncclMessage(r, s.comm) : ncclGetErrorString(r);
+        lock.unlock();
+        s.abortComm();
+        throwBackend(std::string(spec.name) + " on NCCL lane " + std::to_string(s.lane) +
+                     " failed: " + msg);
+      }
+    }
+    if (spec.post) {
+      spec.post();
+    }
+    checkCuda(cudaEventRecord(work->end, s.stream), "cudaEventRecord");
+  }
+  // Keep the caller's tensors' memory from being reused before the lane
+  // stream is done with it.
+  for (const auto& t : all) {
+    if (t.storage().data_ptr().get() != nullptr) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), laneStream);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.pollMutex);
+    s.pending.push_back(work);
+  }
+  s.pollCv.notify_all();
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "ft: allreduce: no tensors");
+  const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "allreduce");
+  const auto op = ncclOpOf(opts.reduceOp, tensors.front().scalar_type(), "allreduce");
+  OpSpec spec{c10d::OpType::ALLREDUCE, "allreduce", tensors, tensors};
+  spec.nccl = [tensors, dtype, op](ncclComm_t comm, cudaStream_t stream) {
+    if (tensors.size() == 1) {
+      const auto& t = tensors.front();
+      return ncclAllReduce(ptr(t), ptr(t), t.numel(), dtype, op, comm, stream);
+    }
+    ncclGroupStart();
+    for (const auto& t : tensors) {
+      ncclAllReduce(ptr(t), ptr(t), t.numel(), dtype, op, comm, stream);
+    }
+    return ncclGroupEnd();
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  c10d::AllreduceOptions single;
+  single.reduceOp = opts.reduceOp;
+  single.timeout = opts.timeout;
+  auto work = allreduce(tensors, single);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ft: reduce: expected one tensor");
+  const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "reduce");
+  const auto op = ncclOpOf(opts.reduceOp, tensors.front().scalar_type(), "reduce");
+  const int root = static_cast<int>(opts.rootRank);
+  OpSpec spec{c10d::OpType::REDUCE, "reduce", tensors, tensors};
+  spec.nccl = [t = tensors.front(), dtype, op, root](ncclComm_t comm, cudaStream_t stream) {
+    return ncclReduce(ptr(t), ptr(t), t.numel(), dtype, op, root, comm, stream);
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "ft: broadcast: no tensors");
+  const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "broadcast");
+  const int root = static_cast<int>(opts.rootRank);
+  OpSpec spec{c10d::OpType::BROADCAST, "broadcast", tensors, tensors};
+  spec.nccl = [tensors, dtype, root](ncclComm_t comm, cudaStream_t stream) {
+    ncclGroupStart();
+    for (const auto& t : tensors) {
+      ncclBroadcast(ptr(t), ptr(t), t.numel(), dtype, root, comm, stream);
+    }
+    return ncclGroupEnd();
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::allgather(
+    std::vector<std::vector<at::Tensor>>& outputTensors,
+    std::vector<at::Tensor>& inputTensors,
+    const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK_VALUE(
+      inputTensors.size() == 1 && outputTensors.size() == 1,
+      "ft: allgather: expected one input tensor and one output list");
+  const auto& in = inputTensors.front();
+  const auto& outs = outputTensors.front();
+  TORCH_CHECK_VALUE(
+      static_cast<int>(outs.size()) == getSize(),
+      "ft: allgather: expected ", getSize(), " output tensors, got ", outs.size());
+  for (const auto& o : outs) {
+    TORCH_CHECK_VALUE(
+        o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
+        "ft: allgather: every output must match the input's size and dtype");
+  }
+  const auto dtype = ncclTypeOf(in.scalar_type(), "allgather");
+  auto flat = std::make_shared<at::Tensor>();
+  OpSpec spec{c10d::OpType::ALLGATHER, "allgather", inputTensors, outs};
+  const int64_t n = in.numel();
+  const int size = getSize();
+  spec.pre = [flat, in, n, size] { *flat = at::empty({n * size}, in.options()); };
+  spec.nccl = [flat, in, n, dtype](ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllGather(ptr(in), ptr(*flat), n, dtype, comm, stream);
+  };
+  spec.post = [flat, outs, n] {
+    for (size_t i = 0; i < outs.size(); ++i) {
+      outs[i].view({-1}).copy_(flat->narrow(0, static_cast<int64_t>(i) * n, n), true);
+    }
+    flat->reset();
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::_allgather_base(
+    at::Tensor& outputBuffer,
+    at::Tensor& inputBuffer,
+    const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK_TYPE(
+      outputBuffer.scalar_type() == inputBuffer.scalar_type(),
+      "ft: all_gather_into_tensor: input and output dtypes differ");
+  const auto dtype = ncclTypeOf(inputBuffer.scalar_type(), "all_gather_into_tensor");
+  OpSpec spec{c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {inputBuffer},
+              {outputBuffer}};
+  spec.nccl = [out = outputBuffer, in = inputBuffer, dtype](ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllGather(ptr(in), ptr(out), in.numel(), dtype, comm, stream);
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  TORCH_CHECK_VALUE(
+      outputs.size() == inputs.size() && !inputs.empty(),
+      "ft: allgather_into_tensor_coalesced: need as many outputs as inputs");
+  const auto dtype = ncclTypeOf(inputs.front().scalar_type(), "allgather_into_tensor_coalesced");
+  OpSpec spec{c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", inputs, outputs};
+  spec.nccl = [outputs, inputs, dtype](ncclComm_t comm, cudaStream_t stream) {
+    ncclGroupStart();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ncclAllGather(ptr(inputs[i]), ptr(outputs[i]), inputs[i].numel(), dtype, comm, stream);
+    }
+    return ncclGroupEnd();
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::reduce_scatter(
+    std::vector<at::Tensor>& outputTensors,
+    std::vector<std::vector<at::Tensor>>& inputTensors,
+    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(
+      outputTensors.size() == 1 && inputTensors.size() == 1,
+      "ft: reduce_scatter: expected one output tensor and one input list");
+  const auto& out = outputTensors.front();
+  const auto& ins = inputTensors.front();
+  TORCH_CHECK_VALUE(
+      static_cast<int>(ins.size()) == getSize(),
+      "ft: reduce_scatter: expected ", getSize(), " input tensors, got ", ins.size());
+  for (const auto& i : ins) {
+    TORCH_CHECK_VALUE(
+        i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
+        "ft: reduce_scatter: every input must match the output's size and dtype");
+  }
+  const auto dtype = ncclTypeOf(out.scalar_type(), "reduce_scatter");
+  const auto op = ncclOpOf(opts.reduceOp, out.scalar_type(), "reduce_scatter");
+  auto flat = std::make_shared<at::Tensor>();
+  OpSpec spec{c10d::OpType::REDUCE_SCATTER, "reduce_scatter", ins, outputTensors};
+  const int64_t n = out.numel();
+  spec.pre = [flat, ins, n] {
+    std::vector<at::Tensor> views;
+    views.reserve(ins.size());
+    for (const auto& i : ins) {
+      views.push_back(i.view({-1}));
+    }
+    *flat = at::cat(views);
+  };
+  spec.nccl = [flat, out, n, dtype, op](ncclComm_t comm, cudaStream_t stream) {
+    return ncclReduceScatter(ptr(*flat), ptr(out), n, dtype, op, comm, stream);
+  };
+  spec.post = [flat] { flat->reset(); };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::_reduce_scatter_base(
+    at::Tensor& outputBuffer,
+    at::Tensor& inputBuffer,
+    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_TYPE(
+      outputBuffer.scalar_type() == inputBuffer.scalar_type(),
+      "ft: reduce_scatter_tensor: input and output dtypes differ");
+  const auto dtype = ncclTypeOf(outputBuffer.scalar_type(), "reduce_scatter_tensor");
+  const auto op = ncclOpOf(opts.reduceOp, outputBuffer.scalar_type(), "reduce_scatter_tensor");
+  OpSpec spec{c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {inputBuffer},
+              {outputBuffer}};
+  spec.nccl = [out = outputBuffer, in = inputBuffer, dtype, op](ncclComm_t comm,
+                                                                  cudaStream_t stream) {
+    return ncclReduceScatter(ptr(in), ptr(out), out.numel(), dtype, op, comm, stream);
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(
+      outputs.size() == inputs.size() && !inputs.empty(),
+      "ft: reduce_scatter_tensor_coalesced: need as many outputs as inputs");
+  const auto dtype = ncclTypeOf(outputs.front().scalar_type(), "reduce_scatter_tensor_coalesced");
+  const auto op = ncclOpOf(
+      opts.reduceOp, outputs.front().scalar_type(), "reduce_scatter_tensor_coalesced");
+  OpSpec spec{c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+              "reduce_scatter_tensor_coalesced", inputs, outputs};
+  spec.nccl = [outputs, inputs, dtype, op](ncclComm_t comm, cudaStream_t stream) {
+    ncclGroupStart();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ncclReduceScatter(ptr(inputs[i]), ptr(outputs[i]), outputs[i].numel(), dtype, op, comm,
+                        stream);
+    }
+    return ncclGroupEnd();
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::alltoall_base(
+    at::Tensor& outputBuffer,
+    at::Tensor& inputBuffer,
+    std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes,
+    const c10d::AllToAllOptions& /*opts*/) {
+  const int size = getSize();
+  TORCH_CHECK_TYPE(
+      outputBuffer.scalar_type() == inputBuffer.scalar_type(),
+      "ft: all_to_all_single: input and output dtypes differ");
+  const auto dtype = ncclTypeOf(inputBuffer.scalar_type(), "all_to_all_single");
+  // Offsets and counts in elements; splits are in rows of dim 0.
+  auto layout = [size](const at::Tensor& t, const std::vector<int64_t>& splits,
+                       const char* which) {
+    std::vector<int64_t> counts(size), offsets(size);
+    const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+    const int64_t rowElems = rows > 0 ? t.numel() / rows : 0;
+    if (splits.empty()) {
+      TORCH_CHECK_VALUE(
+          rows % size == 0, "ft: all_to_all_single: ", which, " dim 0 (", rows,
+          ") is not divisible by world_size ", size);
+      for (int p = 0; p < size; ++p) {
+        counts[p] = rows / size * rowElems;
+        offsets[p] = p * counts[p];
+      }
+    } else {
+      TORCH_CHECK_VALUE(
+          static_cast<int>(splits.size()) == size, "ft: all_to_all_single: ", which,
+          " split sizes need world_size entries");
+      int64_t at = 0;
+      for (int p = 0; p < size; ++p) {
+        counts[p] = splits[p] * rowElems;
+        offsets[p] = at;
+        at += counts[p];
+      }
+      TORCH_CHECK_VALUE(
+          at <= t.numel(), "ft: all_to_all_single: ", which, " split sizes exceed the tensor");
+    }
+    return std::make_pair(counts, offsets);
+  };
+  auto [sendCounts, sendOffsets] = layout(inputBuffer, inputSplitSizes, "input");
+  auto [recvCounts, recvOffsets] = layout(outputBuffer, outputSplitSizes, "output");
+  const size_t elem = inputBuffer.element_size();
+  OpSpec spec{c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {inputBuffer}, {outputBuffer}};
+  spec.nccl = [in = inputBuffer, out = outputBuffer, sendCounts = sendCounts,
+               sendOffsets = sendOffsets, recvCounts = recvCounts,
+               recvOffsets = recvOffsets, elem, dtype, size](ncclComm_t comm,
+                                                             cudaStream_t stream) {
+    auto* src = static_cast<char*>(ptr(in));
+    auto* dst = static_cast<char*>(ptr(out));
+    ncclGroupStart();
+    for (int p = 0; p < size; ++p) {
+      if (sendCounts[p] > 0) {
+        ncclSend(src + sendOffsets[p] * elem, sendCounts[p], dtype, p, comm, stream);
+      }
+      if (recvCounts[p] > 0) {
+        ncclRecv(dst + recvOffsets[p] * elem, recvCounts[p], dtype, p, comm, stream);
+      }
+    }
+    return ncclGroupEnd();
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::send(
+    std::vector<at::Tensor>& tensors,
+    int dstRank,
+    int /*tag*/) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ft: send: expected one tensor");
+  const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "send");
+  OpSpec spec{c10d::OpType::SEND, "send", tensors, {}};
+  spec.nccl = [t = tensors.front(), dtype, dstRank](ncclComm_t comm, cudaStream_t stream) {
+    return ncclSend(ptr(t), t.numel(), dtype, dstRank, comm, stream);
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::recv(
+    std::vector<at::Tensor>& tensors,
+    int srcRank,
+    int /*tag*/) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ft: recv: expected one tensor");
+  const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "recv");
+  OpSpec spec{c10d::OpType::RECV, "recv", {}, tensors};
+  spec.nccl = [t = tensors.front(), dtype, srcRank](ncclComm_t comm, cudaStream_t stream) {
+    return ncclRecv(ptr(t), t.numel(), dtype, srcRank, comm, stream);
+  };
+  return runOp(state_, *this, std::move(spec));
+}
+
+c10::intrusive_ptr<c10d::Work> NcclLane::barrierOn(int device, milliseconds /*timeout*/) {
+  auto token = at::zeros(
+      {1}, at::TensorOptions().dtype(at::kInt).device(at::Device(at::kCUDA, device)));
+  OpSpec spec{c10d::OpType::BARRIER, "barrier", {token}, {token}};
+  spec.nccl = [token](ncclComm_t comm, cudaStream_t stream) {
+    return ncclAllReduce(ptr(token), ptr(token), 1, ncclInt32, ncclSum, comm, stream);
+  };
+  spec.blockingWait = true;
+  return runOp(state_, *this, std::move(spec));
+}
+
+} // namespace ft
+
+#endif // FT_USE_NCCL

@@ -1,0 +1,135 @@
+// CUDA transport: one NCCL communicator per lane, owned by ft through the
+// NCCL API (not torch's ProcessGroupNCCL), with its own CUDA stream and
+// events. Compiled only in an NCCL build (FT_USE_NCCL).
+//
+// Contract:
+//  * An NcclLane is a c10d::Backend, so FtBackend::launch() treats it like
+//    the lane's Gloo communicator: it only picks `lane.gloo` or `lane.nccl`
+//    by the tensors' device.
+//  * The communicator is created by connect(): eagerly by configure() when
+//    the backend has a CUDA device, else on the lane's first CUDA op. The
+//    init is non-blocking (ncclCommInitRankConfig with blocking = 0) and is
+//    polled against a deadline; the unique id travels through the
+//    generation's store prefix (key "uid" under "nccl<lane>/").
+//  * abort() (any thread, idempotent) calls ncclCommAbort, also on a
+//    communicator whose init is still in progress; nothing is issued on the
+//    lane afterwards. The generation calls it on abort, on a missed deadline
+//    and on reconfigure.
+//  * Stream semantics: an op records an event on the caller's current
+//    stream, makes the lane stream wait on it, runs on the lane stream, and
+//    records a completion event there. Tensors are recordStream()ed on the
+//    lane stream. The returned Work's wait() makes the caller's current stream
+//    wait on the completion event (it does not block the CPU); synchronize()
+//    blocks. A barrier's wait() blocks.
+//  * A poller thread per lane watches the completion events and
+//    ncclCommGetAsyncError, and completes each op's future (an error if the
+//    communicator failed or was aborted). Ops on one lane never wait behind
+//    another lane: each has its own communicator, stream and poller.
+//
+// This header carries no NCCL or CUDA types, so backend.cpp and bindings.cpp
+// stay light.
+#pragma once
+
+#ifdef FT_USE_NCCL
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace ft {
+
+// NCCL_VERSION_CODE of the linked library (ncclGetVersion), e.g. 23007.
+int ncclLinkedVersion();
+// Lane CUDA streams created and not yet destroyed, process-wide (leak checks).
+int ncclLiveStreams();
+
+class NcclLane : public c10d::Backend {
+ public:
+  NcclLane(
+      c10::intrusive_ptr<c10d::Store> store,
+      int rank,
+      int size,
+      int lane,
+      std::chrono::milliseconds timeout);
+  ~NcclLane() override;
+
+  // Creates the communicator on CUDA device `device` unless it exists (then
+  // the device must match). Throws DistBackendError if the peers do not all
+  // arrive by `deadline` or the lane is aborted meanwhile.
+  void connect(int device, std::chrono::steady_clock::time_point deadline);
+  bool connected() const;
+  // The device of the communicator, or -1 before connect().
+  int device() const;
+  void abort() override;
+
+  const std::string getBackendName() const override {
+    return "ft-nccl";
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<std::vector<at::Tensor>>& inputTensors,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(
+      std::vector<at::Tensor>& tensors,
+      int dstRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(
+      std::vector<at::Tensor>& tensors,
+      int srcRank,
+      int tag) override;
+  // Not a c10d override: FtBackend hands the device it resolved.
+  c10::intrusive_ptr<c10d::Work> barrierOn(
+      int device,
+      std::chrono::milliseconds timeout);
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+} // namespace ft
+
+#endif // FT_USE_NCCL

@@ -1,0 +1,342 @@
+"""Collective building blocks for the communication-efficient algorithms.
+
+Two things live here:
+
+* **Bucketing** (`plan_buckets`, `BucketedAllreduce`): packs many tensors into
+  flat buffers of at most `cap` bytes and allreduces each buffer. Every
+  element of every tensor lands in exactly one bucket: tensors larger than a
+  bucket are split across several, tensors of different dtypes (or devices)
+  never share a buffer, and the last, partly filled bucket is sent too.
+  (torchft's bucketing silently skips some of these and replicas diverge.)
+
+* **Quantized allreduce** (`allreduce_quantized`): int8 with one fp32 scale
+  per block of `block_size` elements, reduced as reduce-scatter (all-to-all of
+  the quantized blocks, dequantize, sum in fp32) then all-gather of the
+  re-quantized result. It uses only `alltoall_base` and `_allgather_base`, so
+  it works on the ft backend's Gloo path (CPU) and on its NCCL path (CUDA) --
+  the arithmetic is plain torch ops on the tensors' device. Each rank sends
+  about n bytes (+1.6% scales) instead of fp32's 4n (W=2), and every rank ends
+  with bit-identical results (they all dequantize the same gathered bytes).
+
+Pure functions (`plan_buckets`, `quantize_blockwise`, `dequantize_blockwise`)
+take data and return data; they are tested as tables.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ft import _C
+
+__all__ = [
+    "Segment",
+    "Bucket",
+    "plan_buckets",
+    "BucketedAllreduce",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "allreduce_quantized",
+    "work_from_future",
+    "DEFAULT_BLOCK_SIZE",
+]
+
+DEFAULT_BLOCK_SIZE = 256
+
+
+# --------------------------------------------------------------------------
+# Bucketing
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [tensor_offset, tensor_offset + length) of tensor `index`
+    (flattened) live at [bucket_offset, bucket_offset + length) of the bucket."""
+
+    index: int
+    tensor_offset: int
+    bucket_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    segments: Tuple[Segment, ...]
+
+
+def plan_buckets(
+    tensors: Sequence[torch.Tensor], cap_bytes: Optional[int]
+) -> List[Bucket]:
+    """Splits `tensors` into buckets of at most `cap_bytes` bytes each.
+
+    Tensors are grouped by (dtype, device) in order of first appearance; each
+    group is one stream of elements cut into buckets of
+    `max(1, cap_bytes // itemsize)` elements. So a tensor larger than a bucket
+    spans several buckets, small tensors share one, and the trailing partial
+    bucket is kept. `cap_bytes=None` means one bucket per group. Empty tensors
+    get no segment (there is nothing to reduce).
+    """
+    if cap_bytes is not None and cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes}")
+    groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    buckets: List[Bucket] = []
+    for (dtype, device), indices in groups.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total = sum(tensors[i].numel() for i in indices)
+        cap = total if cap_bytes is None else max(1, cap_bytes // itemsize)
+        segments: List[Segment] = []
+        fill = 0
+        for i in indices:
+            n = tensors[i].numel()
+            off = 0
+            while off < n:
+                take = min(n - off, cap - fill)
+                segments.append(Segment(i, off, fill, take))
+                off += take
+                fill += take
+                if fill == cap:
+                    buckets.append(Bucket(dtype, device, fill, tuple(segments)))
+                    segments, fill = [], 0
+        if segments:
+            buckets.append(Bucket(dtype, device, fill, tuple(segments)))
+    return buckets
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("bucketed allreduce needs contiguous tensors")
+    return t.view(-1)
+
+
+class BucketedAllreduce:
+    """Allreduces `tensors` in place, bucket by bucket, through `allreduce_fn`.
+
+    `allreduce_fn(flat_tensor) -> Work` is issued once per bucket on the
+    calling thread (so on the caller's lane); `wait()` waits for all of them
+    and copies the results back. Every element of every tensor is covered
+    (see `plan_buckets`).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        allreduce_fn: Callable[[torch.Tensor], "dist.Work"],
+        cap_bytes: Optional[int],
+    ) -> None:
+        self._tensors = list(tensors)
+        self._buckets = plan_buckets(self._tensors, cap_bytes)
+        self._pending: List[Tuple[Bucket, torch.Tensor, object]] = []
+        flats = [_flat_view(t) for t in self._tensors]
+        for b in self._buckets:
+            if len(b.segments) == 1 and b.segments[0].length == flats[b.segments[0].index].numel():
+                buf = flats[b.segments[0].index]  # whole tensor: reduce in place
+            else:
+                buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                for s in b.segments:
+                    buf[s.bucket_offset:s.bucket_offset + s.length].copy_(
+                        flats[s.index][s.tensor_offset:s.tensor_offset + s.length]
+                    )
+            self._pending.append((b, buf, allreduce_fn(buf)))
+        self._flats = flats
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def wait(self) -> None:
+        for b, buf, work in self._pending:
+            work.wait()
+            for s in b.segments:
+                dst = self._flats[s.index][s.tensor_offset:s.tensor_offset + s.length]
+                src = buf[s.bucket_offset:s.bucket_offset + s.length]
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+        self._pending = []
+
+
+# --------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------
+
+
+def quantize_blockwise(
+    x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of a 1-D fp32 tensor whose length is a
+    multiple of `block_size`: returns (int8 values, fp32 scale per block),
+    value = q * scale with scale = absmax(block) / 127."""
+    if x.dim() != 1 or x.numel() % block_size:
+        raise ValueError("quantize_blockwise needs a 1-D tensor, a multiple of block_size long")
+    blocks = x.float().view(-1, block_size)
+    scale = blocks.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(-1), scale
+
+
+def dequantize_blockwise(
+    q: torch.Tensor, scale: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+) -> torch.Tensor:
+    return (q.view(-1, block_size).float() * scale[:, None]).view(-1)
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, scale bytes | int8 bytes] as one uint8 buffer."""
+    s = scale.contiguous().view(torch.uint8).view(rows, -1)
+    v = q.contiguous().view(torch.uint8).view(rows, -1)
+    return torch.cat([s, v], dim=1).contiguous()
+
+
+def _unpack(buf: torch.Tensor, rows: int, chunk: int, block_size: int):
+    nscale_bytes = (chunk // block_size) * 4
+    buf = buf.view(rows, -1)
+    scale = buf[:, :nscale_bytes].contiguous().view(torch.float32).view(-1)
+    q = buf[:, nscale_bytes:].contiguous().view(torch.int8).view(-1)
+    return q, scale
+
+
+def work_from_future(fut: torch.futures.Future) -> "dist.Work":
+    """A torch Work that completes with `fut`."""
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+class _LaneWorker:
+    """One daemon thread per (process group, lane): runs quantized allreduces
+    in FIFO order, so both phases of every call are issued on the lane in the
+    same order on every rank."""
+
+    def __init__(self, lane_index: int) -> None:
+        self._lane = lane_index
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"ft-quantized-lane{lane_index}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._q.put(job)
+
+    def _run(self) -> None:
+        _C.set_current_lane(self._lane)
+        while True:
+            job = self._q.get()
+            job()
+
+
+_workers_lock = threading.Lock()
+_workers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _lane_worker(pg: object, lane_index: int) -> _LaneWorker:
+    with _workers_lock:
+        per_pg = _workers.get(pg)
+        if per_pg is None:
+            per_pg = {}
+            _workers[pg] = per_pg
+        w = per_pg.get(lane_index)
+        if w is None:
+            w = per_pg[lane_index] = _LaneWorker(lane_index)
+        return w
+
+
+def _reduce_op_of(opts: Union[dist.AllreduceOptions, ReduceOp, "ReduceOp.RedOpType"]):
+    op = opts.reduceOp if isinstance(opts, dist.AllreduceOptions) else opts
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"quantized allreduce supports SUM and AVG, not {op}")
+    return op
+
+
+def _quantized_allreduce_blocking(
+    tensors: List[torch.Tensor], op, pg, block_size: int
+) -> None:
+    world = pg.size()
+    device = tensors[0].device
+    n = sum(t.numel() for t in tensors)
+    chunk = max(1, math.ceil(n / (world * block_size))) * block_size  # per rank
+    flat = torch.zeros(world * chunk, dtype=torch.float32, device=device)
+    off = 0
+    for t in tensors:
+        flat[off:off + t.numel()].copy_(t.reshape(-1))
+        off += t.numel()
+
+    # Phase 1 (reduce-scatter): rank r receives everyone's quantized chunk r.
+    q, scale = quantize_blockwise(flat, block_size)
+    send = _pack(q, scale, world)
+    recv = torch.empty_like(send)
+    pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
+    rq, rscale = _unpack(recv, world, chunk, block_size)
+    mine = dequantize_blockwise(rq, rscale, block_size).view(world, chunk).sum(dim=0)
+    if op == ReduceOp.AVG:
+        mine.div_(world)
+
+    # Phase 2 (all-gather) of the re-quantized reduced chunks.
+    q2, scale2 = quantize_blockwise(mine, block_size)
+    piece = _pack(q2, scale2, 1).view(-1)
+    gathered = torch.empty(world * piece.numel(), dtype=torch.uint8, device=device)
+    pg._allgather_base(gathered, piece).wait()
+    gq, gscale = _unpack(gathered, world, chunk, block_size)
+    result = dequantize_blockwise(gq, gscale, block_size)
+
+    off = 0
+    for t in tensors:
+        t.copy_(result[off:off + t.numel()].view_as(t))
+        off += t.numel()
+
+
+def allreduce_quantized(
+    tensors: List[torch.Tensor],
+    opts: Union[dist.AllreduceOptions, ReduceOp],
+    process_group,
+    sync_stream: Optional["torch.cuda.Stream"] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> "dist.Work":
+    """Allreduces floating-point `tensors` in place with int8 blockwise
+    quantization on the wire and fp32 accumulation (SUM or AVG over
+    `process_group.size()`).
+
+    Returns a Work at once; the two collectives run in order on a per-lane
+    worker thread, on the caller's current lane. A lane that carries
+    quantized allreduces must not carry other ops while one is in flight
+    (DiLoCo gives each fragment its own lane and waits before reusing it).
+    `sync_stream` is accepted for torchft compatibility (CUDA: the caller's
+    stream is synchronized before the worker reads the tensors).
+    """
+    op = _reduce_op_of(opts)
+    tensors = list(tensors)
+    if not tensors:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([])
+        return work_from_future(fut)
+    for t in tensors:
+        if not t.is_floating_point():
+            raise ValueError(f"quantized allreduce needs floating-point tensors, got {t.dtype}")
+        if t.device != tensors[0].device:
+            raise ValueError("quantized allreduce needs all tensors on one device")
+    if tensors[0].is_cuda:
+        (sync_stream or torch.cuda.current_stream(tensors[0].device)).synchronize()
+    fut = torch.futures.Future()
+
+    def job() -> None:
+        try:
+            _quantized_allreduce_blocking(tensors, op, process_group, block_size)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+            return
+        fut.set_result(tensors)
+
+    _lane_worker(process_group, _C.get_current_lane()).submit(job)
+    return work_from_future(fut)

@@ -1,0 +1,67 @@
+"""``ft.DistributedDataParallel``: torch DDP whose gradient allreduce goes through the Manager.
+
+DDP is built on a local, size-1 stand-in process group, so its constructor broadcasts nothing
+across replicas (replicas get identical initial state from the Manager's ``init_sync`` heal, or
+from a seeded init with ``init_sync=False``). Every gradient bucket is reduced by a comm hook
+that calls :meth:`ft.Manager.allreduce` and hands DDP the Manager's future: nothing blocks the
+CPU per bucket (on CUDA the future is stream-aware; on CPU the backend runs the op on its own
+threads). Every replica uses the same bucket layout from its first step (see below). Failures
+never reach DDP: the Manager reports them and the step does not commit.
+"""
+
+import warnings
+from typing import TYPE_CHECKING, Any, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.nn import parallel
+
+if TYPE_CHECKING:
+    from ft.manager import Manager
+
+__all__ = ["DistributedDataParallel"]
+
+
+def _local_process_group() -> Tuple[ProcessGroup, Any]:
+    """A size-1 process group whose ops do nothing (soaks up DDP's constructor collectives)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    backend = FakeProcessGroup._create_internal(0, 1)
+    pg = ProcessGroup(0, 1)
+    for device in ("cpu", "cuda"):
+        pg._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    return pg, backend
+
+
+class DistributedDataParallel(parallel.DistributedDataParallel):
+    """``DistributedDataParallel(manager, module, **kwargs)`` (torchft signature).
+
+    ``kwargs`` go to torch's DDP (``bucket_cap_mb``, ``find_unused_parameters``, ...), except
+    ``process_group`` and ``broadcast_buffers``, which ft sets.
+    """
+
+    def __init__(self, manager: "Manager", module: torch.nn.Module, **kwargs: Any) -> None:
+        kwargs.pop("process_group", None)
+        kwargs.pop("broadcast_buffers", None)
+        pg, backend = _local_process_group()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__(module, process_group=pg, broadcast_buffers=False, **kwargs)
+        # Fix the bucket layout now. Torch rebuilds the buckets once, after the first backward,
+        # in gradient-ready order; a replica that (re)starts later would then reduce its first
+        # step's buckets in a different layout than its peers, summing mismatched gradients.
+        # Rebuilding here, in parameter order, gives every replica the same layout from step 0.
+        self.reducer._push_all_rebuilt_params()
+        self.reducer._rebuild_buckets()
+        self._ft_pg = pg
+        self._ft_local_backend = backend
+        self._ft_manager = manager
+        self.register_comm_hook(manager, self._comm_hook)
+
+    @staticmethod
+    def _comm_hook(
+        state: "Manager", bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        return state.allreduce(bucket.buffer()).get_future()

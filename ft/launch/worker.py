@@ -1,0 +1,110 @@
+"""Worker side of the ``ft-launch`` protocol (usable with or without the launcher).
+
+* Progress: :func:`emit` prints one line ``@ft-progress {json}`` on stdout. The launcher parses
+  these lines (:func:`parse_progress`) for its live display and summary; everything else a worker
+  prints goes to its log file. Records carry ``event`` plus the worker's ``group`` and ``rank``.
+  Events the launcher understands:
+
+  ``start``   the worker is up (``attempt``, ``device``)
+  ``step``    one step ended: ``step`` (manager step after it), ``loss``, ``participants``,
+              ``quorum_id``, ``committed`` (bool), optional ``healed_from_step`` and ``injected``
+  ``heal``    this worker loaded a peer's live state: ``from_step``, ``to_step``
+  ``final``   the worker entered its stop phase (``step``)
+  ``done``    the worker finished: ``step``, ``hash`` (sha256 of model + optimizer state),
+              optional ``accuracy``, ``loss``
+
+* Stop: :func:`stop_requested` is true once the launcher asks the run to end (it creates the file
+  named by ``FT_LAUNCH_STOP_FILE``, e.g. at ``--duration``).
+* Chaos: :func:`install_chaos_handlers` makes SIGUSR1 mean "fail your next allreduce";
+  the training loop asks :func:`take_injected_allreduce_failure` once per step and, when true,
+  makes that step's allreduce fail for real (``examples/train_ddp.py`` aborts its process group).
+  It also exits the worker if the launcher that started it disappears.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, Optional
+
+PROGRESS_PREFIX = "@ft-progress "
+
+_injected = threading.Event()
+_installed = False
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Prints one progress record for the launcher (cheap; safe without a launcher)."""
+    record: Dict[str, Any] = {
+        "event": event,
+        "group": _env_int("REPLICA_GROUP_ID", 0),
+        "rank": _env_int("RANK", 0),
+        "time": round(time.time(), 3),
+    }
+    record.update(fields)
+    line = PROGRESS_PREFIX + json.dumps(record, separators=(",", ":"), default=str)
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):  # launcher gone / stdout closed
+        pass
+
+
+def parse_progress(line: str) -> Optional[Dict[str, Any]]:
+    """The record in a progress line, or None for any other line (never raises)."""
+    line = line.strip()
+    if not line.startswith(PROGRESS_PREFIX.strip()):
+        return None
+    try:
+        record = json.loads(line[len(PROGRESS_PREFIX.strip()):])
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        return None
+    return record
+
+
+def stop_requested() -> bool:
+    """True once the launcher asked this run to stop (see module docstring)."""
+    path = os.environ.get("FT_LAUNCH_STOP_FILE")
+    return bool(path) and os.path.exists(path)
+
+
+def take_injected_allreduce_failure() -> bool:
+    """True (once) after the launcher asked this worker to fail its next allreduce."""
+    if _injected.is_set():
+        _injected.clear()
+        return True
+    return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            # The launcher died without reaping us: do not train on alone.
+            os._exit(3)
+
+
+def install_chaos_handlers() -> None:
+    """SIGUSR1 -> fail the next allreduce; exit when the launcher dies. Main thread only."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    signal.signal(signal.SIGUSR1, lambda *_: _injected.set())
+    parent = _env_int("FT_LAUNCH_PARENT_PID", 0)
+    if parent > 0 and os.getppid() == parent:
+        threading.Thread(target=_watch_parent, args=(parent,), name="ft-launch-parent-watch",
+                         daemon=True).start()

@@ -1,0 +1,518 @@
+"""LocalSGD, DiLoCo and Streaming DiLoCo on top of ft.Manager.
+
+Both wrap an existing inner optimizer through its step hooks:
+
+    with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=H):
+        for batch in data:
+            inner_opt.zero_grad(); loss(model, batch).backward(); inner_opt.step()
+
+The pure schedule -- which inner step prepares and which syncs a fragment --
+is `streaming_schedule` / `fragment_for_step` below (tested as a table).
+
+DiLoCo, per fragment f (of n):
+  * keeps a backup of the fragment's global parameters (on `backup_device`,
+    pinned when that is the CPU and CUDA is available);
+  * every P = sync_every / n inner steps one fragment syncs; at inner step
+    P - tau (tau = fragment_sync_delay) the quorum is started and the
+    pseudo-gradient (backup - local) of fragment `current_step() % n` is sent
+    on lane f, and at step P it is waited for, the backup restored and
+    `should_commit()` asked;
+  * on commit the outer optimizer steps with the averaged pseudo-gradient as
+    gradient, the result becomes the new backup, and the parameters are mixed
+    `param.lerp_(local, alpha)` (alpha = fragment_update_alpha, 0 = pure global);
+  * on failure the fragment's local progress is dropped (params = backup), and
+    since the manager step did not advance the same fragment is retried next.
+  * backups and outer-optimizer state are registered with the Manager, so a
+    healing replica receives them.
+
+DiLoCo needs the synchronous quorum: the fragment is chosen from the manager
+step, and only a synchronous quorum applies a heal (step, backups) before
+that choice. An async-quorum Manager is rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from ft.collectives import BucketedAllreduce
+from ft.process_group import lane
+
+__all__ = [
+    "LocalSGD",
+    "DiLoCo",
+    "StreamingPlan",
+    "streaming_plan",
+    "streaming_schedule",
+    "fragment_for_step",
+]
+
+DEFAULT_BUCKET_CAP_MB = 32
+
+
+# --------------------------------------------------------------------------
+# The schedule (pure)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamingPlan:
+    n_fragments: int
+    period: int  # P: inner steps between two fragment syncs
+    prepare_at: int  # P - tau: the inner step (1-based, within a period) that sends
+
+
+def streaming_plan(sync_every: int, n_fragments: int, fragment_sync_delay: int = 0) -> StreamingPlan:
+    """Validates the DiLoCo schedule parameters and returns the plan.
+
+    P = sync_every / n_fragments must be a whole number, and
+    0 <= fragment_sync_delay (tau) < P.
+    """
+    if not isinstance(n_fragments, int) or n_fragments < 1:
+        raise ValueError(f"need at least one model fragment, got {n_fragments!r}")
+    if not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
+    if sync_every % n_fragments:
+        raise ValueError(
+            f"sync_every ({sync_every}) must be divisible by the number of fragments ({n_fragments})"
+        )
+    period = sync_every // n_fragments
+    if not isinstance(fragment_sync_delay, int) or not 0 <= fragment_sync_delay < period:
+        raise ValueError(
+            f"fragment_sync_delay must satisfy 0 <= tau < sync_every / n_fragments = {period}, "
+            f"got {fragment_sync_delay!r}"
+        )
+    return StreamingPlan(n_fragments, period, period - fragment_sync_delay)
+
+
+def streaming_schedule(local_step: int, plan: StreamingPlan) -> Tuple[bool, bool]:
+    """(prepare, sync) for the inner step `local_step` (1-based, counted since
+    the last sync). With tau = 0 both happen at step P, prepare first."""
+    if not 1 <= local_step <= plan.period:
+        raise ValueError(f"local_step {local_step} outside 1..{plan.period}")
+    return local_step == plan.prepare_at, local_step == plan.period
+
+
+def fragment_for_step(manager_step: int, n_fragments: int) -> int:
+    """The fragment every replica syncs at this manager step."""
+    return manager_step % n_fragments
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (replicated dims hold full copies), or t."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Wraps `local` like parameter `p` (a DTensor with the same mesh and
+    placements), so it can be p's grad."""
+    if hasattr(p, "device_mesh") and hasattr(p, "placements"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local
+
+
+def _make_backup(p: torch.Tensor, device: Optional[torch.device], pin_memory: bool) -> torch.Tensor:
+    src = _local(p.detach())
+    dev = torch.device(device) if device is not None else src.device
+    pin = pin_memory and dev.type == "cpu" and torch.cuda.is_available()
+    b = torch.empty(src.shape, dtype=src.dtype, device=dev, pin_memory=pin)
+    b.copy_(src)
+    return b
+
+
+def _is_async(manager: Any) -> bool:
+    for name in ("_use_async_quorum", "use_async_quorum"):
+        v = getattr(manager, name, None)
+        if isinstance(v, bool):
+            return v
+    return False
+
+
+class _AllWorks:
+    def __init__(self, works: List[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+
+
+def _allreduce_all(
+    manager: Any,
+    tensors: Sequence[torch.Tensor],
+    should_quantize: bool,
+    bucket_cap_bytes: Optional[int],
+    use_bucketization: bool,
+):
+    """Issues the AVG allreduce of `tensors` through the manager on the calling
+    thread (so on its current lane); returns something with .wait()."""
+
+    def one(t: torch.Tensor):
+        return manager.allreduce(t, should_quantize=should_quantize, reduce_op=ReduceOp.AVG)
+
+    if use_bucketization:
+        return BucketedAllreduce(tensors, one, bucket_cap_bytes)
+    return _AllWorks([one(t) for t in tensors])
+
+
+# --------------------------------------------------------------------------
+# LocalSGD
+# --------------------------------------------------------------------------
+
+
+class LocalSGD:
+    """Averages the model's parameters every `sync_every` optimizer steps.
+
+    The averages are copied into the model only if `manager.should_commit()`;
+    a failed sync restores the last committed parameters (kept as a backup,
+    which is also registered for healing under "LocalSGD"). The first
+    `warmup_steps` optimizer steps sync after every step (plain synchronous
+    averaging, as torch's post-local SGD warmup).
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        backup_device: Optional[torch.device] = None,
+        pin_memory: bool = True,
+        warmup_steps: int = 0,
+        use_bucketization: bool = False,
+        bucket_cap_mb: Optional[int] = None,
+        should_quantize: bool = False,
+    ) -> None:
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        self._manager = manager
+        self._model = model
+        self._optimizer = optimizer
+        self._sync_every = sync_every
+        self._warmup_steps = warmup_steps
+        self._use_bucketization = use_bucketization
+        self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self._should_quantize = should_quantize
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self._params}
+        self._local_step = 0
+        self._total_steps = 0
+        self._hook = None
+        manager.register_state_dict_fn("LocalSGD", self._load_state_dict, self._state_dict)
+
+    # -- state for healing ----------------------------------------------------
+
+    def _state_dict(self) -> Dict[str, Any]:
+        return {"backup": dict(self._backup)}
+
+    def _load_state_dict(self, state: Dict[str, Any]) -> None:
+        for n, b in self._backup.items():
+            b.copy_(state["backup"][n])
+
+    # -- hooks ----------------------------------------------------------------
+
+    def __enter__(self) -> "LocalSGD":
+        if self._hook is None:
+            self._hook = self._optimizer.register_step_post_hook(self._step_post_hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        return False
+
+    def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._local_step += 1
+        self._total_steps += 1
+        if self._total_steps <= self._warmup_steps or self._local_step >= self._sync_every:
+            self.sync()
+
+    # -- sync -----------------------------------------------------------------
+
+    def sync(self) -> bool:
+        """Starts the quorum, averages the parameters and commits them; returns
+        whether they were committed."""
+        self._local_step = 0
+        self._manager.start_quorum()
+        averages = [_local(p.detach()).clone() for _, p in self._params]
+        try:
+            _allreduce_all(
+                self._manager, averages, self._should_quantize, self._bucket_cap,
+                self._use_bucketization,
+            ).wait()
+        except Exception as e:  # the Manager reports its own errors; this is belt and braces
+            self._manager.report_error(e)
+        committed = self._manager.should_commit()
+        with torch.no_grad():
+            for (n, p), avg in zip(self._params, averages):
+                dst = _local(p.detach())
+                if committed:
+                    dst.copy_(avg)
+                    self._backup[n].copy_(avg)
+                else:
+                    dst.copy_(self._backup[n])
+        return committed
+
+
+# --------------------------------------------------------------------------
+# DiLoCo / Streaming DiLoCo
+# --------------------------------------------------------------------------
+
+
+class _Fragment:
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        outer_optimizer: torch.optim.Optimizer,
+        backup_device: Optional[torch.device],
+        pin_memory: bool,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.outer_optimizer = outer_optimizer
+        self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"model fragment {index} has no trainable parameters")
+        self.backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self.params}
+
+    def pseudo_gradients(self) -> List[torch.Tensor]:
+        # backup - local, on the parameters' device, in the parameters' dtype.
+        return [
+            self.backup[n].to(_local(p.detach()).device, non_blocking=True) - _local(p.detach())
+            for n, p in self.params
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for n, p in self.params:
+                _local(p.detach()).copy_(self.backup[n], non_blocking=True)
+
+    def save(self) -> None:
+        with torch.no_grad():
+            for n, p in self.params:
+                self.backup[n].copy_(_local(p.detach()), non_blocking=True)
+
+
+class DiLoCo:
+    """DiLoCo (sync_every inner steps, then an outer step on the averaged
+    pseudo-gradient) and Streaming DiLoCo (several fragments, staggered, with
+    an overlap delay tau and a merge factor alpha). torchft's arguments."""
+
+    def __init__(
+        self,
+        manager: Any,
+        model_fragments: List[nn.Module],
+        inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: Union[torch.optim.Optimizer, List[torch.optim.Optimizer]],
+        sync_every: int,
+        backup_device: Optional[torch.device] = None,
+        pin_memory: bool = True,
+        use_bucketization: bool = False,
+        bucket_cap_mb: Optional[int] = None,
+        should_quantize: bool = False,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+    ) -> None:
+        if isinstance(model_fragments, nn.Module):
+            model_fragments = [model_fragments]
+        model_fragments = list(model_fragments)
+        self._plan = streaming_plan(sync_every, len(model_fragments), fragment_sync_delay)
+        if not 0.0 <= float(fragment_update_alpha) <= 1.0:
+            raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+        if _is_async(manager):
+            raise ValueError(
+                "DiLoCo requires a Manager with use_async_quorum=False: the fragment to sync is "
+                "chosen from the manager step, and only a synchronous quorum applies a heal "
+                "(step, backups, outer-optimizer state) before that choice"
+            )
+        n = len(model_fragments)
+        pg = getattr(manager, "_pg", None)
+        num_lanes = getattr(pg, "num_lanes", None)
+        if isinstance(num_lanes, int) and num_lanes < n:
+            raise ValueError(
+                f"DiLoCo sends each of its {n} fragments on its own lane, but the manager's "
+                f"process group has only {num_lanes} lanes; build it with "
+                f"ProcessGroupGloo(..., num_lanes={n}) or more"
+            )
+        if isinstance(outer_optimizer, (list, tuple)):
+            outer = list(outer_optimizer)
+            if len(outer) != n:
+                raise ValueError(
+                    f"got {len(outer)} outer optimizers for {n} fragments (give one, or one each)"
+                )
+            self._shared_outer: Optional[torch.optim.Optimizer] = None
+        else:
+            outer = [outer_optimizer] * n
+            self._shared_outer = outer_optimizer
+        self._manager = manager
+        self._inner_optimizer = inner_optimizer
+        self._alpha = float(fragment_update_alpha)
+        self._should_quantize = should_quantize
+        self._use_bucketization = use_bucketization
+        self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self._fragments = [
+            _Fragment(i, m, outer[i], backup_device, pin_memory) for i, m in enumerate(model_fragments)
+        ]
+        self._local_step = 0
+        self._pending: Optional[Tuple[int, List[torch.Tensor], Any]] = None
+        self._hook = None
+        self.syncs = 0  # completed fragment syncs (committed or not)
+        self.commits = 0
+        self.failed_commits = 0
+        for frag in self._fragments:
+            manager.register_state_dict_fn(
+                f"StreamingDiLoCoFragment_{frag.index}",
+                self._fragment_load_fn(frag),
+                self._fragment_save_fn(frag),
+            )
+        if self._shared_outer is not None:
+            manager.register_state_dict_fn(
+                "DiLoCoOuterOptimizer",
+                lambda sd: self._shared_outer.load_state_dict(sd),
+                lambda: self._shared_outer.state_dict(),
+            )
+
+    # -- state for healing ----------------------------------------------------
+
+    def _fragment_save_fn(self, frag: _Fragment) -> Callable[[], Dict[str, Any]]:
+        def save() -> Dict[str, Any]:
+            sd: Dict[str, Any] = {"original_parameters": dict(frag.backup)}
+            if self._shared_outer is None:
+                sd["outer_optimizer"] = frag.outer_optimizer.state_dict()
+            return sd
+
+        return save
+
+    def _fragment_load_fn(self, frag: _Fragment) -> Callable[[Dict[str, Any]], None]:
+        def load(sd: Dict[str, Any]) -> None:
+            for n, b in frag.backup.items():
+                b.copy_(sd["original_parameters"][n])
+            if self._shared_outer is None:
+                frag.outer_optimizer.load_state_dict(sd["outer_optimizer"])
+
+        return load
+
+    # -- hooks ----------------------------------------------------------------
+
+    def __enter__(self) -> "DiLoCo":
+        if self._hook is None:
+            self._hook = self._inner_optimizer.register_step_post_hook(self._step_post_hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        return False
+
+    def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        self._local_step += 1
+        prepare, sync = streaming_schedule(self._local_step, self._plan)
+        if prepare:
+            self._prepare_sync()
+        if sync:
+            self._local_step = 0
+            self._perform_sync()
+
+    # -- the two halves of a fragment sync ----------------------------------------
+
+    def _prepare_sync(self) -> None:
+        self._manager.start_quorum()
+        f = fragment_for_step(self._manager.current_step(), self._plan.n_fragments)
+        frag = self._fragments[f]
+        pseudo = frag.pseudo_gradients()
+        with lane(f):
+            handle = _allreduce_all(
+                self._manager, pseudo, self._should_quantize, self._bucket_cap,
+                self._use_bucketization,
+            )
+        self._pending = (f, pseudo, handle)
+
+    def _perform_sync(self) -> None:
+        assert self._pending is not None, "perform_sync without prepare_sync"
+        f, pseudo, handle = self._pending
+        self._pending = None
+        frag = self._fragments[f]
+        try:
+            handle.wait()
+        except Exception as e:  # the Manager reports its own errors; this is belt and braces
+            self._manager.report_error(e)
+        local = [_local(p.detach()).clone() for _, p in frag.params] if self._alpha > 0 else None
+        frag.restore()
+        self.syncs += 1
+        if not self._manager.should_commit():
+            # Drop this fragment's local progress: params stay = backup.
+            self.failed_commits += 1
+            return
+        self._outer_step(frag, pseudo)
+        frag.save()
+        if local is not None:
+            with torch.no_grad():
+                for (_, p), loc in zip(frag.params, local):
+                    _local(p.detach()).lerp_(loc, self._alpha)
+        self.commits += 1
+
+    def _outer_step(self, frag: _Fragment, pseudo: List[torch.Tensor]) -> None:
+        opt = frag.outer_optimizer
+        # Only this fragment's params get a gradient; every other param the
+        # outer optimizer holds is skipped (grad None). Inner grads are put back.
+        saved: Dict[int, Optional[torch.Tensor]] = {}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                saved[id(p)] = p.grad
+                p.grad = None
+        mine = {id(p) for _, p in frag.params}
+        missing = mine - set(saved)
+        if missing:
+            raise ValueError(f"the outer optimizer of fragment {frag.index} does not hold all its parameters")
+        try:
+            for (_, p), g in zip(frag.params, pseudo):
+                p.grad = _like_param(p, g)
+            opt.step()
+        finally:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = saved[id(p)]
+
+    # -- introspection --------------------------------------------------------
+
+    @property
+    def plan(self) -> StreamingPlan:
+        return self._plan
+
+    def global_state(self) -> Dict[str, Any]:
+        """Copies of every fragment's backup and outer-optimizer state (for tests)."""
+        out: Dict[str, Any] = {}
+        for frag in self._fragments:
+            out[f"backup/{frag.index}"] = {n: b.clone() for n, b in frag.backup.items()}
+            if self._shared_outer is None:
+                out[f"outer/{frag.index}"] = _clone_state(frag.outer_optimizer.state_dict())
+        if self._shared_outer is not None:
+            out["outer"] = _clone_state(self._shared_outer.state_dict())
+        return out
+
+
+def _clone_state(sd: Any) -> Any:
+    if torch.is_tensor(sd):
+        return sd.detach().clone()
+    if isinstance(sd, dict):
+        return {k: _clone_state(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_clone_state(v) for v in sd)
+    return sd

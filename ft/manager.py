@@ -1,0 +1,831 @@
+"""The Manager: ft's per-step fault-tolerance protocol, on every rank (SPEC section 6).
+
+One training step::
+
+    manager.start_quorum()          # 1. quorum (sync, or async on a worker thread); on a new
+                                    #    quorum id: pg.configure(); send / receive a checkpoint
+    work = manager.allreduce(grad)  # 2. through the replica-dimension process group
+    work.wait()
+    if manager.should_commit():     # 3. group-wide AND vote; step += 1 on success
+        optimizer.step()
+
+The public surface (constructor, methods, environment variables) is torchft 0.2.0's.
+
+Errors
+    Everything that goes wrong inside a step (a failed collective, a failed heal, a failed
+    ``pg.configure``, an error the user reports) is *reported*, never raised: the Manager
+    records it (:meth:`errored`), later allreduces of the step become no-ops, and the step is not
+    committed. Reporting an error also aborts the process group, so that peers waiting in a
+    collective for this replica fail at once instead of waiting out the op timeout; the next
+    quorum then has ``commit_failures > 0`` and gets a new quorum id, which rebuilds the group.
+    Quorum failures (e.g. a missing local rank, :class:`TimeoutError`) are raised by
+    :meth:`start_quorum` (sync) or :meth:`wait_quorum` (async), as in torchft.
+
+Proactive abort
+    Every rank subscribes to the lighthouse's failure notifications. When a member of the
+    current quorum misses its heartbeat deadline, the rank aborts its process group at once: a
+    collective hung on the dead (or stopped) replica fails within about one heartbeat timeout,
+    the step is not committed, and the next quorum leaves the dead replica out.
+
+Logs
+    Logger ``ft.manager``: one line per quorum, heal, commit decision and error, each starting
+    with ``replica_id=... rank=... quorum_id=... step=...``; the same fields (plus the event
+    name) are attached to the record as ``record.ft`` for structured handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future as _ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Callable, Dict, List, Optional, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp, TCPStore
+
+from ft.checkpointing import CheckpointTransport, HTTPTransport, RWLock
+from ft.coordination import (
+    FailureNotification,
+    LighthouseClient,
+    ManagerClient,
+    ManagerServer,
+    QuorumResult,
+)
+
+__all__ = ["Manager", "WorldSizeMode"]
+
+T = TypeVar("T")
+
+MANAGER_ADDR_KEY = "manager_addr"
+REPLICA_ID_KEY = "replica_id"
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
+TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
+QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
+QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+
+logger = logging.getLogger("ft.manager")
+
+
+class WorldSizeMode(Enum):
+    """How many replicas take part in a step.
+
+    DYNAMIC: every replica in the quorum (at least ``min_replica_size`` to commit).
+    FIXED_WITH_SPARES: exactly ``min_replica_size`` replicas take part; the others are spares
+    that contribute zeros (and stay up to date, ready to replace a failed one).
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+def _env_timeout(name: str, default: timedelta) -> timedelta:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return timedelta(seconds=float(value))
+
+
+def _to_timedelta(t: Any) -> timedelta:
+    if isinstance(t, timedelta):
+        return t
+    return timedelta(seconds=float(t))
+
+
+# ------------------------------------------------------------------------------- works
+
+
+def _completed_future(value: Any) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class _DummyWork(dist.Work):
+    """A Work that has already completed with ``tensor`` untouched (errored manager)."""
+
+    def __init__(self, tensor: Any) -> None:
+        super().__init__()
+        self._tensor = tensor
+        self._fut = _completed_future(tensor)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class _ManagedWork(dist.Work):
+    """Wraps a backend Work: failures are reported to the Manager, never raised.
+
+    ``get_future()`` returns a future whose value is the reduced tensor (divided for AVG); it
+    never completes with an error, so DDP's reducer and user callbacks never see one.
+    """
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        # Never raises: the callback chain turns failures into a reported error. For CUDA
+        # values this makes the current stream wait (no CPU block).
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class _Log:
+    """Formats the Manager's structured log lines."""
+
+    def __init__(self, manager: "Manager") -> None:
+        self._m = manager
+
+    def _emit(self, level: int, event: str, msg: str, exc_info: bool = False, **fields: Any) -> None:
+        if not logger.isEnabledFor(level):
+            return
+        m = self._m
+        base = {
+            "event": event,
+            "replica_id": m._replica_id,
+            "rank": m._rank,
+            "quorum_id": m._quorum_id,
+            "step": m._step,
+        }
+        base.update(fields)
+        text = " ".join(f"{k}={v}" for k, v in base.items() if k != "event")
+        logger.log(level, "%s %s: %s", event, text, msg, exc_info=exc_info, extra={"ft": base})
+
+    def info(self, event: str, msg: str = "", **fields: Any) -> None:
+        self._emit(logging.INFO, event, msg, **fields)
+
+    def warning(self, event: str, msg: str = "", **fields: Any) -> None:
+        self._emit(logging.WARNING, event, msg, **fields)
+
+    def error(self, event: str, msg: str = "", exc_info: bool = False, **fields: Any) -> None:
+        self._emit(logging.ERROR, event, msg, exc_info=exc_info, **fields)
+
+
+# ------------------------------------------------------------------------------- manager
+
+
+class Manager:
+    """Per-step fault tolerance for one rank of one replica group (torchft 0.2.0 signature).
+
+    Args:
+        pg: the replica-dimension process group (``ft.ProcessGroupGloo``/``ProcessGroupNCCL``),
+            reconfigured on every new quorum.
+        load_state_dict / state_dict: optional; registered under the key ``"default"``.
+        min_replica_size: fewest participating replicas for a step to commit.
+        use_async_quorum: run the quorum (and the heal) on a worker thread, overlapping the
+            forward/backward pass. A healing replica then contributes zeros for that step.
+        timeout: bound for collectives (pg), checkpoint transfers and ShouldCommit.
+        quorum_timeout: bound for one quorum.
+        connect_timeout: bound for connecting to the lighthouse, the ManagerServer and the store.
+        rank / world_size: this rank in its replica group (default env ``RANK``/``WORLD_SIZE``).
+        world_size_mode: see :class:`WorldSizeMode`.
+        store_addr / store_port: the replica group's TCPStore (default env
+            ``MASTER_ADDR``/``MASTER_PORT``). Group rank 0 hosts it (unless torchrun's agent
+            already does) and also the group's ManagerServer.
+        lighthouse_addr: default env ``TORCHFT_LIGHTHOUSE``.
+        replica_id: the group's name; the Manager appends ``":" + uuid4`` (new on every start).
+        port: the ManagerServer's port (default env ``TORCHFT_MANAGER_PORT`` or any).
+        hostname: the host name peers use to reach this group's ManagerServer.
+        heartbeat_interval: ManagerServer heartbeats to the lighthouse.
+        checkpoint_transport: default ``HTTPTransport(timeout=timeout, num_chunks=0)``.
+        init_sync: heal every replica from one primary at step 0 (identical initial state).
+        max_retries: raise RuntimeError after this many consecutive failed commits.
+        quorum_retries: extra lighthouse attempts per quorum (env ``TORCHFT_QUORUM_RETRIES``).
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        load_state_dict: Optional[Callable[[T], None]],
+        state_dict: Optional[Callable[[], T]],
+        min_replica_size: int,
+        use_async_quorum: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: Optional[str] = None,
+        store_port: Optional[int] = None,
+        lighthouse_addr: Optional[str] = None,
+        replica_id: Optional[str] = None,
+        port: Optional[int] = None,
+        hostname: str = socket.gethostname(),
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        checkpoint_transport: Optional[CheckpointTransport[Dict[str, T]]] = None,
+        init_sync: bool = True,
+        max_retries: Optional[int] = None,
+        quorum_retries: int = 0,
+    ) -> None:
+        if min_replica_size < 1:
+            raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
+        self._pg = pg
+        self._min_replica_size = min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._world_size_mode = world_size_mode
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        self._timeout = _env_timeout(TIMEOUT_SEC_ENV, _to_timedelta(timeout))
+        self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, _to_timedelta(quorum_timeout))
+        self._connect_timeout = _env_timeout(
+            CONNECT_TIMEOUT_SEC_ENV, _to_timedelta(connect_timeout)
+        )
+        quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
+
+        self._rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
+        self._world_size = int(
+            world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1")
+        )
+        if not 0 <= self._rank < self._world_size:
+            raise ValueError(f"rank {self._rank} out of range for world_size {self._world_size}")
+
+        # state
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._quorum_id = -1
+        self._quorum_replica_ids: frozenset = frozenset()
+        self._quorum_lock = threading.Lock()
+        self._errored: Optional[Exception] = None
+        self._healing = False
+        self._pending_state_dict: Optional[Dict[str, Any]] = None
+        self._participating_rank: Optional[int] = None
+        self._participating_world_size: int = 0
+        self._quorum_future: Optional[_ConcurrentFuture] = None
+        self._user_state_dicts: Dict[str, Callable[[], Any]] = {}
+        self._load_state_dict_fns: Dict[str, Callable[[Any], None]] = {}
+        self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
+        self._is_state_dict_read_allowed = True
+        self._replica_id = replica_id or ""
+        self._log = _Log(self)
+        self._closed = False
+        self._manager: Optional[ManagerServer] = None
+        self._subscription = None
+        self._lighthouse_client: Optional[LighthouseClient] = None
+        self._peer_clients: Dict[str, ManagerClient] = {}
+
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
+
+        lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse_addr:
+            raise ValueError(f"lighthouse_addr is required (or set {LIGHTHOUSE_ENV})")
+        self._lighthouse_addr = lighthouse_addr
+
+        self._checkpoint_transport: CheckpointTransport[Dict[str, Any]] = (
+            checkpoint_transport
+            if checkpoint_transport is not None
+            else HTTPTransport(timeout=self._timeout, num_chunks=0)
+        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-async-quorum")
+
+        try:
+            self._setup_group(store_addr, store_port, port, hostname, heartbeat_interval,
+                              quorum_retries)
+        except BaseException:
+            self._teardown(wait=False)
+            raise
+        self._log.info("start", f"manager ready (world_size={self._world_size}, "
+                       f"lighthouse={lighthouse_addr}, async_quorum={use_async_quorum})")
+
+    # ---------------------------------------------------------------- setup / teardown
+
+    def _setup_group(
+        self,
+        store_addr: Optional[str],
+        store_port: Optional[int],
+        port: Optional[int],
+        hostname: str,
+        heartbeat_interval: timedelta,
+        quorum_retries: int,
+    ) -> None:
+        store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
+        if store_port is None:
+            env_port = os.environ.get("MASTER_PORT")
+            if env_port is None and self._world_size > 1:
+                raise ValueError("store_port is required (or set MASTER_PORT)")
+            store_port = int(env_port) if env_port is not None else 0
+        connect_s = self._connect_timeout.total_seconds()
+        store_timeout = timedelta(seconds=max(connect_s, 1.0))
+        use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store: Optional[TCPStore] = None
+        if self._rank == 0 and not use_agent_store:
+            try:
+                store = TCPStore(store_addr, store_port, is_master=True,
+                                 wait_for_workers=False, timeout=store_timeout)
+            except Exception as e:
+                if store_port == 0:
+                    raise
+                logger.info("could not host the store on port %d (%s); connecting to it",
+                            store_port, e)
+        if store is None:
+            store = TCPStore(store_addr, store_port, is_master=False,
+                             wait_for_workers=False, timeout=store_timeout)
+        self._store = store
+        self._store_addr = store_addr
+        self._store_port = store.port
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefixed = dist.PrefixStore(f"torchft/manager/{restart}", store)
+
+        if self._rank == 0:
+            name = self._replica_id or os.environ.get("REPLICA_GROUP_ID") or "replica"
+            self._replica_id = f"{name}:{uuid.uuid4()}"
+            if port is None:
+                port = int(os.environ.get(MANAGER_PORT_ENV, "0"))
+            self._manager = ManagerServer(
+                replica_id=self._replica_id,
+                lighthouse_addr=self._lighthouse_addr,
+                hostname=hostname,
+                bind=f"[::]:{port}",
+                store_addr=f"{store_addr}:{self._store_port}",
+                world_size=self._world_size,
+                heartbeat_interval=heartbeat_interval,
+                connect_timeout=self._connect_timeout,
+                quorum_retries=quorum_retries,
+            )
+            prefixed.set(MANAGER_ADDR_KEY, self._manager.address())
+            prefixed.set(REPLICA_ID_KEY, self._replica_id)
+            addr = self._manager.address()
+        else:
+            addr = prefixed.get(MANAGER_ADDR_KEY).decode()
+            self._replica_id = prefixed.get(REPLICA_ID_KEY).decode()
+        self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+
+        self._lighthouse_client = LighthouseClient(
+            self._lighthouse_addr, connect_timeout=self._connect_timeout
+        )
+        self._subscription = self._lighthouse_client.subscribe_failures(
+            self._on_failure_notification, subscriber=f"{self._replica_id}/{self._rank}"
+        )
+
+    def _teardown(self, wait: bool) -> None:
+        if self._subscription is not None:
+            self._subscription.close(timeout=2.0 if wait else 0.5)
+            self._subscription = None
+        if self._lighthouse_client is not None:
+            self._lighthouse_client.close()
+            self._lighthouse_client = None
+        try:
+            self._checkpoint_transport.shutdown(wait=wait)
+        except Exception:  # noqa: BLE001
+            logger.exception("checkpoint transport shutdown failed")
+        if self._manager is not None:
+            self._manager.shutdown()
+            self._manager = None
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
+        for peer in self._peer_clients.values():
+            peer.close()
+        self._peer_clients.clear()
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the Manager's servers, subscription and threads (not the process group)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown(wait)
+        self._log.info("shutdown", "manager shut down")
+
+    # ---------------------------------------------------------------- state dicts
+
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Registers state to send to (and load on) healing replicas under ``key``."""
+        if key in self._load_state_dict_fns:
+            raise ValueError(f"a state dict is already registered under {key!r}")
+        self._load_state_dict_fns[key] = cast(Callable[[Any], None], load_state_dict)
+        self._user_state_dicts[key] = state_dict
+
+    def allow_state_dict_read(self) -> None:
+        """Lets checkpoint transfers read the registered state again."""
+        if self._is_state_dict_read_allowed:
+            return
+        self._is_state_dict_read_allowed = True
+        self._state_dict_lock.w_release()
+
+    def disallow_state_dict_read(self) -> None:
+        """Blocks reads of the registered state (while the caller mutates it)."""
+        if not self._is_state_dict_read_allowed:
+            return
+        self._state_dict_lock.w_acquire()
+        self._is_state_dict_read_allowed = False
+
+    def _manager_state_dict(self) -> Dict[str, Any]:
+        with self._state_dict_lock.r_lock():
+            user = {key: fn() for key, fn in self._user_state_dicts.items()}
+        return {"user": user, "torchft": self.state_dict()}
+
+    def state_dict(self) -> Dict[str, int]:
+        """The Manager's own state: ``{"step", "batches_committed"}``."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def _apply_pending_state_dict(self) -> None:
+        pending = self._pending_state_dict
+        self._pending_state_dict = None
+        if pending is None:
+            return  # the heal failed; the error is already reported
+        with self._state_dict_lock.w_lock():
+            for key, fn in self._load_state_dict_fns.items():
+                fn(pending["user"][key])
+        self._log.info("heal_applied", "applied the healed state")
+
+    # ---------------------------------------------------------------- errors
+
+    def report_error(self, e: Exception) -> None:
+        """Marks the current step as failed (it will not commit) and aborts the process group,
+        so that peers blocked in a collective with this replica fail fast."""
+        self._report_error(e, abort=True)
+
+    def _report_error(self, e: Exception, abort: bool) -> None:
+        first = self._errored is None
+        self._errored = e
+        if first:
+            self._log.error("error", f"{type(e).__name__}: {e}")
+        if abort:
+            try:
+                self._pg.abort()
+            except Exception:  # noqa: BLE001
+                logger.debug("pg.abort() after an error failed", exc_info=True)
+
+    def errored(self) -> Optional[Exception]:
+        """The error reported during this step, or None."""
+        return self._errored
+
+    def wrap_future(
+        self, fut: torch.futures.Future, default: T, timeout: Optional[timedelta] = None
+    ) -> torch.futures.Future:
+        """Returns a future that never fails: on error, reports it and yields ``default``.
+
+        ``timeout`` is accepted for torchft compatibility; futures of the process group have
+        their deadline enforced by the backend itself.
+        """
+
+        def callback(f: torch.futures.Future) -> Any:
+            try:
+                return f.value()
+            except Exception as e:  # noqa: BLE001
+                self._report_error(e, abort=False)
+                return default
+
+        return fut.then(callback)
+
+    # ---------------------------------------------------------------- failure notifications
+
+    def _on_failure_notification(self, n: FailureNotification) -> None:
+        if self._closed or n.replica_id == self._replica_id:
+            return
+        with self._quorum_lock:
+            if n.quorum_id != self._quorum_id or n.replica_id not in self._quorum_replica_ids:
+                return
+            self._log.warning(
+                "proactive_abort",
+                f"quorum member {n.replica_id} died ({n.error_message}); aborting the process group",
+                dead=n.replica_id,
+            )
+            try:
+                self._pg.abort()
+            except Exception:  # noqa: BLE001
+                logger.exception("pg.abort() failed")
+
+    # ---------------------------------------------------------------- quorum
+
+    def start_quorum(
+        self,
+        allow_heal: bool = True,
+        shrink_only: bool = False,
+        timeout: Optional[timedelta] = None,
+    ) -> None:
+        """Starts the quorum for the next step (on a worker thread in async mode).
+
+        In sync mode this waits for the quorum and applies a healed state before returning
+        (raising the quorum's failure, e.g. :class:`TimeoutError`).
+        """
+        if self._closed:
+            raise RuntimeError("Manager is shut down")
+        if self._quorum_future is not None:
+            try:
+                self._quorum_future.result()
+            except Exception:  # noqa: BLE001 - already surfaced by wait_quorum, or moot
+                pass
+        self._errored = None
+        self._healing = False
+        self._pending_state_dict = None
+        quorum_timeout = _to_timedelta(timeout) if timeout is not None else self._quorum_timeout
+        self._quorum_future = self._executor.submit(
+            self._async_quorum, allow_heal, shrink_only, quorum_timeout
+        )
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                # Apply the healed state now so that the forward pass uses it.
+                self._apply_pending_state_dict()
+                self._healing = False
+
+    def wait_quorum(self) -> None:
+        """Waits for the quorum started by :meth:`start_quorum` (raises its failure)."""
+        if self._quorum_future is None:
+            raise RuntimeError("start_quorum() must be called before wait_quorum()")
+        self._quorum_future.result()
+
+    def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
+        t0 = time.monotonic()
+        quorum: QuorumResult = self._client._quorum(
+            group_rank=self._rank,
+            step=self._step,
+            checkpoint_metadata=self._checkpoint_transport.metadata(),
+            shrink_only=shrink_only,
+            timeout=quorum_timeout,
+            init_sync=self._init_sync,
+            commit_failures=self._commit_failures,
+        )
+        t_quorum = time.monotonic() - t0
+
+        if self._use_async_quorum and allow_heal and self._init_sync and quorum.max_step == 0:
+            # init_sync at step 0: everyone but the primary heals, and healing replicas sit out.
+            rank, size = (None if quorum.heal else 0), 1
+        elif self._use_async_quorum or not allow_heal:
+            # Healing replicas (behind max_step) sit out this step.
+            rank, size = quorum.max_replica_rank, quorum.max_world_size
+        else:
+            # Everyone heals before the step, so everyone takes part.
+            rank, size = quorum.replica_rank, quorum.replica_world_size
+        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+            size = min(size, self._min_replica_size)
+            if rank is not None and rank >= self._min_replica_size:
+                rank = None
+        self._participating_rank, self._participating_world_size = rank, size
+
+        reconfigure = quorum.quorum_id != self._quorum_id
+        with self._quorum_lock:
+            self._quorum_id = quorum.quorum_id
+            self._quorum_replica_ids = frozenset(quorum.replica_ids)
+        self._log.info(
+            "quorum",
+            f"{'new' if reconfigure else 'same'} quorum in {t_quorum * 1000:.1f} ms",
+            replica_rank=quorum.replica_rank,
+            replica_world_size=quorum.replica_world_size,
+            participants=size,
+            max_step=quorum.max_step,
+            heal=quorum.heal,
+            commit_failures=quorum.commit_failures,
+        )
+        if reconfigure:
+            store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._rank}"
+            t1 = time.monotonic()
+            try:
+                self._pg.configure(
+                    store_prefixed_addr,
+                    self._replica_id,
+                    quorum.replica_rank,
+                    quorum.replica_world_size,
+                    quorum_id=quorum.quorum_id,
+                    group_rank=self._rank,
+                    group_world_size=self._world_size,
+                )
+            except Exception as e:  # noqa: BLE001
+                self._log.error("configure", f"pg.configure({store_prefixed_addr}) failed")
+                self._report_error(e, abort=True)
+                return
+            self._log.info("configure", f"process group configured in "
+                           f"{(time.monotonic() - t1) * 1000:.1f} ms", store=store_prefixed_addr)
+
+        if not allow_heal:
+            return
+        try:
+            if quorum.recover_dst_replica_ranks:
+                self._log.info("heal_send", f"sending the checkpoint to replica ranks "
+                               f"{quorum.recover_dst_replica_ranks}", max_step=quorum.max_step)
+                self._checkpoint_transport.send_checkpoint(
+                    dst_ranks=quorum.recover_dst_replica_ranks,
+                    step=quorum.max_step,
+                    state_dict=self._manager_state_dict(),
+                    timeout=self._timeout,
+                )
+            if quorum.heal:
+                self._healing = True
+                t2 = time.monotonic()
+                src = quorum.recover_src_replica_rank
+                assert src is not None
+                primary = self._peer_client(quorum.recover_src_manager_address)
+                metadata = primary._checkpoint_metadata(self._rank, timeout=self._timeout)
+                self._log.info("heal_recv", f"fetching the checkpoint from replica rank {src} "
+                               f"({metadata}; metadata in {(time.monotonic() - t2) * 1000:.1f} ms)",
+                               max_step=quorum.max_step)
+                state = self._checkpoint_transport.recv_checkpoint(
+                    src_rank=src, metadata=metadata, step=quorum.max_step, timeout=self._timeout
+                )
+                if (
+                    not isinstance(state, dict)
+                    or not isinstance(state.get("user"), dict)
+                    or not isinstance(state.get("torchft"), dict)
+                ):
+                    raise ValueError("received checkpoint lacks the 'user'/'torchft' sections")
+                missing = set(self._load_state_dict_fns) - set(state["user"])
+                if missing:
+                    raise ValueError(f"received checkpoint lacks state for keys {sorted(missing)}")
+                self._pending_state_dict = state
+                self.load_state_dict(state["torchft"])
+                self._step = quorum.max_step
+                self._log.info("heal_recv", f"received the checkpoint in "
+                               f"{(time.monotonic() - t2) * 1000:.1f} ms")
+        except Exception as e:  # noqa: BLE001
+            self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
+            self._pending_state_dict = None
+            self._report_error(e, abort=True)
+
+    def _peer_client(self, address: str) -> ManagerClient:
+        """A cached client of another group's ManagerServer (closing a channel costs ~200 ms)."""
+        client = self._peer_clients.get(address)
+        if client is None:
+            if len(self._peer_clients) >= 16:
+                for old in self._peer_clients.values():
+                    old.close()
+                self._peer_clients.clear()
+            client = ManagerClient(address, connect_timeout=self._connect_timeout)
+            self._peer_clients[address] = client
+        return client
+
+    # ---------------------------------------------------------------- collectives
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: ReduceOp = ReduceOp.AVG,
+    ) -> dist.Work:
+        """Allreduces ``tensor`` in place across the participating replicas.
+
+        Never raises for communication failures: they are reported (the step will not commit)
+        and the returned Work completes with the tensor's current contents. AVG runs as SUM,
+        then divides by :meth:`num_participants`; replicas that do not participate contribute
+        zeros. ``should_quantize`` is accepted for compatibility; the reduction runs in full
+        precision.
+        """
+        if self.errored() is not None:
+            return _DummyWork(tensor)
+        self.wait_quorum()
+        num_participants = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+
+        pg_op = reduce_op
+        divide = reduce_op == ReduceOp.AVG
+        if divide:
+            if not torch.is_floating_point(tensor):
+                raise ValueError("ReduceOp.AVG needs a floating point tensor")
+            pg_op = ReduceOp.SUM
+        try:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = pg_op
+            work = self._pg.allreduce([tensor], opts)
+            fut = work.get_future()
+        except Exception as e:  # noqa: BLE001
+            self._report_error(e, abort=True)
+            return _DummyWork(tensor)
+
+        stream = None
+        if tensor.is_cuda:
+            stream = torch.cuda.current_stream(tensor.device)
+
+        def callback(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                f.value()
+            except Exception as e:  # noqa: BLE001
+                self._report_error(e, abort=False)
+                return tensor
+            if divide and num_participants > 0:
+                if stream is None:
+                    tensor.div_(num_participants)
+                else:
+                    # Run on the issuing stream, ordered after the op and before later waiters.
+                    cur = torch.cuda.current_stream(tensor.device)
+                    stream.wait_stream(cur)
+                    with torch.cuda.stream(stream):
+                        tensor.div_(num_participants)
+                    cur.wait_stream(stream)
+            return tensor
+
+        return _ManagedWork(fut.then(callback))
+
+    # ---------------------------------------------------------------- commit
+
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        """The group-wide decision to commit this step (see SPEC section 6, step 3).
+
+        Raises:
+            RuntimeError: ``max_retries`` consecutive failed commits were exceeded.
+        """
+        if self._quorum_future is not None:
+            self.wait_quorum()
+        if self._healing:
+            self._apply_pending_state_dict()
+            self._healing = False
+
+        enough_replicas = self.num_participants() >= self._min_replica_size
+        local_should_commit = enough_replicas and self._errored is None
+        t = _to_timedelta(timeout) if timeout is not None else self._timeout
+        should_commit = self._client.should_commit(
+            self._rank, self._step, local_should_commit, timeout=t
+        )
+        # Transfers of this step's state must end before the caller mutates it.
+        self._checkpoint_transport.disallow_checkpoint()
+
+        if should_commit:
+            self._step += 1
+            self._batches_committed += self.num_participants()
+            self._commit_failures = 0
+            self._log.info("commit", "committed", participants=self.num_participants())
+        else:
+            self._commit_failures += 1
+            self._log.warning(
+                "commit",
+                f"not committed (local vote={local_should_commit}, enough_replicas="
+                f"{enough_replicas}, errored={self._errored!r})",
+                commit_failures=self._commit_failures,
+            )
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                msg = (f"should_commit failed {self._commit_failures} times in a row, "
+                       f"exceeding max_retries={self._max_retries}")
+                self._log.error("max_retries", msg)
+                raise RuntimeError(msg)
+        return should_commit
+
+    # ---------------------------------------------------------------- accessors
+
+    def current_step(self) -> int:
+        """The number of committed steps."""
+        return self._step
+
+    def batches_committed(self) -> int:
+        """The total number of batches committed across all replicas."""
+        return self._batches_committed
+
+    def participating_rank(self) -> Optional[int]:
+        """This replica's rank among the participants of this step, or None."""
+        if self._quorum_future is not None:
+            self.wait_quorum()
+        return self._participating_rank
+
+    def num_participants(self) -> int:
+        """The number of replicas that take part in this step."""
+        if self._quorum_future is not None:
+            self.wait_quorum()
+        return self._participating_world_size
+
+    def is_participating(self) -> bool:
+        """Whether this replica's data counts in this step (healing replicas and spares don't)."""
+        if self._participating_rank is None:
+            return False
+        if self._healing:
+            return False
+        return True
+
+    @property
+    def replica_id(self) -> str:
+        """This group's replica id (``"{name}:{uuid4}"``)."""
+        return self._replica_id
+
+    def _manager_address(self) -> Optional[str]:
+        return self._manager.address() if self._manager is not None else None
+
+    def __repr__(self) -> str:
+        return (f"Manager(replica_id={self._replica_id!r}, rank={self._rank}, "
+                f"quorum_id={self._quorum_id}, step={self._step})")
+

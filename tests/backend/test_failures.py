@@ -1,0 +1,55 @@
+"""Peers that die or hang: prompt errors, deadlines, abort, no late writes."""
+
+import signal
+import time
+from datetime import timedelta
+
+from tests.procs import Workers, make_store
+
+
+def test_kill_9_mid_allreduce_fails_survivor_within_1s():
+    store = make_store()
+    with Workers("tests.backend.workers:allreduce_until_failure", 2, store=store) as w:
+        store.wait(["looping/0", "looping/1"], timedelta(seconds=30))
+        time.sleep(0.3)
+        w.by_rank(1).signal(signal.SIGKILL)
+        (r0,) = w.join(timeout=30, children=[w.by_rank(0)])
+    assert r0["error"] is not None
+    assert r0["elapsed"] < 1.0, r0
+    assert "communication" in r0["errored"] or "Connection" in r0["errored"], r0
+
+
+def test_stopped_peer_aborts_at_deadline_and_never_writes_after():
+    timeout_s = 2.0
+    store = make_store()
+    with Workers("tests.backend.workers:stuck_then_check_writes", 2, store=store,
+                 timeout_s=timeout_s) as w:
+        store.wait(["peer_ready"], timedelta(seconds=30))
+        peer = w.by_rank(1)
+        peer.signal(signal.SIGSTOP)
+        store.set("go", "1")
+        store.wait(["aborted"], timedelta(seconds=30))
+        peer.signal(signal.SIGCONT)  # it now sends its half of the allreduce
+        store.set("continued", "1")
+        r0, _ = w.join(timeout=30)
+    assert r0["error"] is not None and "deadline" in r0["error"], r0
+    assert abs(r0["elapsed"] - timeout_s) <= 0.1 * timeout_s, r0
+    assert "ProcessGroupTimeout" in r0["errored"], r0
+    assert r0["unchanged"], "an aborted op wrote into the caller's tensor"
+
+
+def test_abort_from_another_thread_fails_pending_works_fast():
+    with Workers("tests.backend.workers:abort_latency", 2) as w:
+        r0, _ = w.join(timeout=60)
+    assert r0["pending_before"] == 4
+    assert r0["all_failed"]
+    assert r0["latency"] < 0.1, r0
+    assert "aborted" in r0["errored"], r0
+
+
+def test_lane_1_completes_while_lane_0_waits_for_a_peer():
+    with Workers("tests.backend.workers:lanes_independent", 2) as w:
+        r0, _ = w.join(timeout=60)
+    assert r0["lane0_completed_before_peer"] is False
+    assert (r0["lane1_result"] == 4.0).all()
+    assert (r0["lane0_result"] == 2.0).all()

@@ -1,0 +1,135 @@
+"""An in-thread fake of ft.Manager, for quick unit tests of LocalSGD/DiLoCo
+logic only (no servers, no process group).
+
+Each replica is a thread with its own FakeManager; replicas share a
+FakeGroup, which averages the tensors of the k-th allreduce call of every
+replica and ANDs their commit votes. The multi-process tests in
+test_diloco_mp.py use the real Manager and servers.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch
+from torch.distributed import ReduceOp
+
+
+class FakeGroup:
+    def __init__(self, n: int, timeout: float = 30.0) -> None:
+        self.n = n
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.deposits: Dict[Any, Dict[int, Any]] = {}
+
+    def exchange(self, key: Any, rank: int, value: Any) -> List[Any]:
+        with self.cond:
+            self.deposits.setdefault(key, {})[rank] = value
+            self.cond.notify_all()
+            ok = self.cond.wait_for(lambda: len(self.deposits[key]) == self.n, self.timeout)
+            if not ok:
+                raise TimeoutError(f"fake exchange {key!r} timed out")
+            return [self.deposits[key][r] for r in range(self.n)]
+
+
+class _FakeWork:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._done = False
+
+    def wait(self) -> bool:
+        if not self._done:
+            self._done = True
+            self._fn()
+        return True
+
+
+class FakeManager:
+    def __init__(self, group: FakeGroup, rank: int, fail_calls: Set[int] = frozenset(),
+                 use_async_quorum: bool = False, pg: Any = None) -> None:
+        self.group = group
+        self.rank = rank
+        self.step = 0
+        self.calls = 0
+        self.commit_failures = 0
+        self.quorums = 0
+        self.fail_calls = set(fail_calls)
+        self.error: Optional[Exception] = None
+        self.state_fns: Dict[str, Any] = {}
+        self._use_async_quorum = use_async_quorum
+        self._pg = pg
+        self.lanes: List[int] = []
+
+    def register_state_dict_fn(self, key, load_fn, save_fn) -> None:
+        self.state_fns[key] = (load_fn, save_fn)
+
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout=None) -> None:
+        self.quorums += 1
+        self.error = None
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return self.group.n
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, e: Exception) -> None:
+        self.error = e
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op=ReduceOp.AVG):
+        from ft import _C
+
+        key = ("allreduce", self.calls)
+        self.lanes.append(_C.get_current_lane())
+        failing = self.calls in self.fail_calls
+        self.calls += 1
+        mine = tensor.detach().clone()
+
+        def run() -> None:
+            values = self.group.exchange(key, self.rank, mine)
+            if failing:
+                self.report_error(RuntimeError("injected allreduce failure"))
+                return
+            total = torch.stack([v.to(torch.float64) for v in values]).sum(0)
+            if reduce_op == ReduceOp.AVG:
+                total = total / self.group.n
+            tensor.copy_(total.to(tensor.dtype))
+
+        return _FakeWork(run)
+
+    def should_commit(self, timeout=None) -> bool:
+        votes = self.group.exchange(("commit", self.step, self.quorums), self.rank, self.error is None)
+        ok = all(votes)
+        if ok:
+            self.step += 1
+        else:
+            self.commit_failures += 1
+        self.error = None
+        return ok
+
+
+def run_replicas(n: int, body: Callable[[int, FakeGroup], Any]) -> List[Any]:
+    """Runs body(rank, group) on n threads; returns results, re-raises errors."""
+    group = FakeGroup(n)
+    results: List[Any] = [None] * n
+    errors: List[BaseException] = []
+
+    def target(r: int) -> None:
+        try:
+            results[r] = body(r, group)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results

@@ -1,0 +1,176 @@
+"""Child processes for the multi-process DiLoCo/LocalSGD tests: real
+lighthouse (in the test process), real ManagerServers, ft.Manager and
+ft.ProcessGroupGloo. Run through tests.procs.Workers; child `rank` is replica
+group `rank` (one rank per group)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from tests.procs import connect_store
+
+
+def digest(obj: Any) -> str:
+    h = hashlib.sha1()
+
+    def walk(o: Any) -> None:
+        if torch.is_tensor(o):
+            h.update(o.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        else:
+            h.update(repr(o).encode())
+
+    walk(obj)
+    return h.hexdigest()[:16]
+
+
+def _clone(o: Any) -> Any:
+    if torch.is_tensor(o):
+        return o.detach().clone()
+    if isinstance(o, dict):
+        return {k: _clone(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return type(o)(_clone(v) for v in o)
+    return o
+
+
+def make_manager(rank: int, lh_addr: str, pg_lanes: int, load, save, tag: str,
+                 pg_timeout: float = 10.0):
+    import ft
+    from ft.checkpointing import HTTPTransport
+
+    to = timedelta(seconds=pg_timeout)
+    pg = ft.ProcessGroupGloo(timeout=to, num_lanes=pg_lanes)
+    return ft.Manager(
+        pg=pg, load_state_dict=load, state_dict=save, min_replica_size=1,
+        use_async_quorum=False, timeout=to, quorum_timeout=timedelta(seconds=30),
+        connect_timeout=to, rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
+        lighthouse_addr=lh_addr, replica_id=f"{tag}{rank}", hostname="127.0.0.1",
+        checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
+    )
+
+
+def _task(step: int, local: int, rank: int, n: int = 16):
+    g = torch.Generator().manual_seed(100_000 * rank + 1000 * step + local)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.linspace(-1, 1, 32).view(8, 4)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(n, 4, generator=g)
+    return x, y
+
+
+def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict[str, Any]:
+    from ft.local_sgd import DiLoCo, LocalSGD
+
+    torch.manual_seed(7 + 31 * rank)  # different initial weights: init_sync must fix them
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    n_frag = cfg.get("n_frag", 1)
+
+    def save():
+        return _clone({"model": model.state_dict(), "inner": inner.state_dict()})
+
+    def load(sd):
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    manager = make_manager(rank, lh_addr, max(2, n_frag), load, save, cfg.get("tag", "r"),
+                           cfg.get("pg_timeout", 10.0))
+    if cfg["algo"] == "localsgd":
+        algo = LocalSGD(manager, model, inner, sync_every=cfg["sync_every"],
+                        warmup_steps=cfg.get("warmup", 0))
+        state_fn = lambda: {"params": dict(model.named_parameters()), **algo._state_dict()}  # noqa: E731
+    else:
+        frags = [model[0], model[2]] if n_frag == 2 else [model]
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        algo = DiLoCo(manager, frags, inner, outer, sync_every=cfg["sync_every"],
+                      fragment_sync_delay=cfg.get("tau", 0),
+                      fragment_update_alpha=cfg.get("alpha", 0.0),
+                      use_bucketization=cfg.get("bucket", False),
+                      bucket_cap_mb=cfg.get("bucket_cap_mb"))
+        state_fn = algo.global_state
+
+    # Fault injection: at manager step `fail_at`, replica `fail_rank` reports an
+    # error right before its first allreduce of that sync (aborting its pg, so
+    # the peer's op fails too).
+    from ft import _C
+
+    injected: List[int] = []
+    lanes: set = set()
+    real_allreduce = manager.allreduce
+
+    def allreduce(t, should_quantize=False, reduce_op=torch.distributed.ReduceOp.AVG):
+        if (cfg.get("fail_at") == manager.current_step() and rank == cfg.get("fail_rank", 0)
+                and not injected):
+            injected.append(manager.current_step())
+            manager.report_error(RuntimeError("injected allreduce failure"))
+        lanes.add(_C.get_current_lane())
+        return real_allreduce(t, should_quantize=should_quantize, reduce_op=reduce_op)
+
+    manager.allreduce = allreduce  # type: ignore[method-assign]
+
+    commits: Dict[int, str] = {}
+    failures = 0
+    stop_at = cfg["stop_at"]
+    local = 0
+    last = manager.current_step()
+    key = f"{cfg.get('tag', 'r')}step/{rank}"
+    with algo:
+        for _ in range(cfg.get("max_inner", 400)):
+            if test_store.check(["stop_at"]):
+                stop_at = int(test_store.get("stop_at"))
+            if manager.current_step() >= stop_at:
+                break
+            x, y = _task(manager.current_step(), local, rank)
+            inner.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if cfg.get("step_sleep"):
+                time.sleep(cfg["step_sleep"])
+            commits_before = getattr(algo, "commits", None)
+            syncs_before = getattr(algo, "syncs", None)
+            step_before = manager.current_step()
+            inner.step()  # the hook may sync here
+            local += 1
+            now = manager.current_step()
+            if now != step_before:
+                commits[now] = digest(state_fn())
+            elif syncs_before is not None and algo.syncs != syncs_before:
+                failures += 1
+            last = now
+            test_store.set(key, str(now))
+    out = {
+        "step": manager.current_step(),
+        "commits": commits,
+        "final": digest(state_fn()),
+        "failures": failures,
+        "algo_failed": getattr(algo, "failed_commits", None),
+        "injected": injected,
+        "last": last,
+        "lanes": sorted(lanes),
+    }
+    manager.shutdown(wait=False)
+    return out
+
+
+def train(rank: int, world_size: int, store_port: int, *, lh_addr: str,
+          configs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    test_store = connect_store(store_port)
+    results = []
+    for i, cfg in enumerate(configs):
+        cfg = dict(cfg, tag=f"c{i}-")
+        results.append(run_config(rank, lh_addr, cfg, test_store))
+    return results

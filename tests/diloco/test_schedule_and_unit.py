@@ -1,0 +1,218 @@
+"""Pure schedule tables and quick single-process unit tests of LocalSGD and
+DiLoCo logic against the in-thread FakeManager (tests/diloco/fake_manager.py).
+The multi-process tests with real servers are in test_diloco_mp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ft.local_sgd import (
+    DiLoCo,
+    LocalSGD,
+    fragment_for_step,
+    streaming_plan,
+    streaming_schedule,
+)
+from tests.diloco.fake_manager import FakeGroup, FakeManager, run_replicas
+
+
+# -- the schedule, as tables -------------------------------------------------
+
+@pytest.mark.parametrize(
+    "sync_every,n,tau,period,prepare_at",
+    [(4, 1, 0, 4, 4), (4, 2, 0, 2, 2), (4, 2, 1, 2, 1), (6, 3, 1, 2, 1), (20, 1, 5, 20, 15)],
+)
+def test_plan_table(sync_every, n, tau, period, prepare_at):
+    plan = streaming_plan(sync_every, n, tau)
+    assert (plan.period, plan.prepare_at) == (period, prepare_at)
+
+
+@pytest.mark.parametrize("sync_every,n,tau", [(5, 2, 0), (4, 2, 2), (4, 2, -1), (0, 1, 0), (4, 0, 0)])
+def test_plan_rejects(sync_every, n, tau):
+    with pytest.raises(ValueError):
+        streaming_plan(sync_every, n, tau)
+
+
+def _timeline(sync_every, n, tau, steps, fail_syncs=()):
+    """Simulates the hook: which (inner step, action, fragment) happen, with
+    the manager step advancing on every commit except the failing ones."""
+    plan = streaming_plan(sync_every, n, tau)
+    local, mstep, out, pending, syncs = 0, 0, [], None, 0
+    for s in range(1, steps + 1):
+        local += 1
+        prep, sync = streaming_schedule(local, plan)
+        if prep:
+            pending = fragment_for_step(mstep, n)
+            out.append((s, "send", pending))
+        if sync:
+            local = 0
+            ok = syncs not in fail_syncs
+            out.append((s, "commit" if ok else "fail", pending))
+            syncs += 1
+            mstep += ok
+    return out
+
+
+def test_timeline_tables():
+    # plain DiLoCo, H=3
+    assert _timeline(3, 1, 0, 6) == [(3, "send", 0), (3, "commit", 0), (6, "send", 0), (6, "commit", 0)]
+    # streaming, 2 fragments, H=4 (P=2), tau=1: send one step before the sync
+    assert _timeline(4, 2, 1, 8) == [
+        (1, "send", 0), (2, "commit", 0), (3, "send", 1), (4, "commit", 1),
+        (5, "send", 0), (6, "commit", 0), (7, "send", 1), (8, "commit", 1),
+    ]
+    # a failed commit retries the same fragment (the manager step did not move)
+    assert _timeline(4, 2, 0, 8, fail_syncs={1}) == [
+        (2, "send", 0), (2, "commit", 0), (4, "send", 1), (4, "fail", 1),
+        (6, "send", 1), (6, "commit", 1), (8, "send", 0), (8, "commit", 0),
+    ]
+
+
+# -- the DiLoCo update, by hand ------------------------------------------------
+
+class Scalar(nn.Module):
+    def __init__(self, w: float) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([w], dtype=torch.float64))
+
+
+def _quad_step(model, opt, target):
+    opt.zero_grad()
+    (0.5 * (model.w - target) ** 2).sum().backward()
+    opt.step()
+
+
+def test_diloco_numeric_regression():
+    """Two replicas, w0 = 1, loss 0.5 (w - t)^2 with t = 0 (replica 0) and
+    t = 4 (replica 1); inner SGD lr 0.5 (w <- 0.5 w + 0.5 t), H = 2; outer SGD
+    lr 0.7, momentum 0.9, Nesterov.
+
+    Outer step 1: r0 1 -> 0.5 -> 0.25, pseudo 0.75; r1 1 -> 2.5 -> 3.25,
+      pseudo -2.25; avg g = -0.75; buf = g; nesterov d = g + 0.9 buf = -1.425;
+      w = 1 - 0.7 d = 1.9975.
+    Outer step 2: r0 1.9975 -> 0.99875 -> 0.499375, pseudo 1.498125;
+      r1 -> 2.99875 -> 3.499375, pseudo -1.501875; g = -0.001875;
+      buf = 0.9 (-0.75) + g = -0.676875; d = g + 0.9 buf = -0.6110625;
+      w = 1.9975 + 0.42774375 = 2.42524375.
+    """
+
+    def body(rank, group):
+        m = FakeManager(group, rank)
+        model = Scalar(1.0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.5)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        traj = []
+        with DiLoCo(m, [model], inner, outer, sync_every=2):
+            for s in range(4):
+                _quad_step(model, inner, 4.0 * rank)
+                if s % 2 == 1:
+                    traj.append(model.w.item())
+        return traj, outer.state_dict()["state"][0]["momentum_buffer"].item()
+
+    for traj, buf in run_replicas(2, body):
+        assert traj == pytest.approx([1.9975, 2.42524375], abs=1e-12)
+        assert buf == pytest.approx(-0.676875, abs=1e-12)
+
+
+def test_streaming_alpha_merge_by_hand():
+    """One replica (avg = identity), two scalar fragments a, b (both start at
+    1), loss 0.5 a^2 + 0.5 b^2, inner SGD lr 0.5 (x <- 0.5 x), sync_every 2
+    (P = 1, tau = 0), one shared outer plain SGD lr 0.5, alpha = 0.5.
+
+    step 1: local a, b = 0.5, 0.5; fragment 0 syncs: pseudo 1 - 0.5 = 0.5,
+      global a = 1 - 0.5 * 0.5 = 0.75, merged a = 0.5 * 0.75 + 0.5 * 0.5 = 0.625;
+      b untouched (0.5).
+    step 2: local a, b = 0.3125, 0.25; fragment 1 syncs: pseudo 1 - 0.25 = 0.75,
+      global b = 1 - 0.5 * 0.75 = 0.625, merged b = 0.5 * 0.625 + 0.5 * 0.25 = 0.4375.
+    """
+
+    def body(rank, group):
+        m = FakeManager(group, rank)
+        a, b = Scalar(1.0), Scalar(1.0)
+        params = list(a.parameters()) + list(b.parameters())
+        inner = torch.optim.SGD(params, lr=0.5)
+        outer = torch.optim.SGD(params, lr=0.5)
+        out = []
+        with DiLoCo(m, [a, b], inner, outer, sync_every=2, fragment_update_alpha=0.5):
+            for _ in range(2):
+                inner.zero_grad()
+                (0.5 * a.w ** 2 + 0.5 * b.w ** 2).sum().backward()
+                inner.step()
+                out.append((a.w.item(), b.w.item()))
+        return out
+
+    (out,) = run_replicas(1, body)
+    assert out == [(0.625, 0.5), (0.3125, 0.4375)]  # exact in binary
+
+
+def test_failed_commit_drops_fragment_progress_and_counts_once():
+    def body(rank, group):
+        m = FakeManager(group, rank, fail_calls={1} if rank == 0 else set())
+        a, b = Scalar(1.0), Scalar(1.0)
+        params = list(a.parameters()) + list(b.parameters())
+        inner = torch.optim.SGD(params, lr=0.5)
+        outer = [torch.optim.SGD(a.parameters(), lr=1.0), torch.optim.SGD(b.parameters(), lr=1.0)]
+        seen = []
+        with DiLoCo(m, [a, b], inner, outer, sync_every=2) as d:
+            for _ in range(3):
+                inner.zero_grad()
+                (0.5 * a.w ** 2 + 0.5 * b.w ** 2).sum().backward()
+                inner.step()
+                seen.append((a.w.item(), b.w.item()))
+        return seen, m.commit_failures, m.step, d.failed_commits, m.lanes
+
+    for seen, failures, step, dfail, lanes in run_replicas(2, body):
+        # step 1: frag 0 commits (a = 0.5). step 2: frag 1's sync fails -> b back
+        # to its backup 1.0. step 3: frag 1 again (step did not advance): b 1 -> 0.5.
+        assert seen == [(0.5, 0.5), (0.25, 1.0), (0.125, 0.5)]
+        assert (failures, dfail, step) == (1, 1, 2)
+        assert lanes == [0, 1, 1]  # each fragment on its own lane
+
+
+def test_diloco_rejects_async_and_too_few_lanes():
+    class PG:
+        num_lanes = 1
+
+    model = Scalar(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="use_async_quorum=False"):
+        DiLoCo(FakeManager(FakeGroup(1), 0, use_async_quorum=True), [model], opt, opt, 2)
+    with pytest.raises(ValueError, match="num_lanes=2"):
+        DiLoCo(FakeManager(FakeGroup(1), 0, pg=PG()), [model, Scalar(2.0)], opt, opt, 2)
+
+
+def test_localsgd_commit_and_failed_sync_restores():
+    def body(rank, group):
+        m = FakeManager(group, rank, fail_calls={1} if rank == 1 else set())
+        model = Scalar(1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        vals = []
+        with LocalSGD(m, model, opt, sync_every=2):
+            for _ in range(4):
+                _quad_step(model, opt, 4.0 * rank)
+                vals.append(model.w.item())
+        return vals, m.commit_failures
+
+    (v0, f0), (v1, f1) = run_replicas(2, body)
+    # sync 1 (step 2): r0 0.25, r1 3.25 -> avg 1.75 committed.
+    # sync 2 (step 4): fails -> both restore 1.75.
+    assert v0 == [0.5, 1.75, 0.875, 1.75] and v1 == [2.5, 1.75, 2.875, 1.75]
+    assert f0 == f1 == 1
+
+
+def test_localsgd_warmup_syncs_every_step():
+    def body(rank, group):
+        m = FakeManager(group, rank)
+        model = Scalar(1.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with LocalSGD(m, model, opt, sync_every=100, warmup_steps=2):
+            for _ in range(3):
+                _quad_step(model, opt, 4.0 * rank)
+        return m.step, model.w.item()
+
+    (s0, w0), (s1, w1) = run_replicas(2, body)
+    # warmup: step 1 avg(0.5, 2.5) = 1.5; step 2 avg(0.75, 2.75) = 1.75; step 3 local.
+    assert s0 == s1 == 2
+    assert (w0, w1) == (0.875, 2.875)

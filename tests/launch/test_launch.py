@@ -1,0 +1,226 @@
+"""ft-launch: the supervisor, against a fast fake worker and against the real training example.
+
+Every run is a real `python -m ft.launch` process with a hard `--timeout`, and the test's own wait
+on it is bounded too. After each run the test checks that every process the launcher started is
+gone.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Tuple
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from ft.launch import cli  # noqa: E402
+from ft.launch.worker import PROGRESS_PREFIX, parse_progress  # noqa: E402
+
+FAKE = os.path.join(ROOT, "tests", "launch", "fake_worker.py")
+EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # reused by someone else's process: not ours
+        return False
+    try:  # a zombie that init has not reaped yet counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
+    log_dir = tempfile.mkdtemp(prefix="ft-launch-test-")
+    summary = os.path.join(log_dir, "summary.json")
+    cmd = [sys.executable, "-m", "ft.launch", "--log-dir", log_dir, "--summary-json", summary,
+           "--status-every", "2", "--timeout", str(wait_s - 15)] + args
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the launcher reaps its children on the way out
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its children notice and exit (parent watch)
+            out, _ = proc.communicate(timeout=10)
+        raise AssertionError(f"ft-launch overran {wait_s}s:\n{out[-8000:]}")
+    result = {}
+    if os.path.exists(summary):
+        with open(summary) as f:
+            result = json.load(f)
+    pids = [pid for g in result.get("groups", []) for attempt in g["pids"] for pid in attempt]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], f"children left running:\n{out[-4000:]}"
+    return proc.returncode, out, result
+
+
+# -------------------------------------------------------------------------------------- units
+
+
+def test_parse_progress():
+    rec = parse_progress(PROGRESS_PREFIX + '{"event": "step", "step": 3}\n')
+    assert rec == {"event": "step", "step": 3}
+    assert parse_progress("hello") is None
+    assert parse_progress(PROGRESS_PREFIX + "{not json") is None
+    assert parse_progress(PROGRESS_PREFIX + '[1, 2]') is None
+    assert parse_progress(PROGRESS_PREFIX + '{"no_event": 1}') is None
+
+
+def test_build_command():
+    assert cli.build_command(["--", "x.py", "--a"], False) == [sys.executable, "-u", "x.py", "--a"]
+    assert cli.build_command(["-m", "pkg.mod"], False) == [sys.executable, "-u", "-m", "pkg.mod"]
+    assert cli.build_command(["/bin/true"], False) == ["/bin/true"]
+    assert cli.build_command(["x.py"], True) == ["x.py"]
+    with pytest.raises(ValueError):
+        cli.build_command(["--"], False)
+
+
+def test_free_port_pair():
+    p = cli.free_port_pair()
+    assert 0 < p < 65535
+
+
+def test_usage_errors():
+    for argv in (["--replicas", "0", "--", FAKE], ["--", "does_not_exist.py"], []):
+        r = subprocess.run([sys.executable, "-m", "ft.launch"] + argv, cwd=ROOT, timeout=60,
+                           capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+        assert r.returncode == 2, (argv, r.stdout, r.stderr)
+
+
+# ---------------------------------------------------------------------- supervisor (fake worker)
+
+
+def test_kill_chaos_restarts_and_finishes():
+    rc, out, s = run_launch(["--replicas", "3", "--chaos", "kill", "--every", "1", "--seed", "3",
+                             "--max-steps", "100", "--restart-delay", "0.1", "--", FAKE], 90)
+    assert rc == 0, out
+    assert s["all_done"] and s["identical"], out
+    assert len(s["chaos"]) >= 1 and len(s["restarts"]) >= 1, out
+    assert all(c["mode"] == "kill" for c in s["chaos"])
+    assert s["steps_after_last_chaos"] > 0, out
+    assert "training went on" in out and "identical model and optimizer state" in out
+
+
+def test_whole_group_restart_and_env():
+    rc, out, s = run_launch(["--replicas", "2", "--ranks-per-group", "2", "--chaos", "kill",
+                             "--every", "1", "--seed", "1", "--max-steps", "60",
+                             "--restart-delay", "0.1", "--", FAKE, "--dump-env"], 90)
+    assert rc == 0, out
+    restarted = [g for g in s["groups"] if g["tries"] > 1]
+    assert restarted, out
+    for g in restarted:
+        # every try of the group started both ranks again
+        assert all(len(pids) == 2 for pids in g["pids"]), g
+        assert len({pid for pids in g["pids"] for pid in pids}) == 2 * g["tries"]
+    envs = {}
+    for path in glob.glob(os.path.join(s["log_dir"], "env_g*_r*_t*.json")):
+        name = os.path.basename(path)[4:-5]  # g0_r1_t2
+        with open(path) as f:
+            envs[name] = json.load(f)
+    e = envs["g1_r1_t1"]
+    assert e["RANK"] == "1" and e["LOCAL_RANK"] == "1" and e["WORLD_SIZE"] == "2"
+    assert e["LOCAL_WORLD_SIZE"] == "2" and e["REPLICA_GROUP_ID"] == "1"
+    assert e["NUM_REPLICA_GROUPS"] == "2" and e["MASTER_ADDR"] == "127.0.0.1"
+    assert e["TORCHFT_LIGHTHOUSE"].startswith("http://127.0.0.1:")
+    assert e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["OMP_NUM_THREADS"]
+    # one store per group: ranks of a group share MASTER_PORT, groups do not
+    assert envs["g0_r0_t1"]["MASTER_PORT"] == envs["g0_r1_t1"]["MASTER_PORT"]
+    assert envs["g0_r0_t1"]["MASTER_PORT"] != envs["g1_r0_t1"]["MASTER_PORT"]
+    for g in restarted:
+        t2 = envs[f"g{g['group']}_r0_t2"]
+        assert t2["TORCHELASTIC_RESTART_COUNT"] == "1"
+
+
+def test_stop_chaos_resumes_without_restart():
+    rc, out, s = run_launch(["--replicas", "2", "--chaos", "stop", "--every", "1",
+                             "--stop-seconds", "0.5", "--seed", "0", "--max-steps", "80",
+                             "--", FAKE], 90)
+    assert rc == 0, out
+    assert s["chaos"] and not s["restarts"], out
+    assert "SIGCONT" in out
+
+
+def test_stop_action_kill_restarts():
+    rc, out, s = run_launch(["--replicas", "2", "--chaos", "stop", "--stop-action", "kill",
+                             "--every", "1", "--stop-seconds", "0.3", "--seed", "0",
+                             "--max-steps", "80", "--restart-delay", "0.1", "--", FAKE], 90)
+    assert rc == 0, out
+    assert s["restarts"], out
+
+
+def test_duration_then_sigterm_then_sigkill():
+    """A worker that ignores the stop request and SIGTERM is SIGKILLed within the graces."""
+    t0 = time.monotonic()
+    rc, out, s = run_launch(["--replicas", "2", "--duration", "2", "--stop-grace", "1",
+                             "--kill-grace", "1", "--", FAKE, "--stubborn"], 60)
+    assert time.monotonic() - t0 < 30, out
+    assert rc == 1, out
+    assert "SIGTERM" in out and "SIGKILL" in out, out
+    assert all(g["state"] == "failed" for g in s["groups"])
+
+
+def test_duration_graceful():
+    rc, out, s = run_launch(["--replicas", "2", "--duration", "1.5", "--", FAKE], 60)
+    assert rc == 0, out
+    assert s["all_done"] and s["identical"] and "--duration" in s["stop_reason"], out
+
+
+def test_crash_loop_gives_up():
+    rc, out, s = run_launch(["--replicas", "2", "--restart-delay", "0.05", "--max-crashes", "3",
+                             "--", FAKE, "--crash"], 60)
+    assert rc == 1, out
+    assert all(g["state"] == "failed" and g["tries"] == 3 for g in s["groups"]), out
+    assert "crashing on purpose" in out  # the failed rank's log tail is shown
+
+
+# ------------------------------------------------------------------- the real training example
+
+
+def _check_real_run(rc: int, out: str, s: dict, ranks: int) -> None:
+    assert rc == 0, out
+    assert s["all_done"], out
+    kills = [c for c in s["chaos"] if c["mode"] == "kill"]
+    assert kills, f"no failure was injected:\n{out}"
+    assert s["restarts"], out
+    assert s["steps_after_last_chaos"] > 0, f"no step committed after the last kill:\n{out}"
+    assert sum(g["heals"] for g in s["groups"]) >= 1, out
+    assert s["identical"] and len(s["hashes"]) == ranks, out
+    accs = [g["accuracy"] for g in s["groups"]]
+    assert all(a is not None and a > 0.6 for a in accs), accs  # chance is 1/3
+
+
+def test_train_ddp_survives_kills():
+    """3 groups x 1 rank, SIGKILLs every 3 s: training goes on, every replica ends identical."""
+    rc, out, s = run_launch(["--replicas", "3", "--chaos", "kill", "--every", "3", "--seed", "0",
+                             "--max-steps", "400", "--", EXAMPLE, "--step-sleep", "0.02",
+                             "--final-wait", "60"], 170)
+    _check_real_run(rc, out, s, ranks=3)
+
+
+def test_train_ddp_two_ranks_per_group():
+    """2 groups x 2 ranks: a kill takes the whole group down; it heals and ends identical."""
+    rc, out, s = run_launch(["--replicas", "2", "--ranks-per-group", "2", "--chaos", "kill",
+                             "--every", "3", "--seed", "0", "--max-steps", "300", "--",
+                             EXAMPLE, "--step-sleep", "0.02", "--final-wait", "60"], 170)
+    _check_real_run(rc, out, s, ranks=4)

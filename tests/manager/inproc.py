@@ -1,0 +1,67 @@
+"""In-process helpers: a real lighthouse plus several Managers (one per thread)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+import ft
+from ft.checkpointing import HTTPTransport
+from ft.coordination import LighthouseServer
+
+TO = timedelta(seconds=10)
+
+
+def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int = 1000,
+               join_timeout_ms: int = 200, bind: str = "127.0.0.1:0") -> LighthouseServer:
+    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms,
+                            http_bind="")
+
+
+def make_manager(lh_addr: str, name: str, rank: int = 0, world_size: int = 1,
+                 store_port: int = 0, pg_timeout: timedelta = TO, **kw: Any) -> ft.Manager:
+    pg = ft.ProcessGroupGloo(timeout=pg_timeout)
+    kw.setdefault("checkpoint_transport",
+                  HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1"))
+    kw.setdefault("min_replica_size", 1)
+    kw.setdefault("timeout", TO)
+    kw.setdefault("quorum_timeout", TO)
+    kw.setdefault("connect_timeout", TO)
+    return ft.Manager(
+        pg=pg, load_state_dict=kw.pop("load_state_dict", None),
+        state_dict=kw.pop("state_dict", None), rank=rank, world_size=world_size,
+        store_addr="127.0.0.1", store_port=store_port, lighthouse_addr=lh_addr,
+        replica_id=name, hostname="127.0.0.1", **kw,
+    )
+
+
+def in_threads(fns: List[Callable[[], Any]], timeout: float = 30) -> List[Dict[str, Any]]:
+    """Runs each fn on its own thread; returns [{"value"| "error", "t"}] (bounded wait)."""
+    import time
+
+    outs: List[Dict[str, Any]] = [{} for _ in fns]
+
+    def run(i: int) -> None:
+        t0 = time.monotonic()
+        try:
+            outs[i]["value"] = fns[i]()
+        except BaseException as e:  # noqa: BLE001
+            outs[i]["error"] = e
+        outs[i]["t"] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "thread did not finish in time"
+    return outs
+
+
+def values(outs: List[Dict[str, Any]]) -> List[Any]:
+    for o in outs:
+        if "error" in o:
+            raise o["error"]
+    return [o["value"] for o in outs]

@@ -1,0 +1,240 @@
+"""In-process Manager tests: real lighthouse, ManagerServers and ft process groups, with one
+Manager per thread (cheap), plus the wrappers (DDP, Optimizer, DistributedSampler)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ft
+from tests.manager.inproc import in_threads, lighthouse, make_manager, values
+
+
+@pytest.fixture
+def lh():
+    server = lighthouse(min_replicas=1)
+    yield server
+    server.shutdown()
+
+
+def managers(lh: Any, n: int, **kw: Any) -> List[ft.Manager]:
+    # all start before the first quorum: min_replicas=n for the first one is set by the caller
+    return values(in_threads([lambda i=i: make_manager(lh.address(), f"g{i}", **kw)
+                              for i in range(n)]))
+
+
+def shutdown(ms: List[ft.Manager]) -> None:
+    in_threads([lambda m=m: m.shutdown() for m in ms])
+
+
+def test_quorum_timeout_with_missing_rank_is_fast(lh: Any) -> None:
+    # A group of 2 ranks where rank 1 never shows up.
+    m = make_manager(lh.address(), "g0", rank=0, world_size=2, use_async_quorum=False,
+                     quorum_timeout=timedelta(seconds=0.3))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            m.start_quorum()
+        assert time.monotonic() - t0 < 1.0
+        # async mode surfaces it in wait_quorum / allreduce
+        m._use_async_quorum = True
+        t0 = time.monotonic()
+        m.start_quorum()
+        with pytest.raises(TimeoutError):
+            m.allreduce(torch.ones(2))
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        m.shutdown()
+
+
+def test_max_retries_raises(lh: Any) -> None:
+    m = make_manager(lh.address(), "g0", min_replica_size=2, max_retries=2,
+                     use_async_quorum=False)
+    try:
+        for _ in range(2):
+            m.start_quorum()
+            m.allreduce(torch.ones(2)).wait()
+            assert m.should_commit() is False
+        m.start_quorum()
+        with pytest.raises(RuntimeError, match="max_retries=2"):
+            m.should_commit()
+        assert m.current_step() == 0
+    finally:
+        m.shutdown()
+
+
+def test_fixed_with_spares_numerics() -> None:
+    lh = lighthouse(min_replicas=3)
+    ms = managers(lh, 3, min_replica_size=2, use_async_quorum=False,
+                  world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES)
+    try:
+        def step(i: int, m: ft.Manager) -> Any:
+            m.start_quorum()
+            t = torch.full((4,), float(m.participating_rank() or 0) + 1.0)
+            t.fill_(10.0 * (i + 1))
+            m.allreduce(t).wait()
+            return (t.tolist(), m.num_participants(), m.is_participating(), m.should_commit(),
+                    m.batches_committed(), m.participating_rank())
+
+        out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+        # replica ids sort as g0 < g1 < g2: g2 is the spare and contributes zeros
+        for vals, n, participating, committed, batches, prank in out:
+            assert vals == [15.0] * 4  # (10 + 20) / 2
+            assert n == 2 and committed and batches == 2
+        assert [o[2] for o in out] == [True, True, False]
+        assert [o[5] for o in out] == [0, 1, None]
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
+def test_init_sync_false_seeded_identical_init_no_heal() -> None:
+    lh = lighthouse(min_replicas=2)
+    loads: List[int] = []
+    models = []
+    for i in range(2):
+        torch.manual_seed(7)
+        models.append(torch.nn.Linear(3, 2))
+    ms = values(in_threads([
+        lambda i=i: make_manager(
+            lh.address(), f"g{i}", init_sync=False, use_async_quorum=False,
+            load_state_dict=lambda sd: loads.append(1), state_dict=models[i].state_dict)
+        for i in range(2)
+    ]))
+    try:
+        def run(i: int, m: ft.Manager) -> Any:
+            opt = ft.Optimizer(m, torch.optim.SGD(models[i].parameters(), lr=0.1))
+            for s in range(3):
+                opt.zero_grad()
+                models[i](torch.full((1, 3), float(i + s))).sum().backward()
+                for p in models[i].parameters():
+                    m.allreduce(p.grad).wait()
+                opt.step()
+            return m.current_step()
+
+        assert values(in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)])) == [3, 3]
+        assert loads == []  # nobody healed at step 0
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
+def test_allreduce_avg_sum_errors_and_async_heal() -> None:
+    lh = lighthouse(min_replicas=2)
+    state = [torch.zeros(3), torch.ones(3)]
+    ms = values(in_threads([
+        lambda i=i: make_manager(
+            lh.address(), f"g{i}", use_async_quorum=True,
+            load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+            state_dict=lambda i=i: {"w": state[i]})
+        for i in range(2)
+    ]))
+    try:
+        def step(i: int, m: ft.Manager, op: Any, err: bool) -> Any:
+            m.start_quorum()
+            t = torch.full((2,), float(i + 1))
+            if err and i == 1:
+                m.report_error(RuntimeError("boom"))
+            w = m.allreduce(t, reduce_op=op)
+            assert w.wait() is True
+            fut_val = w.get_future().wait()
+            return t.tolist(), fut_val is t, m.is_participating(), m.should_commit()
+
+        # step 0, async + init_sync: g1 heals (contributes zeros, not a participant)
+        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False)
+                                 for i, m in enumerate(ms)]))
+        assert out[0] == ([1.0, 1.0], True, True, True)
+        assert out[1] == ([1.0, 1.0], True, False, True)
+        assert torch.equal(state[1], state[0])  # healed state applied in should_commit
+        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.SUM, False)
+                                 for i, m in enumerate(ms)]))
+        assert [o[0] for o in out] == [[3.0, 3.0]] * 2 and all(o[3] for o in out)
+        # a reported error: that replica's allreduce is a no-op, and nobody commits
+        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, True)
+                                 for i, m in enumerate(ms)], timeout=30))
+        assert out[1][0] == [2.0, 2.0]  # untouched
+        assert [o[3] for o in out] == [False, False]
+        assert ms[1].errored() is not None and ms[0].errored() is not None
+        # recovers on the next step
+        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False)
+                                 for i, m in enumerate(ms)]))
+        assert [o[0] for o in out] == [[1.5, 1.5]] * 2 and all(o[3] for o in out)
+        assert [m.current_step() for m in ms] == [3, 3]
+        assert [m.batches_committed() for m in ms] == [1 + 2 + 2, 1 + 2 + 2]
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
+def test_ddp_hook_averages_and_does_not_block() -> None:
+    lh = lighthouse(min_replicas=2)
+    ms = managers(lh, 2, use_async_quorum=False)
+    try:
+        def run(i: int, m: ft.Manager) -> Any:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 2)
+            ddp = ft.DistributedDataParallel(m, model)
+            opt = ft.Optimizer(m, torch.optim.SGD(model.parameters(), lr=0.1))
+            opt.zero_grad()
+            ddp(torch.full((1, 4), float(i + 1))).sum().backward()
+            g = model.weight.grad.clone()
+            opt.step()
+            return g, m.current_step()
+
+        (g0, s0), (g1, s1) = values(in_threads([lambda i=i, m=m: run(i, m)
+                                                for i, m in enumerate(ms)]))
+        assert torch.equal(g0, g1) and torch.allclose(g0, torch.full((2, 4), 1.5))
+        assert s0 == s1 == 1
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
+def test_optimizer_wrapper_delegates() -> None:
+    class FakeManager:
+        def __init__(self) -> None:
+            self.calls: List[str] = []
+            self.commit = True
+
+        def start_quorum(self) -> None:
+            self.calls.append("quorum")
+
+        def should_commit(self) -> bool:
+            self.calls.append("commit")
+            return self.commit
+
+    p = torch.nn.Parameter(torch.ones(2))
+    fm = FakeManager()
+    opt = ft.Optimizer(fm, torch.optim.SGD([p], lr=1.0))  # type: ignore[arg-type]
+    assert isinstance(opt, torch.optim.Optimizer)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(p, torch.zeros(2))
+    fm.commit = False
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(p, torch.zeros(2))
+    opt.zero_grad()
+    assert p.grad is None and fm.calls == ["commit", "commit", "quorum"]
+    assert opt.param_groups[0]["lr"] == 1.0
+    opt.load_state_dict(opt.state_dict())
+
+
+def test_distributed_sampler_shards_across_groups() -> None:
+    data = list(range(24))
+    seen = []
+    for replica in range(3):
+        for r in range(2):
+            s = ft.DistributedSampler(data, replica_rank=replica, num_replica_groups=3,
+                                      group_rank=r, num_replicas=2, shuffle=False)
+            assert s.global_rank == r + 2 * replica and s.global_world_size == 6
+            seen.append(list(s))
+    flat = sorted(x for part in seen for x in part)
+    assert flat == data

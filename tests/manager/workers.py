@@ -1,0 +1,238 @@
+"""Child processes for the multi-process Manager tests (run through tests.procs.Workers).
+
+Child ``rank`` i is group ``i // ranks_per_group``, group rank ``i % ranks_per_group``. Each
+group rank trains its own small model shard (like an FSDP shard), synchronized across the
+groups through ft.DistributedDataParallel + ft.Optimizer. Progress goes to the test's store:
+``step/{g}/{r}`` after each iteration. The loop stops when the committed step reaches the
+``stop_at`` key of the test's store (or the ``stop_at`` kwarg).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from tests.procs import connect_store
+
+
+def _hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class CorruptingProxy:
+    """TCP proxy in front of an HTTP checkpoint server: flips one byte in the body of the
+    first ``count`` ``/data`` responses, then passes everything through."""
+
+    def __init__(self, target_port: int, count: int = 1, offset: int = 100) -> None:
+        self.target = target_port
+        self.count = count
+        self.offset = offset
+        self.flipped = 0
+        self.lock = threading.Lock()
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            s = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+            req: Dict[str, bytes] = {"first": b""}
+            threading.Thread(target=self._pump, args=(c, s, True, req), daemon=True).start()
+            threading.Thread(target=self._pump, args=(s, c, False, req), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, req: Dict) -> None:
+        head = b""
+        seen: Optional[int] = None
+        corrupt: Optional[bool] = None
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if upstream:
+                    req["first"] += data
+                else:
+                    if corrupt is None:
+                        with self.lock:
+                            corrupt = b"/data" in req["first"].split(b"\r\n")[0] and (
+                                self.flipped < self.count
+                            )
+                            if corrupt:
+                                self.flipped += 1
+                    if corrupt and seen is None:
+                        head += data
+                        end = head.find(b"\r\n\r\n")
+                        if end < 0:
+                            continue
+                        dst.sendall(head[: end + 4])
+                        data, seen = head[end + 4 :], 0
+                    if corrupt and seen is not None:
+                        k = self.offset - seen
+                        if 0 <= k < len(data):
+                            b = bytearray(data)
+                            b[k] ^= 0x5A
+                            data = bytes(b)
+                        seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for x in (src, dst):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def train(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    *,
+    lh_addr: str,
+    ports: List[int],
+    ranks_per_group: int = 1,
+    async_quorum: bool = False,
+    transport: str = "http",
+    stop_at: int = 1000,
+    step_sleep: float = 0.0,
+    pg_timeout: float = 10.0,
+    timeout: float = 10.0,
+    quorum_timeout: float = 15.0,
+    init_sync: bool = True,
+    seed_per_group: bool = True,
+    wait_ready: int = 0,
+    inject_abort: Optional[List[int]] = None,
+    corrupt_sends: int = 0,
+    quorum_retries: int = 0,
+    min_replica_size: int = 1,
+    max_steps_total: int = 1000,
+) -> Dict[str, Any]:
+    import ft
+    from ft.checkpointing import HTTPTransport, PGTransport
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("ft.coordination").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    g, r = divmod(rank, ranks_per_group)
+    test_store = connect_store(store_port)
+
+    torch.manual_seed(1000 + (g * 10 if seed_per_group else 0) + r)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=pg_timeout))
+    to = timedelta(seconds=timeout)
+    proxy: Optional[CorruptingProxy] = None
+    if transport == "pg":
+        ckpt: Any = PGTransport(pg, timeout=to, device=torch.device("cpu"))
+    else:
+        ckpt = HTTPTransport(timeout=to, num_chunks=2, advertise_host="127.0.0.1")
+        if corrupt_sends:
+            port = int(ckpt.metadata().rsplit(":", 1)[1])
+            proxy = CorruptingProxy(port, count=corrupt_sends)
+            url = f"http://127.0.0.1:{proxy.port}"
+            ckpt.metadata = lambda: url  # type: ignore[method-assign]
+
+    loads: List[int] = []
+
+    def load_state_dict(sd: Dict[str, Any]) -> None:
+        loads.append(1)
+        model.load_state_dict(sd["model"])
+        optim.load_state_dict(sd["optim"])
+
+    manager = ft.Manager(
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+        min_replica_size=min_replica_size,
+        use_async_quorum=async_quorum,
+        timeout=to,
+        quorum_timeout=timedelta(seconds=quorum_timeout),
+        connect_timeout=to,
+        rank=r,
+        world_size=ranks_per_group,
+        store_addr="127.0.0.1",
+        store_port=ports[g],
+        lighthouse_addr=lh_addr,
+        replica_id=f"g{g}",
+        hostname="127.0.0.1",
+        checkpoint_transport=ckpt,
+        init_sync=init_sync,
+        quorum_retries=quorum_retries,
+    )
+    ddp = ft.DistributedDataParallel(manager, model)
+    opt = ft.Optimizer(manager, optim)
+    init_hash = _hash(model)
+
+    test_store.set(f"ready/{rank}", "1")
+    if wait_ready:
+        test_store.wait([f"ready/{i}" for i in range(wait_ready)], timedelta(seconds=60))
+
+    history: List[Dict[str, Any]] = []
+    inject = set(inject_abort or [])
+    for _ in range(max_steps_total):
+        if test_store.check(["stop_at"]):
+            stop_at = int(test_store.get("stop_at"))
+        if manager.current_step() >= stop_at:
+            break
+        t0 = time.monotonic()
+        opt.zero_grad()
+        step = manager.current_step()  # after a sync heal: the healed step
+        pre_hash = _hash(model)
+        gen = torch.Generator().manual_seed(step * 1000 + g * 10 + r)
+        x = torch.randn(8, 16, generator=gen)
+        y = torch.randn(8, 4, generator=gen)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if step_sleep:
+            time.sleep(step_sleep)
+        injected = False
+        if step in inject and g == 0:
+            inject.discard(step)
+            injected = True
+            pg.abort()  # chaos: the process group fails under this replica
+        loss.backward()
+        opt.step()
+        err = manager.errored()
+        history.append({
+            "step": step,
+            "committed": manager.current_step() == step + 1,
+            "participants": manager._participating_world_size,
+            "errored": None if err is None else f"{type(err).__name__}: {err}",
+            "pre_hash": pre_hash,
+            "injected": injected,
+            "t0": t0,
+            "t1": time.monotonic(),
+            "wall": time.time(),
+        })
+        test_store.set(f"step/{g}/{r}", str(manager.current_step()))
+
+    result = {
+        "group": g,
+        "rank": r,
+        "step": manager.current_step(),
+        "batches_committed": manager.batches_committed(),
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optim": optim.state_dict(),
+        "history": history,
+        "init_hash": init_hash,
+        "loads": len(loads),
+        "proxy_flipped": proxy.flipped if proxy is not None else 0,
+    }
+    manager.shutdown(wait=False)
+    return result
