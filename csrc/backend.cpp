@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <thread>
 
 #ifdef FT_USE_NCCL
@@ -155,6 +156,22 @@ BlockingRegion& blockingRegion() {
 
 } // namespace
 
+namespace {
+std::mutex liveBackendsMutex;
+std::vector<FtBackend*> liveBackends;
+} // namespace
+
+void shutdownAllBackends(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::lock_guard<std::mutex> lock(liveBackendsMutex);
+  for (FtBackend* backend : liveBackends) {
+    backend->shutdown();
+  }
+  for (FtBackend* backend : liveBackends) {
+    backend->waitReaperIdle(deadline);
+  }
+}
+
 void setBlockingRegion(BlockingRegion region) {
   blockingRegion() = std::move(region);
 }
@@ -178,9 +195,17 @@ FtBackend::FtBackend(
       timeout.count(),
       " ms");
   watchdog_ = std::make_unique<DeadlineWatchdog>([this] { return sweepDeadlines(); });
+  std::lock_guard<std::mutex> lock(liveBackendsMutex);
+  liveBackends.push_back(this);
 }
 
 FtBackend::~FtBackend() {
+  {
+    std::lock_guard<std::mutex> lock(liveBackendsMutex);
+    liveBackends.erase(
+        std::remove(liveBackends.begin(), liveBackends.end(), this),
+        liveBackends.end());
+  }
   watchdog_.reset();
   std::shared_ptr<Generation> last;
   {

@@ -51,6 +51,11 @@ struct ReconfigureTimings {
   double totalMs = 0;
 };
 
+// Shuts down every live FtBackend and waits (bounded) until their old
+// generations are torn down, so no communicator thread outlives the
+// interpreter. Called at exit with the GIL released.
+void shutdownAllBackends(std::chrono::milliseconds timeout);
+
 class FtBackend : public c10d::Backend {
  public:
   // rank/size are torch's view at creation; the live values are
@@ -89,6 +94,9 @@ class FtBackend : public c10d::Backend {
   }
   size_t generationSocketCount() const;
   size_t reaperPending();
+  bool waitReaperIdle(Clock::time_point deadline) {
+    return reaper_.waitIdle(deadline);
+  }
   // The CUDA device whose NCCL communicators configure() creates eagerly
   // (-1: none; each lane then connects on its first CUDA op). A CUDA barrier
   // runs over NCCL only when this is set. Only meaningful in an NCCL build.

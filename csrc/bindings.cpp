@@ -82,6 +82,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_current_lane", &ft::setCurrentLane, py::arg("lane"),
         "Selects the lane the calling thread's next ops run on.");
   m.def("get_current_lane", &ft::currentLane);
+  m.def("_shutdown_all", &ft::shutdownAllBackends, py::arg("timeout"),
+        py::call_guard<py::gil_scoped_release>(),
+        "At exit: shut down every backend and wait for their teardown.");
+  m.def("_drain_releaser", &ft::drainReleaser, py::arg("finalizing"),
+        "At exit: drop queued op references here (the GIL is held).");
 
   py::class_<ft::FtBackend, c10d::Backend, c10::intrusive_ptr<ft::FtBackend>>(
       m, "FtBackend")

@@ -183,6 +183,11 @@ void Reaper::setDrainTimeout(std::chrono::milliseconds drainTimeout) {
   drainTimeout_ = drainTimeout;
 }
 
+bool Reaper::waitIdle(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return idle_.wait_until(lock, deadline, [&] { return queue_.empty() && !busy_; });
+}
+
 size_t Reaper::pending() {
   std::lock_guard<std::mutex> lock(mutex_);
   return queue_.size() + (busy_ ? 1 : 0);
@@ -207,6 +212,7 @@ void Reaper::run() {
     generation.reset();
     lock.lock();
     busy_ = false;
+    idle_.notify_all();
   }
 }
 

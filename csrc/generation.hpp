@@ -99,12 +99,15 @@ class Reaper {
   ~Reaper();
   void reap(std::shared_ptr<Generation> generation);
   void setDrainTimeout(std::chrono::milliseconds drainTimeout);
+  // Blocks until every queued generation is torn down, or `deadline`.
+  bool waitIdle(Clock::time_point deadline);
   size_t pending();
 
  private:
   void run();
   std::mutex mutex_;
   std::condition_variable cv_;
+  std::condition_variable idle_;
   std::deque<std::shared_ptr<Generation>> queue_;
   std::chrono::milliseconds drainTimeout_;
   bool busy_ = false;

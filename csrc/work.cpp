@@ -158,6 +158,12 @@ class Releaser {
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (leaking_) {
+        // The interpreter is finalizing: a thread that asks for the GIL now
+        // is killed by Python mid-destructor. Leak instead.
+        (void)work.release();
+        return;
+      }
       queue_.push_back(std::move(work));
       wake = queue_.size() >= kBatch;
     }
@@ -168,7 +174,6 @@ class Releaser {
     }
   }
 
- private:
   void run() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
@@ -181,22 +186,47 @@ class Releaser {
       lock.unlock();
       batch.clear();
       lock.lock();
+      if (leaking_) {
+        return;
+      }
     }
   }
 
+  // Drops everything queued on the calling thread (which holds the GIL), and
+  // with `finalizing`, leaks whatever comes later.
+  void drainNow(bool finalizing) {
+    std::deque<c10::intrusive_ptr<c10d::Work>> batch;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      batch.swap(queue_);
+      leaking_ = leaking_ || finalizing;
+    }
+    batch.clear();
+  }
+
+ private:
   static constexpr size_t kBatch = 64;
   static constexpr std::chrono::milliseconds kDrainPeriod{20};
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<c10d::Work>> queue_;
+  bool leaking_ = false;
 };
+
+Releaser& releaser() {
+  // Never destroyed: see the comment in the constructor.
+  static Releaser* instance = new Releaser();
+  return *instance;
+}
 
 } // namespace
 
 void releaseLater(c10::intrusive_ptr<c10d::Work> work) {
-  // Never destroyed: see the comment in the constructor.
-  static Releaser* releaser = new Releaser();
-  releaser->push(std::move(work));
+  releaser().push(std::move(work));
+}
+
+void drainReleaser(bool finalizing) {
+  releaser().drainNow(finalizing);
 }
 
 } // namespace ft

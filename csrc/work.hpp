@@ -109,5 +109,8 @@ class FtWork : public c10d::Work {
 // Any Work: the NCCL lane's poller hands its references to inner Works here
 // too. One FIFO thread, so a reference pushed after another is dropped after.
 void releaseLater(c10::intrusive_ptr<c10d::Work> work);
+// Releases everything queued now, on the calling thread (which must hold the
+// GIL); with `finalizing`, later references are leaked instead (at exit).
+void drainReleaser(bool finalizing);
 
 } // namespace ft

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import logging
 import math
 import os
@@ -206,10 +205,7 @@ def main() -> int:
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
         checkpoint_transport=transport,
     )
-    # find_unused_parameters=True keeps torch DDP from re-bucketing after the first iteration,
-    # so a freshly (re)started group lays out its gradient buckets exactly like its peers.
-    # (Workaround until ft.DistributedDataParallel pins the bucket layout itself.)
-    model = ft.DistributedDataParallel(manager, net, find_unused_parameters=True)
+    model = ft.DistributedDataParallel(manager, net)
     optimizer = ft.Optimizer(manager, inner_opt)
 
     def batches():

@@ -255,9 +255,12 @@ def _lane_worker(pg: object, lane_index: int) -> _LaneWorker:
 
 def _reduce_op_of(opts: Union[dist.AllreduceOptions, ReduceOp, "ReduceOp.RedOpType"]):
     op = opts.reduceOp if isinstance(opts, dist.AllreduceOptions) else opts
-    if op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise ValueError(f"quantized allreduce supports SUM and AVG, not {op}")
-    return op
+    # A ReduceOp object (what AllreduceOptions holds) compares equal to the
+    # enum only with itself on the left; normalize to the enum.
+    for known in (ReduceOp.SUM, ReduceOp.AVG):
+        if op == known or known == op:
+            return known
+    raise ValueError(f"quantized allreduce supports SUM and AVG, not {op}")
 
 
 def _quantized_allreduce_blocking(

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
+from ft.collectives import allreduce_quantized
 from ft.checkpointing import CheckpointTransport, HTTPTransport, RWLock
 from ft.coordination import (
     FailureNotification,
@@ -695,8 +696,8 @@ class Manager:
         Never raises for communication failures: they are reported (the step will not commit)
         and the returned Work completes with the tensor's current contents. AVG runs as SUM,
         then divides by :meth:`num_participants`; replicas that do not participate contribute
-        zeros. ``should_quantize`` is accepted for compatibility; the reduction runs in full
-        precision.
+        zeros. With ``should_quantize`` a floating-point tensor crosses the wire as int8 with
+        blockwise scales and is accumulated in fp32 (:func:`ft.collectives.allreduce_quantized`).
         """
         if self.errored() is not None:
             return _DummyWork(tensor)
@@ -714,7 +715,10 @@ class Manager:
         try:
             opts = dist.AllreduceOptions()
             opts.reduceOp = pg_op
-            work = self._pg.allreduce([tensor], opts)
+            if should_quantize and torch.is_floating_point(tensor):
+                work = allreduce_quantized([tensor], opts, self._pg)
+            else:
+                work = self._pg.allreduce([tensor], opts)
             fut = work.get_future()
         except Exception as e:  # noqa: BLE001
             self._report_error(e, abort=True)

@@ -23,6 +23,7 @@ never reconfigured, so its size is always right.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -294,3 +295,13 @@ def _register() -> None:
 
 
 _register()
+
+
+@atexit.register
+def _release_before_interpreter_exit() -> None:
+    # Communicator threads that touch a tensor after the interpreter starts
+    # finalizing are killed by Python mid-destructor (std::terminate). Tear
+    # every generation down while the interpreter is whole, then drop the
+    # references ops still hold, here, with the GIL.
+    _C._shutdown_all(timedelta(seconds=5))
+    _C._drain_releaser(True)

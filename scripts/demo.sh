@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ -f ft/launch/cli.py ] && [ -f examples/train_ddp.py ]; then
-  exec .venv/bin/python -m ft.launch.cli --replicas 3 --chaos kill --every 6 --max-steps 150 -- examples/train_ddp.py
+  exec .venv/bin/python -m ft.launch.cli --replicas 3 --chaos kill --every 5 --max-steps 2000 -- examples/train_ddp.py
 else
   exec .venv/bin/python examples/backend_demo.py
 fi

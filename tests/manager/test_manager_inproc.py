@@ -168,6 +168,23 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2 and all(o[3] for o in out)
         assert [m.current_step() for m in ms] == [3, 3]
         assert [m.batches_committed() for m in ms] == [1 + 2 + 2, 1 + 2 + 2]
+
+        # should_quantize: int8 on the wire, fp32 accumulation, AVG over participants
+        def quantized(i: int, m: ft.Manager) -> Any:
+            m.start_quorum()
+            g = torch.Generator().manual_seed(i)
+            t = torch.randn(1000, generator=g)
+            exact = t.clone()
+            m.allreduce(t, should_quantize=True).wait()
+            return t, exact, m.should_commit()
+
+        out = values(in_threads([lambda i=i, m=m: quantized(i, m) for i, m in enumerate(ms)]))
+        want = (out[0][1] + out[1][1]) / 2
+        assert torch.equal(out[0][0], out[1][0])  # every replica gets the same result
+        rel = ((out[0][0] - want).abs().mean() / want.abs().mean()).item()
+        assert rel < 0.05, rel
+        assert not torch.equal(out[0][0], want)  # it really was quantized
+        assert all(o[2] for o in out)
     finally:
         shutdown(ms)
         lh.shutdown()
