@@ -1,6 +1,7 @@
 """Benchmark: ft.optim.ZeroRedundancyOptimizer vs torch's, side by side on one process group.
 
     python bench/zero_bench.py [--world 3] [--iters 20] [--backend gloo|ft]
+    python bench/zero_bench.py --ft [--world 3] [--iters 5]    # fault-tolerant mode
 
 Starts ``--world`` ranks on loopback (one process each, 1 thread each). Every rank builds the
 same model of about 9.5M parameters (6 MLP blocks, d=512, ffn=1536, LayerNorm) twice. One copy
@@ -165,6 +166,76 @@ def launch(args) -> int:
     return 0
 
 
+def ft_mode(world: int, iters: int) -> int:
+    """Fault-tolerant mode: ``world`` replica groups (one thread each, in-process lighthouse and
+    Managers, sync quorum), FaultTolerantZeroRedundancyOptimizer(Adam) on the same model.
+    Reports the optimizer-state bytes each replica holds (own + buddy shard) against plain
+    Adam, and the bytes each step puts on the wire: the parameter exchange (which replaces the
+    plain mode's broadcast) and the buddy copy's share of it (state migrated; 0 outside
+    quorum changes)."""
+    import threading
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ft.coordination import LighthouseServer
+    from ft.optim import FaultTolerantZeroRedundancyOptimizer
+    from tests.manager.inproc import make_manager
+
+    torch.set_num_threads(1)
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=world, join_timeout_ms=1000,
+                          quorum_tick_ms=20, heartbeat_timeout_ms=5000, http_bind="")
+    out: dict = {}
+
+    def run(r: int) -> None:
+        m = make_manager(lh.address(), f"b{r}", use_async_quorum=False, init_sync=False,
+                         timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120))
+        model = make_model()
+        opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam,
+                                                   lr=1e-4)
+        for it in range(iters):
+            opt.zero_grad()
+            fill_grads(model)
+            mig0 = opt.stats["migrated_bytes"]
+            t0 = time.perf_counter()
+            opt.step()
+            dt = time.perf_counter() - t0
+            out.setdefault(r, []).append((dt, opt.stats["migrated_bytes"] - mig0))
+        out[f"bytes{r}"] = opt.state_bytes()
+        out[f"own{r}"] = sum(v.numel() * v.element_size() for st in opt.state.values()
+                             for v in st.values() if torch.is_tensor(v))
+        out[f"param{r}"] = opt.stats["param_bytes"] // max(1, opt.stats["steps"])
+        out[f"committed{r}"] = m.current_step()
+        m.shutdown(wait=False)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lh.shutdown()
+    plain = make_model()
+    popt = torch.optim.Adam(plain.parameters(), lr=1e-4)
+    fill_grads(plain)
+    popt.step()
+    full = state_bytes(popt)
+    held = [out[f"bytes{r}"] for r in range(world)]
+    own = [out[f"own{r}"] for r in range(world)]
+    print(f"fault-tolerant mode, {world} replicas, {iters} steps "
+          f"(committed {[out[f'committed{r}'] for r in range(world)]})")
+    print(f"plain Adam state: {full} bytes")
+    print(f"held per replica (own + buddy): {held} -> max/plain = {max(held) / full:.4f} "
+          f"(2/N = {2 / world:.4f})")
+    print(f"own shard per replica: {own} -> max/plain = {max(own) / full:.4f}")
+    print(f"transient during step (+ copy of own shard): max/plain = "
+          f"{max(h + o for h, o in zip(held, own)) / full:.4f}")
+    print(f"buddy copy bytes per step (state migrated) after the first step: "
+          f"{[sum(b for _, b in out[r][1:]) // max(1, iters - 1) for r in range(world)]}")
+    print(f"first step (initial layout) migrated: {[out[r][0][1] for r in range(world)]}")
+    print(f"parameter exchange per step (allreduce input bytes per replica): "
+          f"{[out[f'param{r}'] for r in range(world)]}")
+    print(f"median step ms: {[round(statistics.median(d for d, _ in out[r]) * 1e3, 1) for r in range(world)]}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=3)
@@ -174,7 +245,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--ft", action="store_true",
+                    help="fault-tolerant mode (Manager + buddy copy): memory and bytes per step")
     args = ap.parse_args()
+    if args.ft:
+        return ft_mode(args.world, args.iters)
     if args.rank is None:
         return launch(args)
     worker(args.rank, args.world, args.port, args.backend, args.warmup, args.iters)

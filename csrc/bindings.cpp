@@ -85,8 +85,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("_shutdown_all", &ft::shutdownAllBackends, py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>(),
         "At exit: shut down every backend and wait for their teardown.");
-  m.def("_drain_releaser", &ft::drainReleaser, py::arg("finalizing"),
-        "At exit: drop queued op references here (the GIL is held).");
+  m.def("_drain_releaser",
+        [](bool finalizing) {
+          if (finalizing) {
+            py::gil_scoped_release noGil;
+            ft::quiesceReleaser();
+          }
+          ft::drainReleaser(finalizing);
+        },
+        py::arg("finalizing"),
+        "At exit: stop the releaser thread and drop queued op references "
+        "here, where the GIL is held.");
 
   py::class_<ft::FtBackend, c10d::Backend, c10::intrusive_ptr<ft::FtBackend>>(
       m, "FtBackend")

@@ -177,18 +177,23 @@ class Releaser {
   void run() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      cv_.wait_for(lock, kDrainPeriod, [&] { return queue_.size() >= kBatch; });
+      cv_.wait_for(lock, kDrainPeriod, [&] {
+        return stopping_ || queue_.size() >= kBatch;
+      });
+      if (stopping_) {
+        return;
+      }
       if (queue_.empty()) {
         continue;
       }
       std::deque<c10::intrusive_ptr<c10d::Work>> batch;
       batch.swap(queue_);
+      busy_ = true;
       lock.unlock();
       batch.clear();
       lock.lock();
-      if (leaking_) {
-        return;
-      }
+      busy_ = false;
+      idle_.notify_all();
     }
   }
 
@@ -204,13 +209,24 @@ class Releaser {
     batch.clear();
   }
 
- private:
+  // Stops the thread after its current batch. Call without the GIL: that
+  // batch may need it.
+  void quiesce() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    stopping_ = true;
+    cv_.notify_all();
+    idle_.wait(lock, [&] { return !busy_; });
+  }
+
   static constexpr size_t kBatch = 64;
   static constexpr std::chrono::milliseconds kDrainPeriod{20};
   std::mutex mutex_;
   std::condition_variable cv_;
+  std::condition_variable idle_;
   std::deque<c10::intrusive_ptr<c10d::Work>> queue_;
   bool leaking_ = false;
+  bool stopping_ = false;
+  bool busy_ = false;
 };
 
 Releaser& releaser() {
@@ -227,6 +243,10 @@ void releaseLater(c10::intrusive_ptr<c10d::Work> work) {
 
 void drainReleaser(bool finalizing) {
   releaser().drainNow(finalizing);
+}
+
+void quiesceReleaser() {
+  releaser().quiesce();
 }
 
 } // namespace ft

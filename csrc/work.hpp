@@ -112,5 +112,7 @@ void releaseLater(c10::intrusive_ptr<c10d::Work> work);
 // Releases everything queued now, on the calling thread (which must hold the
 // GIL); with `finalizing`, later references are leaked instead (at exit).
 void drainReleaser(bool finalizing);
+// Stops the releaser thread after its current batch (at exit, without the GIL).
+void quiesceReleaser();
 
 } // namespace ft

@@ -4,6 +4,8 @@ fast; the communication paths are covered by the multi-process tests."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -13,9 +15,15 @@ from tests.diloco.fake_manager import FakeManager, run_replicas
 STEPS, REPLICAS = 400, 2
 
 
+_init_lock = threading.Lock()
+
+
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    # Replicas are threads here; torch's global RNG is shared, so seed and
+    # draw under a lock or two replicas interleave their draws.
+    with _init_lock:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
 def _batch(step, rank, n=32):

@@ -1,0 +1,413 @@
+"""Fault-tolerant ZeRO-1 across replica groups, through an :class:`ft.Manager`.
+
+::
+
+    manager = ft.Manager(pg, None, None, min_replica_size=1, ...)
+    model = ft.DistributedDataParallel(manager, module)       # gradients averaged by the Manager
+    opt = FaultTolerantZeroRedundancyOptimizer(manager, module.parameters(), torch.optim.Adam,
+                                               lr=1e-3)
+    manager.register_state_dict_fn("model", module.load_state_dict, module.state_dict)
+    for batch in data:
+        opt.zero_grad()          # manager.start_quorum()
+        loss(model(batch)).backward()
+        opt.step()               # see "One step" below
+
+The constructor registers the optimizer's state with the Manager under ``state_key``
+(default ``"zero_ft"``); the model is registered by the user, as with ``ft.Optimizer``.
+
+Sharding
+    The optimizer state is sharded across the *participating replicas* of the step (the
+    Manager's replica dimension). The owner table is
+    ``partition_params(numels, manager.num_participants())`` (:mod:`ft.optim.partition`, the
+    same sorted-greedy rule as :class:`ft.optim.ZeroRedundancyOptimizer`) and this replica's
+    index is ``manager.participating_rank()``: both are the same on every replica, so every
+    replica computes the same table. It is recomputed whenever the quorum changes (new quorum
+    id, participant count or rank). A replica that does not participate in a step (a
+    replica healing in async mode, a spare) owns nothing in that step.
+
+Buddy copy (shadow stepping), staleness bound 0 steps, 0 extra bytes per step
+    Participant ``r`` also keeps a standby copy of the shard of participant ``r-1`` (its
+    buddy is ``buddy_rank(r-1, N) = r``). All replicas hold the same averaged gradients and
+    the same parameters before the step, so the buddy brings its standby copy forward by
+    running the same optimizer over the same parameter list (same order, same hyperparameters)
+    itself. No optimizer state crosses the wire per step, and the standby copy is never behind
+    the owner's: after a committed step, owner and buddy both hold the state of that step.
+    Memory: own shard + standby shard, about 2/N of the full state (N=2: everything; N=1: no
+    buddy). Requires: every replica computes bitwise the same kernels on the same inputs
+    (homogeneous hardware); the parameters themselves are always distributed from the owner.
+
+One step (``step()``)
+    1. If the quorum changed: re-partition and migrate state (below).
+    2. Step *copies* of the owned shard's state and parameters (transient: +1/N of the state);
+       the originals are kept aside, untouched.
+    3. Step the owned shard; pack the owned parameters' new values into one flat buffer per
+       dtype (zeros elsewhere) and ``manager.allreduce(..., SUM)`` it: every replica receives
+       every updated parameter. All communication of the step happens *before the vote*.
+    4. ``manager.should_commit()``.
+       - True: step the standby shard locally (no communication), copy the received
+         parameters into every parameter, drop state this replica no longer needs.
+       - False: put the originals back; the standby shard was never stepped. Every shard's state
+         and every parameter are exactly as before the step.
+
+Quorum change: migration
+    Every held shard entry carries a version (the committed step it is current for). On a new
+    quorum, the replicas allreduce a ``[N, P]`` table of versions (8 bytes per parameter tensor
+    per replica). For each parameter, the holders are the replicas with the newest version,
+    which must equal the current step (else the state is lost, e.g. two adjacent replicas died
+    at once: ``RuntimeError``). Each of the new owner and new buddy that lacks it receives it
+    from the lowest-ranked holder, in one more allreduce of the moved state's bytes. If that
+    fails the step does not commit and the migration is retried on the next quorum.
+
+Healing
+    The registered state (held entries + versions) is sent to a healing replica with the
+    Manager's checkpoint. In sync-quorum mode it participates in the same step, so its loaded
+    entries count as holders; whatever else its new shard needs comes from the migration.
+
+Limitations: per-parameter optimizer state must be tensors (Adam, AdamW, SGD with momentum,
+...); no ``closure``; the periodic owner/buddy checksum cross-check of the design is not
+implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.distributed import ReduceOp
+
+from ft.optim.partition import Partition, buddy_rank, partition_params
+from ft.optim.zero import _check_optimizer_class
+
+__all__ = ["FaultTolerantZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_HYPER = ("params", "param_names")
+
+
+def _clone_state(st: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+
+
+class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 over the replicas of a Manager, with a buddy copy of every shard.
+
+    Args:
+        manager: the :class:`ft.Manager` of this replica group.
+        params: parameters or parameter groups (the same on every replica).
+        optimizer_class: a ``torch.optim.Optimizer`` subclass whose per-parameter state is
+            tensors (e.g. ``torch.optim.Adam``).
+        state_key: key under which the state is registered with the Manager for healing.
+        **defaults: hyperparameters for ``optimizer_class``.
+    """
+
+    def __init__(self, manager: Any, params: Any, optimizer_class: Any,
+                 state_key: str = "zero_ft", **defaults: Any) -> None:
+        _check_optimizer_class(optimizer_class)
+        full = optimizer_class(params, **defaults)  # no state until a step
+        super().__init__(full.param_groups, full.defaults)
+        self.manager = manager
+        self._optimizer_class = optimizer_class
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._gi = {id(p): i for i, p in enumerate(self._params)}
+        # Held shard entries: global index -> state dict, and the step each is current for.
+        v0 = manager.current_step()
+        self._held: Dict[int, Dict[str, Any]] = {i: {} for i in range(len(self._params))}
+        self._version: Dict[int, int] = {i: v0 for i in range(len(self._params))}
+        self._layout_key: Optional[Tuple[Any, ...]] = None
+        self._partition: Optional[Partition] = None
+        self._owned: List[int] = []
+        self._standby: List[int] = []
+        self._own_opt: Optional[torch.optim.Optimizer] = None
+        self._standby_opt: Optional[torch.optim.Optimizer] = None
+        self._templates: Dict[Tuple[int, Tuple[int, ...], torch.dtype], Dict[str, Any]] = {}
+        self.stats = {"migrated_bytes": 0, "param_bytes": 0, "steps": 0}
+        manager.register_state_dict_fn(state_key, self._load_shards, self._save_shards)
+
+    # ------------------------------------------------------------------ state exposure
+    @property
+    def state(self):  # type: ignore[override]
+        """The owned shard's state, keyed by parameter."""
+        return {self._params[i]: self._held[i] for i in self._owned if i in self._held}
+
+    @state.setter
+    def state(self, value: Any) -> None:  # set by Optimizer.__init__; ignored
+        pass
+
+    @property
+    def owned_indices(self) -> List[int]:
+        return list(self._owned)
+
+    @property
+    def standby_indices(self) -> List[int]:
+        return list(self._standby)
+
+    def shard_state(self, which: str = "owned") -> Dict[int, Dict[str, Any]]:
+        """Copies of the held entries, by global parameter index: ``owned``, ``standby``, ``all``."""
+        idx = {"owned": self._owned, "standby": self._standby, "all": sorted(self._held)}[which]
+        return {i: _clone_state(self._held[i]) for i in idx}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors this replica holds (own + standby shards)."""
+        return sum(v.numel() * v.element_size() for st in self._held.values()
+                   for v in st.values() if torch.is_tensor(v))
+
+    def _save_shards(self) -> Dict[str, Any]:
+        return {"state": {i: dict(st) for i, st in self._held.items()},
+                "version": dict(self._version)}
+
+    def _load_shards(self, sd: Dict[str, Any]) -> None:
+        state, version = sd["state"], sd["version"]
+        for i, st in state.items():
+            i = int(i)
+            if not 0 <= i < len(self._params):
+                raise ValueError(f"healed optimizer state names parameter {i} of "
+                                 f"{len(self._params)}")
+            self._held[i] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            self._version[i] = int(version[i])
+        self._layout_key = None  # rebuild local optimizers over the new dicts
+
+    # ------------------------------------------------------------------ layout
+    def _hyper(self, g: int) -> Dict[str, Any]:
+        return {k: v for k, v in self.param_groups[g].items() if k not in _NOT_HYPER}
+
+    def _build_opt(self, idx: List[int]) -> Optional[torch.optim.Optimizer]:
+        if not idx:
+            return None
+        gof = {}
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                gof[self._gi[id(p)]] = g
+        groups = []
+        for g in range(len(self.param_groups)):
+            ps = [self._params[i] for i in idx if gof[i] == g]
+            if ps:
+                groups.append(dict(self._hyper(g), params=ps, _g=g))
+        opt = self._optimizer_class([{k: v for k, v in gr.items() if k != "_g"}
+                                     for gr in groups])
+        for gr, og in zip(groups, opt.param_groups):
+            og["_g"] = gr["_g"]
+        for i in idx:
+            opt.state[self._params[i]] = self._held.setdefault(i, {})
+        return opt
+
+    def _sync_hyper(self, opt: Optional[torch.optim.Optimizer]) -> None:
+        if opt is None:
+            return
+        for og in opt.param_groups:
+            for k, v in self._hyper(og["_g"]).items():
+                og[k] = v
+
+    def _group_of(self, i: int) -> int:
+        for g, group in enumerate(self.param_groups):
+            if any(p is self._params[i] for p in group["params"]):
+                return g
+        raise AssertionError(i)
+
+    def _template(self, i: int) -> Dict[str, Any]:
+        """Structure of parameter ``i``'s state (keys, shapes, dtypes) after one step."""
+        p = self._params[i]
+        g = self._group_of(i)
+        key = (g, tuple(p.shape), p.dtype)
+        if key not in self._templates:
+            dummy = torch.zeros_like(p, requires_grad=True)
+            dummy.grad = torch.zeros_like(p)
+            opt = self._optimizer_class([dummy], **self._hyper(g))
+            opt.step()
+            self._templates[key] = {k: v for k, v in opt.state[dummy].items()}
+        return self._templates[key]
+
+    def _migrate(self, n: int, rank: Optional[int], part: Partition,
+                 targets: Dict[int, Set[int]]) -> bool:
+        """Moves every needed entry to its targets; False if the transfer failed."""
+        m = self.manager
+        P = len(self._params)
+        cur = m.current_step()
+        table = torch.zeros(n, P, dtype=torch.int64)
+        if rank is not None:
+            for i in range(P):
+                if i in self._held:
+                    table[rank, i] = 2 * (self._version[i] + 1) + (1 if self._held[i] else 0)
+        m.allreduce(table, reduce_op=ReduceOp.SUM).wait()
+        if m.errored() is not None:
+            return False
+        ver = table // 2 - 1  # -1: not held
+        nonempty = (table % 2) == 1
+        moves: List[Tuple[int, int, Set[int]]] = []  # (param, source, receivers)
+        for i in range(P):
+            best = int(ver[:, i].max())
+            if best != cur:
+                raise RuntimeError(
+                    f"optimizer state of parameter {i} is lost: newest copy is for step {best}, "
+                    f"current step is {cur} (owner and buddy both died?)")
+            holders = [r for r in range(n) if int(ver[r, i]) == best]
+            need = {t for t in targets[i] if int(ver[t, i]) != best}
+            if need:
+                moves.append((i, holders[0], need))
+        if not moves:
+            return True
+        # Byte layout of every moved non-empty entry (from the template), then one SUM allreduce.
+        layout: List[Tuple[int, str, int, int]] = []  # (param, key, offset, nbytes)
+        off = 0
+        for i, src, _ in moves:
+            if not bool(nonempty[src, i]):
+                continue
+            for k, v in sorted(self._template(i).items()):
+                if torch.is_tensor(v):
+                    nb = v.numel() * v.element_size()
+                    layout.append((i, k, off, nb))
+                    off += nb
+        buf = torch.zeros(off, dtype=torch.uint8)
+        src_of = {i: s for i, s, _ in moves}
+        for i, k, o, nb in layout:
+            if src_of[i] == rank:
+                t = self._held[i][k].detach().contiguous().view(-1).view(torch.uint8)
+                if t.numel() != nb:
+                    raise RuntimeError(f"state {k!r} of parameter {i} does not match its template")
+                buf[o:o + nb].copy_(t)
+        if off:
+            m.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
+            if m.errored() is not None:
+                return False
+        self.stats["migrated_bytes"] += off
+        for i, src, need in moves:
+            if rank not in need:
+                continue
+            st: Dict[str, Any] = {}
+            if bool(nonempty[src, i]):
+                for k, v in self._template(i).items():
+                    st[k] = v.clone() if torch.is_tensor(v) else v
+                for j, k, o, nb in layout:
+                    if j == i:
+                        t = st[k]
+                        t.view(-1).view(torch.uint8).copy_(buf[o:o + nb])
+            self._held[i] = st
+            self._version[i] = cur
+        return True
+
+    def _ensure_layout(self) -> bool:
+        m = self.manager
+        n = m.num_participants()
+        rank = m.participating_rank() if m.is_participating() else None
+        key = (getattr(m, "_quorum_id", None), n, rank)
+        if key == self._layout_key:
+            return True
+        P = len(self._params)
+        numels = [[p.numel() for p in g["params"]] for g in self.param_groups]
+        part = partition_params(numels, max(n, 1))
+        flat_owner: List[int] = [o for g in part.owner for o in g]
+        # global index order = group order, then position in group
+        targets: Dict[int, Set[int]] = {}
+        for i in range(P):
+            o = flat_owner[i]
+            targets[i] = {o, buddy_rank(o, n)} if n > 1 else {o}
+        if not self._migrate(n, rank, part, targets):
+            return False
+        if rank is None:
+            self._owned, self._standby = [], []
+        else:
+            gidx = [[self._gi[id(p)] for p in g["params"]] for g in self.param_groups]
+            self._owned = [gidx[g][j] for g, j in part.owned(rank)]
+            prev = (rank - 1) % n
+            self._standby = [gidx[g][j] for g, j in part.owned(prev)] if n > 1 else []
+        self._partition = part
+        self._own_opt = self._build_opt(self._owned)
+        self._standby_opt = self._build_opt(self._standby)
+        self._layout_key = key
+        logger.info("zero_ft layout: participants=%d rank=%s owned=%d standby=%d", n, rank,
+                    len(self._owned), len(self._standby))
+        return True
+
+    # ------------------------------------------------------------------ step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Starts the quorum for the step (``manager.start_quorum()``), then zeroes gradients."""
+        self.manager.start_quorum()
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("FaultTolerantZeroRedundancyOptimizer does not support closures")
+        m = self.manager
+        snapshot: Optional[Tuple[Dict[int, Dict[str, Any]], List[torch.Tensor]]] = None  # originals
+        flats: Dict[torch.dtype, torch.Tensor] = {}
+        offsets: List[Tuple[int, torch.dtype, int]] = []
+        if m.errored() is None:
+            try:
+                ok = self._ensure_layout()
+            except RuntimeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported: the step will not commit
+                m.report_error(e)
+                ok = False
+            if ok and m.errored() is None:
+                # Step copies of the owned state and parameters: the originals stay untouched
+                # (a checkpoint being served to a healing replica may still reference them)
+                # and are put back if the step does not commit.
+                old_states = {i: self._held[i] for i in self._owned}
+                old_data = [self._params[i].data for i in self._owned]
+                for i in self._owned:
+                    p = self._params[i]
+                    new = _clone_state(self._held[i])
+                    self._held[i] = new
+                    if self._own_opt is not None:
+                        self._own_opt.state[p] = new
+                    p.data = p.data.clone()
+                snapshot = (old_states, old_data)
+                if self._own_opt is not None:
+                    self._sync_hyper(self._own_opt)
+                    self._own_opt.step()
+                sizes: Dict[torch.dtype, int] = {}
+                for i, p in enumerate(self._params):
+                    offsets.append((i, p.dtype, sizes.get(p.dtype, 0)))
+                    sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+                flats = {dt: torch.zeros(s, dtype=dt) for dt, s in sizes.items()}
+                owned = set(self._owned)
+                for i, dt, o in offsets:
+                    if i in owned:
+                        p = self._params[i]
+                        flats[dt][o:o + p.numel()].copy_(p.detach().reshape(-1))
+                works = [m.allreduce(f, reduce_op=ReduceOp.SUM) for f in flats.values()]
+                for w in works:
+                    w.wait()
+                self.stats["param_bytes"] += sum(f.numel() * f.element_size()
+                                                 for f in flats.values())
+        committed = m.should_commit()
+        if committed and snapshot is not None:
+            if self._standby_opt is not None:
+                self._sync_hyper(self._standby_opt)
+                self._standby_opt.step()
+            for i, dt, o in offsets:
+                p = self._params[i]
+                p.detach().copy_(flats[dt][o:o + p.numel()].view_as(p))
+            cur = m.current_step()
+            keep = set(self._owned) | set(self._standby)
+            for i in list(self._held):
+                if i in keep:
+                    self._version[i] = cur
+                else:
+                    del self._held[i]
+                    self._version.pop(i, None)
+            self.stats["steps"] += 1
+        elif committed:
+            # Committed without our contribution (cannot happen for a healthy participant:
+            # an error would have vetoed). Be safe: force a fresh layout next step.
+            self._layout_key = None
+        elif snapshot is not None:
+            states, datas = snapshot
+            for i, d in zip(self._owned, datas):
+                p = self._params[i]
+                self._held[i] = states[i]
+                if self._own_opt is not None:
+                    self._own_opt.state[p] = states[i]
+                p.data = d
+            self._layout_key = None if m.errored() is not None else self._layout_key
+        return None
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_params", None) is None:
+            super().add_param_group(param_group)
+            return
+        raise NotImplementedError("add_param_group after construction is not supported in "
+                                  "fault-tolerant mode")
