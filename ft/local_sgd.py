@@ -123,6 +123,51 @@ def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def _local_state(sd: Any) -> Any:
+    """`sd` with every DTensor replaced by its local tensor: ft's checkpoint
+    transport moves plain tensors only (an optimizer over DTensor parameters
+    keeps DTensor state, e.g. momentum buffers)."""
+    if torch.is_tensor(sd):
+        return _local(sd)
+    if isinstance(sd, dict):
+        return type(sd)((k, _local_state(v)) for k, v in sd.items())
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_local_state(v) for v in sd)
+    return sd
+
+
+def _load_optimizer_state(opt: torch.optim.Optimizer, sd: Dict[str, Any]) -> None:
+    """`opt.load_state_dict(sd)` for a state dict made by `_local_state`: the
+    per-parameter tensors of a DTensor parameter (all but "step", with the
+    parameter's local shape) are wrapped back like the parameter."""
+    opt.load_state_dict(sd)
+    for p, st in opt.state.items():
+        if not (hasattr(p, "device_mesh") and hasattr(p, "placements")):
+            continue
+        shape = _local(p.detach()).shape
+        for k, v in list(st.items()):
+            if k != "step" and torch.is_tensor(v) and not hasattr(v, "device_mesh") \
+                    and v.shape == shape:
+                st[k] = _like_param(p, v)
+
+
+def _check_placements(params: Sequence[Tuple[str, torch.Tensor]]) -> None:
+    """DTensor parameters are synced through their local tensors: rank r of
+    every replica group holds the same slice (the mesh lives inside a replica
+    group), so averaging local tensors across replica groups is exact for
+    Replicate and Shard placements alike. Partial placements hold unreduced
+    values and are rejected."""
+    for n, p in params:
+        for pl in getattr(p, "placements", ()) or ():
+            is_partial = getattr(pl, "is_partial", None)
+            if callable(is_partial) and is_partial():
+                raise ValueError(
+                    f"parameter {n!r} has a Partial placement ({pl}); DiLoCo/LocalSGD sync "
+                    "DTensor parameters through their local tensors, which needs Replicate or "
+                    "Shard placements"
+                )
+
+
 def _make_backup(p: torch.Tensor, device: Optional[torch.device], pin_memory: bool) -> torch.Tensor:
     src = _local(p.detach())
     dev = torch.device(device) if device is not None else src.device
@@ -208,6 +253,7 @@ class LocalSGD:
         self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
         self._should_quantize = should_quantize
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        _check_placements(self._params)
         self._backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self._params}
         self._local_step = 0
         self._total_steps = 0
@@ -289,6 +335,7 @@ class _Fragment:
         self.params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"model fragment {index} has no trainable parameters")
+        _check_placements(self.params)
         self.backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self.params}
 
     def pseudo_gradients(self) -> List[torch.Tensor]:
@@ -384,8 +431,8 @@ class DiLoCo:
         if self._shared_outer is not None:
             manager.register_state_dict_fn(
                 "DiLoCoOuterOptimizer",
-                lambda sd: self._shared_outer.load_state_dict(sd),
-                lambda: self._shared_outer.state_dict(),
+                lambda sd: _load_optimizer_state(self._shared_outer, sd),
+                lambda: _local_state(self._shared_outer.state_dict()),
             )
 
     # -- state for healing ----------------------------------------------------
@@ -394,7 +441,7 @@ class DiLoCo:
         def save() -> Dict[str, Any]:
             sd: Dict[str, Any] = {"original_parameters": dict(frag.backup)}
             if self._shared_outer is None:
-                sd["outer_optimizer"] = frag.outer_optimizer.state_dict()
+                sd["outer_optimizer"] = _local_state(frag.outer_optimizer.state_dict())
             return sd
 
         return save
@@ -404,7 +451,7 @@ class DiLoCo:
             for n, b in frag.backup.items():
                 b.copy_(sd["original_parameters"][n])
             if self._shared_outer is None:
-                frag.outer_optimizer.load_state_dict(sd["outer_optimizer"])
+                _load_optimizer_state(frag.outer_optimizer, sd["outer_optimizer"])
 
         return load
 

@@ -35,46 +35,13 @@ deliberate:
   all ranks fail together) and does not modify the caller's dict.
 * ``overlap_with_ddp=True`` is rejected with ``NotImplementedError``.
 
-Fault-tolerant mode (design; it needs the Manager and is not implemented yet)
------------------------------------------------------------------------------
-It will live in ``ft/optim/zero_ft.py`` as a subclass (the constructor's ``**defaults``
-forwards every unknown keyword to the optimizer class, so a ``manager=`` keyword here
-would be ambiguous).  The subclass overrides two hooks of this class:
-``_shard_coords()`` -> (rank, world_size) of the sharding dimension, and
-``_comm_group()``; and it gates ``step``.
-
-* Sharding dimension: across replica groups (the Manager's replica process group: rank
-  i of every replica group).  Within a replica group nothing changes.
-* Shards follow the quorum: on every new quorum_id, the partition is recomputed with
-  ``partition_params(numels, manager.num_participants())`` and this replica's index
-  ``manager.participating_rank()``.  Both inputs are the same on every replica, so all
-  compute the same table.
-* Buddy copy by shadow stepping: replica r owns shard S_r and also keeps a standby copy
-  of S_{r-1} (r = ``buddy_rank(r-1, N)``).  In ZeRO-1 every replica holds the same
-  averaged gradients and the same parameters before the step, so the buddy brings the
-  standby state forward by running the same optimizer step on S_{r-1} locally.  The
-  inputs and kernels are the same, so the standby state is bitwise the owner's.  No
-  bytes cross the wire, and the **staleness bound is 0 steps**.  The cost is one more
-  shard of optimizer compute and memory: about 2/N of the full state per rank (N=2:
-  each holds everything; N=1: no buddy).  Every k=100 steps a 16-byte all-gather
-  compares checksums of owner and standby state.  If they differ (for example, mixed
-  hardware), the owner ships its shard state to the buddy.  A replica can also run in
-  "ship every k steps" mode, which costs the shard's state bytes every k steps and has
-  a staleness bound of k-1 steps.
-* Commit: the local step (own and standby shards) runs only after
-  ``manager.should_commit()`` returns True, as ``ft.Optimizer`` does.  A step that fails
-  to commit never touches any state.  After the commit, the parameter broadcast only
-  distributes values that the owner and its buddy both already hold.  If a peer dies
-  during it, the next quorum re-broadcasts from the surviving holder.
-* Quorum change, a pure function next to :func:`partition_params`: for each parameter,
-  holders = {old owner, old buddy} that survived, and targets = {new owner, new buddy}.
-  Each target that is not a holder receives the state from the lowest-ranked holder
-  (send/recv on the new replica group).  If both holders died (two adjacent replicas
-  at once), the state is lost.  That raises, unless the user allows resetting those
-  entries.
-* A joining replica heals its parameters through the Manager's checkpoint, like
-  any other state.  It is only a target in the migration plan, which gives it its shard
-  and standby state.
+Fault-tolerant mode
+-------------------
+Across replica groups, through a Manager, see :mod:`ft.optim.zero_ft`
+(``FaultTolerantZeroRedundancyOptimizer``): shards follow the quorum, each shard's state
+also lives on a buddy replica that steps it locally (0 bytes per step, 0 steps stale),
+and a step that fails to commit restores every shard.  That module's docstring is the
+reference for how it works.
 """
 
 from __future__ import annotations
