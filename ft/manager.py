@@ -765,9 +765,15 @@ class Manager:
         enough_replicas = self.num_participants() >= self._min_replica_size
         local_should_commit = enough_replicas and self._errored is None
         t = _to_timedelta(timeout) if timeout is not None else self._timeout
-        should_commit = self._client.should_commit(
-            self._rank, self._step, local_should_commit, timeout=t
-        )
+        if self._world_size == 1:
+            # The group's AND vote over one rank is that rank's vote: skip the
+            # round trip to our own ManagerServer (it sits on every step's
+            # critical path).
+            should_commit = local_should_commit
+        else:
+            should_commit = self._client.should_commit(
+                self._rank, self._step, local_should_commit, timeout=t
+            )
         # Transfers of this step's state must end before the caller mutates it.
         self._checkpoint_transport.disallow_checkpoint()
 
