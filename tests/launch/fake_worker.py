@@ -91,7 +91,14 @@ def main():
                 final_since = time.time()
                 emit("final", step=step)
             everyone = len([v for v in steps().values() if v >= step]) >= ngroups
-            if stop or everyone or time.time() - final_since > 20:
+            if stop:
+                # Like the real example's stop agreement: once every group has
+                # stopped stepping (each sees the stop file within a step), all
+                # settle on the highest step any of them reached.
+                time.sleep(max(0.3, 6 * a.step_s))
+                step = max([step] + list(steps().values()))
+                break
+            if everyone or time.time() - final_since > 20:
                 break
             time.sleep(a.step_s)
             continue
