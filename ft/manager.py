@@ -475,9 +475,10 @@ class Manager:
         self._report_error(e, abort=True)
 
     def _report_error(self, e: Exception, abort: bool) -> None:
-        first = self._errored is None
-        self._errored = e
-        if first:
+        if self._errored is None:
+            # Keep the first error: later ones (e.g. collectives refused after the abort it
+            # caused) are consequences, and the first names the root cause.
+            self._errored = e
             self._log.error("error", f"{type(e).__name__}: {e}")
         if abort:
             try:
@@ -633,12 +634,19 @@ class Manager:
             if quorum.recover_dst_replica_ranks:
                 self._log.info("heal_send", f"sending the checkpoint to replica ranks "
                                f"{quorum.recover_dst_replica_ranks}", max_step=quorum.max_step)
-                self._checkpoint_transport.send_checkpoint(
-                    dst_ranks=quorum.recover_dst_replica_ranks,
-                    step=quorum.max_step,
-                    state_dict=self._manager_state_dict(),
-                    timeout=self._timeout,
-                )
+                try:
+                    self._checkpoint_transport.send_checkpoint(
+                        dst_ranks=quorum.recover_dst_replica_ranks,
+                        step=quorum.max_step,
+                        state_dict=self._manager_state_dict(),
+                        timeout=self._timeout,
+                    )
+                except Exception as e:
+                    # Receivers fail their heal now (and retry next quorum) rather than
+                    # waiting out their timeout for a checkpoint that will never come.
+                    self._checkpoint_transport.abandon_checkpoint(
+                        quorum.max_step, f"{type(e).__name__}: {e}")
+                    raise
             if quorum.heal:
                 self._healing = True
                 t2 = time.monotonic()

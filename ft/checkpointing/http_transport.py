@@ -9,7 +9,8 @@ Wire protocol (all requests carry ``Authorization: Bearer <token>`` when a token
     GET /ft/v1/checkpoint/{step}/data?staging=ID&lease=L&start=A&end=B
         -> 200, body = bytes [A, B) of the concatenated tensor bytes + CRC32 of those bytes
 
-    403: wrong or missing token. 404: step not staged. 410: withdrawn. 503: shutting down.
+    403: wrong or missing token. 404: step not staged. 409: the source failed to
+    produce the step (abandon_checkpoint). 410: withdrawn. 503: shutting down.
 
 The sender keeps references to the tensors (no serialization at ``send_checkpoint``) and reads
 them only while answering requests; the CRC is computed over exactly the bytes it writes, so
@@ -266,6 +267,8 @@ class HTTPTransport(CheckpointTransport[T]):
         self._cond = threading.Condition()
         self._staging: Optional[_Staging] = None
         self._last_step: Optional[int] = None
+        # (step, reason) of the last step this source failed to stage (abandon_checkpoint).
+        self._abandoned: Optional[Tuple[int, str]] = None
         self._closed = False
 
         if bind_host is None:
@@ -305,6 +308,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 raise CheckpointError("HTTPTransport is shut down")
             self._staging = staging
             self._last_step = step
+            self._abandoned = None
             self._cond.notify_all()
         logger.debug(
             "staged checkpoint step=%d bytes=%d tensors=%d for %s",
@@ -313,6 +317,13 @@ class HTTPTransport(CheckpointTransport[T]):
             len(staging.tensors),
             dst_ranks,
         )
+
+    def abandon_checkpoint(self, step: int, reason: str) -> None:
+        """Receivers waiting for ``step`` get HTTP 409 naming ``reason`` at once."""
+        self.disallow_checkpoint()
+        with self._cond:
+            self._abandoned = (step, reason)
+            self._cond.notify_all()
 
     def disallow_checkpoint(self) -> None:
         """Withdraws the staged checkpoint.
@@ -507,7 +518,7 @@ class HTTPTransport(CheckpointTransport[T]):
             text = f"{where}: HTTP {resp.status} {resp.reason}: {msg}"
             if resp.status in (401, 403):
                 raise CheckpointAuthError(text)
-            if resp.status in (404, 410):
+            if resp.status in (404, 409, 410):
                 raise CheckpointNotAvailableError(text)
             raise CheckpointTransferError(text)
         return conn, resp, sock
@@ -684,6 +695,10 @@ class HTTPTransport(CheckpointTransport[T]):
                 st = self._staging
                 if st is not None and st.step == step and not st.closing:
                     break
+                if self._abandoned is not None and self._abandoned[0] == step:
+                    raise _HTTPError(
+                        409, f"the source failed to produce step {step}: {self._abandoned[1]}"
+                    )
                 last = self._last_step
                 if last is not None and step <= last:
                     if step == last:

@@ -68,6 +68,16 @@ class CheckpointTransport(Generic[T], ABC):
     def disallow_checkpoint(self) -> None:
         """Withdraws a staged checkpoint; after it returns the state dict is no longer read."""
 
+    def abandon_checkpoint(self, step: int, reason: str) -> None:
+        """Tells receivers waiting for ``step`` that this source cannot produce it.
+
+        Called by the Manager when building or staging the state dict failed, so that a
+        healing replica fails its heal at once (and retries on the next quorum) instead of
+        waiting out its timeout for a checkpoint that will never come. Transports whose
+        receivers already fail fast when the source errors (PGTransport: the source aborts
+        the process group) keep this default no-op.
+        """
+
     @abstractmethod
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Receives the state dict for ``step`` from ``src_rank`` (found via ``metadata``)."""

@@ -258,6 +258,21 @@ def test_receiver_ahead_of_sender_waits_for_staging() -> None:
         assert time.monotonic() - t0 < 2
 
 
+def test_abandoned_step_fails_a_waiting_receiver_at_once() -> None:
+    """A source that cannot build the state dict tells receivers so, instead of letting
+    them wait out their timeout; staging a later step clears the mark."""
+    with transport() as src, transport() as dst:
+        run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 4, TO))
+        time.sleep(0.3)  # the receiver is now waiting for step 4 to be staged
+        src.abandon_checkpoint(4, "RuntimeError: state_dict failed")
+        run["thread"].join(5)
+        assert isinstance(run.get("error"), CheckpointNotAvailableError), run
+        assert "failed to produce step 4: RuntimeError: state_dict failed" in str(run["error"])
+        assert run["t"] < 0.3 + 2  # not the 10 s timeout
+        src.send_checkpoint([1], 4, {"x": torch.ones(2)}, TO)  # a retry at the same step
+        assert_same({"x": torch.ones(2)}, dst.recv_checkpoint(0, src.metadata(), 4, TO))
+
+
 def test_disallow_waits_for_transfers_in_flight() -> None:
     state = {"w": torch.randn(1 << 20)}  # 4 MiB, 2 chunks, 0.1 s per MiB slice
     src = Slow(TO, 2, advertise_host="127.0.0.1")

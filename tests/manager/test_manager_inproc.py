@@ -255,3 +255,59 @@ def test_distributed_sampler_shards_across_groups() -> None:
             seen.append(list(s))
     flat = sorted(x for part in seen for x in part)
     assert flat == data
+
+
+@pytest.mark.parametrize("async_quorum", [False, True])
+def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
+        async_quorum: bool) -> None:
+    """The heal source's state_dict raises once: the step commits nowhere, the healing
+    replica learns at once (not after its 10 s timeout) why, heals on the next quorum, and
+    every replica ends identical."""
+    from ft.checkpointing import CheckpointNotAvailableError
+
+    lh = lighthouse(min_replicas=2)
+    state = [torch.zeros(3), torch.ones(3)]
+    calls = [0]
+
+    def source_state_dict() -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("state_dict failed on purpose")
+        return {"w": state[0]}
+
+    sds = [source_state_dict, lambda: {"w": state[1]}]
+    ms = values(in_threads([
+        lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=async_quorum,
+                                 load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+                                 state_dict=sds[i])
+        for i in range(2)
+    ]))
+    try:
+        def run(i: int, m: ft.Manager) -> Any:
+            out = []
+            for _ in range(3):
+                m.start_quorum()
+                t = state[i].clone()
+                m.allreduce(t).wait()
+                ok = m.should_commit()
+                out.append((ok, m.errored()))
+                if ok:
+                    state[i].add_(t)
+            return out
+
+        t0 = time.monotonic()
+        out = values(in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)]))
+        assert time.monotonic() - t0 < 8  # the heal did not wait out its 10 s timeout
+        assert [o[0][0] for o in out] == [False, False]  # the failed step commits nowhere
+        assert "state_dict failed on purpose" in str(out[0][0][1])
+        if not async_quorum:  # in async mode the aborted allreduce may fail first
+            err = out[1][0][1]
+            assert isinstance(err, CheckpointNotAvailableError), err
+            assert "failed to produce step 0" in str(err)
+        assert all(ok for o in out for ok, _ in o[1:])
+        assert [m.current_step() for m in ms] == [2, 2]
+        assert torch.equal(state[0], state[1])
+        assert calls[0] == 2  # healed once, on the retry
+    finally:
+        shutdown(ms)
+        lh.shutdown()
