@@ -112,10 +112,13 @@ def child(args: argparse.Namespace) -> None:
             break
         t0 = time.perf_counter()
         opt.zero_grad()
+        ta = time.perf_counter()
         ddp(x).square().mean().backward()
+        tb = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
         out["steps"].append({"dt": t1 - t0, "wall": time.time(),
+                             "phases": [ta - t0, tb - ta, t1 - tb],
                              "step": step_fn() if step_fn else i})
         if args.progress:
             with open(args.progress, "w") as f:
@@ -193,10 +196,17 @@ def median_step(tmp: str, names: List[str], warmup: int) -> float:
     return statistics.median(dts)
 
 
+def median_phases(tmp: str, names: List[str], warmup: int) -> List[float]:
+    """Median of (zero_grad, forward+backward, optimizer step) over every group's steps."""
+    rows = [s["phases"] for n in names for s in load(tmp, n)["steps"][warmup:]]
+    return [statistics.median(r[k] for r in rows) for k in range(3)]
+
+
 def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
     from ft.coordination import LighthouseServer
 
     res = {}
+    phases: Dict[str, List[float]] = {}
     for trial in range(args.trials):
         port = free_port()
         procs = [spawn(args, tmp, g, "plain", port, args.steps, f"plain{trial}-{g}")
@@ -216,8 +226,9 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
             reap(procs)
             lh.shutdown()
         for mode in ("plain", "ft"):
-            res.setdefault(mode, []).append(median_step(
-                tmp, [f"{mode}{trial}-{g}" for g in range(args.groups)], args.warmup))
+            names = [f"{mode}{trial}-{g}" for g in range(args.groups)]
+            res.setdefault(mode, []).append(median_step(tmp, names, args.warmup))
+            phases[mode] = median_phases(tmp, names, args.warmup)
     plain, ftm = statistics.median(res["plain"]), statistics.median(res["ft"])
     print(f"per-step time, {args.groups} groups x 1 rank, 4.2M-param MLP (16 MiB), "
           f"{args.steps} steps ({args.warmup} warm-up), {args.trials} trial(s), alternating")
@@ -226,6 +237,10 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
     print(f"  ft Manager + ft DDP  : {ftm * 1000:8.2f} ms   (trials: "
           f"{', '.join(f'{v * 1000:.1f}' for v in res['ft'])})")
     print(f"  ratio ft / plain     : {ftm / plain:8.3f}x")
+    for mode in ("plain", "ft"):
+        z, fb, st = (v * 1000 for v in phases[mode])
+        print(f"  {mode:>5} phases (last trial, medians): zero_grad {z:.2f} ms, "
+              f"forward+backward {fb:.2f} ms, step {st:.2f} ms")
 
 
 def bench_failures(args: argparse.Namespace, tmp: str) -> None:

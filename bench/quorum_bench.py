@@ -3,12 +3,15 @@
     python bench/quorum_bench.py [--groups 2 8 32] [--rounds 50] [--quick]
 
 The lighthouse runs in its own process (``python -m ft.coordination.cli``), as in a real job.
-For N simulated replica groups it measures the median time of one quorum round with unchanged
-membership (from all groups asking to the last answer), two ways:
+For N simulated replica groups, each in its own process as in a real job, it measures the median
+time of one quorum round with unchanged membership (from the first group asking to the last
+answer), two ways:
 
 * ``lighthouse``: every group calls ``LighthouseClient.quorum`` directly;
-* ``full stack``: every group is a ``ManagerServer`` (world_size 1) asked by a ``ManagerClient``,
-  i.e. rank -> ManagerServer -> lighthouse -> answers.
+* ``full stack``: every group is a ``ManagerServer`` (world_size 1) asked in-process the way the
+  Manager's rank 0 asks it, i.e. rank 0 -> ManagerServer -> lighthouse -> answer.
+
+Baseline: the same N processes each doing one trivial RPC (Heartbeat) on the same lighthouse.
 
 Then, with 4 groups heartbeating every 100 ms, it stops one group's heartbeats and measures the
 time from its last heartbeat to the failure notification (``subscribe_failures``) and to the
@@ -19,6 +22,7 @@ heartbeat_timeout + one tick.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -83,37 +87,93 @@ def timed_rounds(n: int, rounds: int, ask) -> list:
     return [max(ends[r]) - starts[r] for r in range(rounds)]
 
 
+def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results) -> None:
+    """One simulated replica group, in its own process (as in a real job).
+
+    kind "heartbeat": a trivial RPC (the floor); "lighthouse": LighthouseClient.quorum;
+    "full": a ManagerServer (world_size 1) in this process, asked the way the Manager's rank 0
+    asks it (in-process), which asks the lighthouse.
+    """
+    sys.path.insert(0, ROOT)
+    from ft.coordination import LighthouseClient, ManagerServer
+    from ft.coordination.manager_server import LocalManagerClient
+
+    rid = f"group{i:03d}"
+    server = None
+    try:
+        if kind == "full":
+            server = ManagerServer(rid, addr, "127.0.0.1", "127.0.0.1:0", f"store{i}", 1,
+                                   timedelta(milliseconds=100), timedelta(seconds=10))
+            client = LocalManagerClient(server)
+            ask = lambda: client._quorum(0, 1, "", False, timedelta(seconds=30))  # noqa: E731
+        else:
+            lh = LighthouseClient(addr, timedelta(seconds=10))
+            lh.heartbeat(rid, timeout=10)
+            if kind == "heartbeat":
+                ask = lambda: lh.heartbeat(rid, timeout=30)  # noqa: E731
+            else:
+                ask = lambda: lh.quorum(rid, timeout=30, step=1)  # noqa: E731
+        times = []
+        for _ in range(rounds + 1):  # the first round forms the quorum (warm-up)
+            barrier.wait(timeout=60)
+            t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
+            ask()
+            times.append((t0, time.perf_counter()))
+        results.put((i, times[1:]))
+    except BaseException as e:  # noqa: BLE001
+        results.put((i, repr(e)))
+        barrier.abort()
+    finally:
+        if server is not None:
+            server.shutdown(0.1)
+
+
+def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str) -> list:
+    """Each round: n processes ask at once; returns each round's first-ask -> last-answer."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_caller, args=(i, n, addr, kind, rounds, barrier, results),
+                         daemon=True) for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        per_group = {}
+        for _ in range(n):
+            i, times = results.get(timeout=180)
+            if isinstance(times, str):
+                raise RuntimeError(f"caller {i} ({kind}) failed: {times}")
+            per_group[i] = times
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [max(per_group[g][r][1] for g in per_group) - min(per_group[g][r][0] for g in per_group)
+            for r in range(rounds)]
+
+
 def bench_rounds(n: int, rounds: int) -> dict:
     proc, addr = start_lighthouse(n, 5000, 100, 60000)
-    servers = []
     try:
-        lh = LighthouseClient(addr, timedelta(seconds=10))
-        ids = [f"group{i:03d}" for i in range(n)]
-        for rid in ids:
-            lh.heartbeat(rid, timeout=5)
-        # baseline: the same n concurrent callers doing a trivial RPC (Heartbeat) on the same server
-        floor = timed_rounds(n, rounds + 1, lambda i: lh.heartbeat(ids[i], timeout=30))[1:]
-        # warm-up round forms the quorum; then membership is unchanged
-        lh_times = timed_rounds(n, rounds + 1, lambda i: lh.quorum(ids[i], timeout=30, step=1))[1:]
-
-        servers = [ManagerServer(f"mgr{i:03d}", addr, "127.0.0.1", "127.0.0.1:0", f"store{i}", 1,
-                                 timedelta(milliseconds=100), timedelta(seconds=10)) for i in range(n)]
-        clients = [ManagerClient(s.address(), timedelta(seconds=10)) for s in servers]
-        full_times = timed_rounds(
-            n, rounds + 1, lambda i: clients[i]._quorum(0, 1, "", False, timedelta(seconds=30))
-        )[1:]
-        return {
-            "groups": n,
-            "floor_median_ms": statistics.median(floor) * 1000,
-            "lighthouse_median_ms": statistics.median(lh_times) * 1000,
-            "lighthouse_p90_ms": sorted(lh_times)[int(0.9 * len(lh_times))] * 1000,
-            "full_median_ms": statistics.median(full_times) * 1000,
-            "full_p90_ms": sorted(full_times)[int(0.9 * len(full_times))] * 1000,
-        }
+        floor = timed_rounds_mp(n, rounds, addr, "heartbeat")
+        lh_times = timed_rounds_mp(n, rounds, addr, "lighthouse")
     finally:
-        for s in servers:
-            s.shutdown(0.1)
         stop(proc)
+    # A fresh lighthouse: the full-stack groups have new replica ids.
+    proc, addr = start_lighthouse(n, 5000, 100, 60000)
+    try:
+        full_times = timed_rounds_mp(n, rounds, addr, "full")
+    finally:
+        stop(proc)
+    return {
+        "groups": n,
+        "floor_median_ms": statistics.median(floor) * 1000,
+        "lighthouse_median_ms": statistics.median(lh_times) * 1000,
+        "lighthouse_p90_ms": sorted(lh_times)[int(0.9 * len(lh_times))] * 1000,
+        "full_median_ms": statistics.median(full_times) * 1000,
+        "full_p90_ms": sorted(full_times)[int(0.9 * len(full_times))] * 1000,
+    }
 
 
 def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int) -> dict:
@@ -187,7 +247,8 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.rounds, a.trials = 10, 1
-    print(f"quorum round, unchanged membership ({a.rounds} rounds, lighthouse in its own process)")
+    print(f"quorum round, unchanged membership ({a.rounds} rounds; the lighthouse and every group "
+          "in its own process)")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; baseline = the same "
           "callers doing one trivial RPC (Heartbeat) each")
     print(f"{'groups':>6} {'baseline':>10} {'lighthouse':>11} {'p90':>9} {'ratio':>6}"

@@ -45,7 +45,7 @@ from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, TypeVar, cast
+from typing import Any, Callable, Dict, List, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,7 @@ from ft.coordination import (
     ManagerServer,
     QuorumResult,
 )
+from ft.coordination.manager_server import LocalManagerClient
 
 __all__ = ["Manager", "WorldSizeMode"]
 
@@ -380,7 +381,11 @@ class Manager:
         else:
             addr = prefixed.get(MANAGER_ADDR_KEY).decode()
             self._replica_id = prefixed.get(REPLICA_ID_KEY).decode()
-        self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        # Rank 0 hosts the ManagerServer and calls it directly (no loopback gRPC per step).
+        self._client: Union[ManagerClient, LocalManagerClient] = (
+            LocalManagerClient(self._manager) if self._rank == 0
+            else ManagerClient(addr, connect_timeout=self._connect_timeout)
+        )
 
         self._lighthouse_client = LighthouseClient(
             self._lighthouse_addr, connect_timeout=self._connect_timeout
@@ -773,15 +778,9 @@ class Manager:
         enough_replicas = self.num_participants() >= self._min_replica_size
         local_should_commit = enough_replicas and self._errored is None
         t = _to_timedelta(timeout) if timeout is not None else self._timeout
-        if self._world_size == 1:
-            # The group's AND vote over one rank is that rank's vote: skip the
-            # round trip to our own ManagerServer (it sits on every step's
-            # critical path).
-            should_commit = local_should_commit
-        else:
-            should_commit = self._client.should_commit(
-                self._rank, self._step, local_should_commit, timeout=t
-            )
+        should_commit = self._client.should_commit(
+            self._rank, self._step, local_should_commit, timeout=t
+        )
         # Transfers of this step's state must end before the caller mutates it.
         self._checkpoint_transport.disallow_checkpoint()
 

@@ -106,6 +106,8 @@ class _LighthouseState:
         self.last_member: Dict[str, QuorumMember] = {}  # latest info per replica (dashboard, kill)
         self.waiters: Dict[int, _Waiter] = {}
         self.prev: Optional[Quorum] = None
+        # The answer to every member of ``prev``, built once: N members get the same message.
+        self._prev_response: Optional[Tuple[Quorum, pb.LighthouseQuorumResponse]] = None
         self.prev_issued_mono = 0.0
         self.quorum_id = self._initial_quorum_id()
         self.reason = "no participants"
@@ -170,6 +172,17 @@ class _LighthouseState:
                 ):
                     # Nobody is waiting for this replica any more: it is no longer a participant.
                     self.participants.pop(rid, None)
+
+    def response(self, q: Quorum) -> pb.LighthouseQuorumResponse:
+        """The Quorum RPC's answer for ``q`` (cached for the latest quorum)."""
+        cached = self._prev_response
+        if cached is not None and cached[0] is q:
+            return cached[1]
+        resp = pb.LighthouseQuorumResponse(quorum=_rpc.quorum_to_pb(q))
+        with self.lock:
+            if q is self.prev:
+                self._prev_response = (q, resp)
+        return resp
 
     def heartbeat(self, replica_id: str) -> None:
         with self.lock:
@@ -452,7 +465,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except _Unavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.LighthouseQuorumResponse(quorum=_rpc.quorum_to_pb(q))
+        return self._state.response(q)
 
     def Heartbeat(self, request, context):
         _rpc.server_deadline(context, "Heartbeat")

@@ -11,6 +11,8 @@
   FAILED_PRECONDITION and counts as a "no", so the group does not commit.
 * CheckpointMetadata: the metadata the given rank sent with its latest Quorum request.
 * Kill: answers, then exits the process with status 1.
+* The hosting process (group rank 0) reaches the same logic through
+  :class:`LocalManagerClient`, without a loopback RPC.
 * Heartbeats to the lighthouse every ``heartbeat_interval`` from a background thread.
 """
 
@@ -32,11 +34,17 @@ from ._proto import torchft_pb2 as pb
 from ._proto import torchft_pb2_grpc as pb_grpc
 from ._rpc import CoordinationError, Timeout
 from .clients import LighthouseClient, _result_to_pb
-from .quorum import GroupRequest, Quorum, compute_quorum_result, merge_group_requests
+from .quorum import (
+    GroupRequest,
+    Quorum,
+    QuorumResult,
+    compute_quorum_result,
+    merge_group_requests,
+)
 
 logger = logging.getLogger("ft.manager_server")
 
-__all__ = ["ManagerServer"]
+__all__ = ["ManagerServer", "LocalManagerClient"]
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -69,19 +77,28 @@ class _CommitRound:
         return next(iter(self.votes.values()))[1] if self.votes else None
 
 
+def _fail(code: grpc.StatusCode, details: str) -> CoordinationError:
+    return CoordinationError(code, details)
+
+
+def _check_rank(what: str, value: int, world_size: int) -> None:
+    if value < 0:
+        raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be >= 0, got {value}")
+    if value >= world_size:
+        raise _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{what} {value} is out of range for world_size {world_size}")
+
+
 class _ManagerServicer(pb_grpc.ManagerServiceServicer):
+    """gRPC front of a ManagerServer: unpacks requests, runs the server's logic, and turns its
+    CoordinationErrors into statuses. The logic itself lives on ManagerServer so that the
+    group's rank 0, which hosts the server, can call it without a loopback RPC."""
+
     def __init__(self, server: "ManagerServer") -> None:
         self._s = server
 
-    # --- Quorum ---------------------------------------------------------------------
     def Quorum(self, request, context):
-        s = self._s
         deadline = _rpc.server_deadline(context, "Quorum")
-        _rpc.check_rank(context, "group_rank", request.group_rank, s._world_size)
-        if request.step < 0:
-            _rpc.bad(context, f"step must be >= 0, got {request.step}")
-        if request.commit_failures < 0:
-            _rpc.bad(context, f"commit_failures must be >= 0, got {request.commit_failures}")
         req = GroupRequest(
             group_rank=request.group_rank,
             step=request.step,
@@ -90,111 +107,27 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
             init_sync=request.init_sync,
             commit_failures=request.commit_failures,
         )
-        rank = req.group_rank
-        leader = False
-        with s._cond:
-            if s._closed:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
-            s._checkpoint_metadata[rank] = req.checkpoint_metadata
-            rnd = s._round
-            rnd.requests[rank] = req
-            rnd.arrived.add(rank)
-            if len(rnd.requests) == s._world_size:
-                rnd.launched = True
-                s._round = _QuorumRound()
-                leader = True
-        if leader:
-            s._ask_lighthouse(rnd, deadline)
-        with s._cond:
-            while not rnd.done:
-                remaining = deadline - time.monotonic()
-                if s._closed:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
-                if remaining <= 0:
-                    if not rnd.launched:
-                        if rnd.requests.get(rank) is req:
-                            del rnd.requests[rank]
-                        missing = sorted(set(range(s._world_size)) - rnd.arrived)
-                        context.abort(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"replica {s._replica_id}: timed out waiting for group ranks "
-                            f"{missing} to request the quorum",
-                        )
-                    context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {s._replica_id}: timed out waiting for the lighthouse quorum",
-                    )
-                s._cond.wait(remaining)
-        if rnd.error is not None:
-            context.abort(*rnd.error)
-        assert rnd.quorum is not None
         try:
-            result = compute_quorum_result(
-                rnd.quorum.quorum_id, rnd.quorum.participants, s._replica_id, rank, rnd.init_sync
-            )
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"lighthouse answered a bad quorum: {e}")
-        return _result_to_pb(result)
+            return _result_to_pb(self._s.quorum(req, deadline))
+        except CoordinationError as e:
+            context.abort(e.code, e.details)
 
-    # --- CheckpointMetadata -----------------------------------------------------------
     def CheckpointMetadata(self, request, context):
-        s = self._s
         _rpc.server_deadline(context, "CheckpointMetadata")
-        _rpc.check_rank(context, "rank", request.rank, s._world_size)
-        with s._lock:
-            md = s._checkpoint_metadata.get(request.rank)
-        if md is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"replica {s._replica_id}: rank {request.rank} has not sent checkpoint metadata yet",
-            )
+        try:
+            md = self._s.checkpoint_metadata(request.rank)
+        except CoordinationError as e:
+            context.abort(e.code, e.details)
         return pb.CheckpointMetadataResponse(checkpoint_metadata=md)
 
-    # --- ShouldCommit -----------------------------------------------------------------
     def ShouldCommit(self, request, context):
-        s = self._s
         deadline = _rpc.server_deadline(context, "ShouldCommit")
-        _rpc.check_rank(context, "group_rank", request.group_rank, s._world_size)
-        if request.step < 0:
-            _rpc.bad(context, f"step must be >= 0, got {request.step}")
-        rank = request.group_rank
-        with s._cond:
-            rnd = s._commit
-            # The round's step is that of the other ranks' votes (a re-vote replaces one's own).
-            others = [st for r, (_, st) in rnd.votes.items() if r != rank]
-            expected = others[0] if others else None
-            mismatch = expected is not None and request.step != expected
-            if mismatch:
-                rnd.votes[rank] = (False, expected)
-            else:
-                rnd.votes[rank] = (bool(request.should_commit), request.step)
-            rnd.voted.add(rank)
-            if len(rnd.votes) == s._world_size:
-                rnd.decision = all(v for v, _ in rnd.votes.values())
-                s._commit = _CommitRound()
-                s._cond.notify_all()
-                if not rnd.decision:
-                    logger.info("replica %s: group voted not to commit step %s", s._replica_id, rnd.step())
-            while rnd.decision is None:
-                remaining = deadline - time.monotonic()
-                if s._closed:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
-                if remaining <= 0:
-                    rnd.votes.pop(rank, None)
-                    missing = sorted(set(range(s._world_size)) - rnd.voted)
-                    context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {s._replica_id}: timed out waiting for group ranks {missing} "
-                        f"to vote on step {request.step}",
-                    )
-                s._cond.wait(remaining)
-        if mismatch:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"group rank {rank} voted for step {request.step} but the group is at step "
-                f"{expected}; counted as a vote not to commit",
-            )
-        return pb.ShouldCommitResponse(should_commit=rnd.decision)
+        try:
+            decision = self._s.should_commit(
+                request.group_rank, request.step, bool(request.should_commit), deadline)
+        except CoordinationError as e:
+            context.abort(e.code, e.details)
+        return pb.ShouldCommitResponse(should_commit=decision)
 
     # --- Kill -------------------------------------------------------------------------
     def Kill(self, request, context):
@@ -253,6 +186,8 @@ class ManagerServer:
         self._round = _QuorumRound()
         self._commit = _CommitRound()
         self._checkpoint_metadata: Dict[int, str] = {}
+        # time.monotonic() of the last Quorum request to the lighthouse (also a heartbeat).
+        self._last_quorum_sent = float("-inf")
         self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout)
 
         workers = 64 + 4 * min(world_size, 1024)
@@ -280,9 +215,18 @@ class ManagerServer:
         )
 
     def _heartbeat_loop(self) -> None:
+        """Heartbeats every ``heartbeat_interval``, except when a Quorum request (which the
+        lighthouse counts as a heartbeat) went out more recently: a job whose steps are
+        shorter than the interval then sends no extra heartbeat RPCs at all."""
         timeout = max(1.0, self._heartbeat_interval)
         last_log = 0.0
         while not self._stop.is_set():
+            due = self._last_quorum_sent + self._heartbeat_interval
+            now = time.monotonic()
+            if now < due:
+                if self._stop.wait(due - now):
+                    return
+                continue
             try:
                 self._lighthouse.heartbeat(self._replica_id, timeout=timeout, wait_for_ready=False)
             except (TimeoutError, CoordinationError) as e:
@@ -294,6 +238,129 @@ class ManagerServer:
             if self._stop.wait(self._heartbeat_interval):
                 return
 
+    # --- the RPCs' logic (called by the gRPC servicer and, in-process, by LocalManagerClient)
+
+    def quorum(self, req: GroupRequest, deadline: float) -> QuorumResult:
+        """One rank's Quorum: waits (until ``deadline``, a time.monotonic()) for the group's
+        other ranks and the lighthouse's answer; returns this rank's result.
+
+        Raises:
+            CoordinationError: with the status the RPC answers (DEADLINE_EXCEEDED names the
+                missing ranks, INVALID_ARGUMENT a bad request, UNAVAILABLE a shutdown, or
+                the lighthouse's failure).
+        """
+        _check_rank("group_rank", req.group_rank, self._world_size)
+        if req.step < 0:
+            raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {req.step}")
+        if req.commit_failures < 0:
+            raise _fail(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"commit_failures must be >= 0, got {req.commit_failures}")
+        rank = req.group_rank
+        leader = False
+        with self._cond:
+            if self._closed:
+                raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+            self._checkpoint_metadata[rank] = req.checkpoint_metadata
+            rnd = self._round
+            rnd.requests[rank] = req
+            rnd.arrived.add(rank)
+            if len(rnd.requests) == self._world_size:
+                rnd.launched = True
+                self._round = _QuorumRound()
+                leader = True
+        if leader:
+            self._ask_lighthouse(rnd, deadline)
+        with self._cond:
+            while not rnd.done:
+                remaining = deadline - time.monotonic()
+                if self._closed:
+                    raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+                if remaining <= 0:
+                    if not rnd.launched:
+                        if rnd.requests.get(rank) is req:
+                            del rnd.requests[rank]
+                        missing = sorted(set(range(self._world_size)) - rnd.arrived)
+                        raise _fail(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"replica {self._replica_id}: timed out waiting for group ranks "
+                            f"{missing} to request the quorum",
+                        )
+                    raise _fail(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"replica {self._replica_id}: timed out waiting for the lighthouse quorum",
+                    )
+                self._cond.wait(remaining)
+        if rnd.error is not None:
+            raise _fail(*rnd.error)
+        assert rnd.quorum is not None
+        try:
+            return compute_quorum_result(
+                rnd.quorum.quorum_id, rnd.quorum.participants, self._replica_id, rank,
+                rnd.init_sync,
+            )
+        except ValueError as e:
+            raise _fail(grpc.StatusCode.INTERNAL, f"lighthouse answered a bad quorum: {e}")
+
+    def checkpoint_metadata(self, rank: int) -> str:
+        """The checkpoint metadata ``rank`` sent with its latest Quorum request."""
+        _check_rank("rank", rank, self._world_size)
+        with self._lock:
+            md = self._checkpoint_metadata.get(rank)
+        if md is None:
+            raise _fail(
+                grpc.StatusCode.NOT_FOUND,
+                f"replica {self._replica_id}: rank {rank} has not sent checkpoint metadata yet",
+            )
+        return md
+
+    def should_commit(self, rank: int, step: int, vote: bool, deadline: float) -> bool:
+        """One rank's commit vote; returns the group's AND decision once every rank voted.
+
+        A vote whose step disagrees with the other ranks' counts as "no" and raises
+        FAILED_PRECONDITION for its sender.
+        """
+        _check_rank("group_rank", rank, self._world_size)
+        if step < 0:
+            raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {step}")
+        with self._cond:
+            rnd = self._commit
+            # The round's step is that of the other ranks' votes (a re-vote replaces one's own).
+            others = [st for r, (_, st) in rnd.votes.items() if r != rank]
+            expected = others[0] if others else None
+            mismatch = expected is not None and step != expected
+            if mismatch:
+                rnd.votes[rank] = (False, expected)
+            else:
+                rnd.votes[rank] = (vote, step)
+            rnd.voted.add(rank)
+            if len(rnd.votes) == self._world_size:
+                rnd.decision = all(v for v, _ in rnd.votes.values())
+                self._commit = _CommitRound()
+                self._cond.notify_all()
+                if not rnd.decision:
+                    logger.info("replica %s: group voted not to commit step %s",
+                                self._replica_id, rnd.step())
+            while rnd.decision is None:
+                remaining = deadline - time.monotonic()
+                if self._closed:
+                    raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+                if remaining <= 0:
+                    rnd.votes.pop(rank, None)
+                    missing = sorted(set(range(self._world_size)) - rnd.voted)
+                    raise _fail(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"replica {self._replica_id}: timed out waiting for group ranks "
+                        f"{missing} to vote on step {step}",
+                    )
+                self._cond.wait(remaining)
+        if mismatch:
+            raise _fail(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"group rank {rank} voted for step {step} but the group is at step "
+                f"{expected}; counted as a vote not to commit",
+            )
+        return bool(rnd.decision)
+
     def _ask_lighthouse(self, rnd: _QuorumRound, deadline: float) -> None:
         step, shrink_only, init_sync, commit_failures = merge_group_requests(
             rnd.requests, self._world_size
@@ -302,6 +369,8 @@ class ManagerServer:
 
         def attempt(remaining: float) -> Quorum:
             attempts[0] += 1
+            # Taken before sending, so it never postdates the lighthouse's record of it.
+            self._last_quorum_sent = time.monotonic()
             return self._lighthouse.quorum(
                 self._replica_id,
                 timeout=remaining,
@@ -367,3 +436,66 @@ class ManagerServer:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class LocalManagerClient:
+    """A :class:`~ft.coordination.ManagerClient` for the process that hosts the ManagerServer.
+
+    Group rank 0 runs the ManagerServer, and it asks for a quorum and votes every step. Going
+    through loopback gRPC would cost it a serialization, a server thread hop and about 1 ms
+    of CPU per call on the training process; this client calls the server's logic directly.
+    Same methods, same errors (TimeoutError for a missed deadline, CoordinationError naming
+    the method otherwise), same validation. Thread-safe, like the server.
+    """
+
+    def __init__(self, server: ManagerServer) -> None:
+        self._server = server
+
+    @staticmethod
+    def _call(method: str, timeout: Timeout, fn):
+        t = _rpc.seconds(timeout)
+        if t is None:
+            raise ValueError(f"{method}: a timeout is required")
+        if t <= 0:
+            raise TimeoutError(f"{method}: timeout must be > 0, got {t}")
+        try:
+            return fn(time.monotonic() + t)
+        except CoordinationError as e:
+            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"{method}: deadline exceeded: {e.details}") from None
+            raise CoordinationError(e.code, e.details, method) from None
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: Timeout,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+    ) -> QuorumResult:
+        req = GroupRequest(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+        )
+        return self._call("Quorum", timeout, lambda deadline: self._server.quorum(req, deadline))
+
+    def _checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+        return self._call("CheckpointMetadata", timeout,
+                          lambda _: self._server.checkpoint_metadata(rank))
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
+    ) -> bool:
+        return self._call(
+            "ShouldCommit", timeout,
+            lambda deadline: self._server.should_commit(group_rank, step, should_commit, deadline),
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the server belongs to its owner."""

@@ -11,11 +11,19 @@ import pytest
 from conftest import free_port, parallel, run_threads, wait_for
 from ft.coordination import CoordinationError, LighthouseClient, ManagerClient, QuorumResult
 from ft.coordination._proto import torchft_pb2 as pb
+from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
 
 
-def mc(server) -> ManagerClient:
+def mc(server, kind: str = "remote"):
+    """A client of ``server``: over gRPC, or in-process (LocalManagerClient, as the Manager's
+    rank 0 uses); both must behave the same."""
+    if kind == "local":
+        return LocalManagerClient(server)
     return ManagerClient(server.address(), connect_timeout=5.0)
+
+
+CLIENT_KINDS = pytest.mark.parametrize("kind", ["remote", "local"])
 
 
 def group_round(server, steps, timeout=5.0, **kw):
@@ -93,10 +101,11 @@ def test_commit_failures_is_max_and_bumps_quorum(lighthouse_factory, manager_fac
     assert res[0].quorum_id == first[0].quorum_id + 1
 
 
-def test_missing_rank_times_out_under_one_second(lighthouse_factory, manager_factory):
+@CLIENT_KINDS
+def test_missing_rank_times_out_under_one_second(lighthouse_factory, manager_factory, kind):
     lh = lighthouse_factory(min_replicas=1)
     s = manager_factory("g0", lh.address(), world_size=3)
-    c = mc(s)
+    c = mc(s, kind)
     t0 = time.monotonic()
     res = parallel([lambda: c._quorum(0, 1, "", False, 0.5), lambda: c._quorum(1, 1, "", False, 0.5)])
     elapsed = time.monotonic() - t0
@@ -107,10 +116,11 @@ def test_missing_rank_times_out_under_one_second(lighthouse_factory, manager_fac
     assert all(isinstance(r, QuorumResult) for r in group_round(s, [1, 1, 1]))
 
 
-def test_should_commit_vote(manager_factory, lighthouse_factory):
+@CLIENT_KINDS
+def test_should_commit_vote(manager_factory, lighthouse_factory, kind):
     lh = lighthouse_factory()
     s = manager_factory("g0", lh.address(), world_size=2)
-    c = mc(s)
+    c = mc(s, kind)
     assert parallel([lambda: c.should_commit(0, 1, True, 5.0), lambda: c.should_commit(1, 1, True, 5.0)]) == [True, True]
     assert parallel([lambda: c.should_commit(0, 2, True, 5.0), lambda: c.should_commit(1, 2, False, 5.0)]) == [False, False]
     # A vote whose step disagrees is rejected and counts as "no".
@@ -129,10 +139,31 @@ def test_should_commit_vote(manager_factory, lighthouse_factory):
     assert parallel([lambda: c.should_commit(0, 5, True, 5.0), lambda: c.should_commit(1, 5, True, 5.0)]) == [True, True]
 
 
-def test_checkpoint_metadata_errors(manager_factory, lighthouse_factory):
+def test_local_rank0_and_remote_rank1_share_rounds(lighthouse_factory, manager_factory):
+    """The Manager's layout: rank 0 calls its server in-process, rank 1 over gRPC."""
+    lh = lighthouse_factory(min_replicas=1)
+    s = manager_factory("g0", lh.address(), world_size=2)
+    local, remote = mc(s, "local"), mc(s, "remote")
+    a, b = parallel([lambda: local._quorum(0, 4, "meta-0", False, 5.0),
+                     lambda: remote._quorum(1, 4, "meta-1", False, 5.0)])
+    assert isinstance(a, QuorumResult) and isinstance(b, QuorumResult), (a, b)
+    assert a.quorum_id == b.quorum_id and a.max_step == 4
+    assert local._checkpoint_metadata(1, 2.0) == "meta-1"
+    assert remote._checkpoint_metadata(0, 2.0) == "meta-0"
+    assert parallel([lambda: local.should_commit(0, 4, True, 5.0),
+                     lambda: remote.should_commit(1, 4, False, 5.0)]) == [False, False]
+    with pytest.raises(ValueError, match="timeout is required"):
+        local.should_commit(0, 4, True, None)
+    with pytest.raises(CoordinationError) as e:
+        local._quorum(5, 0, "", False, 1.0)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.method == "Quorum"
+
+
+@CLIENT_KINDS
+def test_checkpoint_metadata_errors(manager_factory, lighthouse_factory, kind):
     lh = lighthouse_factory()
     s = manager_factory("g0", lh.address(), world_size=2)
-    c = mc(s)
+    c = mc(s, kind)
     with pytest.raises(CoordinationError) as e:
         c._checkpoint_metadata(1, 2.0)
     assert e.value.code == grpc.StatusCode.NOT_FOUND
@@ -190,6 +221,29 @@ def test_heartbeats_at_interval(lighthouse_factory, manager_factory):
         ages.append(lh.status()["replicas"][0]["heartbeat_age_s"])
         time.sleep(0.03)
     assert max(ages) < 0.3, ages
+
+
+def test_quorum_requests_stand_in_for_heartbeats(lighthouse_factory, manager_factory):
+    """A group asking for a quorum more often than heartbeat_interval sends no heartbeat
+    RPCs, yet stays alive at the lighthouse; when it stops asking, heartbeats resume."""
+    lh = lighthouse_factory(heartbeat_timeout_ms=2000)
+    s = manager_factory("g0", lh.address(), world_size=1, heartbeat_interval=0.1)
+    beats = []
+    orig = s._lighthouse.heartbeat
+    s._lighthouse.heartbeat = lambda *a, **kw: (beats.append(time.monotonic()), orig(*a, **kw))
+    c = mc(s, "local")
+    c._quorum(0, 0, "", False, 5.0)
+    t0 = time.monotonic()
+    ages = []
+    while time.monotonic() - t0 < 1.0:
+        c._quorum(0, 0, "", False, 5.0)
+        ages.append(lh.status()["replicas"][0]["heartbeat_age_s"])
+        time.sleep(0.03)
+    assert [b for b in beats if b > t0 + 0.15] == [], "heartbeats while quorums were flowing"
+    assert max(ages) < 0.3, ages
+    n = len(beats)
+    time.sleep(0.5)
+    assert len(beats) >= n + 3, "heartbeats did not resume"
 
 
 def test_lighthouse_down_fails_waiting_ranks(manager_factory):
