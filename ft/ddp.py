@@ -39,12 +39,19 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     """``DistributedDataParallel(manager, module, **kwargs)`` (torchft signature).
 
     ``kwargs`` go to torch's DDP (``bucket_cap_mb``, ``find_unused_parameters``, ...), except
-    ``process_group`` and ``broadcast_buffers``, which ft sets.
+    ``process_group`` and ``broadcast_buffers``, which ft sets. ``gradient_as_bucket_view``
+    defaults to True here (gradients are views into the communication buckets: one pass over
+    them per step instead of three, and no second copy of the gradients in memory).
     """
 
     def __init__(self, manager: "Manager", module: torch.nn.Module, **kwargs: Any) -> None:
         kwargs.pop("process_group", None)
         kwargs.pop("broadcast_buffers", None)
+        # Gradients live in the buckets, so the hook's division by the participant count is
+        # the only pass over them. Without it the reducer copies every gradient into its bucket
+        # and the result back (torch's own hookless DDP fuses its division into the first
+        # copy, so ft would pay one extra pass per step). Explicit False is honoured.
+        kwargs.setdefault("gradient_as_bucket_view", True)
         pg, backend = _local_process_group()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)

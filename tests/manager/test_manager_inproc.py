@@ -214,6 +214,39 @@ def test_ddp_hook_averages_and_does_not_block() -> None:
         lh.shutdown()
 
 
+def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
+    """ft's default gradient_as_bucket_view=True trains bit-identically to torch's copying
+    buckets, across steps with zero_grad(set_to_none=True) and a multi-bucket model."""
+    lh = lighthouse(min_replicas=2)
+    ms = managers(lh, 2, use_async_quorum=False)
+    try:
+        def run(i: int, m: ft.Manager, view: Any) -> Any:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 8))
+            kw = {} if view is None else {"gradient_as_bucket_view": view}
+            ddp = ft.DistributedDataParallel(m, model, bucket_cap_mb=0.01, **kw)
+            opt = ft.Optimizer(m, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            g = torch.Generator().manual_seed(i)
+            for _ in range(4):
+                opt.zero_grad(set_to_none=True)
+                ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+                assert opt.step() is not False
+            return [p.detach().clone() for p in model.parameters()], ddp.gradient_as_bucket_view
+
+        out = {}
+        for view in (None, False):
+            out[view] = values(in_threads([lambda i=i, m=m: run(i, m, view)
+                                           for i, m in enumerate(ms)]))
+        assert [o[1] for o in out[None]] == [True, True]
+        assert [o[1] for o in out[False]] == [False, False]
+        for a, b, c in zip(out[None][0][0], out[None][1][0], out[False][0][0]):
+            assert torch.equal(a, b) and torch.equal(a, c)
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
 def test_optimizer_wrapper_delegates() -> None:
     class FakeManager:
         def __init__(self) -> None:
