@@ -2,18 +2,21 @@
 
     python bench/diloco_bench.py            # both, 2 replicas on loopback
 
-Two replica processes train the same MLP with ft.local_sgd.DiLoCo over an
-ft.ProcessGroupGloo. The manager used here is `DirectManager`: a thin stand-in
-for ft.Manager that sends every allreduce straight to the process group and
-always commits (no quorum or commit RPCs), so the numbers isolate what the
-algorithm itself puts on the wire and how much of it the schedule hides.
+Two replica processes train the same MLP with ft.local_sgd.DiLoCo through the
+real stack: a lighthouse (in the bench's parent process), one ft.Manager per
+replica (sync quorum, as DiLoCo requires) and an ft.ProcessGroupGloo with one
+lane per fragment. Every run builds a fresh Manager (DiLoCo registers its
+state for healing under fixed keys).
 
-Overlap: every allreduce completes only after its real Gloo op *plus* an
-injected delay D (a side thread sleeps before completing the Work, i.e. a slow
-link). Streaming DiLoCo (2 fragments, tau=1) sends one inner step before it
-needs the result; we compare its time per inner step against the same run
-with no communication at all, and against tau=0 (nothing to overlap with).
-hidden = 1 - (t_tau1 - t_nocomm) / (comm time per inner step).
+Overlap: every fragment allreduce completes only after its real Gloo op *plus*
+an injected delay D (`SlowLinkManager`: a side thread sleeps before completing
+the Manager's Work, i.e. a slow link). Streaming DiLoCo (2 fragments, tau=1)
+sends one inner step before it needs the result; we compare its time per inner
+step against the same run with no tensor communication (the quorum and commit
+RPCs still run) and against tau=0 (nothing to overlap with).
+hidden = 1 - (time blocked on fragment allreduces with tau=1) / (same with tau=0), from
+DiLoCo.comm_wait_seconds; the same from inner-step times, 1 - (t_tau1 - t_nocomm) /
+(t_tau0 - t_nocomm), is printed too but is noisy on a shared 2-core host.
 
 Bytes: /proc/self/io `wchar` (bytes this process wrote with write()/writev(),
 which is how Gloo sends) measured around the training loop, per outer step
@@ -40,7 +43,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import ft  # noqa: E402
-from ft.collectives import allreduce_quantized  # noqa: E402
 from ft.local_sgd import DiLoCo  # noqa: E402
 
 
@@ -61,15 +63,13 @@ class _DelayedWork:
     """Completes after `inner` has completed and `delay` seconds have passed,
     counted on a side thread (the caller is not blocked until wait())."""
 
-    def __init__(self, inner, delay: float, after=None) -> None:
+    def __init__(self, inner, delay: float) -> None:
         self._done = threading.Event()
         self._err = None
 
         def run() -> None:
             try:
                 inner.wait()
-                if after is not None:
-                    after()
                 time.sleep(delay)
             except BaseException as e:  # noqa: BLE001
                 self._err = e
@@ -84,43 +84,35 @@ class _DelayedWork:
         return True
 
 
-class DirectManager:
-    """The parts of ft.Manager's API that DiLoCo uses, straight over a pg."""
+class SlowLinkManager(ft.Manager):
+    """ft.Manager whose allreduces finish `delay` seconds after the real op (a slow link), or,
+    with `no_comm`, at once without sending anything (the baseline)."""
 
-    _use_async_quorum = False
-
-    def __init__(self, pg, delay: float = 0.0, no_comm: bool = False) -> None:
-        self._pg = pg
-        self.delay = delay
-        self.no_comm = no_comm
-        self.step = 0
-        self.comm_seconds = 0.0
-
-    def register_state_dict_fn(self, *a) -> None:
-        pass
-
-    def start_quorum(self, *a, **k) -> None:
-        pass
-
-    def current_step(self) -> int:
-        return self.step
-
-    def report_error(self, e) -> None:
-        raise e
-
-    def should_commit(self, timeout=None) -> bool:
-        self.step += 1
-        return True
+    delay = 0.0
+    no_comm = False
 
     def allreduce(self, t, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
         if self.no_comm:
             return _DoneWork()
-        n = self._pg.size()
-        if should_quantize:
-            work = allreduce_quantized([t], dist.ReduceOp.SUM, self._pg)
-        else:
-            work = self._pg.allreduce([t])
-        return _DelayedWork(work, self.delay, after=lambda: t.div_(n))
+        if not self.delay:
+            return super().allreduce(t, should_quantize=should_quantize, reduce_op=reduce_op)
+        return _DelayedWork(super().allreduce(t, should_quantize=should_quantize,
+                                              reduce_op=reduce_op), self.delay)
+
+
+def make_manager(rank: int, args, run: str, delay: float = 0.0,
+                 no_comm: bool = False) -> SlowLinkManager:
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=60), num_lanes=2)
+    m = SlowLinkManager(
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2,
+        use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
+        lighthouse_addr=args.lighthouse, replica_id=f"{run}-r{rank}", hostname="127.0.0.1",
+        timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=60),
+        checkpoint_transport=ft.checkpointing.HTTPTransport(
+            timeout=timedelta(seconds=60), num_chunks=2, advertise_host="127.0.0.1"),
+    )
+    m.delay, m.no_comm = delay, no_comm
+    return m
 
 
 def make_model(width: int, depth: int) -> nn.Sequential:
@@ -143,99 +135,114 @@ def inner_step(model, opt, x):
     opt.step()
 
 
-def train_diloco(pg, rank, args, *, n_frag, tau, delay=0.0, no_comm=False, quant=False, steps):
+_runs = [0]
+
+
+def _run_name(kind: str) -> str:
+    _runs[0] += 1
+    return f"{kind}{_runs[0]}"
+
+
+def train_diloco(rank, args, *, n_frag, tau, delay=0.0, no_comm=False, quant=False, steps):
     model = make_model(args.width, args.depth)
-    mgr = DirectManager(pg, delay=delay, no_comm=no_comm)
+    mgr = make_manager(rank, args, _run_name("diloco"), delay=delay, no_comm=no_comm)
     inner = torch.optim.SGD(model.parameters(), lr=1e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
-    with DiLoCo(mgr, fragments_of(model, n_frag), inner, outer, sync_every=args.sync_every,
-                fragment_sync_delay=tau, should_quantize=quant):
-        for _ in range(args.sync_every):  # warm up (first syncs, lanes, threads)
-            inner_step(model, inner, x)
-        pg.barrier().wait()
+    try:
+        with DiLoCo(mgr, fragments_of(model, n_frag), inner, outer, sync_every=args.sync_every,
+                    fragment_sync_delay=tau, should_quantize=quant,
+                    use_bucketization=args.bucketize) as diloco:
+            for _ in range(args.sync_every):  # warm up (first quorum, heal, lanes, threads)
+                inner_step(model, inner, x)
+            b0, t0, w0 = wchar(), time.perf_counter(), diloco.comm_wait_seconds
+            for _ in range(steps):
+                inner_step(model, inner, x)
+            dt = time.perf_counter() - t0
+            nbytes = wchar() - b0
+            waited = diloco.comm_wait_seconds - w0
+    finally:
+        mgr.shutdown()
+    return dt / steps, nbytes, waited / steps
+
+
+def train_ddp(rank, args, steps):
+    """ft.DistributedDataParallel + ft.Optimizer: a gradient allreduce every step."""
+    model = make_model(args.width, args.depth)
+    mgr = make_manager(rank, args, _run_name("ddp"))
+    try:
+        ddp = ft.DistributedDataParallel(mgr, model)
+        opt = ft.Optimizer(mgr, torch.optim.SGD(model.parameters(), lr=1e-3))
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.batch, args.width, generator=g)
+
+        def step():
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+
+        step()
+        step()
         b0, t0 = wchar(), time.perf_counter()
         for _ in range(steps):
-            inner_step(model, inner, x)
-        dt = time.perf_counter() - t0
-        nbytes = wchar() - b0
-    return dt / steps, nbytes
+            step()
+        return (time.perf_counter() - t0) / steps, wchar() - b0
+    finally:
+        mgr.shutdown()
 
 
-def train_ddp(pg, rank, args, steps):
-    model = make_model(args.width, args.depth)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, args.width, generator=g)
-    params = list(model.parameters())
-
-    def step():
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        flat = torch.cat([p.grad.view(-1) for p in params])  # one bucket, like DDP's
-        pg.allreduce([flat]).wait()
-        flat /= pg.size()
-        off = 0
-        for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
-        opt.step()
-
-    step()
-    pg.barrier().wait()
-    b0, t0 = wchar(), time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - t0) / steps, wchar() - b0
-
-
-def worker(rank: int, port: int, args) -> dict:
+def worker(rank: int, args) -> dict:
     torch.set_num_threads(1)
-    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=60), num_lanes=2)
-    pg.configure(f"127.0.0.1:{port}/bench", "bench", rank, 2)
     out: dict = {}
     H = args.sync_every
     n_params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
     out["params"] = n_params
     if args.what in ("all", "overlap"):
         steps = args.overlap_steps
-        base0, _ = train_diloco(pg, rank, args, n_frag=2, tau=1, no_comm=True, steps=steps)
+        # Calibrate on the median of a few no-communication runs (the first is slow).
+        base0 = sorted(train_diloco(rank, args, n_frag=2, tau=1, no_comm=True, steps=steps)[0]
+                       for _ in range(3))[1]
         # Injected delay per fragment allreduce, on top of the real Gloo op.
         D = args.delay_factor * base0
         runs = {"nocomm": [], "tau1": [], "tau0": []}
+        waits = {"tau1": [], "tau0": []}
         for _ in range(args.repeats):  # interleaved, medians: the host is shared
-            runs["nocomm"].append(train_diloco(pg, rank, args, n_frag=2, tau=1, no_comm=True,
+            runs["nocomm"].append(train_diloco(rank, args, n_frag=2, tau=1, no_comm=True,
                                                steps=steps)[0])
-            runs["tau1"].append(train_diloco(pg, rank, args, n_frag=2, tau=1, delay=D, steps=steps)[0])
-            runs["tau0"].append(train_diloco(pg, rank, args, n_frag=2, tau=0, delay=D, steps=steps)[0])
-        med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+            for tau in (1, 0):
+                dt, _, waited = train_diloco(rank, args, n_frag=2, tau=tau, delay=D, steps=steps)
+                runs[f"tau{tau}"].append(dt)
+                waits[f"tau{tau}"].append(waited)
+        med = {k: sorted(v)[len(v) // 2] for k, v in {**runs, **{f"wait_{k}": v for k, v in
+                                                                   waits.items()}}.items()}
         base, t1, t0 = med["nocomm"], med["tau1"], med["tau0"]
-        # tau=0 exposes all of the communication (real op + D), so its extra
-        # time per inner step is the communication time per inner step.
-        comm_per_step = max(t0 - base, 1e-9)
+        w1, w0 = med["wait_tau1"], med["wait_tau0"]
         injected_per_step = D * 2 / H  # 2 fragment syncs per sync_every inner steps
         out["overlap"] = dict(
             inner_step_nocomm_ms=base * 1e3, inner_step_tau1_ms=t1 * 1e3,
             inner_step_tau0_ms=t0 * 1e3, injected_delay_per_sync_ms=D * 1e3,
-            comm_per_inner_step_ms=comm_per_step * 1e3,
             injected_per_inner_step_ms=injected_per_step * 1e3,
-            hidden_tau1=1 - (t1 - base) / comm_per_step,
-            hidden_tau1_vs_injected=1 - (t1 - base) / injected_per_step,
+            # Direct: time blocked on fragment allreduces at sync points, per inner step. With
+            # tau = 0 all of the communication (real op + injected delay) is waited for.
+            comm_wait_per_step_tau0_ms=w0 * 1e3,
+            comm_wait_per_step_tau1_ms=w1 * 1e3,
+            hidden_tau1=1 - w1 / max(w0, 1e-9),
+            # Indirect (noisy on a shared host): extra inner-step time over no communication.
+            hidden_tau1_from_step_times=1 - (t1 - base) / max(t0 - base, 1e-9),
         )
     if args.what in ("all", "bytes"):
         steps = H * args.outer_steps
         per = {}
-        _, b = train_ddp(pg, rank, args, steps)
+        b = train_ddp(rank, args, steps)[1]
         per["DDP (grad allreduce every step)"] = b / args.outer_steps
-        _, b = train_diloco(pg, rank, args, n_frag=1, tau=0, steps=steps)
+        b = train_diloco(rank, args, n_frag=1, tau=0, steps=steps)[1]
         per["DiLoCo"] = b / args.outer_steps
-        _, b = train_diloco(pg, rank, args, n_frag=2, tau=1, steps=steps)
+        b = train_diloco(rank, args, n_frag=2, tau=1, steps=steps)[1]
         per["Streaming DiLoCo (2 fragments, tau=1)"] = b / args.outer_steps
-        _, b = train_diloco(pg, rank, args, n_frag=1, tau=0, quant=True, steps=steps)
+        b = train_diloco(rank, args, n_frag=1, tau=0, quant=True, steps=steps)[1]
         per["DiLoCo, int8 quantized"] = b / args.outer_steps
         out["bytes_per_outer_step"] = per
-    pg.barrier().wait()
     return out
 
 
@@ -249,27 +256,37 @@ def main() -> None:
     p.add_argument("--overlap_steps", type=int, default=32)
     p.add_argument("--outer_steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--delay_factor", type=float, default=0.8,
-                   help="injected delay per fragment allreduce, in inner-step times")
+    p.add_argument("--delay_factor", type=float, default=0.5,
+                   help="injected delay per fragment allreduce, in inner-step times (tau=1 can "
+                        "hide at most one inner step of real op + delay)")
+    p.add_argument("--bucketize", type=int, default=1,
+                   help="DiLoCo use_bucketization (1: one flat allreduce per fragment)")
     p.add_argument("--rank", type=int, default=None)
-    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--lighthouse", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.rank is not None:
-        res = worker(args.rank, args.port, args)
+        res = worker(args.rank, args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f)
         return
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    import logging
     import tempfile
+
+    from ft.coordination import LighthouseServer
+
+    # Every run leaves two replicas behind whose heartbeats expire: not worth a warning here.
+    logging.getLogger("ft").setLevel(logging.ERROR)
+    # A short join timeout: each run's new replicas need not wait for the previous run's.
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=200,
+                          quorum_tick_ms=20, heartbeat_timeout_ms=2000, http_bind="")
 
     tmp = tempfile.mkdtemp(prefix="diloco-bench-")
     procs = []
     for r in range(2):
-        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--port", str(store.port),
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--lighthouse", lh.address(),
                "--json", os.path.join(tmp, f"{r}.json")] + sys.argv[1:]
         procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     try:
@@ -279,12 +296,13 @@ def main() -> None:
             if pr.poll() is None:
                 pr.kill()
                 pr.wait()
+        lh.shutdown()
     if any(codes):
         sys.exit(f"bench workers failed: {codes}")
     with open(os.path.join(tmp, "0.json")) as f:
         res = json.load(f)
-    print(f"model: {res['params']:,} fp32 parameters; 2 replicas on loopback; "
-          f"sync_every={args.sync_every}")
+    print(f"model: {res['params']:,} fp32 parameters; 2 replicas on loopback (lighthouse + "
+          f"ft.Manager + ft.ProcessGroupGloo, 2 lanes); sync_every={args.sync_every}")
     if "overlap" in res:
         o = res["overlap"]
         print("\noverlap (rank 0):")

@@ -279,7 +279,7 @@ def main() -> int:
                 report_heal()
                 worker.emit("step", step=manager.current_step(), loss=round(mean_loss, 5),
                             participants=manager.num_participants(),
-                            quorum_id=_quorum_id(manager), committed=committed, injected=injected,
+                            quorum_id=manager.quorum_id(), committed=committed, injected=injected,
                             barrier=True)
                 if committed and stop_now > 0:
                     trained = min(step, args.steps)  # no update happens at or after args.steps
@@ -292,7 +292,7 @@ def main() -> int:
             report_heal()
             extra = {"hash": state_hash(net, inner_opt)[:12]} if args.debug_hash else {}
             worker.emit("step", step=manager.current_step(), loss=round(mean_loss, 5),
-                        participants=manager.num_participants(), quorum_id=_quorum_id(manager),
+                        participants=manager.num_participants(), quorum_id=manager.quorum_id(),
                         committed=committed, injected=injected, **extra)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
@@ -318,13 +318,6 @@ def main() -> int:
     return 0
 
 
-def _quorum_id(manager):
-    for attr in ("quorum_id", "_quorum_id"):
-        v = getattr(manager, attr, None)
-        v = v() if callable(v) else v
-        if isinstance(v, int):
-            return v
-    return None
 
 
 def _write_hash(group_id: int, rank: int, digest: str) -> None:

@@ -32,6 +32,8 @@ that choice. An async-quorum Manager is rejected.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -419,6 +421,9 @@ class DiLoCo:
         self._local_step = 0
         self._pending: Optional[Tuple[int, List[torch.Tensor], Any]] = None
         self._hook = None
+        # Seconds the training loop spent blocked on fragment allreduces at sync points: the
+        # communication the schedule did not hide (tau > 0 overlaps it with inner steps).
+        self.comm_wait_seconds = 0.0
         self.syncs = 0  # completed fragment syncs (committed or not)
         self.commits = 0
         self.failed_commits = 0
@@ -496,10 +501,12 @@ class DiLoCo:
         f, pseudo, handle = self._pending
         self._pending = None
         frag = self._fragments[f]
+        t0 = time.perf_counter()
         try:
             handle.wait()
         except Exception as e:  # the Manager reports its own errors; this is belt and braces
             self._manager.report_error(e)
+        self.comm_wait_seconds += time.perf_counter() - t0
         local = [_local(p.detach()).clone() for _, p in frag.params] if self._alpha > 0 else None
         frag.restore()
         self.syncs += 1

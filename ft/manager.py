@@ -810,6 +810,17 @@ class Manager:
         """The number of committed steps."""
         return self._step
 
+    def quorum_id(self) -> int:
+        """The id of the latest quorum this replica joined (-1 before the first).
+
+        An ft addition to torchft's API: it changes whenever the membership changes (or after
+        commit failures), so state that depends on who takes part (e.g. a sharding plan) can
+        be keyed by it. Waits for a quorum in flight.
+        """
+        if self._quorum_future is not None:
+            self.wait_quorum()
+        return self._quorum_id
+
     def batches_committed(self) -> int:
         """The total number of batches committed across all replicas."""
         return self._batches_committed

@@ -171,6 +171,41 @@ def test_failed_commit_drops_fragment_progress_and_counts_once():
         assert lanes == [0, 1, 1]  # each fragment on its own lane
 
 
+@pytest.mark.parametrize("tau", [0, 1])
+def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
+    """Each allreduce takes 50 ms to finish after it is issued (a slow link). With tau=0 the
+    sync waits for all of it; with tau=1 a 100 ms inner step runs in between and hides it."""
+    import time as _time
+
+    class SlowLink(FakeManager):
+        def allreduce(self, t, should_quantize=False, reduce_op=None):
+            done_at = _time.perf_counter() + 0.05
+
+            class Work:
+                def wait(self_inner):
+                    _time.sleep(max(0.0, done_at - _time.perf_counter()))
+                    return True
+
+            return Work()
+
+    m = SlowLink(FakeGroup(1), 0)
+    a, b = Scalar(1.0), Scalar(1.0)
+    params = list(a.parameters()) + list(b.parameters())
+    inner = torch.optim.SGD(params, lr=0.5)
+    outer = torch.optim.SGD(params, lr=1.0)
+    with DiLoCo(m, [a, b], inner, outer, sync_every=4, fragment_sync_delay=tau) as d:
+        for _ in range(4):
+            inner.zero_grad()
+            (0.5 * a.w ** 2 + 0.5 * b.w ** 2).sum().backward()
+            _time.sleep(0.1)  # the inner step's compute
+            inner.step()
+    assert d.syncs == 2
+    if tau == 0:
+        assert d.comm_wait_seconds >= 2 * 0.045, d.comm_wait_seconds
+    else:
+        assert d.comm_wait_seconds < 0.02, d.comm_wait_seconds
+
+
 def test_diloco_rejects_async_and_too_few_lanes():
     class PG:
         num_lanes = 1

@@ -220,10 +220,12 @@ def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
     lh = lighthouse(min_replicas=2)
     ms = managers(lh, 2, use_async_quorum=False)
     try:
-        def run(i: int, m: ft.Manager, view: Any) -> Any:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                        torch.nn.Linear(64, 8))
+        def make_model() -> torch.nn.Module:
+            torch.manual_seed(0)  # the global RNG: build models here, not on the threads
+            return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 8))
+
+        def run(i: int, m: ft.Manager, view: Any, model: torch.nn.Module) -> Any:
             kw = {} if view is None else {"gradient_as_bucket_view": view}
             ddp = ft.DistributedDataParallel(m, model, bucket_cap_mb=0.01, **kw)
             opt = ft.Optimizer(m, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
@@ -236,12 +238,14 @@ def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
 
         out = {}
         for view in (None, False):
-            out[view] = values(in_threads([lambda i=i, m=m: run(i, m, view)
-                                           for i, m in enumerate(ms)]))
+            models = [make_model() for _ in ms]
+            out[view] = values(in_threads([lambda i=i, m=m, md=md: run(i, m, view, md)
+                                           for i, (m, md) in enumerate(zip(ms, models))]))
         assert [o[1] for o in out[None]] == [True, True]
         assert [o[1] for o in out[False]] == [False, False]
         for a, b, c in zip(out[None][0][0], out[None][1][0], out[False][0][0]):
-            assert torch.equal(a, b) and torch.equal(a, c)
+            assert torch.equal(a, b), ("replicas differ", (a - b).abs().max())
+            assert torch.equal(a, c), ("view vs copy differ", (a - c).abs().max())
     finally:
         shutdown(ms)
         lh.shutdown()
@@ -316,10 +320,11 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
         for i in range(2)
     ]))
     try:
-        def run(i: int, m: ft.Manager) -> Any:
+        def run(i: int, m: ft.Manager, quorum_ids: List[int]) -> Any:
             out = []
             for _ in range(3):
                 m.start_quorum()
+                quorum_ids.append(m.quorum_id())
                 t = state[i].clone()
                 m.allreduce(t).wait()
                 ok = m.should_commit()
@@ -328,8 +333,11 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
                     state[i].add_(t)
             return out
 
+        assert [m.quorum_id() for m in ms] == [-1, -1]
+        quorum_ids: List[int] = []
         t0 = time.monotonic()
-        out = values(in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)]))
+        out = values(in_threads([lambda i=i, m=m: run(i, m, quorum_ids) for i, m in enumerate(ms)]))
+        first_quorum_id = quorum_ids[0]
         assert time.monotonic() - t0 < 8  # the heal did not wait out its 10 s timeout
         assert [o[0][0] for o in out] == [False, False]  # the failed step commits nowhere
         assert "state_dict failed on purpose" in str(out[0][0][1])
@@ -339,6 +347,8 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
             assert "failed to produce step 0" in str(err)
         assert all(ok for o in out for ok, _ in o[1:])
         assert [m.current_step() for m in ms] == [2, 2]
+        # the failed commit bumped the quorum id once, and both replicas agree on it
+        assert ms[0].quorum_id() == ms[1].quorum_id() > first_quorum_id >= 0
         assert torch.equal(state[0], state[1])
         assert calls[0] == 2  # healed once, on the retry
     finally:
