@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -222,3 +223,96 @@ def train(rank: int, world_size: int, store_port: int, *, lh_addr: str,
             results.append({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
             raise
     return results
+
+
+def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr: str,
+                         sync_every: int, stop_at: int) -> Dict[str, Any]:
+    """2 replica groups x 2 ranks (proc = 2 * replica + group_rank). Inside each group the
+    two ranks form a 2-rank CPU DeviceMesh (local gloo) and every parameter is Shard(0) on
+    it, so each rank holds half of each tensor; DiLoCo on each rank averages its shard with
+    the same rank of the other replica group (the ft process group pairs group ranks)."""
+    import ft
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+
+    from ft.checkpointing import HTTPTransport
+    from ft.local_sgd import DiLoCo
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    replica, group_rank = divmod(proc, 2)
+    store = connect_store(store_port)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"mesh{replica}", store),
+                            rank=group_rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+
+    torch.manual_seed(7 + 31 * replica)  # groups differ; init_sync must make them equal
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def partition(_name, mod, mesh):
+        for n, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(n, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+
+    distribute_module(
+        model, mesh, partition,
+        input_fn=lambda _m, args, mesh: tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
+        output_fn=lambda _m, out, mesh: out.full_tensor(),
+    )
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def save():
+        return {"model": to_local(model.state_dict()), "inner": to_local(inner.state_dict())}
+
+    def load(sd):
+        from ft.local_sgd import _load_optimizer_state
+
+        with torch.no_grad():
+            for n, v in model.state_dict().items():
+                v.to_local().copy_(sd["model"][n])
+        _load_optimizer_state(inner, sd["inner"])
+
+    to = timedelta(seconds=10)
+    if group_rank == 0:
+        port = 0
+    else:
+        store.wait([f"group{replica}-port"])
+        port = int(store.get(f"group{replica}-port"))
+    manager = ft.Manager(
+        pg=ft.ProcessGroupGloo(timeout=to), load_state_dict=load, state_dict=save,
+        min_replica_size=2, use_async_quorum=False, timeout=to,
+        quorum_timeout=timedelta(seconds=30), connect_timeout=to, rank=group_rank,
+        world_size=2, store_addr="127.0.0.1", store_port=port, lighthouse_addr=lh_addr,
+        replica_id=f"shard{replica}", hostname="127.0.0.1",
+        checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
+    )
+    if group_rank == 0:
+        store.set(f"group{replica}-port", str(manager._store_port))
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    algo = DiLoCo(manager, [model], inner, outer, sync_every=sync_every)
+    commits: Dict[int, str] = {}
+    local = 0
+    with algo:
+        for _ in range(100):
+            if manager.current_step() >= stop_at:
+                break
+            x, y = _task(manager.current_step(), local, replica)
+            inner.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            before = manager.current_step()
+            inner.step()
+            local += 1
+            if manager.current_step() != before:
+                commits[manager.current_step()] = digest(to_local(algo.global_state()))
+    shards = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    kinds = sorted({type(p).__name__ for p in model.parameters()})
+    out = {
+        "replica": replica, "group_rank": group_rank, "step": manager.current_step(),
+        "commits": commits, "shard_digest": digest(shards), "full_digest": digest(full),
+        "shard_shape": list(shards["0.weight"].shape), "kinds": kinds,
+        "failed": algo.failed_commits,
+    }
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+    return out

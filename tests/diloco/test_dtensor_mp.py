@@ -3,9 +3,8 @@ real lighthouse, ManagerServers, ft.Manager (sync quorum), ft.ProcessGroupGloo.
 
 2 replica groups x 1 rank. Each replica builds a 1-D CPU DeviceMesh over its own
 group (a local gloo process group of world size 1) and distributes the model
-with ``distribute_module`` (Replicate, or Shard(0)). torch 2.13 CPU supports
-this; a mesh of size > 1 inside a replica group (e.g. HSDP) would need 4+
-processes and is not tested here.
+with ``distribute_module`` (Replicate, or Shard(0)). The last test uses 2 ranks
+per replica group (4 processes) with Shard(0) over a 2-rank mesh in each group.
 
 Asserted: at every sync both replicas' global state (DiLoCo backups, outer
 optimizer state, parameters' local tensors; LocalSGD backups and parameters)
@@ -88,3 +87,27 @@ def test_dtensor_late_joiner_heals_outer_momentum():
     assert a["step"] == b["step"] == cfg["stop_at"]
     assert_same_global_state(a, b, "late")
     assert any("momentum_buffer" in k and v == "DTensor" for k, v in b["kinds"].items()), b["kinds"]
+
+
+def test_shard_placement_on_a_two_rank_mesh_per_group():
+    """2 replica groups x 2 ranks; each group shards every parameter over its 2-rank mesh
+    (Shard(0)). Each rank's DiLoCo global state (its shard's backup and outer momentum) is
+    bitwise identical to the same rank's in the other group at every sync, the two ranks of
+    a group really hold different halves, and the full parameters agree everywhere."""
+    lh = lighthouse(min_replicas=2, join_timeout_ms=200)
+    try:
+        with Workers("tests.diloco.dtensor_workers:train_sharded_groups", 4,
+                     lh_addr=lh.address(), sync_every=2, stop_at=3) as w:
+            res = w.join(timeout=150)
+    finally:
+        lh.shutdown()
+    by = {(r["replica"], r["group_rank"]): r for r in res}
+    for r in res:
+        assert r["step"] == 3 and r["failed"] == 0, r
+        assert r["kinds"] == ["DTensor"] and r["shard_shape"] == [8, 8], r
+        assert sorted(r["commits"]) == [1, 2, 3], r["commits"]
+    for g in (0, 1):  # same group rank across replica groups: identical shard state
+        assert by[(0, g)]["commits"] == by[(1, g)]["commits"], f"group rank {g} diverged"
+        assert by[(0, g)]["shard_digest"] == by[(1, g)]["shard_digest"]
+    assert by[(0, 0)]["shard_digest"] != by[(0, 1)]["shard_digest"]  # really two halves
+    assert len({r["full_digest"] for r in res}) == 1
