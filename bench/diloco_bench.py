@@ -242,6 +242,8 @@ def worker(rank: int, args) -> dict:
         per["Streaming DiLoCo (2 fragments, tau=1)"] = b / args.outer_steps
         b = train_diloco(rank, args, n_frag=1, tau=0, quant=True, steps=steps)[1]
         per["DiLoCo, int8 quantized"] = b / args.outer_steps
+        b = train_diloco(rank, args, n_frag=1, tau=0, quant=torch.float8_e4m3fn, steps=steps)[1]
+        per["DiLoCo, fp8 (e4m3) quantized"] = b / args.outer_steps
         out["bytes_per_outer_step"] = per
     return out
 

@@ -9,8 +9,8 @@ Two things live here:
   never share a buffer, and the last, partly filled bucket is sent too.
   (torchft's bucketing silently skips some of these and replicas diverge.)
 
-* **Quantized allreduce** (`allreduce_quantized`): int8 with one fp32 scale
-  per block of `block_size` elements, reduced as reduce-scatter (all-to-all of
+* **Quantized allreduce** (`allreduce_quantized`): int8 (or fp8 e4m3fn / e5m2,
+  `wire_dtype`) with one fp32 scale per block of `block_size` elements, reduced as reduce-scatter (all-to-all of
   the quantized blocks, dequantize, sum in fp32) then all-gather of the
   re-quantized result. It uses only `alltoall_base` and `_allgather_base`, so
   it works on the ft backend's Gloo path (CPU) and on its NCCL path (CUDA) --
@@ -173,18 +173,35 @@ class BucketedAllreduce:
 # --------------------------------------------------------------------------
 
 
+#: Element types a quantized allreduce can put on the wire (one byte each).
+WIRE_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_wire_dtype(dtype: torch.dtype) -> None:
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"quantized wire dtype must be one of {WIRE_DTYPES}, got {dtype}")
+
+
 def quantize_blockwise(
-    x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+    x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.int8
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization of a 1-D fp32 tensor whose length is a
-    multiple of `block_size`: returns (int8 values, fp32 scale per block),
-    value = q * scale with scale = absmax(block) / 127."""
+    """Symmetric blockwise quantization of a 1-D fp32 tensor whose length is a multiple of
+    `block_size`: returns (values of `dtype`, fp32 scale per block), value = q * scale.
+
+    int8: scale = absmax(block) / 127, values rounded to the nearest integer. fp8 (e4m3fn or
+    e5m2): scale = absmax(block) / the format's largest finite value, values rounded to the
+    nearest fp8 number (relative precision instead of int8's uniform steps)."""
+    _check_wire_dtype(dtype)
     if x.dim() != 1 or x.numel() % block_size:
         raise ValueError("quantize_blockwise needs a 1-D tensor, a multiple of block_size long")
     blocks = x.float().view(-1, block_size)
-    scale = blocks.abs().amax(dim=1) / 127.0
+    qmax = 127.0 if dtype == torch.int8 else float(torch.finfo(dtype).max)
+    scale = blocks.abs().amax(dim=1) / qmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scaled = blocks / scale[:, None]
+    if dtype == torch.int8:
+        scaled = torch.round(scaled)
+    q = scaled.clamp_(-qmax, qmax).to(dtype)
     return q.view(-1), scale
 
 
@@ -201,11 +218,11 @@ def _pack(q: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([s, v], dim=1).contiguous()
 
 
-def _unpack(buf: torch.Tensor, rows: int, chunk: int, block_size: int):
+def _unpack(buf: torch.Tensor, rows: int, chunk: int, block_size: int, dtype: torch.dtype):
     nscale_bytes = (chunk // block_size) * 4
     buf = buf.view(rows, -1)
     scale = buf[:, :nscale_bytes].contiguous().view(torch.float32).view(-1)
-    q = buf[:, nscale_bytes:].contiguous().view(torch.int8).view(-1)
+    q = buf[:, nscale_bytes:].contiguous().view(dtype).view(-1)
     return q, scale
 
 
@@ -264,7 +281,7 @@ def _reduce_op_of(opts: Union[dist.AllreduceOptions, ReduceOp, "ReduceOp.RedOpTy
 
 
 def _quantized_allreduce_blocking(
-    tensors: List[torch.Tensor], op, pg, block_size: int
+    tensors: List[torch.Tensor], op, pg, block_size: int, dtype: torch.dtype
 ) -> None:
     world = pg.size()
     device = tensors[0].device
@@ -277,21 +294,21 @@ def _quantized_allreduce_blocking(
         off += t.numel()
 
     # Phase 1 (reduce-scatter): rank r receives everyone's quantized chunk r.
-    q, scale = quantize_blockwise(flat, block_size)
+    q, scale = quantize_blockwise(flat, block_size, dtype)
     send = _pack(q, scale, world)
     recv = torch.empty_like(send)
     pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
-    rq, rscale = _unpack(recv, world, chunk, block_size)
+    rq, rscale = _unpack(recv, world, chunk, block_size, dtype)
     mine = dequantize_blockwise(rq, rscale, block_size).view(world, chunk).sum(dim=0)
     if op == ReduceOp.AVG:
         mine.div_(world)
 
     # Phase 2 (all-gather) of the re-quantized reduced chunks.
-    q2, scale2 = quantize_blockwise(mine, block_size)
+    q2, scale2 = quantize_blockwise(mine, block_size, dtype)
     piece = _pack(q2, scale2, 1).view(-1)
     gathered = torch.empty(world * piece.numel(), dtype=torch.uint8, device=device)
     pg._allgather_base(gathered, piece).wait()
-    gq, gscale = _unpack(gathered, world, chunk, block_size)
+    gq, gscale = _unpack(gathered, world, chunk, block_size, dtype)
     result = dequantize_blockwise(gq, gscale, block_size)
 
     off = 0
@@ -306,9 +323,10 @@ def allreduce_quantized(
     process_group,
     sync_stream: Optional["torch.cuda.Stream"] = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    wire_dtype: torch.dtype = torch.int8,
 ) -> "dist.Work":
-    """Allreduces floating-point `tensors` in place with int8 blockwise
-    quantization on the wire and fp32 accumulation (SUM or AVG over
+    """Allreduces floating-point `tensors` in place with blockwise quantization on the wire
+    (`wire_dtype`: int8, or fp8 e4m3fn / e5m2) and fp32 accumulation (SUM or AVG over
     `process_group.size()`).
 
     Returns a Work at once; the two collectives run in order on a per-lane
@@ -319,6 +337,7 @@ def allreduce_quantized(
     stream is synchronized before the worker reads the tensors).
     """
     op = _reduce_op_of(opts)
+    _check_wire_dtype(wire_dtype)
     tensors = list(tensors)
     if not tensors:
         fut: torch.futures.Future = torch.futures.Future()
@@ -335,7 +354,7 @@ def allreduce_quantized(
 
     def job() -> None:
         try:
-            _quantized_allreduce_blocking(tensors, op, process_group, block_size)
+            _quantized_allreduce_blocking(tensors, op, process_group, block_size, wire_dtype)
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut.set_exception(e)
             return

@@ -199,7 +199,7 @@ class _AllWorks:
 def _allreduce_all(
     manager: Any,
     tensors: Sequence[torch.Tensor],
-    should_quantize: bool,
+    should_quantize: Union[bool, torch.dtype],
     bucket_cap_bytes: Optional[int],
     use_bucketization: bool,
 ):
@@ -240,7 +240,7 @@ class LocalSGD:
         warmup_steps: int = 0,
         use_bucketization: bool = False,
         bucket_cap_mb: Optional[int] = None,
-        should_quantize: bool = False,
+        should_quantize: Union[bool, torch.dtype] = False,
     ) -> None:
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
@@ -374,7 +374,7 @@ class DiLoCo:
         pin_memory: bool = True,
         use_bucketization: bool = False,
         bucket_cap_mb: Optional[int] = None,
-        should_quantize: bool = False,
+        should_quantize: Union[bool, torch.dtype] = False,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
     ) -> None:

@@ -701,7 +701,7 @@ class Manager:
     def allreduce(
         self,
         tensor: torch.Tensor,
-        should_quantize: bool = False,
+        should_quantize: Union[bool, torch.dtype] = False,
         reduce_op: ReduceOp = ReduceOp.AVG,
     ) -> dist.Work:
         """Allreduces ``tensor`` in place across the participating replicas.
@@ -710,7 +710,8 @@ class Manager:
         and the returned Work completes with the tensor's current contents. AVG runs as SUM,
         then divides by :meth:`num_participants`; replicas that do not participate contribute
         zeros. With ``should_quantize`` a floating-point tensor crosses the wire as int8 with
-        blockwise scales and is accumulated in fp32 (:func:`ft.collectives.allreduce_quantized`).
+        blockwise scales and is accumulated in fp32 (:func:`ft.collectives.allreduce_quantized`);
+        an ft extension: ``should_quantize=torch.float8_e4m3fn`` (or ``float8_e5m2``) sends fp8.
         """
         if self.errored() is not None:
             return _DummyWork(tensor)
@@ -729,7 +730,8 @@ class Manager:
             opts = dist.AllreduceOptions()
             opts.reduceOp = pg_op
             if should_quantize and torch.is_floating_point(tensor):
-                work = allreduce_quantized([tensor], opts, self._pg)
+                wire = torch.int8 if should_quantize is True else should_quantize
+                work = allreduce_quantized([tensor], opts, self._pg, wire_dtype=wire)
             else:
                 work = self._pg.allreduce([tensor], opts)
             fut = work.get_future()

@@ -49,6 +49,25 @@ def test_quantize_roundtrip_error():
     assert torch.equal(dequantize_blockwise(*quantize_blockwise(z, 256), 256), z)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_fp8_roundtrip_error_and_extremes(dtype):
+    x = torch.randn(4096) * torch.logspace(-3, 3, 4096)  # widely varying magnitudes
+    q, s = quantize_blockwise(x, 256, dtype)
+    assert q.dtype == dtype and q.element_size() == 1 and s.numel() == 16
+    y = dequantize_blockwise(q, s, 256)
+    assert torch.isfinite(y).all()
+    # fp8 keeps relative precision: e4m3 has 3 mantissa bits (<= 6.25% per element), e5m2 2.
+    bound = 0.0625 if dtype == torch.float8_e4m3fn else 0.125
+    big = x.abs() > x.abs().amax() * 1e-2
+    assert ((y - x).abs()[big] / x.abs()[big]).max().item() <= bound
+    # each block's absmax maps onto the format's largest value, and back (to fp32 rounding)
+    assert torch.allclose(y.view(16, 256).abs().amax(1), x.view(16, 256).abs().amax(1), rtol=1e-6)
+    z = torch.zeros(256)
+    assert torch.equal(dequantize_blockwise(*quantize_blockwise(z, 256, dtype), 256), z)
+    with pytest.raises(ValueError, match="wire dtype"):
+        quantize_blockwise(x, 256, torch.float16)
+
+
 def test_bucketed_allreduce_two_processes():
     caps = [16, 4, 36, 1 << 20]  # 4 fp32 elements, one byte-ish, odd, one bucket
     with Workers("tests.diloco.workers:bucketed", 2, cap_bytes_list=caps) as w:
@@ -59,9 +78,10 @@ def test_bucketed_allreduce_two_processes():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_quantized_allreduce(world):
+@pytest.mark.parametrize("wire", ["int8", "float8_e4m3fn"])
+def test_quantized_allreduce(world, wire):
     n = 30_003  # not a multiple of the block or the world
-    with Workers("tests.diloco.workers:quantized", world, n=n) as w:
+    with Workers("tests.diloco.workers:quantized", world, n=n, wire=wire) as w:
         results = w.join(timeout=90)
     for op in ("sum", "avg"):
         errs = [r[op]["err"] for r in results]
@@ -69,6 +89,6 @@ def test_quantized_allreduce(world):
         assert len({r[op]["digest"] for r in results}) == 1  # identical on every rank
         if world == 2:
             ratio = results[0][op]["fp32_bytes"] / results[0][op]["q_bytes"]
-            print(f"{op}: fp32 {results[0][op]['fp32_bytes']} B, int8 {results[0][op]['q_bytes']} B, "
+            print(f"{op}: fp32 {results[0][op]['fp32_bytes']} B, {wire} {results[0][op]['q_bytes']} B, "
                   f"ratio {ratio:.2f}, err {max(errs):.4f}")
             assert ratio > 3.5

@@ -55,8 +55,9 @@ def bucketed(rank, world_size, port, cap_bytes_list):
     return out
 
 
-def quantized(rank, world_size, port, n, lane_index=1):
+def quantized(rank, world_size, port, n, lane_index=1, wire="int8"):
     """Quantized vs fp32 allreduce (SUM and AVG) and the bytes each sends."""
+    wire_dtype = getattr(torch, wire)
     pg = _group(rank, world_size, port)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(n, generator=g)
@@ -72,7 +73,7 @@ def quantized(rank, world_size, port, n, lane_index=1):
                 ref /= world_size
             parts = [x[: n // 3].clone(), x[n // 3:].clone().to(torch.float64)]
             b0 = wchar()
-            allreduce_quantized(parts, op, pg).wait()
+            allreduce_quantized(parts, op, pg, wire_dtype=wire_dtype).wait()
             q_bytes = wchar() - b0
             got = torch.cat([parts[0], parts[1].float()])
             err = ((got - ref).abs().mean() / ref.abs().mean()).item()

@@ -170,21 +170,26 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
         assert [m.batches_committed() for m in ms] == [1 + 2 + 2, 1 + 2 + 2]
 
         # should_quantize: int8 on the wire, fp32 accumulation, AVG over participants
-        def quantized(i: int, m: ft.Manager) -> Any:
+        def quantized(i: int, m: ft.Manager, wire: Any) -> Any:
             m.start_quorum()
             g = torch.Generator().manual_seed(i)
             t = torch.randn(1000, generator=g)
             exact = t.clone()
-            m.allreduce(t, should_quantize=True).wait()
+            m.allreduce(t, should_quantize=wire).wait()
             return t, exact, m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: quantized(i, m) for i, m in enumerate(ms)]))
-        want = (out[0][1] + out[1][1]) / 2
-        assert torch.equal(out[0][0], out[1][0])  # every replica gets the same result
-        rel = ((out[0][0] - want).abs().mean() / want.abs().mean()).item()
-        assert rel < 0.05, rel
-        assert not torch.equal(out[0][0], want)  # it really was quantized
-        assert all(o[2] for o in out)
+        results = {}
+        for wire in (True, torch.float8_e4m3fn):  # int8, and the fp8 extension
+            out = values(in_threads([lambda i=i, m=m: quantized(i, m, wire)
+                                     for i, m in enumerate(ms)]))
+            want = (out[0][1] + out[1][1]) / 2
+            assert torch.equal(out[0][0], out[1][0])  # every replica gets the same result
+            rel = ((out[0][0] - want).abs().mean() / want.abs().mean()).item()
+            assert rel < 0.05, (wire, rel)
+            assert not torch.equal(out[0][0], want)  # it really was quantized
+            assert all(o[2] for o in out)
+            results[wire] = out[0][0]
+        assert not torch.equal(results[True], results[torch.float8_e4m3fn])  # really fp8
     finally:
         shutdown(ms)
         lh.shutdown()
