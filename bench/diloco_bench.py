@@ -106,6 +106,9 @@ def make_manager(rank: int, args, run: str, delay: float = 0.0,
     m = SlowLinkManager(
         pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2,
         use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
+        # make_model() seeds identically on both replicas: no step-0 heal needed (a no_comm
+        # run has no collective that would hold the source until the receiver has fetched).
+        init_sync=False,
         lighthouse_addr=args.lighthouse, replica_id=f"{run}-r{rank}", hostname="127.0.0.1",
         timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=60),
         checkpoint_transport=ft.checkpointing.HTTPTransport(

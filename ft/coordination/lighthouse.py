@@ -106,6 +106,8 @@ class _LighthouseState:
         self.last_member: Dict[str, QuorumMember] = {}  # latest info per replica (dashboard, kill)
         self.waiters: Dict[int, _Waiter] = {}
         self.prev: Optional[Quorum] = None
+        # Set when a quorum is issued (and on close): the ticker re-plans its next wake-up.
+        self.ticker_wakeup = threading.Event()
         # The answer to every member of ``prev``, built once: N members get the same message.
         self._prev_response: Optional[Tuple[Quorum, pb.LighthouseQuorumResponse]] = None
         self.prev_issued_mono = 0.0
@@ -190,6 +192,23 @@ class _LighthouseState:
                 raise _Unavailable("lighthouse is shutting down")
             self.heartbeats[replica_id] = time.monotonic()
 
+    def next_expiry_in(self) -> float:
+        """Seconds until the earliest heartbeat deadline of a current quorum member not yet
+        reported dead (inf if none): the ticker wakes then, so the failure notification goes
+        out at the deadline rather than up to a tick later."""
+        with self.lock:
+            wait = float("inf")
+            if self.prev is not None:
+                now = time.monotonic()
+                timeout = self.opts.heartbeat_timeout_s
+                for m in self.prev.participants:
+                    last = self.heartbeats.get(m.replica_id)
+                    if last is None or (self.prev.quorum_id, m.replica_id) in self.notified:
+                        continue
+                    # +1 ms: the detector needs age >= timeout when it runs.
+                    wait = min(wait, last + timeout - now + 0.001)
+            return wait
+
     def tick(self) -> None:
         with self.cond:
             if not self.closed:
@@ -240,6 +259,7 @@ class _LighthouseState:
             )
         self.reason = f"issued quorum {new_id} ({why_ready})"
         self.cond.notify_all()
+        self.ticker_wakeup.set()
 
     def _detect_failures_locked(self, now: float) -> None:
         if self.prev is None:
@@ -296,6 +316,7 @@ class _LighthouseState:
             self.subscribers.discard(q)
 
     def close(self) -> None:
+        self.ticker_wakeup.set()
         with self.cond:
             self.closed = True
             for q in self.subscribers:
@@ -709,11 +730,23 @@ class LighthouseServer:
         self._http_thread.start()
 
     def _tick_loop(self) -> None:
-        while not self._stop.wait(self._state.tick_s):
+        """Ticks every ``quorum_tick_ms``, and also at each current quorum member's heartbeat
+        deadline. A new quorum wakes the ticker (``ticker_wakeup``) to plan its deadlines."""
+        st = self._state
+        next_regular = time.monotonic() + st.tick_s
+        while not self._stop.is_set():
+            wait = min(next_regular - time.monotonic(), st.next_expiry_in())
+            if st.ticker_wakeup.wait(max(wait, 0.0)):
+                st.ticker_wakeup.clear()
+                continue
+            if self._stop.is_set():
+                return
             try:
-                self._state.tick()
+                st.tick()
             except Exception:  # never let the ticker die
                 logger.exception("lighthouse tick failed")
+            if time.monotonic() >= next_regular:
+                next_regular = time.monotonic() + st.tick_s
 
     def _kill(self, replica_id: str, msg: str) -> Tuple[int, dict]:
         with self._state.lock:

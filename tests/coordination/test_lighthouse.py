@@ -207,6 +207,31 @@ def test_failure_notification_within_one_tick(lighthouse_factory, heartbeater):
     assert not sub.subscribed
 
 
+def test_failure_notification_does_not_wait_for_a_slow_tick(lighthouse_factory, heartbeater):
+    """The ticker wakes at the next quorum member's heartbeat deadline, so a 5 s tick does
+    not delay a 300 ms heartbeat expiry (before, the notice came at the next tick)."""
+    timeout_ms = 300
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=timeout_ms, quorum_tick_ms=5000)
+    c = client(lh)
+    got = []
+    arrived = threading.Event()
+    sub = c.subscribe_failures(lambda n: (got.append(time.monotonic()), arrived.set()))
+    try:
+        assert sub.wait_subscribed(5)
+        stop_b = heartbeater(c, "b")
+        heartbeater(c, "a")
+        form(c, "a", "b")
+        # the next wake-up is b's or a's heartbeat deadline, well under the 5 s tick
+        assert 0 < lh._state.next_expiry_in() <= timeout_ms / 1000 + 0.002
+        stop_b.set()
+        time.sleep(0.06)  # let an in-flight heartbeat land
+        last_b = time.monotonic()
+        assert arrived.wait(5), "no failure notification"
+        assert got[0] - last_b <= timeout_ms / 1000 + 0.15, got[0] - last_b
+    finally:
+        sub.close()
+
+
 def test_failures_iterator(lighthouse_factory):
     lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=200)
     c = client(lh)
