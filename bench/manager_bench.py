@@ -111,6 +111,7 @@ def child(args: argparse.Namespace) -> None:
         if stop_file and os.path.exists(stop_file):
             break
         t0 = time.perf_counter()
+        c0 = time.process_time()  # this process's CPU time, all threads
         opt.zero_grad()
         ta = time.perf_counter()
         ddp(x).square().mean().backward()
@@ -119,6 +120,7 @@ def child(args: argparse.Namespace) -> None:
         t1 = time.perf_counter()
         out["steps"].append({"dt": t1 - t0, "wall": time.time(),
                              "phases": [ta - t0, tb - ta, t1 - tb],
+                             "cpu": time.process_time() - c0,
                              "step": step_fn() if step_fn else i})
         if args.progress:
             with open(args.progress, "w") as f:
@@ -196,6 +198,11 @@ def median_step(tmp: str, names: List[str], warmup: int) -> float:
     return statistics.median(dts)
 
 
+def median_cpu(tmp: str, names: List[str], warmup: int) -> float:
+    """Median CPU time per step of a training process (every thread of it)."""
+    return statistics.median(s["cpu"] for n in names for s in load(tmp, n)["steps"][warmup:])
+
+
 def median_phases(tmp: str, names: List[str], warmup: int) -> List[float]:
     """Median of (zero_grad, forward+backward, optimizer step) over every group's steps."""
     rows = [s["phases"] for n in names for s in load(tmp, n)["steps"][warmup:]]
@@ -207,6 +214,7 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
 
     res = {}
     phases: Dict[str, List[float]] = {}
+    cpu: Dict[str, List[float]] = {}
     for trial in range(args.trials):
         port = free_port()
         procs = [spawn(args, tmp, g, "plain", port, args.steps, f"plain{trial}-{g}")
@@ -229,6 +237,7 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
             names = [f"{mode}{trial}-{g}" for g in range(args.groups)]
             res.setdefault(mode, []).append(median_step(tmp, names, args.warmup))
             phases[mode] = median_phases(tmp, names, args.warmup)
+            cpu.setdefault(mode, []).append(median_cpu(tmp, names, args.warmup))
     plain, ftm = statistics.median(res["plain"]), statistics.median(res["ft"])
     print(f"per-step time, {args.groups} groups x 1 rank, 4.2M-param MLP (16 MiB), "
           f"{args.steps} steps ({args.warmup} warm-up), {args.trials} trial(s), alternating")
@@ -237,6 +246,9 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
     print(f"  ft Manager + ft DDP  : {ftm * 1000:8.2f} ms   (trials: "
           f"{', '.join(f'{v * 1000:.1f}' for v in res['ft'])})")
     print(f"  ratio ft / plain     : {ftm / plain:8.3f}x")
+    pc, fc = statistics.median(cpu["plain"]), statistics.median(cpu["ft"])
+    print(f"  CPU per step, per training process: plain {pc * 1000:.2f} ms, ft {fc * 1000:.2f} ms"
+          f" ({fc / pc:.3f}x; the lighthouse's CPU is not included)")
     for mode in ("plain", "ft"):
         z, fb, st = (v * 1000 for v in phases[mode])
         print(f"  {mode:>5} phases (last trial, medians): zero_grad {z:.2f} ms, "
