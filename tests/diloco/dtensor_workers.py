@@ -63,7 +63,9 @@ def local_mesh():
     return _MESH
 
 
-def build_model(placement: Optional[str]) -> nn.Module:
+def build_model(placement: Optional[str], mesh: Any = None) -> nn.Module:
+    """The test model; with a placement, its parameters are DTensors on ``mesh`` (default: the
+    1-rank local mesh), inputs are replicated and the output is gathered."""
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     if placement is None:
         return model
@@ -71,7 +73,7 @@ def build_model(placement: Optional[str]) -> nn.Module:
         DTensor, Replicate, Shard, distribute_module, distribute_tensor,
     )
 
-    mesh = local_mesh()
+    mesh = mesh if mesh is not None else local_mesh()
     pl = [Replicate()] if placement == "replicate" else [Shard(0)]
 
     def partition(_name, mod, mesh):
@@ -89,6 +91,23 @@ def build_model(placement: Optional[str]) -> nn.Module:
 
 
 
+def healing_fns(model: nn.Module, inner: torch.optim.Optimizer):
+    """(save, load) of the user's state for healing: plain local tensors (ft's checkpoint
+    transport moves plain tensors only), copied back into the DTensors' local tensors."""
+    from ft.local_sgd import _load_optimizer_state
+
+    def save():
+        return {"model": to_local(model.state_dict()), "inner": to_local(inner.state_dict())}
+
+    def load(sd):
+        with torch.no_grad():
+            for n, v in model.state_dict().items():
+                (v.to_local() if is_dtensor(v) else v).copy_(sd["model"][n])
+        _load_optimizer_state(inner, sd["inner"])
+
+    return save, load
+
+
 def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict[str, Any]:
     from ft.local_sgd import DiLoCo, LocalSGD
 
@@ -98,18 +117,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
     assert len(dparams) == (4 if cfg.get("placement") else 0), [type(p) for p in model.parameters()]
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
 
-    # The user's state for healing: plain local tensors (ft's checkpoint transport
-    # moves plain tensors only), copied back into the DTensors' local tensors.
-    def save():
-        return {"model": to_local(model.state_dict()), "inner": to_local(inner.state_dict())}
-
-    def load(sd):
-        with torch.no_grad():
-            for n, v in model.state_dict().items():
-                (v.to_local() if is_dtensor(v) else v).copy_(sd["model"][n])
-        from ft.local_sgd import _load_optimizer_state
-
-        _load_optimizer_state(inner, sd["inner"])
+    save, load = healing_fns(model, inner)
 
     if cfg.get("late") and rank == 1:
         store.wait(["r0-at-late"])  # join only once replica 0 has outer momentum
@@ -233,7 +241,6 @@ def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr
     the same rank of the other replica group (the ft process group pairs group ranks)."""
     import ft
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
     from ft.checkpointing import HTTPTransport
     from ft.local_sgd import DiLoCo
@@ -247,30 +254,9 @@ def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
 
     torch.manual_seed(7 + 31 * replica)  # groups differ; init_sync must make them equal
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-    def partition(_name, mod, mesh):
-        for n, p in list(mod.named_parameters(recurse=False)):
-            mod.register_parameter(n, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
-
-    distribute_module(
-        model, mesh, partition,
-        input_fn=lambda _m, args, mesh: tuple(
-            DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args),
-        output_fn=lambda _m, out, mesh: out.full_tensor(),
-    )
+    model = build_model("shard", mesh)
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    def save():
-        return {"model": to_local(model.state_dict()), "inner": to_local(inner.state_dict())}
-
-    def load(sd):
-        from ft.local_sgd import _load_optimizer_state
-
-        with torch.no_grad():
-            for n, v in model.state_dict().items():
-                v.to_local().copy_(sd["model"][n])
-        _load_optimizer_state(inner, sd["inner"])
+    save, load = healing_fns(model, inner)
 
     to = timedelta(seconds=10)
     if group_rank == 0:
