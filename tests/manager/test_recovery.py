@@ -15,29 +15,9 @@ import pytest
 import torch
 
 from tests.manager.inproc import lighthouse
-from tests.procs import Workers, free_port, make_store
+from tests.procs import Workers, free_port, make_store, max_step, wait_progress
 
 TARGET = "tests.manager.workers:train"
-
-
-def wait_progress(store: Any, keys: List[str], at_least: int, timeout: float, w: Workers) -> int:
-    """Waits until every key in the test store holds a step >= at_least; returns the max."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        vals = [int(store.get(k)) if store.check([k]) else -1 for k in keys]
-        if min(vals) >= at_least:
-            return max(vals)
-        for c in w.children:
-            code = c.proc.poll()
-            if code not in (None, 0, -signal.SIGKILL):
-                raise AssertionError(f"child {c.rank} exited with {code}:\n{c.log()}")
-        time.sleep(0.02)
-    logs = "\n".join(f"--- child {c.rank}\n{c.log()[-3000:]}" for c in w.children)
-    raise AssertionError(f"no progress to {at_least} on {keys} within {timeout}s\n{logs}")
-
-
-def max_step(store: Any, keys: List[str]) -> int:
-    return max(int(store.get(k)) if store.check([k]) else 0 for k in keys)
 
 
 def assert_identical(results: List[Dict[str, Any]], ranks_per_group: int) -> None:

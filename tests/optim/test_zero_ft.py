@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import signal
-import time
 from typing import Any, Dict, List
 
 import torch
 
 from tests.manager.inproc import lighthouse, make_manager
 from tests.optim._zero_ft_worker import batch, make_model
-from tests.procs import Workers, free_port, make_store
+from tests.procs import Workers, free_port, make_store, wait_progress
 
 TARGET = "tests.optim._zero_ft_worker:train"
 RTOL, ATOL = 1e-4, 1e-6  # averaged gradients are (g+..+g)/N, not bitwise g
@@ -96,21 +95,6 @@ def test_failed_commit_leaves_state_untouched() -> None:
         lh.shutdown()
 
 
-def _wait(store: Any, keys: List[str], at_least: int, timeout: float, w: Workers) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        vals = [int(store.get(k)) if store.check([k]) else -1 for k in keys]
-        if min(vals) >= at_least:
-            return max(vals)
-        for c in w.children:
-            code = c.proc.poll()
-            if code not in (None, 0, -signal.SIGKILL):
-                raise AssertionError(f"child {c.rank} exited with {code}:\n{c.log()}")
-        time.sleep(0.05)
-    logs = "\n".join(f"--- child {c.rank}\n{c.log()[-3000:]}" for c in w.children)
-    raise AssertionError(f"no progress to {at_least} on {keys} within {timeout}s\n{logs}")
-
-
 def test_kill_restart_keeps_every_shard() -> None:
     n = 3
     lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=500)
@@ -121,16 +105,16 @@ def test_kill_restart_keeps_every_shard() -> None:
         with Workers(TARGET, n, store, ranks=[], lh_addr=lh.address()) as w:
             for r in range(n):
                 w.spawn(r, port=ports[r])
-            _wait(store, keys, 4, 90, w)
+            wait_progress(store, keys, 4, 90, w)
             victim = w.by_rank(1)
             victim.signal(signal.SIGKILL)
             victim.proc.wait(10)
             kill_step = max(int(store.get(k)) for k in keys)
             survivors = [keys[0], keys[2]]
-            _wait(store, survivors, kill_step + 3, 60, w)
+            wait_progress(store, survivors, kill_step + 3, 60, w)
             store.delete_key("step/1")
             w.spawn(1, port=free_port())
-            _wait(store, keys, kill_step + 4, 60, w)
+            wait_progress(store, keys, kill_step + 4, 60, w)
             stop = max(int(store.get(k)) for k in keys) + 3
             store.set("stop_at", str(stop))
             live = [c for c in w.children if c is not victim]
