@@ -6,8 +6,12 @@ connecting included. A missed deadline raises :class:`TimeoutError`; any other f
 
 Failure notifications
 ---------------------
-The lighthouse streams a notification within one quorum tick of a member of the current quorum
-missing its heartbeat deadline. Two ways to receive them::
+The lighthouse streams a notification when a member of the current quorum misses its heartbeat
+deadline (the ticker wakes at each member's deadline), and at once when a member's own
+subscription drops before its deadline: a subscriber named ``"{replica_id}/{rank}"`` (as
+ft.Manager subscribes) ties the stream to its replica's liveness, so a process killed with
+``kill -9`` is known dead within milliseconds instead of a heartbeat timeout. Two ways to
+receive them::
 
     client = LighthouseClient("http://lighthouse:29510", connect_timeout=timedelta(seconds=10))
 

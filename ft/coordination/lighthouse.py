@@ -186,6 +186,23 @@ class _LighthouseState:
                 self._prev_response = (q, resp)
         return resp
 
+    def connection_lost(self, replica_id: str) -> None:
+        """``replica_id``'s process dropped its failure subscription (it died, or shut down):
+        its heartbeat counts as expired now instead of a heartbeat timeout later, so members
+        of its quorum are notified at once and the next quorum does not wait for it. A live
+        replica revives with its next heartbeat or Quorum request."""
+        with self.cond:
+            if self.closed or replica_id not in self.heartbeats:
+                return
+            if any(w.replica_id == replica_id and w.answer is None and w.is_active()
+                   for w in self.waiters.values()):
+                return  # still asking for a quorum: alive
+            now = time.monotonic()
+            self.heartbeats[replica_id] = now - self.opts.heartbeat_timeout_s - 0.001
+            logger.warning("replica %s dropped its failure subscription: treated as dead",
+                           replica_id)
+            self._tick_locked(now)
+
     def heartbeat(self, replica_id: str) -> None:
         with self.lock:
             if self.closed:
@@ -518,6 +535,19 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
                 yield item
         finally:
             self._state.unsubscribe(q)
+            self._on_stream_end(request.subscriber, context)
+
+    def _on_stream_end(self, subscriber: str, context) -> None:
+        """A subscriber named ``"{replica_id}/{rank}"`` (as ft.Manager subscribes) ties the
+        stream to its replica's liveness: if the stream ends before its deadline and not by
+        a server shutdown, the client went away (killed, or shut down)."""
+        replica_id, sep, rank = subscriber.rpartition("/")
+        if not sep or not replica_id or not rank.isdigit() or self._state.closed:
+            return
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < 0.5:
+            return  # the stream's deadline: the client re-subscribes
+        self._state.connection_lost(replica_id)
 
 
 def _make_http_handler(lh: "LighthouseServer"):

@@ -7,6 +7,7 @@ on the backend build. Modes:
     _child.py manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S]
     _child.py lighthouse [LighthouseServer kwargs as JSON]
     _child.py cli [ft-lighthouse flags...]
+    _child.py subscriber REPLICA_ID LIGHTHOUSE_ADDR
 """
 
 import json
@@ -58,6 +59,20 @@ def main() -> int:
         server = coord.LighthouseServer(**kwargs)
         print(f"ADDRESS {server.address()} {server.dashboard_address()}", flush=True)
         _serve_forever(server)
+    elif mode == "subscriber":
+        # A replica's process as the lighthouse sees it: heartbeats, a failure subscription
+        # named "{replica}/0" (as ft.Manager subscribes), and one quorum request.
+        replica_id, lighthouse = sys.argv[2], sys.argv[3]
+        client = coord.LighthouseClient(lighthouse, 5.0)
+        sub = client.subscribe_failures(lambda n: None, subscriber=f"{replica_id}/0")
+        assert sub.wait_subscribed(10)
+        client.heartbeat(replica_id, timeout=5.0)
+        print("ADDRESS subscribed", flush=True)
+        client.quorum(replica_id, timeout=30.0)
+        print("QUORUM", flush=True)
+        while True:
+            client.heartbeat(replica_id, timeout=5.0)
+            threading.Event().wait(0.05)
     elif mode == "cli":
         from ft.coordination.cli import main as cli_main
 

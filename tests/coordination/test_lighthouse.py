@@ -232,6 +232,57 @@ def test_failure_notification_does_not_wait_for_a_slow_tick(lighthouse_factory, 
         sub.close()
 
 
+def test_killed_subscriber_is_dead_at_once_not_after_heartbeat_timeout(
+        lighthouse_factory, heartbeater, children):
+    """A replica's process (heartbeating, subscribed as "victim/0") is kill -9'd: its stream
+    drops, so the other member is notified and forms its next quorum in well under the 5 s
+    heartbeat timeout."""
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=5000, join_timeout_ms=10000)
+    c = client(lh)
+    heartbeater(c, "a")
+    victim = children("subscriber", "victim", lh.address())
+    victim.ready_line()
+    got = []
+    arrived = threading.Event()
+    sub = c.subscribe_failures(lambda n: (got.append((time.monotonic(), n)), arrived.set()))
+    try:
+        assert sub.wait_subscribed(5)
+        q = c.quorum("a", 10.0)  # waits for the heartbeating victim's request: both join
+        assert ids(q) == ["a", "victim"]
+        wait_for(lambda: "QUORUM" in victim.lines, what="the victim's quorum answer")
+        t0 = time.monotonic()
+        victim.proc.kill()
+        victim.proc.wait(5)
+        assert arrived.wait(3), "no failure notification"
+        t, n = got[0]
+        assert n.replica_id == "victim" and n.quorum_id == q.quorum_id
+        assert t - t0 < 1.0, t - t0
+        q2 = c.quorum("a", 10.0)  # not held back waiting for the dead victim
+        assert ids(q2) == ["a"] and time.monotonic() - t0 < 1.5
+    finally:
+        sub.close()
+
+
+def test_subscription_deadline_is_not_a_death(lighthouse_factory, heartbeater):
+    """A stream that reaches its deadline (the client re-subscribes) says nothing about
+    liveness; nor does an anonymous subscriber."""
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=2000)
+    c = client(lh)
+    heartbeater(c, "b")
+    form(c, "b")
+    got = []
+    sub = c.subscribe_failures(lambda n: got.append(n))
+    try:
+        assert sub.wait_subscribed(5)
+        assert list(c.failures(timeout=0.6, subscriber="b/0")) == []
+        assert list(c.failures(timeout=0.3)) == []
+        time.sleep(0.3)
+        assert got == []
+        assert form(c, "b").quorum_id > 0
+    finally:
+        sub.close()
+
+
 def test_failures_iterator(lighthouse_factory):
     lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=200)
     c = client(lh)

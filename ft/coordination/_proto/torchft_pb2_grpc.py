@@ -67,8 +67,8 @@ class LighthouseServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubscribeFailures(self, request, context):
-        """ft extension: streams a FailureNotification within one quorum tick of a member of the
-        current quorum missing its heartbeat deadline.
+        """ft extension: streams a FailureNotification when a member of the current quorum misses
+        its heartbeat deadline, or drops its own subscription (see SubscribeFailuresRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
