@@ -109,44 +109,48 @@ std::vector<at::Tensor> flatten(
   return flat;
 }
 
-// Gloo has no AVG: ft runs it as SUM and divides on completion. Returns the
-// reduce op to hand to Gloo and whether a division is owed.
-c10d::ReduceOp innerReduceOp(
+// How a reduction runs on the transport. Gloo has no AVG: ft runs it as SUM and
+// divides on completion (`finalize`, empty when nothing is owed); NCCL reduces
+// natively (AVG included) and checks the op itself.
+struct TransportReduce {
+  c10d::ReduceOp op;
+  std::function<void(int)> finalize;
+};
+
+TransportReduce transportReduce(
     const c10d::ReduceOp& op,
-    const std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor> outputs,
     const char* name,
-    bool* divide) {
-  *divide = false;
+    bool holdsResult = true) {
   if (!outputs.empty() && outputs.front().is_cuda()) {
-    return op; // NCCL reduces natively (AVG included) and checks the op
+    return {op, nullptr};
   }
   TORCH_CHECK_NOT_IMPLEMENTED(
       op != c10d::ReduceOp::PREMUL_SUM,
       "ft: ",
       name,
       ": ReduceOp.PREMUL_SUM is not supported on the Gloo path");
-  if (op == c10d::ReduceOp::AVG) {
-    for (const auto& t : outputs) {
-      TORCH_CHECK_TYPE(
-          at::isFloatingType(t.scalar_type()) ||
-              at::isComplexType(t.scalar_type()),
-          "ft: ",
-          name,
-          ": ReduceOp.AVG needs floating-point tensors, got ",
-          t.scalar_type());
-    }
-    *divide = true;
-    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  if (op != c10d::ReduceOp::AVG) {
+    return {op, nullptr};
   }
-  return op;
-}
-
-std::function<void(int)> divideBySize(std::vector<at::Tensor> tensors) {
-  return [tensors = std::move(tensors)](int size) {
-    for (const auto& t : tensors) {
-      t.div_(size);
-    }
-  };
+  for (const auto& t : outputs) {
+    TORCH_CHECK_TYPE(
+        at::isFloatingType(t.scalar_type()) ||
+            at::isComplexType(t.scalar_type()),
+        "ft: ",
+        name,
+        ": ReduceOp.AVG needs floating-point tensors, got ",
+        t.scalar_type());
+  }
+  std::function<void(int)> divide;
+  if (holdsResult) {
+    divide = [outputs = std::move(outputs)](int size) {
+      for (const auto& t : outputs) {
+        t.div_(size);
+      }
+    };
+  }
+  return {c10d::ReduceOp(c10d::ReduceOp::SUM), std::move(divide)};
 }
 
 BlockingRegion& blockingRegion() {
@@ -665,17 +669,40 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
   return work;
 }
 
+void FtBackend::checkRoot(int root, const char* name) const {
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      root >= 0 && root < size,
+      "ft: ",
+      name,
+      ": root rank ",
+      root,
+      " is out of range for world_size ",
+      size);
+}
+
+void FtBackend::checkPeer(int peer, const char* name, const char* role) const {
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      peer >= 0 && peer < size && peer != currentRank(),
+      "ft: ",
+      name,
+      ": ",
+      role,
+      " rank ",
+      peer,
+      " is invalid (world_size ",
+      size,
+      ", own rank ",
+      currentRank(),
+      ")");
+}
+
 c10::intrusive_ptr<c10d::Work> FtBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
   checkTensors(tensors, "broadcast");
-  const int size = currentSize();
-  TORCH_CHECK_VALUE(
-      opts.rootRank >= 0 && opts.rootRank < size,
-      "ft: broadcast: root rank ",
-      opts.rootRank,
-      " is out of range for world_size ",
-      size);
+  checkRoot(opts.rootRank, "broadcast");
   return launch(
       c10d::OpType::BROADCAST, "broadcast", tensors, opts.timeout,
       [tensors, opts](c10d::Backend& inner) mutable {
@@ -687,60 +714,49 @@ c10::intrusive_ptr<c10d::Work> FtBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   checkTensors(tensors, "allreduce");
-  bool divide = false;
+  auto reduce = transportReduce(opts.reduceOp, tensors, "allreduce");
   c10d::AllreduceOptions innerOpts = opts;
-  innerOpts.reduceOp = innerReduceOp(opts.reduceOp, tensors, "allreduce", &divide);
-  auto finalize = divide ? divideBySize(tensors) : Finalize();
+  innerOpts.reduceOp = reduce.op;
   return launch(
       c10d::OpType::ALLREDUCE, "allreduce", tensors, opts.timeout,
       [tensors, innerOpts](c10d::Backend& inner) mutable {
         return inner.allreduce(tensors, innerOpts);
       },
-      finalize);
+      reduce.finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   checkTensors(tensors, "allreduce_coalesced");
-  bool divide = false;
+  auto reduce = transportReduce(opts.reduceOp, tensors, "allreduce_coalesced");
   c10d::AllreduceCoalescedOptions innerOpts = opts;
-  innerOpts.reduceOp =
-      innerReduceOp(opts.reduceOp, tensors, "allreduce_coalesced", &divide);
-  auto finalize = divide ? divideBySize(tensors) : Finalize();
+  innerOpts.reduceOp = reduce.op;
   return launch(
       c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
       opts.timeout,
       [tensors, innerOpts](c10d::Backend& inner) mutable {
         return inner.allreduce_coalesced(tensors, innerOpts);
       },
-      finalize);
+      reduce.finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
   checkTensors(tensors, "reduce");
-  const int size = currentSize();
-  TORCH_CHECK_VALUE(
-      opts.rootRank >= 0 && opts.rootRank < size,
-      "ft: reduce: root rank ",
-      opts.rootRank,
-      " is out of range for world_size ",
-      size);
-  bool divide = false;
-  c10d::ReduceOptions innerOpts = opts;
-  innerOpts.reduceOp = innerReduceOp(opts.reduceOp, tensors, "reduce", &divide);
+  checkRoot(opts.rootRank, "reduce");
   // Only the root holds the reduced value.
-  auto finalize = divide && opts.rootRank == currentRank()
-      ? divideBySize(tensors)
-      : Finalize();
+  auto reduce = transportReduce(
+      opts.reduceOp, tensors, "reduce", opts.rootRank == currentRank());
+  c10d::ReduceOptions innerOpts = opts;
+  innerOpts.reduceOp = reduce.op;
   return launch(
       c10d::OpType::REDUCE, "reduce", tensors, opts.timeout,
       [tensors, innerOpts](c10d::Backend& inner) mutable {
         return inner.reduce(tensors, innerOpts);
       },
-      finalize);
+      reduce.finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allgather(
@@ -812,13 +828,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::gather(
     const c10d::GatherOptions& opts) {
   checkTensors(inputTensors, "gather");
   checkTensorLists(outputTensors, "gather");
-  const int size = currentSize();
-  TORCH_CHECK_VALUE(
-      opts.rootRank >= 0 && opts.rootRank < size,
-      "ft: gather: root rank ",
-      opts.rootRank,
-      " is out of range for world_size ",
-      size);
+  checkRoot(opts.rootRank, "gather");
   return launch(
       c10d::OpType::GATHER, "gather", flatten(outputTensors), opts.timeout,
       [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
@@ -832,13 +842,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::scatter(
     const c10d::ScatterOptions& opts) {
   checkTensors(outputTensors, "scatter");
   checkTensorLists(inputTensors, "scatter");
-  const int size = currentSize();
-  TORCH_CHECK_VALUE(
-      opts.rootRank >= 0 && opts.rootRank < size,
-      "ft: scatter: root rank ",
-      opts.rootRank,
-      " is out of range for world_size ",
-      size);
+  checkRoot(opts.rootRank, "scatter");
   return launch(
       c10d::OpType::SCATTER, "scatter", outputTensors, opts.timeout,
       [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
@@ -852,18 +856,17 @@ c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   checkTensors(outputTensors, "reduce_scatter");
   checkTensorLists(inputTensors, "reduce_scatter");
-  bool divide = false;
+  auto reduce =
+      transportReduce(opts.reduceOp, outputTensors, "reduce_scatter");
   c10d::ReduceScatterOptions innerOpts = opts;
-  innerOpts.reduceOp =
-      innerReduceOp(opts.reduceOp, outputTensors, "reduce_scatter", &divide);
-  auto finalize = divide ? divideBySize(outputTensors) : Finalize();
+  innerOpts.reduceOp = reduce.op;
   return launch(
       c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputTensors,
       opts.timeout,
       [outputTensors, inputTensors, innerOpts](c10d::Backend& inner) mutable {
         return inner.reduce_scatter(outputTensors, inputTensors, innerOpts);
       },
-      finalize);
+      reduce.finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::_reduce_scatter_base(
@@ -880,18 +883,17 @@ c10::intrusive_ptr<c10d::Work> FtBackend::_reduce_scatter_base(
       ") x world_size (",
       currentSize(),
       ")");
-  bool divide = false;
+  auto reduce =
+      transportReduce(opts.reduceOp, {outputBuffer}, "reduce_scatter_tensor");
   c10d::ReduceScatterOptions innerOpts = opts;
-  innerOpts.reduceOp = innerReduceOp(
-      opts.reduceOp, {outputBuffer}, "reduce_scatter_tensor", &divide);
-  auto finalize = divide ? divideBySize({outputBuffer}) : Finalize();
+  innerOpts.reduceOp = reduce.op;
   return launch(
       c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
       {outputBuffer}, opts.timeout,
       [outputBuffer, inputBuffer, innerOpts](c10d::Backend& inner) mutable {
         return inner._reduce_scatter_base(outputBuffer, inputBuffer, innerOpts);
       },
-      finalize);
+      reduce.finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter_tensor_coalesced(
@@ -900,18 +902,17 @@ c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   checkTensors(outputs, "reduce_scatter_tensor_coalesced");
   checkTensors(inputs, "reduce_scatter_tensor_coalesced");
-  bool divide = false;
+  auto reduce = transportReduce(
+      opts.reduceOp, outputs, "reduce_scatter_tensor_coalesced");
   c10d::ReduceScatterOptions innerOpts = opts;
-  innerOpts.reduceOp = innerReduceOp(
-      opts.reduceOp, outputs, "reduce_scatter_tensor_coalesced", &divide);
-  auto finalize = divide ? divideBySize(outputs) : Finalize();
+  innerOpts.reduceOp = reduce.op;
   return launch(
       c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
       "reduce_scatter_tensor_coalesced", outputs, opts.timeout,
       [outputs, inputs, innerOpts](c10d::Backend& inner) mutable {
         return inner.reduce_scatter_tensor_coalesced(outputs, inputs, innerOpts);
       },
-      finalize);
+      reduce.finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::alltoall_base(
@@ -949,16 +950,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::send(
     int dstRank,
     int tag) {
   checkTensors(tensors, "send");
-  const int size = currentSize();
-  TORCH_CHECK_VALUE(
-      dstRank >= 0 && dstRank < size && dstRank != currentRank(),
-      "ft: send: destination rank ",
-      dstRank,
-      " is invalid (world_size ",
-      size,
-      ", own rank ",
-      currentRank(),
-      ")");
+  checkPeer(dstRank, "send", "destination");
   return launch(
       c10d::OpType::SEND, "send", tensors, milliseconds(-1),
       [tensors, dstRank, tag](c10d::Backend& inner) mutable {
@@ -971,16 +963,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::recv(
     int srcRank,
     int tag) {
   checkTensors(tensors, "recv");
-  const int size = currentSize();
-  TORCH_CHECK_VALUE(
-      srcRank >= 0 && srcRank < size && srcRank != currentRank(),
-      "ft: recv: source rank ",
-      srcRank,
-      " is invalid (world_size ",
-      size,
-      ", own rank ",
-      currentRank(),
-      ")");
+  checkPeer(srcRank, "recv", "source");
   return launch(
       c10d::OpType::RECV, "recv", tensors, milliseconds(-1),
       [tensors, srcRank, tag](c10d::Backend& inner) mutable {

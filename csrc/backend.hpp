@@ -189,6 +189,10 @@ class FtBackend : public c10d::Backend {
   // writes into the caller's tensors after the inner op.
   using Finalize = std::function<void(int worldSize)>;
 
+  // Argument checks shared by the rooted and point-to-point ops (ValueError).
+  void checkRoot(int root, const char* name) const;
+  void checkPeer(int peer, const char* name, const char* role) const;
+
   // The one path every op takes: pick the generation and lane, register the
   // FtWork with its deadline, issue the inner op, and complete the FtWork
   // from the inner op's completion (running `finalize` only on success).
