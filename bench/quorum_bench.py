@@ -34,7 +34,7 @@ from datetime import timedelta
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ft.coordination import LighthouseClient, ManagerClient, ManagerServer  # noqa: E402
+from ft.coordination import LighthouseClient  # noqa: E402
 
 
 def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, tick_ms: int, join_timeout_ms: int):

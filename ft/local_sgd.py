@@ -214,12 +214,34 @@ def _allreduce_all(
     return _AllWorks([one(t) for t in tensors])
 
 
+class _OnOptimizerStep:
+    """A context manager that calls ``self._step_post_hook`` after every step of
+    ``self._hooked_optimizer`` while it is entered (LocalSGD and DiLoCo share it)."""
+
+    _hooked_optimizer: torch.optim.Optimizer
+    _hook: Any = None
+
+    def __enter__(self):
+        if self._hook is None:
+            self._hook = self._hooked_optimizer.register_step_post_hook(self._step_post_hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        return False
+
+    def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        raise NotImplementedError
+
+
 # --------------------------------------------------------------------------
 # LocalSGD
 # --------------------------------------------------------------------------
 
 
-class LocalSGD:
+class LocalSGD(_OnOptimizerStep):
     """Averages the model's parameters every `sync_every` optimizer steps.
 
     The averages are copied into the model only if `manager.should_commit()`;
@@ -249,6 +271,7 @@ class LocalSGD:
         self._manager = manager
         self._model = model
         self._optimizer = optimizer
+        self._hooked_optimizer = optimizer
         self._sync_every = sync_every
         self._warmup_steps = warmup_steps
         self._use_bucketization = use_bucketization
@@ -259,7 +282,6 @@ class LocalSGD:
         self._backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self._params}
         self._local_step = 0
         self._total_steps = 0
-        self._hook = None
         manager.register_state_dict_fn("LocalSGD", self._load_state_dict, self._state_dict)
 
     # -- state for healing ----------------------------------------------------
@@ -272,17 +294,6 @@ class LocalSGD:
             b.copy_(state["backup"][n])
 
     # -- hooks ----------------------------------------------------------------
-
-    def __enter__(self) -> "LocalSGD":
-        if self._hook is None:
-            self._hook = self._optimizer.register_step_post_hook(self._step_post_hook)
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        return False
 
     def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self._local_step += 1
@@ -358,7 +369,7 @@ class _Fragment:
                 self.backup[n].copy_(_local(p.detach()), non_blocking=True)
 
 
-class DiLoCo:
+class DiLoCo(_OnOptimizerStep):
     """DiLoCo (sync_every inner steps, then an outer step on the averaged
     pseudo-gradient) and Streaming DiLoCo (several fragments, staggered, with
     an overlap delay tau and a merge factor alpha). torchft's arguments."""
@@ -411,6 +422,7 @@ class DiLoCo:
             self._shared_outer = outer_optimizer
         self._manager = manager
         self._inner_optimizer = inner_optimizer
+        self._hooked_optimizer = inner_optimizer
         self._alpha = float(fragment_update_alpha)
         self._should_quantize = should_quantize
         self._use_bucketization = use_bucketization
@@ -420,7 +432,6 @@ class DiLoCo:
         ]
         self._local_step = 0
         self._pending: Optional[Tuple[int, List[torch.Tensor], Any]] = None
-        self._hook = None
         # Seconds the training loop spent blocked on fragment allreduces at sync points: the
         # communication the schedule did not hide (tau > 0 overlaps it with inner steps).
         self.comm_wait_seconds = 0.0
@@ -461,17 +472,6 @@ class DiLoCo:
         return load
 
     # -- hooks ----------------------------------------------------------------
-
-    def __enter__(self) -> "DiLoCo":
-        if self._hook is None:
-            self._hook = self._inner_optimizer.register_step_post_hook(self._step_post_hook)
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        return False
 
     def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self._local_step += 1

@@ -199,8 +199,9 @@ class _LighthouseState:
                 return  # still asking for a quorum: alive
             now = time.monotonic()
             self.heartbeats[replica_id] = now - self.opts.heartbeat_timeout_s - 0.001
-            logger.warning("replica %s dropped its failure subscription: treated as dead",
-                           replica_id)
+            # INFO: a clean shutdown looks the same; the failure notice below is the warning.
+            logger.info("replica %s dropped its failure subscription: treated as dead",
+                        replica_id)
             self._tick_locked(now)
 
     def heartbeat(self, replica_id: str) -> None:

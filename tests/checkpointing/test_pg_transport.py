@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_testlib import Peer, assert_same, check_payload, gloo_pg  # noqa: E402
 
+from tests.manager.inproc import in_threads  # noqa: E402
 from ft.checkpointing import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointNotAvailableError,
@@ -53,26 +54,6 @@ def make_pgs(store: Any, ranks: List[int], world: int, timeout: timedelta = TO) 
         raise errors[0]
     assert len(pgs) == len(ranks), "process group construction timed out"
     return pgs
-
-
-def in_threads(fns: List[Any], timeout: float = 20) -> List[Dict[str, Any]]:
-    outs: List[Dict[str, Any]] = [{} for _ in fns]
-
-    def run(i: int) -> None:
-        t0 = time.monotonic()
-        try:
-            outs[i]["value"] = fns[i]()
-        except BaseException as e:  # noqa: BLE001
-            outs[i]["error"] = e
-        outs[i]["t"] = time.monotonic() - t0
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "transfer thread did not finish in time"
-    return outs
 
 
 def test_round_trip_separate_process_two_destinations(payload_path: str) -> None:
