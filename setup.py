@@ -1,4 +1,6 @@
-"""Builds ft and its C++ extension ft._C.
+"""Builds ft and its C++ extensions: ft._C (the backend) and, where the system has gRPC C++
+(pkg-config grpc++, e.g. Debian's libgrpc++-dev), ft.coordination._grpc_server (the
+lighthouse's native gRPC server; without it the lighthouse serves with grpcio).
 
     python setup.py build_ext --inplace          # in-tree build
     pip install --no-build-isolation -e .        # editable install
@@ -98,6 +100,30 @@ def extension():
     )
 
 
+def grpc_server_extension():
+    """ft.coordination._grpc_server, or None without gRPC C++ (or with FT_NATIVE_GRPC=0)."""
+    if os.environ.get("FT_NATIVE_GRPC", "1") == "0":
+        return None
+    try:
+        cflags = subprocess.check_output(["pkg-config", "--cflags", "grpc++"], text=True).split()
+        libs = subprocess.check_output(["pkg-config", "--libs", "grpc++"], text=True).split()
+    except (OSError, subprocess.CalledProcessError):
+        print("ft: gRPC C++ not found (pkg-config grpc++): the lighthouse will use grpcio")
+        return None
+    from setuptools import Extension
+    from torch.utils.cpp_extension import include_paths
+
+    # pybind11's headers come with torch; the module itself does not link torch.
+    return Extension(
+        name="ft.coordination._grpc_server",
+        sources=["csrc/grpc_server/grpc_server.cpp"],
+        include_dirs=include_paths()[:1],
+        extra_compile_args=["-O2", "-g0", "-std=c++17", "-fvisibility=hidden"] + cflags,
+        extra_link_args=libs,
+        language="c++",
+    )
+
+
 def generate_proto():
     script = os.path.join(ROOT, "tools", "gen_proto.py")
     if not os.path.exists(script):
@@ -124,7 +150,7 @@ setup(
     description="Per-step fault tolerance for PyTorch training",
     packages=find_packages(include=["ft", "ft.*"]),
     package_data={"ft": ["coordination/dashboard/*", "coordination/_proto/*"]},
-    ext_modules=[extension()],
+    ext_modules=[e for e in (extension(), grpc_server_extension()) if e is not None],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=[

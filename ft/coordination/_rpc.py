@@ -21,7 +21,7 @@ MAX_NAME_LEN = 1024
 # Largest rank / world size accepted.
 MAX_RANK = 1 << 20
 # A deadline further away than this is treated as "no deadline" (gRPC reports ~9.2e18 s).
-_NO_DEADLINE_S = 1e9
+NO_DEADLINE_S = 1e9
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -123,7 +123,7 @@ def server_deadline(context: grpc.ServicerContext, method: str) -> float:
     rank is missing, ...) reaches the caller instead of a bare client-side deadline error.
     """
     remaining = context.time_remaining()
-    if remaining is None or remaining > _NO_DEADLINE_S:
+    if remaining is None or remaining > NO_DEADLINE_S:
         context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{method}: a deadline is required (set a timeout on the call)",

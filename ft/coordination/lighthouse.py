@@ -29,22 +29,21 @@ import hmac
 import json
 import logging
 import os
-import queue
+import collections
 import socket
 import statistics
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 from urllib.parse import parse_qs, urlparse
 
 import grpc
 
 from . import _rpc
 from ._proto import torchft_pb2 as pb
-from ._proto import torchft_pb2_grpc as pb_grpc
+from .rpc_server import Call, Method, RpcServer
 from .quorum import (
     LighthouseOptions,
     Quorum,
@@ -69,11 +68,13 @@ class _Unavailable(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)
 class _Waiter:
+    """An open Quorum call: answered by whichever request or tick issues its quorum."""
+
     replica_id: str
-    is_active: Callable[[], bool] = lambda: True
-    answer: Optional[Quorum] = None
+    call: Call
+    deadline: float  # time.monotonic()
 
 
 @dataclass
@@ -86,7 +87,14 @@ class _Stats:
 
 
 class _LighthouseState:
-    """All lighthouse state, guarded by one lock; the gRPC and HTTP faces call into it."""
+    """All lighthouse state, guarded by one lock; the gRPC and HTTP faces call into it.
+
+    Quorum calls do not block a thread: each is a :class:`_Waiter` holding its gRPC call, and
+    the request or tick that issues a quorum answers every member's call. The ticker thread
+    expires waiters at their deadlines. gRPC's cancellation notices (a caller gone, a failure
+    stream dropped) must not take ``lock`` (see rpc_server.Call.on_cancel): they queue an event
+    in ``_events`` and wake the ticker, which handles it under the lock.
+    """
 
     def __init__(
         self,
@@ -100,21 +108,24 @@ class _LighthouseState:
         self.dead_grace_s = dead_grace_s
         self.quorum_id_file = quorum_id_file
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
         self.participants: Dict[str, Tuple[float, QuorumMember]] = {}
         self.heartbeats: Dict[str, float] = {}
         self.last_member: Dict[str, QuorumMember] = {}  # latest info per replica (dashboard, kill)
-        self.waiters: Dict[int, _Waiter] = {}
+        self.waiters: Set[_Waiter] = set()
         self.prev: Optional[Quorum] = None
         # Set when a quorum is issued (and on close): the ticker re-plans its next wake-up.
         self.ticker_wakeup = threading.Event()
-        # The answer to every member of ``prev``, built once: N members get the same message.
-        self._prev_response: Optional[Tuple[Quorum, pb.LighthouseQuorumResponse]] = None
+        # When the ticker will wake next on its own (a new waiter with an earlier deadline wakes it).
+        self.ticker_planned_wake = 0.0
+        # Cancellation notices for the ticker: ("stream_end", subscriber, time_remaining) or
+        # ("cancelled",). Appended without the lock (deque appends are atomic).
+        self._events: "collections.deque" = collections.deque()
         self.prev_issued_mono = 0.0
         self.quorum_id = self._initial_quorum_id()
         self.reason = "no participants"
         self.notified: Set[Tuple[int, str]] = set()
-        self.subscribers: Set["queue.Queue"] = set()
+        self.subscribers: Set[Call] = set()
+        self.last_keepalive = time.monotonic()
         self.stats = _Stats()
         self.closed = False
 
@@ -141,10 +152,11 @@ class _LighthouseState:
             logger.warning("could not persist quorum id to %s: %s", self.quorum_id_file, e)
 
     # --- quorum -----------------------------------------------------------------------
-    def quorum(self, member: QuorumMember, deadline: float, is_active) -> Quorum:
+    def quorum(self, member: QuorumMember, deadline: float, call: Call) -> None:
+        """Registers ``call`` to be answered with ``member``'s next quorum (maybe at once)."""
         rid = member.replica_id
-        waiter = _Waiter(rid, is_active)
-        with self.cond:
+        waiter = _Waiter(rid, call, deadline)
+        with self.lock:
             if self.closed:
                 raise _Unavailable("lighthouse is shutting down")
             now = time.monotonic()
@@ -152,56 +164,64 @@ class _LighthouseState:
             self.last_member[rid] = member
             joined = self.participants[rid][0] if rid in self.participants else now
             self.participants[rid] = (joined, member)
-            self.waiters[id(waiter)] = waiter
-            try:
-                self._tick_locked(now)
-                while waiter.answer is None:
-                    if self.closed:
-                        raise _Unavailable("lighthouse is shutting down")
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(
-                            f"no quorum for {rid} before its deadline; last state: {self.reason}"
-                        )
-                    if not is_active():
-                        raise TimeoutError("caller went away")
-                    self.cond.wait(min(remaining, 1.0))
-                return waiter.answer
-            finally:
-                del self.waiters[id(waiter)]
-                if waiter.answer is None and not any(
-                    w.replica_id == rid for w in self.waiters.values()
-                ):
-                    # Nobody is waiting for this replica any more: it is no longer a participant.
-                    self.participants.pop(rid, None)
+            self.waiters.add(waiter)
+            call.on_cancel = self._on_waiter_cancelled
+            self._tick_locked(now)
+            if waiter in self.waiters and deadline < self.ticker_planned_wake:
+                self.ticker_wakeup.set()
 
-    def response(self, q: Quorum) -> pb.LighthouseQuorumResponse:
-        """The Quorum RPC's answer for ``q`` (cached for the latest quorum)."""
-        cached = self._prev_response
-        if cached is not None and cached[0] is q:
-            return cached[1]
-        resp = pb.LighthouseQuorumResponse(quorum=_rpc.quorum_to_pb(q))
-        with self.lock:
-            if q is self.prev:
-                self._prev_response = (q, resp)
-        return resp
+    def has_events(self) -> bool:
+        return bool(self._events)
 
-    def connection_lost(self, replica_id: str) -> None:
+    def _on_waiter_cancelled(self) -> None:
+        # A gRPC thread, maybe inside a Call method of a thread holding the lock: no lock here.
+        self._events.append(("cancelled",))
+        self.ticker_wakeup.set()
+
+    def on_stream_end(self, subscriber: str, call: Call) -> None:
+        """A failure stream ended without the server ending it (gRPC thread; no lock here)."""
+        self._events.append(("stream_end", subscriber, call, call.time_remaining()))
+        self.ticker_wakeup.set()
+
+    def _handle_events_locked(self, now: float) -> None:
+        while self._events:
+            event = self._events.popleft()
+            if event[0] == "stream_end":
+                _, subscriber, call, remaining = event
+                self.subscribers.discard(call)
+                self._stream_ended_locked(subscriber, remaining, now)
+            # "cancelled": _tick_locked drops every waiter whose call is over.
+
+    def _stream_ended_locked(self, subscriber: str, remaining: float, now: float) -> None:
+        """A subscriber named ``"{replica_id}/{rank}"`` (as ft.Manager subscribes) ties the
+        stream to its replica's liveness: if the stream ends before its deadline and not by a
+        server shutdown, the client went away (killed, or shut down)."""
+        replica_id, sep, rank = subscriber.rpartition("/")
+        if not sep or not replica_id or not rank.isdigit() or self.closed:
+            return
+        if remaining < 0.5:
+            return  # the stream's deadline: the client re-subscribes
+        self._connection_lost_locked(replica_id, now)
+
+    def _connection_lost_locked(self, replica_id: str, now: float) -> None:
         """``replica_id``'s process dropped its failure subscription (it died, or shut down):
         its heartbeat counts as expired now instead of a heartbeat timeout later, so members
         of its quorum are notified at once and the next quorum does not wait for it. A live
         replica revives with its next heartbeat or Quorum request."""
-        with self.cond:
-            if self.closed or replica_id not in self.heartbeats:
+        if replica_id not in self.heartbeats:
+            return
+        if any(w.replica_id == replica_id and w.call.is_active() for w in self.waiters):
+            return  # still asking for a quorum: alive
+        self.heartbeats[replica_id] = now - self.opts.heartbeat_timeout_s - 0.001
+        # INFO: a clean shutdown looks the same; the failure notice below is the warning.
+        logger.info("replica %s dropped its failure subscription: treated as dead", replica_id)
+
+    def connection_lost(self, replica_id: str) -> None:
+        with self.lock:
+            if self.closed:
                 return
-            if any(w.replica_id == replica_id and w.answer is None and w.is_active()
-                   for w in self.waiters.values()):
-                return  # still asking for a quorum: alive
             now = time.monotonic()
-            self.heartbeats[replica_id] = now - self.opts.heartbeat_timeout_s - 0.001
-            # INFO: a clean shutdown looks the same; the failure notice below is the warning.
-            logger.info("replica %s dropped its failure subscription: treated as dead",
-                        replica_id)
+            self._connection_lost_locked(replica_id, now)
             self._tick_locked(now)
 
     def heartbeat(self, replica_id: str) -> None:
@@ -212,10 +232,13 @@ class _LighthouseState:
 
     def next_expiry_in(self) -> float:
         """Seconds until the earliest heartbeat deadline of a current quorum member not yet
-        reported dead (inf if none): the ticker wakes then, so the failure notification goes
-        out at the deadline rather than up to a tick later."""
+        reported dead, or the earliest Quorum call deadline (inf if none): the ticker wakes
+        then, so the failure notification or the timeout goes out at the deadline rather than
+        up to a tick later."""
         with self.lock:
             wait = float("inf")
+            if self.waiters:
+                wait = min(w.deadline for w in self.waiters) - time.monotonic()
             if self.prev is not None:
                 now = time.monotonic()
                 timeout = self.opts.heartbeat_timeout_s
@@ -228,16 +251,34 @@ class _LighthouseState:
             return wait
 
     def tick(self) -> None:
-        with self.cond:
+        with self.lock:
             if not self.closed:
-                self._tick_locked(time.monotonic())
+                now = time.monotonic()
+                self._handle_events_locked(now)
+                self._tick_locked(now)
+                if now - self.last_keepalive >= KEEPALIVE_S:
+                    self.last_keepalive = now
+                    self._broadcast_locked(_KEEPALIVE)
 
     def _tick_locked(self, now: float) -> None:
         # An open Quorum call is a continuous heartbeat: its caller is alive and listening (a
         # dropped connection ends the call, and gRPC keepalive catches a stalled peer).
-        for w in self.waiters.values():
-            if w.answer is None and w.is_active():
+        gone = []
+        for w in self.waiters:
+            if not w.call.is_active():
+                gone.append(w)
+            elif now >= w.deadline:
+                w.call.finish(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no quorum for {w.replica_id} before its deadline; "
+                              f"last state: {self.reason}")
+                gone.append(w)
+            else:
                 self.heartbeats[w.replica_id] = now
+        for w in gone:
+            self.waiters.discard(w)
+            if not any(o.replica_id == w.replica_id for o in self.waiters):
+                # Nobody is waiting for this replica any more: it is no longer a participant.
+                self.participants.pop(w.replica_id, None)
         self._detect_failures_locked(now)
         self._forget_dead_locked(now)
         decision = quorum_compute(now, self.participants, self.heartbeats, self.prev, self.opts)
@@ -257,9 +298,12 @@ class _LighthouseState:
         self.prev_issued_mono = now
         ids = {m.replica_id for m in members}
         self.participants.clear()
-        for w in self.waiters.values():
+        # One serialized answer for every member.
+        answer = pb.LighthouseQuorumResponse(quorum=_rpc.quorum_to_pb(quorum)).SerializeToString()
+        for w in list(self.waiters):
             if w.replica_id in ids:
-                w.answer = quorum
+                self.waiters.discard(w)
+                w.call.reply_serialized(answer)
             elif w.replica_id not in self.participants:
                 # Not in this quorum: stays a participant for the next round.
                 self.participants[w.replica_id] = (now, self.last_member[w.replica_id])
@@ -276,8 +320,10 @@ class _LighthouseState:
                 new_id, why_id, why_ready, ", ".join(sorted(ids)),
             )
         self.reason = f"issued quorum {new_id} ({why_ready})"
-        self.cond.notify_all()
-        self.ticker_wakeup.set()
+        if changed:
+            # New members: the ticker re-plans its wake-up for their heartbeat deadlines. The
+            # same members keep deadlines no earlier than planned (heartbeats only advance).
+            self.ticker_wakeup.set()
 
     def _detect_failures_locked(self, now: float) -> None:
         if self.prev is None:
@@ -302,14 +348,13 @@ class _LighthouseState:
             msg.detected.GetCurrentTime()
             self.stats.failure_notifications += 1
             logger.warning("%s", msg.error_message)
-            for q in list(self.subscribers):
-                q.put(msg)
+            self._broadcast_locked(msg.SerializeToString())
         # Forget notifications of old quorums.
         self.notified = {k for k in self.notified if k[0] == self.prev.quorum_id}
 
     def _forget_dead_locked(self, now: float) -> None:
         limit = self.opts.heartbeat_timeout_s + self.dead_grace_s
-        waiting = {w.replica_id for w in self.waiters.values()}
+        waiting = {w.replica_id for w in self.waiters}
         for rid, last in list(self.heartbeats.items()):
             if now - last > limit and rid not in waiting:
                 del self.heartbeats[rid]
@@ -321,29 +366,32 @@ class _LighthouseState:
                     self.last_member.pop(rid, None)
 
     # --- subscriptions ----------------------------------------------------------------
-    def subscribe(self) -> "queue.Queue":
-        q: "queue.Queue" = queue.Queue()
+    def subscribe(self, call: Call) -> None:
         with self.lock:
             if self.closed:
                 raise _Unavailable("lighthouse is shutting down")
-            self.subscribers.add(q)
-        return q
+            self.subscribers.add(call)
+            # The first message tells the subscriber it is subscribed.
+            call.write_serialized(_KEEPALIVE)
 
-    def unsubscribe(self, q: "queue.Queue") -> None:
-        with self.lock:
-            self.subscribers.discard(q)
+    def _broadcast_locked(self, data: bytes) -> None:
+        for call in list(self.subscribers):
+            if not call.write_serialized(data):
+                # Over, or so far behind that gRPC stopped queueing: drop it (the client
+                # re-subscribes, and its stream end is handled like any other).
+                self.subscribers.discard(call)
+                call.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, "failure stream fell behind")
 
     def close(self) -> None:
         self.ticker_wakeup.set()
-        with self.cond:
+        with self.lock:
             self.closed = True
-            for q in self.subscribers:
-                q.put(None)
-            self.cond.notify_all()
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
+            for w in self.waiters:
+                w.call.finish(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+            self.waiters.clear()
+            for call in self.subscribers:
+                call.finish()
+            self.subscribers.clear()
 
     # --- observation ------------------------------------------------------------------
     def status(self) -> dict:
@@ -471,84 +519,65 @@ def render_metrics(status: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
-    def __init__(self, state: _LighthouseState) -> None:
-        self._state = state
+_SERVICE = "/torchft.LighthouseService/"
+_KEEPALIVE = pb.FailureNotification(keepalive=True).SerializeToString()
+_HEARTBEAT_OK = pb.LighthouseHeartbeatResponse().SerializeToString()
 
-    def Quorum(self, request, context):
-        deadline = _rpc.server_deadline(context, "Quorum")
+
+def _methods(state: _LighthouseState) -> Dict[str, Method]:
+    """The torchft.LighthouseService methods, answered from ``state``."""
+
+    def quorum(request: pb.LighthouseQuorumRequest, call: Call) -> None:
+        deadline = _rpc.server_deadline(call, "Quorum")
         if not request.HasField("requester"):
-            _rpc.bad(context, "Quorum: requester is required")
+            _rpc.bad(call, "Quorum: requester is required")
         r = request.requester
-        _rpc.check_name(context, "requester.replica_id", r.replica_id)
-        _rpc.check_name(context, "requester.address", r.address, allow_empty=True)
-        _rpc.check_name(context, "requester.store_address", r.store_address, allow_empty=True)
+        _rpc.check_name(call, "requester.replica_id", r.replica_id)
+        _rpc.check_name(call, "requester.address", r.address, allow_empty=True)
+        _rpc.check_name(call, "requester.store_address", r.store_address, allow_empty=True)
         if r.step < 0:
-            _rpc.bad(context, f"requester.step must be >= 0, got {r.step}")
+            _rpc.bad(call, f"requester.step must be >= 0, got {r.step}")
         if r.world_size > _rpc.MAX_RANK:
-            _rpc.bad(context, f"requester.world_size {r.world_size} is too large")
+            _rpc.bad(call, f"requester.world_size {r.world_size} is too large")
         if r.commit_failures < 0:
-            _rpc.bad(context, f"requester.commit_failures must be >= 0, got {r.commit_failures}")
+            _rpc.bad(call, f"requester.commit_failures must be >= 0, got {r.commit_failures}")
         if len(r.data) > MAX_DATA_BYTES:
-            _rpc.bad(context, f"requester.data is too large ({len(r.data)} > {MAX_DATA_BYTES} bytes)")
+            _rpc.bad(call, f"requester.data is too large ({len(r.data)} > {MAX_DATA_BYTES} bytes)")
         if r.data:
             try:
                 json.loads(r.data)
             except ValueError as e:
-                _rpc.bad(context, f"requester.data is not valid JSON: {e}")
-        member = _rpc.member_from_pb(r)
-        context.add_callback(self._state.wake)
+                _rpc.bad(call, f"requester.data is not valid JSON: {e}")
         try:
-            q = self._state.quorum(member, deadline, context.is_active)
-        except TimeoutError as e:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            state.quorum(_rpc.member_from_pb(r), deadline, call)
         except _Unavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return self._state.response(q)
+            call.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    def Heartbeat(self, request, context):
-        _rpc.server_deadline(context, "Heartbeat")
-        _rpc.check_name(context, "replica_id", request.replica_id)
+    def heartbeat(request: pb.LighthouseHeartbeatRequest, call: Call) -> None:
+        _rpc.server_deadline(call, "Heartbeat")
+        _rpc.check_name(call, "replica_id", request.replica_id)
         try:
-            self._state.heartbeat(request.replica_id)
+            state.heartbeat(request.replica_id)
         except _Unavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        return pb.LighthouseHeartbeatResponse()
+            call.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        call.reply_serialized(_HEARTBEAT_OK)
 
-    def SubscribeFailures(self, request, context):
-        _rpc.server_deadline(context, "SubscribeFailures")
-        _rpc.check_name(context, "subscriber", request.subscriber, allow_empty=True)
+    def subscribe_failures(request: pb.SubscribeFailuresRequest, call: Call) -> None:
+        _rpc.server_deadline(call, "SubscribeFailures")
+        _rpc.check_name(call, "subscriber", request.subscriber, allow_empty=True)
+        subscriber = request.subscriber
+        call.on_cancel = lambda: state.on_stream_end(subscriber, call)
         try:
-            q = self._state.subscribe()
+            state.subscribe(call)
         except _Unavailable as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        context.add_callback(lambda: q.put(None))
-        try:
-            yield pb.FailureNotification(keepalive=True)
-            while context.is_active():
-                try:
-                    item = q.get(timeout=KEEPALIVE_S)
-                except queue.Empty:
-                    yield pb.FailureNotification(keepalive=True)
-                    continue
-                if item is None:
-                    return
-                yield item
-        finally:
-            self._state.unsubscribe(q)
-            self._on_stream_end(request.subscriber, context)
+            call.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    def _on_stream_end(self, subscriber: str, context) -> None:
-        """A subscriber named ``"{replica_id}/{rank}"`` (as ft.Manager subscribes) ties the
-        stream to its replica's liveness: if the stream ends before its deadline and not by
-        a server shutdown, the client went away (killed, or shut down)."""
-        replica_id, sep, rank = subscriber.rpartition("/")
-        if not sep or not replica_id or not rank.isdigit() or self._state.closed:
-            return
-        remaining = context.time_remaining()
-        if remaining is not None and remaining < 0.5:
-            return  # the stream's deadline: the client re-subscribes
-        self._state.connection_lost(replica_id)
+    return {
+        _SERVICE + "Quorum": Method(pb.LighthouseQuorumRequest, quorum),
+        _SERVICE + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat),
+        _SERVICE + "SubscribeFailures": Method(
+            pb.SubscribeFailuresRequest, subscribe_failures, streaming=True),
+    }
 
 
 def _make_http_handler(lh: "LighthouseServer"):
@@ -663,6 +692,10 @@ class LighthouseServer:
         dead_grace_ms: dead replicas leave the dashboard this long after their heartbeat expired.
         quorum_id_file: optional file persisting the last quorum id (see module docstring).
         hostname: host name to advertise in :meth:`address` (default: derived from ``bind``).
+        max_workers: most Quorum calls open at once with the grpcio transport.
+        transport: gRPC server: ``"auto"`` (the native C++ one when built), ``"native"``,
+            ``"grpcio"`` (see ft.coordination.rpc_server). Env ``FT_LIGHTHOUSE_TRANSPORT``
+            overrides ``"auto"``.
     """
 
     def __init__(
@@ -679,9 +712,12 @@ class LighthouseServer:
         quorum_id_file: Optional[str] = None,
         hostname: Optional[str] = None,
         max_workers: int = 1024,
+        transport: str = "auto",
     ) -> None:
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        if transport == "auto":
+            transport = os.environ.get("FT_LIGHTHOUSE_TRANSPORT", "auto")
         join_timeout_ms = DEFAULT_JOIN_TIMEOUT_MS if join_timeout_ms is None else join_timeout_ms
         quorum_tick_ms = DEFAULT_QUORUM_TICK_MS if quorum_tick_ms is None else quorum_tick_ms
         heartbeat_timeout_ms = (
@@ -704,23 +740,15 @@ class LighthouseServer:
         )
         self._state = _LighthouseState(opts, quorum_tick_ms / 1000, dead_grace_ms / 1000, quorum_id_file)
 
-        keepalive_ms = max(1000, heartbeat_timeout_ms)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ft-lighthouse"),
-            options=_rpc.SERVER_OPTIONS + [
-                # Ping idle connections so that a stalled waiter's call ends.
-                ("grpc.keepalive_time_ms", keepalive_ms),
-                ("grpc.keepalive_timeout_ms", keepalive_ms),
-            ],
-            maximum_concurrent_rpcs=max_workers,
+        self._server = RpcServer(
+            bind, _methods(self._state),
+            # Ping idle connections so that a stalled waiter's call ends.
+            keepalive_ms=max(1000, heartbeat_timeout_ms),
+            transport=transport, max_workers=max_workers,
         )
-        pb_grpc.add_LighthouseServiceServicer_to_server(_LighthouseServicer(self._state), self._server)
+        self._port = self._server.port
         bind_host, _ = _rpc.split_hostport(bind)
-        self._port = self._server.add_insecure_port(_rpc.grpc_target(bind))
-        if self._port == 0:
-            raise OSError(f"lighthouse could not bind {bind!r}")
         self._host = _rpc.advertised_host(bind_host, hostname)
-        self._server.start()
 
         self._http: Optional[_HTTPServer] = None
         self._http_thread: Optional[threading.Thread] = None
@@ -730,7 +758,7 @@ class LighthouseServer:
             try:
                 self._start_http(http_bind)
             except OSError:
-                self._server.stop(0)
+                self._server.shutdown(0)
                 raise
 
         self._stop = threading.Event()
@@ -761,17 +789,21 @@ class LighthouseServer:
         self._http_thread.start()
 
     def _tick_loop(self) -> None:
-        """Ticks every ``quorum_tick_ms``, and also at each current quorum member's heartbeat
-        deadline. A new quorum wakes the ticker (``ticker_wakeup``) to plan its deadlines."""
+        """Ticks every ``quorum_tick_ms``, at each current quorum member's heartbeat deadline,
+        at each open Quorum call's deadline, and when woken (``ticker_wakeup``): by a new
+        quorum or an earlier deadline (to re-plan), or by a cancellation notice (to handle)."""
         st = self._state
         next_regular = time.monotonic() + st.tick_s
         while not self._stop.is_set():
-            wait = min(next_regular - time.monotonic(), st.next_expiry_in())
-            if st.ticker_wakeup.wait(max(wait, 0.0)):
+            wait = max(min(next_regular - time.monotonic(), st.next_expiry_in()), 0.0)
+            st.ticker_planned_wake = time.monotonic() + wait
+            woken = st.ticker_wakeup.wait(wait)
+            if woken:
                 st.ticker_wakeup.clear()
-                continue
             if self._stop.is_set():
                 return
+            if woken and not st.has_events():
+                continue
             try:
                 st.tick()
             except Exception:  # never let the ticker die
@@ -820,7 +852,7 @@ class LighthouseServer:
             return
         self._stop.set()
         self._state.close()
-        self._server.stop(grace).wait(timeout=grace + 5)
+        self._server.shutdown(grace)
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
