@@ -16,9 +16,10 @@
 //   operation and return. They may be called from any thread, any number of times; everything
 //   after the first finish is ignored (return value false).
 // - When a call ends without Python having finished it (the client cancelled, went away or its
-//   deadline passed), the call object's `on_cancel` attribute, if Python set one, is called once
-//   on a gRPC thread with the GIL held. gRPC may run that inline inside a Call method issued by
-//   Python, so `on_cancel` must not take locks its caller might hold: hand work to another thread.
+//   deadline passed), the call's `on_cancel`, if Python set one, is called once with the GIL
+//   held: on a gRPC thread, or at once in the setter if the call was already cancelled. gRPC may
+//   run it inline inside a Call method issued by Python, so `on_cancel` must not take locks its
+//   caller might hold: hand work to another thread. Once Python answers, it is dropped.
 // - Every call is finished exactly once (gRPC requires it): by Python, or with CANCELLED here.
 // - Server.shutdown(grace) stops accepting calls, cancels those still open after `grace`
 //   seconds, and returns once every call is done.
@@ -27,6 +28,7 @@
 #include <grpcpp/grpcpp.h>
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -63,7 +65,9 @@ class GrpcThreadGil {
 constexpr size_t kMaxQueuedWrites = 1024;
 
 // State shared by the gRPC reactor (until gRPC is done with the call) and by Python's handle on
-// the call (for as long as Python keeps it). Holds no Python objects, so it may die on any thread.
+// the call (for as long as Python keeps it). `onCancel_` is the one Python object: it is only
+// touched with the GIL held, and is empty by the time the reactor lets go (OnDone), so the state
+// may die on any thread.
 class CallState {
  public:
   CallState(CallReactor* reactor, std::string method,
@@ -89,6 +93,15 @@ class CallState {
   // Ends the call with `status` once queued writes are out.
   bool finish(grpc::Status status);
 
+  // Python's on_cancel (GIL held for all three).
+  void setOnCancel(py::object cb);
+  py::object takeOnCancel() {
+    hasOnCancel_ = false;
+    return std::move(onCancel_);
+  }
+  py::object peekOnCancel() const { return onCancel_ ? onCancel_ : py::none(); }
+  bool hasOnCancel() const { return hasOnCancel_; }
+
   // Reactor events.
   void onWriteDone(bool ok);
   void onCancel();
@@ -110,6 +123,8 @@ class CallState {
   bool finishStarted_ = false;
   bool cancelled_ = false;
   grpc::Status finalStatus_;
+  py::object onCancel_;
+  std::atomic<bool> hasOnCancel_{false};
 };
 
 class Server;
@@ -121,10 +136,7 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override { state_->onWriteDone(ok); }
   void OnCancel() override;
-  void OnDone() override {
-    state_->onDone();
-    delete this;
-  }
+  void OnDone() override;
 
  private:
   Server* server_;
@@ -247,6 +259,22 @@ void CallState::pump(std::unique_lock<std::mutex>& lock) {
   }
 }
 
+void CallState::setOnCancel(py::object cb) {
+  bool cancelled, answered;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    cancelled = cancelled_;
+    answered = finishRequested_ && !cancelled_;
+  }
+  if (answered) return;  // it can no longer be cancelled unanswered
+  if (cancelled) {
+    if (!cb.is_none()) cb();  // too late to store: the notice already went out
+    return;
+  }
+  onCancel_ = std::move(cb);
+  hasOnCancel_ = !onCancel_.is_none();
+}
+
 void CallState::onWriteDone(bool ok) {
   std::unique_lock<std::mutex> lock(mu_);
   writing_ = false;
@@ -324,18 +352,26 @@ void CallReactor::OnReadDone(bool ok) {
 
 void CallReactor::OnCancel() {
   state_->onCancel();
+  if (!state_->hasOnCancel()) return;
   GrpcThreadGil gil;
-  try {
-    // The same Python object the handler got, if Python still holds it (pybind11 finds the
-    // registered instance by pointer); a fresh one has no on_cancel and nothing is called.
-    py::object call = py::cast(state_);
-    if (py::hasattr(call, "on_cancel")) {
-      py::object cb = call.attr("on_cancel");
-      if (!cb.is_none()) cb();
+  py::object cb = state_->takeOnCancel();
+  if (cb && !cb.is_none()) {
+    try {
+      cb();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("ft gRPC server: on_cancel");
     }
-  } catch (py::error_already_set& e) {
-    e.discard_as_unraisable("ft gRPC server: on_cancel");
   }
+}
+
+void CallReactor::OnDone() {
+  state_->onDone();
+  if (state_->hasOnCancel()) {
+    // Finished by this file, not by Python (e.g. the handler raised): drop it with the GIL.
+    GrpcThreadGil gil;
+    state_->takeOnCancel();
+  }
+  delete this;
 }
 
 grpc::ByteBuffer toByteBuffer(const py::bytes& data) {
@@ -352,16 +388,27 @@ PYBIND11_MODULE(_grpc_server, m) {
   m.doc() = "A generic gRPC server (C++ callback API) whose calls Python answers; see "
             "ft.coordination.transport.";
 
-  py::class_<CallState, std::shared_ptr<CallState>>(m, "Call", py::dynamic_attr())
+  py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
+      .def_property(
+          "on_cancel",
+          [](CallState& c) { return c.peekOnCancel(); },
+          &CallState::setOnCancel)
       .def("time_remaining", &CallState::timeRemaining)
       .def("is_active", &CallState::isActive)
       .def("write", [](CallState& c, const py::bytes& data) { return c.write(toByteBuffer(data)); })
-      .def("reply", [](CallState& c, const py::bytes& data) { return c.reply(toByteBuffer(data)); })
+      .def("reply",
+           [](CallState& c, const py::bytes& data) {
+             bool ok = c.reply(toByteBuffer(data));
+             c.takeOnCancel();  // answered: it will not be cancelled unanswered
+             return ok;
+           })
       .def(
           "finish",
           [](CallState& c, int code, const std::string& details) {
-            return c.finish(grpc::Status(static_cast<grpc::StatusCode>(code), details));
+            bool ok = c.finish(grpc::Status(static_cast<grpc::StatusCode>(code), details));
+            c.takeOnCancel();
+            return ok;
           },
           py::arg("code") = 0, py::arg("details") = "");
 

@@ -67,10 +67,11 @@ class CallAborted(Exception):
 class Call:
     """One open call, as a handler sees it. Thread-safe; nothing here blocks.
 
-    ``on_cancel``: set it to a callable to be told (once, on a gRPC thread) when the call ends
-    without having been answered: the caller cancelled, went away, or its deadline passed. It
-    may run inside another Call method of this server, so it must not take locks the code that
-    answers calls holds; hand the work to another thread.
+    ``on_cancel``: set it to a callable to be told (once) when the call ends without having
+    been answered: the caller cancelled, went away, or its deadline passed. It runs on a gRPC
+    thread, or at once in the setter if that already happened, and may run inside another Call
+    method of this server, so it must not take locks the code that answers calls holds; hand
+    the work to another thread.
     """
 
     method: str
@@ -158,7 +159,8 @@ class _GrpcioCall(Call):
 
     def __init__(self, method: str, context: grpc.ServicerContext) -> None:
         self.method = method
-        self.on_cancel: Optional[Callable[[], None]] = None
+        self._on_cancel: Optional[Callable[[], None]] = None
+        self._cancelled = False
         self._ctx = context
         self._out: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -180,6 +182,7 @@ class _GrpcioCall(Call):
                 self._out.put(item)
             if end is not None:
                 self._finished = True
+                self._on_cancel = None  # answered: it will not be cancelled unanswered
                 self._out.put(end)
             return True
 
@@ -198,14 +201,29 @@ class _GrpcioCall(Call):
     def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> bool:
         return self._put(None, _End(code, details))
 
+    @property
+    def on_cancel(self):
+        return self._on_cancel
+
+    @on_cancel.setter
+    def on_cancel(self, fn) -> None:
+        with self._lock:
+            cancelled = self._cancelled
+            if not cancelled and not self._finished:
+                self._on_cancel = fn
+        if cancelled and fn is not None:
+            fn()  # too late to store: the notice already went out
+
     def _on_terminated(self) -> None:
         with self._lock:
             answered = self._finished
             self._finished = True
+            self._cancelled = not answered
+            fn, self._on_cancel = self._on_cancel, None
             self._out.put(_End(grpc.StatusCode.CANCELLED, "cancelled"))
-        if not answered and self.on_cancel is not None:
+        if not answered and fn is not None:
             try:
-                self.on_cancel()
+                fn()
             except Exception:  # noqa: BLE001
                 logger.exception("on_cancel of %s failed", self.method)
 

@@ -18,6 +18,14 @@ if ROOT not in sys.path:  # run from anywhere, installed or not
     sys.path.insert(0, ROOT)
 
 from ft.coordination import LighthouseServer, ManagerServer  # noqa: E402
+from ft.coordination.rpc_server import native_available  # noqa: E402
+
+# Every lighthouse test runs on both gRPC server transports (ft.coordination.rpc_server).
+TRANSPORTS = [
+    pytest.param("native", marks=pytest.mark.skipif(
+        not native_available(), reason="native gRPC server not built (no gRPC C++)")),
+    "grpcio",
+]
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01, what: str = "condition"):
@@ -104,11 +112,12 @@ def children():
             c.kill()
 
 
-@pytest.fixture
-def lighthouse_factory():
+@pytest.fixture(params=TRANSPORTS)
+def lighthouse_factory(request):
     made: List[LighthouseServer] = []
 
     def make(bind: str = "127.0.0.1:0", min_replicas: int = 1, **kw) -> LighthouseServer:
+        kw.setdefault("transport", request.param)
         kw.setdefault("join_timeout_ms", 200)
         kw.setdefault("quorum_tick_ms", 20)
         kw.setdefault("heartbeat_timeout_ms", 500)
