@@ -12,6 +12,7 @@ answer), two ways:
   Manager's rank 0 asks it, i.e. rank 0 -> ManagerServer -> lighthouse -> answer.
 
 Baseline: the same N processes each doing one trivial RPC (Heartbeat) on the same lighthouse.
+Each is measured with the lighthouse on the native gRPC server (C++, when built) and on grpcio.
 
 Then, with 4 groups heartbeating every 100 ms, it stops one group's heartbeats and measures the
 time from its last heartbeat to the failure notification (``subscribe_failures``) and to the
@@ -37,12 +38,13 @@ sys.path.insert(0, ROOT)
 from ft.coordination import LighthouseClient  # noqa: E402
 
 
-def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, tick_ms: int, join_timeout_ms: int):
+def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, tick_ms: int, join_timeout_ms: int,
+                     transport: str = "auto"):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ft.coordination.cli", "--bind", "127.0.0.1:0",
          "--min_replicas", str(min_replicas), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
          "--quorum_tick_ms", str(tick_ms), "--join_timeout_ms", str(join_timeout_ms),
-         "--http_bind", "", "--log_level", "ERROR"],
+         "--http_bind", "", "--log_level", "ERROR", "--transport", transport],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     line = proc.stdout.readline()
@@ -153,15 +155,15 @@ def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str) -> list:
             for r in range(rounds)]
 
 
-def bench_rounds(n: int, rounds: int) -> dict:
-    proc, addr = start_lighthouse(n, 5000, 100, 60000)
+def bench_rounds(n: int, rounds: int, transport: str) -> dict:
+    proc, addr = start_lighthouse(n, 5000, 100, 60000, transport)
     try:
         floor = timed_rounds_mp(n, rounds, addr, "heartbeat")
         lh_times = timed_rounds_mp(n, rounds, addr, "lighthouse")
     finally:
         stop(proc)
     # A fresh lighthouse: the full-stack groups have new replica ids.
-    proc, addr = start_lighthouse(n, 5000, 100, 60000)
+    proc, addr = start_lighthouse(n, 5000, 100, 60000, transport)
     try:
         full_times = timed_rounds_mp(n, rounds, addr, "full")
     finally:
@@ -176,8 +178,8 @@ def bench_rounds(n: int, rounds: int) -> dict:
     }
 
 
-def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int) -> dict:
-    proc, addr = start_lighthouse(1, heartbeat_timeout_ms, tick_ms, 60000)
+def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int, transport: str) -> dict:
+    proc, addr = start_lighthouse(1, heartbeat_timeout_ms, tick_ms, 60000, transport)
     try:
         lh = LighthouseClient(addr, timedelta(seconds=10))
         to_notify, to_quorum = [], []
@@ -244,23 +246,31 @@ def main() -> None:
     p.add_argument("--heartbeat_timeout_ms", type=int, default=1000)
     p.add_argument("--tick_ms", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="fewer rounds and trials")
+    p.add_argument("--transports", nargs="+", default=None, choices=["native", "grpcio"],
+                   help="lighthouse gRPC servers to measure (default: native when built, and grpcio)")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.trials = 10, 1
+    if a.transports is None:
+        from ft.coordination.rpc_server import native_available
+
+        a.transports = (["native"] if native_available() else []) + ["grpcio"]
     print(f"quorum round, unchanged membership ({a.rounds} rounds; the lighthouse and every group "
           "in its own process)")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; baseline = the same "
           "callers doing one trivial RPC (Heartbeat) each")
-    print(f"{'groups':>6} {'baseline':>10} {'lighthouse':>11} {'p90':>9} {'ratio':>6}"
+    print(f"{'server':>7} {'groups':>6} {'baseline':>10} {'lighthouse':>11} {'p90':>9} {'ratio':>6}"
           f" {'full stack':>11} {'p90':>9}")
     for n in a.groups:
-        r = bench_rounds(n, a.rounds)
-        print(f"{n:>6} {r['floor_median_ms']:>7.2f} ms {r['lighthouse_median_ms']:>8.2f} ms"
-              f" {r['lighthouse_p90_ms']:>6.2f} ms {r['lighthouse_median_ms'] / r['floor_median_ms']:>5.2f}x"
-              f" {r['full_median_ms']:>8.2f} ms {r['full_p90_ms']:>6.2f} ms", flush=True)
-    d = bench_death(a.heartbeat_timeout_ms, a.tick_ms, a.trials)
+        for transport in a.transports:
+            r = bench_rounds(n, a.rounds, transport)
+            print(f"{transport:>7} {n:>6} {r['floor_median_ms']:>7.2f} ms"
+                  f" {r['lighthouse_median_ms']:>8.2f} ms {r['lighthouse_p90_ms']:>6.2f} ms"
+                  f" {r['lighthouse_median_ms'] / r['floor_median_ms']:>5.2f}x"
+                  f" {r['full_median_ms']:>8.2f} ms {r['full_p90_ms']:>6.2f} ms", flush=True)
+    d = bench_death(a.heartbeat_timeout_ms, a.tick_ms, a.trials, a.transports[0])
     bound = a.heartbeat_timeout_ms + a.tick_ms
-    print(f"\nmember death (heartbeats stop), heartbeat_timeout {a.heartbeat_timeout_ms} ms, tick "
+    print(f"\nmember death (heartbeats stop, {a.transports[0]} server), heartbeat_timeout {a.heartbeat_timeout_ms} ms, tick "
           f"{a.tick_ms} ms, {a.trials} trials, 4 groups; bound heartbeat_timeout + tick = {bound} ms")
     print(f"  last heartbeat -> failure notification: median {d['notify_median_ms']:.0f} ms, "
           f"max {d['notify_max_ms']:.0f} ms")

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "quorum_id_file", default=None,
           help="file persisting the last quorum id (ids never repeat across restarts anyway)")
     _flag(p, "hostname", default=None, help="host name to advertise (default: from --bind)")
+    _flag(p, "transport", default=os.environ.get("FT_LIGHTHOUSE_TRANSPORT", "auto"),
+          choices=["auto", "native", "grpcio"],
+          help="gRPC server: native (C++, when built), grpcio, or auto (native when built)")
     _flag(p, "log_level", default=os.environ.get("FT_LOG_LEVEL", "INFO"),
           help="logging level")
     return p
@@ -97,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dead_grace_ms=args.dead_grace_ms,
         quorum_id_file=args.quorum_id_file,
         hostname=args.hostname,
+        transport=args.transport,
     )
     # One machine-readable line for scripts and tests.
     print(f"ft-lighthouse ready grpc={server.address()} dashboard={server.dashboard_address()}",

@@ -765,9 +765,10 @@ class LighthouseServer:
         self._ticker = threading.Thread(target=self._tick_loop, name="ft-lighthouse-tick", daemon=True)
         self._ticker.start()
         logger.info(
-            "lighthouse serving gRPC on %s, dashboard on %s (min_replicas=%d, join_timeout_ms=%d, "
+            "lighthouse serving gRPC (%s server) on %s, dashboard on %s (min_replicas=%d, join_timeout_ms=%d, "
             "quorum_tick_ms=%d, heartbeat_timeout_ms=%d, first quorum id > %d)",
-            self.address(), self.dashboard_address() or "(disabled)", min_replicas, join_timeout_ms,
+            self._server.transport, self.address(), self.dashboard_address() or "(disabled)",
+            min_replicas, join_timeout_ms,
             quorum_tick_ms, heartbeat_timeout_ms, self._state.quorum_id,
         )
 
@@ -841,6 +842,11 @@ class LighthouseServer:
             return None
         port = self._http.server_address[1]
         return f"http://{_rpc.join_hostport(self._host, port)}"
+
+    @property
+    def transport(self) -> str:
+        """The gRPC server serving: ``"native"`` or ``"grpcio"``."""
+        return self._server.transport
 
     def status(self) -> dict:
         """The dashboard's status document (for tests and tools)."""
