@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "backend.hpp"
+#include "checksum.hpp"
 #include "gloo_comm.hpp"
 #include "lane.hpp"
 #include "nccl_comm.hpp" // empty unless FT_USE_NCCL
@@ -82,6 +83,25 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_current_lane", &ft::setCurrentLane, py::arg("lane"),
         "Selects the lane the calling thread's next ops run on.");
   m.def("get_current_lane", &ft::currentLane);
+  m.def(
+      "crc32c",
+      [](py::object data, uint32_t value) {
+        // PyBUF_SIMPLE: contiguous bytes only (a strided view is refused, not misread).
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) {
+          throw py::error_already_set();
+        }
+        uint32_t out;
+        {
+          py::gil_scoped_release nogil;
+          out = ft::crc32c(view.buf, static_cast<size_t>(view.len), value);
+        }
+        PyBuffer_Release(&view);
+        return out;
+      },
+      py::arg("data"),
+      py::arg("value") = 0,
+      "CRC-32C of a contiguous buffer, continuing from `value` (GIL released).");
   m.def("_shutdown_all", &ft::shutdownAllBackends, py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>(),
         "At exit: shut down every backend and wait for their teardown.");

@@ -7,7 +7,7 @@ Wire protocol (all requests carry ``Authorization: Bearer <token>`` when a token
            response header X-FT-Lease: a lease id for the data requests that follow
            If {step} is ahead of what is staged, the server waits up to S seconds for it.
     GET /ft/v1/checkpoint/{step}/data?staging=ID&lease=L&start=A&end=B
-        -> 200, body = bytes [A, B) of the concatenated tensor bytes + CRC32 of those bytes
+        -> 200, body = bytes [A, B) of the concatenated tensor bytes + CRC-32C of those bytes
 
     403: wrong or missing token. 404: step not staged. 409: the source failed to
     produce the step (abandon_checkpoint). 410: withdrawn. 503: shutting down.
@@ -580,7 +580,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     lo = pos - offsets[i]
                     dst = view[lo : lo + n]
                     self._read_exact(sock, resp, dst, deadline)
-                    crc = ser.crc32(dst, crc)
+                    crc = ser.crc32c(dst, crc)
                     pos += n
                     got += n
             trailer = bytearray(_TRAILER.size)
@@ -766,7 +766,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     n = min(_SLICE, seg_end - pos)
                     lo = pos - st.offsets[i]
                     piece = view[lo : lo + n]
-                    crc = ser.crc32(piece, crc)
+                    crc = ser.crc32c(piece, crc)
                     self._send_slice(h, piece)
                     pos += n
             h.wfile.write(_TRAILER.pack(crc))

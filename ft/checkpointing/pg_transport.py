@@ -5,7 +5,7 @@ Per destination, in order (all on ``device``, tag 0)::
     sender -> receiver  preamble  int64[5] = [MAGIC, step, header length, CRC32 of the header,
                                               CRC32 of these first four words]
     sender -> receiver  header    uint8[header length]  JSON (serialization.encode_header),
-                                  incl. the checksum algorithm of each tensor: CRC32 for CPU
+                                  incl. the checksum algorithm of each tensor: CRC-32C for CPU
                                   tensors, a position-weighted 64-bit sum computed on the
                                   device otherwise
     receiver -> sender  ack       int64[2] = [ACK_MAGIC, status]  (0: go on; else refused:
@@ -58,20 +58,20 @@ _MAX_HEADER = 1 << 30
 _TAG = 0
 
 
-_ALGOS = ("crc32", "wsum")
+_ALGOS = ("crc32c", "wsum")
 
 
 def _algo(t: torch.Tensor) -> str:
-    return "crc32" if t.device.type == "cpu" else "wsum"
+    return "crc32c" if t.device.type == "cpu" else "wsum"
 
 
 def _checksum(t: torch.Tensor, algo: str) -> int:
     """The checksum of a tensor's bytes as a signed 64-bit value (to fit an int64 tensor)."""
     if t.numel() == 0:
         return 0
-    if algo == "crc32":
+    if algo == "crc32c":
         cpu = t if t.device.type == "cpu" else t.to("cpu")
-        value = ser.crc32(ser.memview(cpu))
+        value = ser.crc32c(ser.memview(cpu))
     else:
         value = ser.torch_checksum(t)
     return value - (1 << 64) if value >= (1 << 63) else value
