@@ -125,6 +125,9 @@ def main() -> None:
     flat = torch.cat(tensors).view(torch.uint8).numpy()
     t_crc = median_time(lambda: zlib.crc32(flat), a.reps)
     rows.append(("zlib.crc32 of the same bytes", t_crc))
+    from ft.checkpointing.serialization import crc32c
+
+    rows.append(("ft crc32c of the same bytes (used)", median_time(lambda: crc32c(flat), a.reps)))
 
     proc = spawn("tcp", a.mb, a.reps)
     try:
