@@ -216,14 +216,6 @@ class _LighthouseState:
         # INFO: a clean shutdown looks the same; the failure notice below is the warning.
         logger.info("replica %s dropped its failure subscription: treated as dead", replica_id)
 
-    def connection_lost(self, replica_id: str) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            now = time.monotonic()
-            self._connection_lost_locked(replica_id, now)
-            self._tick_locked(now)
-
     def heartbeat(self, replica_id: str) -> None:
         with self.lock:
             if self.closed:

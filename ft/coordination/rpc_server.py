@@ -297,8 +297,10 @@ class RpcServer:
             if keepalive_ms > 0:
                 options += [("grpc.keepalive_time_ms", keepalive_ms),
                             ("grpc.keepalive_timeout_ms", keepalive_ms)]
+            self._executor = futures.ThreadPoolExecutor(
+                max_workers=max_workers, thread_name_prefix="ft-rpc")
             self._server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ft-rpc"),
+                self._executor,
                 options=options,
                 maximum_concurrent_rpcs=max_workers,
             )
@@ -337,6 +339,7 @@ class RpcServer:
             _live_native.discard(self)
         else:
             self._server.stop(grace).wait(timeout=grace + 5)
+            self._executor.shutdown(wait=False)  # its idle workers would outlive the server
 
 
 class _GrpcioHandler(grpc.GenericRpcHandler):
