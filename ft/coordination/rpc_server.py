@@ -155,7 +155,7 @@ class _End:
 
 
 class _GrpcioCall(Call):
-    """A grpcio call: a worker thread relays what the handler sends (see ``_serve``)."""
+    """A grpcio call: a worker thread relays what the handler sends (see ``_GrpcioHandler``)."""
 
     def __init__(self, method: str, context: grpc.ServicerContext) -> None:
         self.method = method
@@ -165,7 +165,10 @@ class _GrpcioCall(Call):
         self._out: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished = False
-        context.add_callback(self._on_terminated)
+        if not context.add_callback(self._on_terminated):
+            # The RPC already ended (the caller left before the handler ran).
+            self._finished = self._cancelled = True
+            self._out.put(_End(grpc.StatusCode.CANCELLED, "cancelled"))
 
     def time_remaining(self) -> float:
         r = self._ctx.time_remaining()
