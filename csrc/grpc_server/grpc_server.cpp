@@ -19,7 +19,8 @@
 //   deadline passed), the call's `on_cancel`, if Python set one, is called once with the GIL
 //   held: on a gRPC thread, or at once in the setter if the call was already cancelled. gRPC may
 //   run it inline inside a Call method issued by Python, so `on_cancel` must not take locks its
-//   caller might hold: hand work to another thread. Once Python answers, it is dropped.
+//   caller might hold: hand work to another thread. Once Python answers, it is dropped (a
+//   cancellation racing with the answer may still call it once).
 // - Every call is finished exactly once (gRPC requires it): by Python, or with CANCELLED here.
 // - Server.shutdown(grace) stops accepting calls, cancels those still open after `grace`
 //   seconds, and returns once every call is done.
@@ -28,6 +29,7 @@
 #include <grpcpp/grpcpp.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -99,12 +101,12 @@ class CallState {
     hasOnCancel_ = false;
     return std::move(onCancel_);
   }
-  py::object peekOnCancel() const { return onCancel_ ? onCancel_ : py::none(); }
+  py::object peekOnCancel() const { return onCancel_ ? onCancel_ : py::object(py::none()); }
   bool hasOnCancel() const { return hasOnCancel_; }
 
-  // Reactor events.
+  // Reactor events. onCancel returns whether Python has an on_cancel to be told.
   void onWriteDone(bool ok);
-  void onCancel();
+  bool onCancel();
   void onDone();
 
  private:
@@ -183,13 +185,21 @@ class Server {
 
   int port() const { return port_; }
 
+  // GIL held on entry. A second caller returns at once (the first one is shutting down).
   void shutdown(double graceSeconds) {
-    if (!server_) return;
-    py::gil_scoped_release nogil;  // reactions still running need the GIL to finish
-    auto deadline = std::chrono::system_clock::now() +
-                    std::chrono::microseconds(static_cast<int64_t>(graceSeconds * 1e6));
-    server_->Shutdown(deadline);
-    server_.reset();
+    std::unique_ptr<grpc::Server> server = std::move(server_);
+    if (!server) return;
+    if (!(graceSeconds > 0)) graceSeconds = 0;  // NaN and negatives
+    graceSeconds = std::min(graceSeconds, 3600.0);
+    {
+      py::gil_scoped_release nogil;  // reactions still running need the GIL to finish
+      auto deadline = std::chrono::system_clock::now() +
+                      std::chrono::microseconds(static_cast<int64_t>(graceSeconds * 1e6));
+      server->Shutdown(deadline);  // returns once every call's OnDone has run
+      server.reset();
+    }
+    // The handler refers back to the Python server object: drop it to break the cycle.
+    handler_ = py::function();
   }
 
   const py::function& handler() const { return handler_; }
@@ -260,19 +270,22 @@ void CallState::pump(std::unique_lock<std::mutex>& lock) {
 }
 
 void CallState::setOnCancel(py::object cb) {
-  bool cancelled, answered;
+  // GIL held. Stored and flagged under mu_, where onCancel() reads the flag: either the
+  // cancellation sees the callback, or this sees the cancellation and calls it now.
+  if (cb.is_none()) cb = py::object();
+  py::object previous;
+  bool callNow = false;
   {
     std::lock_guard<std::mutex> g(mu_);
-    cancelled = cancelled_;
-    answered = finishRequested_ && !cancelled_;
+    if (cancelled_) {
+      callNow = static_cast<bool>(cb);  // too late to store: the notice already went out
+    } else if (!finishRequested_) {
+      previous = std::move(onCancel_);
+      onCancel_ = std::move(cb);
+      hasOnCancel_ = static_cast<bool>(onCancel_);
+    }  // else answered: it can no longer be cancelled unanswered
   }
-  if (answered) return;  // it can no longer be cancelled unanswered
-  if (cancelled) {
-    if (!cb.is_none()) cb();  // too late to store: the notice already went out
-    return;
-  }
-  onCancel_ = std::move(cb);
-  hasOnCancel_ = !onCancel_.is_none();
+  if (callNow) cb();
 }
 
 void CallState::onWriteDone(bool ok) {
@@ -290,8 +303,9 @@ void CallState::onWriteDone(bool ok) {
   pump(lock);
 }
 
-void CallState::onCancel() {
+bool CallState::onCancel() {
   std::unique_lock<std::mutex> lock(mu_);
+  const bool notify = hasOnCancel_;
   cancelled_ = true;
   queued_.clear();
   if (!finishRequested_) {
@@ -299,6 +313,7 @@ void CallState::onCancel() {
     finalStatus_ = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
   }
   pump(lock);
+  return notify;
 }
 
 void CallState::onDone() {
@@ -342,6 +357,8 @@ void CallReactor::OnReadDone(bool ok) {
       server_->handler()(py::cast(state_), data);
     } catch (py::error_already_set& e) {
       error = e.what();
+    } catch (const std::exception& e) {  // e.g. bad_alloc: never let it escape into gRPC
+      error = e.what();
     }
   }
   request_.Clear();
@@ -351,15 +368,16 @@ void CallReactor::OnReadDone(bool ok) {
 }
 
 void CallReactor::OnCancel() {
-  state_->onCancel();
-  if (!state_->hasOnCancel()) return;
+  if (!state_->onCancel()) return;
   GrpcThreadGil gil;
   py::object cb = state_->takeOnCancel();
-  if (cb && !cb.is_none()) {
+  if (cb) {
     try {
       cb();
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable("ft gRPC server: on_cancel");
+    } catch (const std::exception& e) {
+      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
     }
   }
 }

@@ -362,9 +362,10 @@ class _LighthouseState:
         with self.lock:
             if self.closed:
                 raise _Unavailable("lighthouse is shutting down")
-            self.subscribers.add(call)
-            # The first message tells the subscriber it is subscribed.
-            call.write_serialized(_KEEPALIVE)
+            # The first message tells the subscriber it is subscribed; if it cannot be sent,
+            # the caller is already gone.
+            if call.write_serialized(_KEEPALIVE):
+                self.subscribers.add(call)
 
     def _broadcast_locked(self, data: bytes) -> None:
         for call in list(self.subscribers):
@@ -788,7 +789,15 @@ class LighthouseServer:
         st = self._state
         next_regular = time.monotonic() + st.tick_s
         while not self._stop.is_set():
-            wait = max(min(next_regular - time.monotonic(), st.next_expiry_in()), 0.0)
+            # While planning, any new waiter wakes the ticker (its deadline is < inf): none
+            # can slip in between the plan and its record.
+            st.ticker_planned_wake = float("inf")
+            try:
+                expiry = st.next_expiry_in()
+            except Exception:  # never let the ticker die
+                logger.exception("lighthouse tick planning failed")
+                expiry = st.tick_s
+            wait = max(min(next_regular - time.monotonic(), expiry), 0.0)
             st.ticker_planned_wake = time.monotonic() + wait
             woken = st.ticker_wakeup.wait(wait)
             if woken:

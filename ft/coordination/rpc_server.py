@@ -41,6 +41,8 @@ except ImportError:  # not built (no gRPC C++ on the build machine)
     _native = None
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+# Messages queued for one streaming call before write() refuses (csrc/grpc_server: the same).
+_MAX_QUEUED_WRITES = 1024
 # time_remaining() of a call without a deadline.
 _NO_DEADLINE = float("inf")
 
@@ -181,6 +183,8 @@ class _GrpcioCall(Call):
         with self._lock:
             if self._finished:
                 return False
+            if end is None and self._out.qsize() >= _MAX_QUEUED_WRITES:
+                return False  # the reader is too far behind (as the native server)
             if item is not None:
                 self._out.put(item)
             if end is not None:
@@ -237,6 +241,8 @@ class _GrpcioCall(Call):
                 return self._out.get(timeout=1.0)
             except queue.Empty:
                 if not self._ctx.is_active():
+                    with self._lock:
+                        self._finished = True  # refuse further writes: nobody reads them
                     return _End(grpc.StatusCode.CANCELLED, "cancelled")
 
 

@@ -219,3 +219,23 @@ def test_bind_failure_is_an_oserror(serve):
     with pytest.raises(OSError):
         RpcServer(f"127.0.0.1:{s.port}", {}, transport="native" if rpc_server.native_available()
                   else "grpcio")
+
+
+def test_on_cancel_set_after_the_caller_left_is_called_at_once(serve):
+    calls = []
+
+    def quorum(req, call):
+        calls.append(call)  # no on_cancel yet
+
+    s = serve({SVC + "Quorum": Method(pb.LighthouseQuorumRequest, quorum)})
+    channel, stub = stub_for(s)
+    with channel:
+        fut = stub["Quorum"].future(
+            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x")), timeout=30)
+        wait_for(lambda: calls, what="the call to arrive")
+        fut.cancel()
+        wait_for(lambda: not calls[0].is_active(), what="the cancellation to be seen")
+        told = []
+        calls[0].on_cancel = lambda: told.append(True)
+        assert told == [True]
+        assert not calls[0].write(pb.FailureNotification())  # over: writes refused
