@@ -634,7 +634,13 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
       const std::string message =
           "inner communicator error: " + messageOf(error);
       if (generation) {
-        generation->abort(FailureKind::kCommunication, message);
+        if (auto failure = generation->failure()) {
+          // Already failed (a missed deadline, abort(), ...): this error is most likely
+          // the consequence of the abort severing the sockets; report the cause.
+          error = generation->failureErrorFor(*work, failure->message);
+        } else {
+          generation->abort(FailureKind::kCommunication, message);
+        }
       }
       work->fail(error);
     } else {

@@ -78,15 +78,7 @@ bool Generation::abort(FailureKind kind, const std::string& message) {
   // bytes can arrive for a receive that was posted into a caller's tensor.
   sockets_.sever();
   for (auto& work : victims) {
-    try {
-      C10_THROW_ERROR(
-          DistBackendError,
-          "ft: " + work->description() + " on lane " +
-              std::to_string(work->lane()) + " of generation " +
-              std::to_string(id) + " failed: " + message);
-    } catch (...) {
-      work->fail(std::current_exception());
-    }
+    work->fail(failureErrorFor(*work, message));
   }
   // Then stop the device side: ncclCommAbort ends the lanes' kernels (also a
   // communicator still initializing), so no more data lands in the caller's
@@ -96,6 +88,20 @@ bool Generation::abort(FailureKind kind, const std::string& message) {
     comm->abort();
   }
   return true;
+}
+
+std::exception_ptr Generation::failureErrorFor(
+    const FtWork& work,
+    const std::string& message) const {
+  try {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "ft: " + work.description() + " on lane " + std::to_string(work.lane()) +
+            " of generation " + std::to_string(id) + " failed: " + message);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
 }
 
 std::optional<Failure> Generation::failure() const {

@@ -68,6 +68,10 @@ class Generation {
 
   bool abort(FailureKind kind, const std::string& message);
   std::optional<Failure> failure() const;
+  // The error an in-flight `work` fails with once the generation failed: it names the
+  // cause (a missed deadline, an abort, ...), not the transport error that cutting the
+  // wires then produces in the inner op.
+  std::exception_ptr failureErrorFor(const FtWork& work, const std::string& message) const;
 
   // Aborts the generation if an in-flight op is past its deadline. Returns the
   // earliest remaining deadline.
