@@ -113,6 +113,8 @@ class CallState {
   // Starts the next gRPC operation; called with mu_ held, releases it before calling gRPC (which
   // may run reactions inline in this thread).
   void pump(std::unique_lock<std::mutex>& lock);
+  // The call can no longer be written to; finish it (CANCELLED, `why`) unless Python did.
+  void markCancelledLocked(const char* why);
 
   std::mutex mu_;
   CallReactor* reactor_;  // valid until onDone
@@ -288,17 +290,21 @@ void CallState::setOnCancel(py::object cb) {
   if (callNow) cb();
 }
 
+void CallState::markCancelledLocked(const char* why) {
+  cancelled_ = true;
+  queued_.clear();
+  if (!finishRequested_) {
+    finishRequested_ = true;
+    finalStatus_ = grpc::Status(grpc::StatusCode::CANCELLED, why);
+  }
+}
+
 void CallState::onWriteDone(bool ok) {
   std::unique_lock<std::mutex> lock(mu_);
   writing_ = false;
   if (!ok) {
     // The stream broke: nothing more can be written; the call still has to be finished.
-    cancelled_ = true;
-    queued_.clear();
-    if (!finishRequested_) {
-      finishRequested_ = true;
-      finalStatus_ = grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke");
-    }
+    markCancelledLocked("the stream broke");
   }
   pump(lock);
 }
@@ -306,12 +312,7 @@ void CallState::onWriteDone(bool ok) {
 bool CallState::onCancel() {
   std::unique_lock<std::mutex> lock(mu_);
   const bool notify = hasOnCancel_;
-  cancelled_ = true;
-  queued_.clear();
-  if (!finishRequested_) {
-    finishRequested_ = true;
-    finalStatus_ = grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
-  }
+  markCancelledLocked("cancelled");
   pump(lock);
   return notify;
 }

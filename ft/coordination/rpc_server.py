@@ -40,7 +40,6 @@ try:
 except ImportError:  # not built (no gRPC C++ on the build machine)
     _native = None
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 # Messages queued for one streaming call before write() refuses (csrc/grpc_server: the same).
 _MAX_QUEUED_WRITES = 1024
 # time_remaining() of a call without a deadline.
