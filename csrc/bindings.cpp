@@ -9,6 +9,7 @@
 #include "gloo_comm.hpp"
 #include "lane.hpp"
 #include "nccl_comm.hpp" // empty unless FT_USE_NCCL
+#include "process_memory.hpp"
 
 namespace py = pybind11;
 
@@ -102,6 +103,32 @@ PYBIND11_MODULE(_C, m) {
       py::arg("data"),
       py::arg("value") = 0,
       "CRC-32C of a contiguous buffer, continuing from `value` (GIL released).");
+  m.def(
+      "read_process_memory",
+      [](int pid, uint64_t address, py::object dst) {
+        // PyBUF_WRITABLE: the destination must be one contiguous writable buffer.
+        Py_buffer view;
+        if (PyObject_GetBuffer(dst.ptr(), &view, PyBUF_WRITABLE) != 0) {
+          throw py::error_already_set();
+        }
+        int err;
+        {
+          py::gil_scoped_release nogil;
+          err = ft::readProcessMemory(
+              static_cast<pid_t>(pid), address, view.buf, static_cast<size_t>(view.len));
+        }
+        PyBuffer_Release(&view);
+        if (err != 0) {
+          errno = err;
+          PyErr_SetFromErrno(PyExc_OSError);
+          throw py::error_already_set();
+        }
+      },
+      py::arg("pid"),
+      py::arg("address"),
+      py::arg("dst"),
+      "Copies len(dst) bytes at `address` in process `pid` into `dst` (process_vm_readv, GIL "
+      "released). Raises OSError with the errno on failure.");
   m.def("_shutdown_all", &ft::shutdownAllBackends, py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>(),
         "At exit: shut down every backend and wait for their teardown.");

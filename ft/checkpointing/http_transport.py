@@ -22,7 +22,6 @@ caller may mutate the tensors again.
 
 from __future__ import annotations
 
-import bisect
 import hmac
 import http.client
 import ipaddress
@@ -41,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from ft.checkpointing import same_host as same_host_path
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.transport import (
     CheckpointAuthError,
@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "FT_CHECKPOINT_TOKEN"
 ADVERTISE_ENV = "FT_ADVERTISE_HOST"
+SAME_HOST_ENV = "FT_CHECKPOINT_SAME_HOST"
 _PREFIX = "/ft/v1/checkpoint/"
 _SLICE = 1 << 20  # bytes per read/crc/write step
 _MIN_CHUNK = 1 << 20  # don't split transfers into chunks smaller than this
@@ -75,6 +76,40 @@ def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
     n = max(1, min(num_chunks, _MAX_CHUNKS, -(-total // _MIN_CHUNK)))
     bounds = [total * i // n for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+# The same-host path splits a transfer into this many byte ranges (>= 1 MiB each), copied by
+# this many threads: the source checksums range k while the receiver copies range k + 1.
+_LOCAL_RANGES = 16
+_LOCAL_WORKERS = 1
+
+
+def _raise_for_status(status: int, text: str) -> None:
+    """Raises the CheckpointError a refusal with this (HTTP) status means."""
+    if status in (401, 403):
+        raise CheckpointAuthError(text)
+    if status in (404, 409, 410):
+        raise CheckpointNotAvailableError(text)
+    raise CheckpointTransferError(text)
+
+
+def _parse_ranges(raw: Any, total: int) -> List[Tuple[int, int]]:
+    """Validates a receiver's ranges: consecutive, non-empty, covering ``[0, total)``."""
+    if type(raw) is not list or len(raw) > _MAX_CHUNKS or (total > 0 and not raw):
+        raise _HTTPError(400, f"ranges must be a list of at most {_MAX_CHUNKS} byte ranges")
+    out: List[Tuple[int, int]] = []
+    pos = 0
+    for r in raw:
+        if type(r) is not list or len(r) != 2 or not all(type(x) is int for x in r):
+            raise _HTTPError(400, f"bad range {r!r:.60}")
+        a, b = r
+        if a != pos or b <= a:
+            raise _HTTPError(400, f"range [{a}, {b}) does not continue at byte {pos}")
+        out.append((a, b))
+        pos = b
+    if pos != total:
+        raise _HTTPError(400, f"ranges cover {pos} of {total} bytes")
+    return out
 
 
 def _is_loopback(addr: str) -> bool:
@@ -134,7 +169,7 @@ class _Lease:
 class _Staging:
     """One staged checkpoint: references to its tensors plus bookkeeping."""
 
-    def __init__(self, step: int, state_dict: Any) -> None:
+    def __init__(self, step: int, state_dict: Any, local_name: Optional[str]) -> None:
         self.id = uuid.uuid4().hex
         self.step = step
         tree, self.specs, self.tensors = ser.flatten(state_dict)
@@ -143,7 +178,7 @@ class _Staging:
             self.offsets.append(self.offsets[-1] + spec.nbytes)
         self.total = self.offsets[-1]
         self.header = ser.encode_header(
-            tree, self.specs, step=step, staging=self.id, total_bytes=self.total
+            tree, self.specs, step=step, staging=self.id, total_bytes=self.total, local=local_name
         )
         self.closing = False  # no new transfers; started ones may finish
         self.withdrawn = False  # nothing may read the tensors any more
@@ -153,14 +188,18 @@ class _Staging:
         self._cpu: Dict[int, torch.Tensor] = {}
         self._cpu_lock = threading.Lock()
 
-    def view(self, i: int) -> memoryview:
+    def cpu(self, i: int) -> torch.Tensor:
+        """Tensor i in host memory (accelerator tensors are copied once, on first use)."""
         t = self.tensors[i]
         if t.device.type != "cpu":
             with self._cpu_lock:
                 if i not in self._cpu:
                     self._cpu[i] = t.to("cpu")
                 t = self._cpu[i]
-        return ser.memview(t)
+        return t
+
+    def view(self, i: int) -> memoryview:
+        return ser.memview(self.cpu(i))
 
     def prune(self, now: float) -> None:
         for k in [k for k, lease in self.leases.items() if lease.deadline <= now]:
@@ -246,6 +285,10 @@ class HTTPTransport(CheckpointTransport[T]):
         bind_host: interface to listen on (default: all, IPv4 and IPv6 where available).
         port: port to listen on (default: any free port).
         device: where received tensors are placed (default CPU).
+        same_host: serve and use the same-host path (see ``same_host.py``): a receiver on the
+            source's host copies the tensors straight from the source process instead of
+            through loopback TCP, falling back to HTTP where the kernel does not allow it.
+            Default: on, unless env ``FT_CHECKPOINT_SAME_HOST=0``.
     """
 
     def __init__(
@@ -257,6 +300,7 @@ class HTTPTransport(CheckpointTransport[T]):
         bind_host: Optional[str] = None,
         port: int = 0,
         device: Optional[torch.device] = None,
+        same_host: Optional[bool] = None,
     ) -> None:
         self._timeout = timeout
         self._num_chunks = max(1, int(num_chunks))
@@ -285,6 +329,18 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         self._thread.start()
 
+        if same_host is None:
+            same_host = os.environ.get(SAME_HOST_ENV, "1") != "0"
+        self._same_host = bool(same_host) and same_host_path.supported()
+        self._local: Optional[same_host_path.LocalEndpoint] = None
+        if self._same_host:
+            try:
+                self._local = same_host_path.LocalEndpoint(self._serve_local)
+            except OSError as e:
+                logger.warning("same-host checkpoint endpoint unavailable (%s); HTTP only", e)
+        # which path the last successful recv_checkpoint took: "same-host" or "http"
+        self.last_recv_path: Optional[str] = None
+
     # ------------------------------------------------------------------ public interface
 
     def metadata(self) -> str:
@@ -301,7 +357,8 @@ class HTTPTransport(CheckpointTransport[T]):
         Raises TypeError (naming the key path) for values that cannot be sent safely. A
         previously staged checkpoint is withdrawn first.
         """
-        staging = _Staging(step, state_dict)  # validates before anything is withdrawn
+        # validates before anything is withdrawn
+        staging = _Staging(step, state_dict, self._local.name if self._local else None)
         self.disallow_checkpoint()
         with self._cond:
             if self._closed:
@@ -347,8 +404,11 @@ class HTTPTransport(CheckpointTransport[T]):
             conns = set(st.conns)
             if st.active:
                 logger.warning("cutting off %d checkpoint transfer(s) still running", st.active)
-        if conns:
-            self._server.kill_connections(conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
         with self._cond:
             self._cond.wait_for(lambda: st.active == 0, timeout=5.0)
             if self._staging is st:
@@ -400,6 +460,26 @@ class HTTPTransport(CheckpointTransport[T]):
             views.append(ser.memview(t))
             offsets.append(offsets[-1] + s.nbytes)
 
+        local = doc.get("local")
+        if (
+            self._same_host
+            and type(local) is str
+            and same_host_path.NAME_PATTERN.fullmatch(local)
+            and same_host_path.fetch(
+                local,
+                {"token": self._token, "step": step, "staging": staging, "lease": lease},
+                offsets,
+                views,
+                plan_chunks(total, _LOCAL_RANGES),
+                deadline,
+                where,
+                _raise_for_status,
+                workers=_LOCAL_WORKERS,
+            )
+        ):
+            self.last_recv_path = "same-host"
+            return self._finish(tree, tensors, specs)
+
         ranges = plan_chunks(total, self._num_chunks)
         stop = threading.Event()
         if ranges:
@@ -446,6 +526,10 @@ class HTTPTransport(CheckpointTransport[T]):
                 stop.set()
                 pool.shutdown(wait=False, cancel_futures=True)
 
+        self.last_recv_path = "http"
+        return self._finish(tree, tensors, specs)
+
+    def _finish(self, tree: Any, tensors: List[torch.Tensor], specs: List[ser.TensorSpec]) -> T:
         out = []
         for t, s in zip(tensors, specs):
             if self._device.type != "cpu":
@@ -466,6 +550,8 @@ class HTTPTransport(CheckpointTransport[T]):
         self._server.shutdown()  # serve_forever polls every 50 ms
         self._server.server_close()
         self._server.kill_connections()
+        if self._local is not None:
+            self._local.close(join_timeout=min(5.0, self._timeout.total_seconds()))
         if wait:
             end = time.monotonic() + min(5.0, self._timeout.total_seconds())
             self._thread.join(max(0.0, end - time.monotonic()))
@@ -515,12 +601,7 @@ class HTTPTransport(CheckpointTransport[T]):
             except (OSError, http.client.HTTPException):
                 msg = ""
             conn.close()
-            text = f"{where}: HTTP {resp.status} {resp.reason}: {msg}"
-            if resp.status in (401, 403):
-                raise CheckpointAuthError(text)
-            if resp.status in (404, 409, 410):
-                raise CheckpointNotAvailableError(text)
-            raise CheckpointTransferError(text)
+            _raise_for_status(resp.status, f"{where}: HTTP {resp.status} {resp.reason}: {msg}")
         return conn, resp, sock
 
     def _get_small(
@@ -566,23 +647,14 @@ class HTTPTransport(CheckpointTransport[T]):
             if length is None or int(length) != end - start + _TRAILER.size:
                 raise CheckpointTransferError(f"{where}: bad Content-Length {length!r}")
             crc = 0
-            i = bisect.bisect_right(offsets, start) - 1
-            pos = start
-            while pos < end:
-                while offsets[i + 1] <= pos:  # skip empty tensors
-                    i += 1
-                seg_end = min(end, offsets[i + 1])
-                view = views[i]
-                while pos < seg_end:
+            for i, lo, hi in same_host_path.segments(offsets, start, end):
+                for a in range(lo, hi, _SLICE):
                     if stop.is_set():
                         raise _Abort()
-                    n = min(_SLICE, seg_end - pos)
-                    lo = pos - offsets[i]
-                    dst = view[lo : lo + n]
+                    dst = views[i][a : min(hi, a + _SLICE)]
                     self._read_exact(sock, resp, dst, deadline)
                     crc = ser.crc32c(dst, crc)
-                    pos += n
-                    got += n
+                    got += len(dst)
             trailer = bytearray(_TRAILER.size)
             self._read_exact(sock, resp, memoryview(trailer), deadline)
             if _TRAILER.unpack(trailer)[0] != crc:
@@ -727,25 +799,45 @@ class HTTPTransport(CheckpointTransport[T]):
         h.end_headers()
         h.wfile.write(body)
 
+    def _claim(self, step: int, staging_id: str, lease_id: str, conn: socket.socket) -> _Staging:
+        """Registers a transfer of the staged checkpoint (``disallow_checkpoint`` waits for it,
+        then cuts ``conn``). Caller holds ``self._cond``; raises _HTTPError if not served."""
+        st = self._staging
+        if self._closed:
+            raise _HTTPError(503, "checkpoint server is shutting down")
+        if st is None or st.step != step or st.id != staging_id or st.withdrawn:
+            raise _HTTPError(410, f"checkpoint for step {step} is no longer served")
+        if st.closing and lease_id not in st.leases:
+            raise _HTTPError(410, f"checkpoint for step {step} was withdrawn")
+        st.active += 1
+        st.conns.add(conn)
+        return st
+
+    def _release(
+        self, st: _Staging, lease_id: str, conn: socket.socket, used: Optional[int]
+    ) -> None:
+        """Ends a transfer registered by ``_claim``. ``used``: how many of the lease's ranges
+        it delivered (None: it failed, and the lease is dropped so nothing waits for it)."""
+        with self._cond:
+            st.active -= 1
+            st.conns.discard(conn)
+            lease = st.leases.get(lease_id)
+            if lease is not None:
+                lease.remaining -= used or 0
+                if lease.remaining <= 0 or used is None:
+                    del st.leases[lease_id]
+            self._cond.notify_all()
+
     def _serve_data(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
-        staging_id = q.get("staging", "")
         lease_id = q.get("lease", "")
         start = self._num(q, "start", int)
         end = self._num(q, "end", int)
         with self._cond:
-            st = self._staging
-            if self._closed:
-                raise _HTTPError(503, "checkpoint server is shutting down")
-            if st is None or st.step != step or st.id != staging_id or st.withdrawn:
-                raise _HTTPError(410, f"checkpoint for step {step} is no longer served")
-            lease = st.leases.get(lease_id)
-            if st.closing and lease is None:
-                raise _HTTPError(410, f"checkpoint for step {step} was withdrawn")
+            st = self._claim(step, q.get("staging", ""), lease_id, h.connection)
             if not 0 <= start <= end <= st.total:
+                self._release(st, lease_id, h.connection, None)
                 raise _HTTPError(400, f"bad range [{start}, {end}) of {st.total} bytes")
-            st.active += 1
-            st.conns.add(h.connection)
-        ok = False
+        used: Optional[int] = None
         try:
             h.send_response(200)
             h.send_header("Content-Type", "application/octet-stream")
@@ -753,39 +845,89 @@ class HTTPTransport(CheckpointTransport[T]):
             h.send_header("Connection", "close")
             h.end_headers()
             crc = 0
-            i = bisect.bisect_right(st.offsets, start) - 1
-            pos = start
-            while pos < end:
-                while st.offsets[i + 1] <= pos:
-                    i += 1
+            for i, lo, hi in same_host_path.segments(st.offsets, start, end):
                 view = st.view(i)
-                seg_end = min(end, st.offsets[i + 1])
-                while pos < seg_end:
+                for a in range(lo, hi, _SLICE):
                     if st.withdrawn:
                         raise _Abort()
-                    n = min(_SLICE, seg_end - pos)
-                    lo = pos - st.offsets[i]
-                    piece = view[lo : lo + n]
+                    piece = view[a : min(hi, a + _SLICE)]
                     crc = ser.crc32c(piece, crc)
-                    self._send_slice(h, piece)
-                    pos += n
+                    self._pace()
+                    h.wfile.write(piece)
             h.wfile.write(_TRAILER.pack(crc))
-            ok = True
+            used = 1
         except _Abort:
             logger.debug("checkpoint transfer cut off (withdrawn)")
         except OSError as e:
             logger.debug("checkpoint transfer to %s failed: %s", h.client_address, e)
         finally:
-            with self._cond:
-                st.active -= 1
-                st.conns.discard(h.connection)
-                lease = st.leases.get(lease_id)
-                if lease is not None:
-                    lease.remaining -= 1
-                    if lease.remaining <= 0 or not ok:
-                        del st.leases[lease_id]
-                self._cond.notify_all()
+            self._release(st, lease_id, h.connection, used)
 
-    def _send_slice(self, h: BaseHTTPRequestHandler, piece: memoryview) -> None:
-        """Writes one slice of a data response (a seam for tests that throttle the sender)."""
-        h.wfile.write(piece)
+    def _serve_local(self, conn: socket.socket) -> None:
+        """One same-host request (protocol in same_host.py): validates it like a data request,
+        sends the tensors' addresses, then each range's CRC-32C, and holds the checkpoint until
+        the receiver says it verified everything."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        try:
+            req = same_host_path.recv_frame(conn, deadline)
+            st, lease_id, ranges = self._claim_local(req, conn)
+        except _HTTPError as e:
+            same_host_path.send_frame(conn, {"ok": False, "code": e.code, "error": e.msg})
+            return
+        except ValueError as e:
+            same_host_path.send_frame(conn, {"ok": False, "code": 400, "error": str(e)})
+            return
+        used: Optional[int] = None
+        try:
+            regions = [[st.cpu(i).data_ptr(), spec.nbytes] for i, spec in enumerate(st.specs)]
+            same_host_path.send_frame(conn, {"ok": True, "regions": regions})
+            for k, (start, end) in enumerate(ranges):
+                crc = 0
+                for i, lo, hi in same_host_path.segments(st.offsets, start, end):
+                    view = st.view(i)
+                    for a in range(lo, hi, _SLICE):
+                        if st.withdrawn:
+                            raise _Abort()
+                        crc = ser.crc32c(view[a : min(hi, a + _SLICE)], crc)
+                        self._pace()
+                same_host_path.send_crc(conn, k, crc)
+            # the receiver may still be copying: the tensors stay untouched until it answers
+            answer = same_host_path.recv_exact(conn, 1, deadline)
+            if answer == same_host_path.DONE:
+                used = len(ranges) + _MAX_CHUNKS  # the whole lease
+            elif answer == same_host_path.FALLBACK:
+                used = 0  # it will fetch the ranges over HTTP with the same lease
+        except _Abort:
+            logger.debug("same-host checkpoint transfer cut off (withdrawn)")
+        except (OSError, EOFError, TimeoutError) as e:
+            logger.debug("same-host checkpoint transfer failed: %s", e)
+        finally:
+            self._release(st, lease_id, conn, used)
+
+    def _claim_local(
+        self, req: Any, conn: socket.socket
+    ) -> Tuple[_Staging, str, List[Tuple[int, int]]]:
+        if type(req) is not dict:
+            raise _HTTPError(400, "request is not an object")
+        if self._token is not None:
+            got = req.get("token")
+            if type(got) is not str or not hmac.compare_digest(
+                got.encode(), self._token.encode()
+            ):
+                raise _HTTPError(403, "missing or wrong checkpoint token")
+        step, staging_id, lease_id = req.get("step"), req.get("staging"), req.get("lease", "")
+        if type(step) is not int or type(staging_id) is not str or type(lease_id) is not str:
+            raise _HTTPError(400, "bad step, staging or lease")
+        raw = req.get("ranges")
+        with self._cond:
+            st = self._claim(step, staging_id, lease_id, conn)
+            try:
+                ranges = _parse_ranges(raw, st.total)
+            except _HTTPError:
+                self._release(st, lease_id, conn, None)
+                raise
+        return st, lease_id, ranges
+
+    def _pace(self) -> None:
+        """Called once per 1 MiB slice the source serves, on either path (a seam for tests
+        that slow the source down)."""

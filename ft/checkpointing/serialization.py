@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import mmap
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -404,8 +405,38 @@ def unflatten(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
         raise _fail("nesting too deep") from None
 
 
+# Received tensors at least this large get memory of their own, advised for transparent huge
+# pages. Why: a receiver writes every byte of fresh memory, and the kernel faults it in 4 KiB
+# at a time: on the development VM faulting 16 MiB costs ~11 ms, five times the copy itself;
+# with 2 MiB pages it costs ~1 ms. One mapping per tensor (not one arena for the whole state)
+# so that each tensor's memory goes back to the OS as soon as that tensor dies.
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def _allocate_huge_pages(spec: TensorSpec) -> Optional[torch.Tensor]:
+    try:
+        buf = mmap.mmap(-1, spec.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError, AttributeError):
+        return None
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass  # no THP here: still a correct (if slower to fault) buffer
+    try:
+        # frombuffer keeps a reference to the mapping; it is unmapped when the tensor dies
+        flat = torch.frombuffer(buf, dtype=spec.dtype, count=spec.numel)
+    except (TypeError, ValueError, RuntimeError):
+        buf.close()
+        return None
+    return flat.view(spec.shape)
+
+
 def allocate(spec: TensorSpec, device: torch.device) -> torch.Tensor:
     """A contiguous tensor to receive ``spec``'s bytes into."""
+    if device.type == "cpu" and spec.nbytes >= HUGE_PAGE_BYTES:
+        t = _allocate_huge_pages(spec)
+        if t is not None:
+            return t
     try:
         return torch.empty(spec.shape, dtype=spec.dtype, device=device)
     except (RuntimeError, ValueError, TypeError) as e:

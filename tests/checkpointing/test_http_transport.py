@@ -1,4 +1,7 @@
-"""HTTPTransport over real loopback HTTP, with senders in separate processes where it matters."""
+"""HTTPTransport over real loopback HTTP, with senders in separate processes where it matters.
+
+Receivers here use ``same_host=False`` so that every transfer takes the HTTP wire path (the
+proxies and throttles below act on it); test_same_host.py covers the same-host path."""
 
 from __future__ import annotations
 
@@ -36,15 +39,15 @@ def transport(**kw: Any) -> HTTPTransport:
     kw.setdefault("timeout", TO)
     kw.setdefault("num_chunks", 4)
     kw.setdefault("advertise_host", "127.0.0.1")
+    kw.setdefault("same_host", False)
     return HTTPTransport(**kw)
 
 
 class Slow(HTTPTransport):
     slow = 0.05
 
-    def _send_slice(self, h, piece):  # type: ignore[no-untyped-def]
+    def _pace(self) -> None:
         time.sleep(self.slow)
-        super()._send_slice(h, piece)
 
 
 def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]

@@ -1,0 +1,409 @@
+"""Same-host checkpoint transfer: the receiver copies the source's tensors straight out of the
+source process's memory, and both sides checksum every byte.
+
+Why: a replica group that restarts on the host of its healing source (the common case for the
+local launcher, and for hosts that run several groups) would otherwise pull its state through
+loopback TCP: two kernel copies and the socket machinery, ~5x a memcpy on the development
+machine. Here the kernel copies once (``process_vm_readv``, see csrc/process_memory.hpp).
+
+How a receiver finds the path: the HTTP source also listens on an abstract Unix socket with a
+random name (``ft-ckpt-<32 hex>``) and puts that name in the checkpoint header. Abstract
+sockets exist only inside one network namespace of one kernel, so a successful connect proves
+that source and receiver share a host; the socket's peer credentials then give the source's
+pid as the receiver's kernel numbers it. Anything that makes the path unusable before a byte
+is copied (another host, another pid namespace, the kernel refusing ``process_vm_readv``)
+makes the receiver fall back to HTTP; failures after that are real transfer failures.
+
+Protocol (frames are a 4-byte big-endian length plus UTF-8 JSON, at most 1 MiB)::
+
+    receiver -> source  {"token", "step", "staging", "lease", "ranges": [[a, b], ...]}
+                        (ranges: consecutive byte ranges covering the whole checkpoint)
+    source -> receiver  {"ok": true, "regions": [[address, nbytes], ...]}
+                        or {"ok": false, "code": <HTTP-like status>, "error": "..."}
+    source -> receiver  one record per range, in order: >II (range index, CRC-32C of its bytes)
+    receiver -> source  b"D" when every range verified (the source may reuse its tensors),
+                        b"F" when it falls back to HTTP before copying anything
+
+Regions are the source's tensors in header order (their bytes concatenated form the offsets
+that ranges index). The source computes each range's CRC from its own tensors while the
+receiver copies and checksums the same range; a mismatch fails the heal, nothing is returned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import json
+import logging
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+from ft import _C
+from ft.checkpointing import serialization as ser
+from ft.checkpointing.transport import (
+    CheckpointCorruptError,
+    CheckpointFormatError,
+    CheckpointTransferError,
+)
+
+__all__ = ["LocalEndpoint", "fetch", "segments", "supported", "NAME_PATTERN"]
+
+logger = logging.getLogger(__name__)
+
+NAME_PATTERN = re.compile(r"ft-ckpt-[0-9a-f]{32}")
+_FRAME = struct.Struct(">I")
+_CRC_RECORD = struct.Struct(">II")
+_MAX_FRAME = 1 << 20
+DONE = b"D"
+FALLBACK = b"F"
+# errnos of a kernel (or sandbox) that will not let this receiver read the source: use HTTP
+_NOT_PERMITTED = {errno.EPERM, errno.EACCES, errno.ENOSYS, errno.EINVAL}
+
+
+def supported() -> bool:
+    """Abstract Unix sockets and process_vm_readv: Linux only."""
+    return sys.platform.startswith("linux") and hasattr(socket, "SO_PEERCRED")
+
+
+def segments(offsets: Sequence[int], start: int, end: int) -> Iterator[Tuple[int, int, int]]:
+    """Splits bytes ``[start, end)`` of tensors laid end to end (``offsets[i]`` is where tensor
+    i starts, ``offsets[-1]`` the total) into ``(i, lo, hi)`` pieces, ``lo``/``hi`` within
+    tensor i; empty tensors are skipped."""
+    i = max(0, bisect.bisect_right(offsets, start) - 1)
+    pos = start
+    while pos < end:
+        while offsets[i + 1] <= pos:
+            i += 1
+        hi = min(end, offsets[i + 1])
+        yield i, pos - offsets[i], hi - offsets[i]
+        pos = hi
+
+
+# ----------------------------------------------------------------------------- framing
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError()
+        sock.settimeout(remaining)
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("connection closed by peer")
+        got += k
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, obj: Any) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    sock.sendall(_FRAME.pack(len(body)) + body)
+
+
+def recv_frame(sock: socket.socket, deadline: float) -> Any:
+    (n,) = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
+    if n > _MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds {_MAX_FRAME}")
+    try:
+        return json.loads(recv_exact(sock, n, deadline).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"frame is not JSON ({e})") from None
+
+
+def send_crc(sock: socket.socket, index: int, crc: int) -> None:
+    sock.sendall(_CRC_RECORD.pack(index, crc))
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The connected peer's pid in this process's pid namespace (0 if it is not visible)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+# ----------------------------------------------------------------------------- source side
+
+
+class LocalEndpoint:
+    """An abstract Unix socket that hands each connection to ``handle`` on its own thread.
+
+    Contract: ``handle(conn)`` owns the connection until it returns (the endpoint closes it
+    afterwards). ``close()`` may be called from any thread, more than once; it stops accepting,
+    shuts down open connections and joins the threads within ``join_timeout`` seconds.
+    """
+
+    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
+        self.name = f"ft-ckpt-{uuid.uuid4().hex}"
+        self._handle = handle
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(64)
+        self._lock = threading.Lock()
+        self._conns: Set[socket.socket] = set()
+        self._threads: Set[threading.Thread] = set()
+        self._closed = False
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, daemon=True, name="ft-ckpt-local-accept"
+        )
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                t = threading.Thread(
+                    target=self._run, args=(conn,), daemon=True, name="ft-ckpt-local"
+                )
+                self._conns.add(conn)
+                self._threads.add(t)
+            t.start()
+
+    def _run(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        except Exception:  # noqa: BLE001 - a broken receiver must not kill the endpoint
+            logger.debug("same-host checkpoint request failed", exc_info=True)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+
+    def close(self, join_timeout: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+            threads = list(self._threads)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except OSError:
+            pass
+        self._sock.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        end = time.monotonic() + join_timeout
+        self._acceptor.join(max(0.0, end - time.monotonic()))
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+
+# ----------------------------------------------------------------------------- receiver side
+
+
+class _Fallback(Exception):
+    """The same-host path cannot be used; nothing was copied."""
+
+
+def fetch(
+    name: str,
+    request: Dict[str, Any],
+    offsets: Sequence[int],
+    views: Sequence[memoryview],
+    ranges: List[Tuple[int, int]],
+    deadline: float,
+    where: str,
+    raise_for_status: Callable[[int, str], None],
+    workers: int = 2,
+) -> bool:
+    """Fetches every byte of a staged checkpoint from the same-host source at ``name`` into
+    ``views`` (tensor i's bytes; ``offsets`` lays them end to end).
+
+    Returns False (nothing copied; use HTTP) when the path is unusable. Raises
+    CheckpointCorruptError on a checksum mismatch, CheckpointTransferError when the source
+    vanishes or the deadline passes, and whatever ``raise_for_status(code, message)`` raises for
+    a refusal (token, step withdrawn...).
+    """
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return False
+    try:
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.connect("\0" + name)
+            pid = peer_pid(sock)
+        except OSError as e:
+            logger.debug("%s: no same-host path (%s)", where, e)
+            return False
+        if pid <= 0:
+            logger.debug("%s: source is in another pid namespace; using HTTP", where)
+            return False
+        try:
+            return _fetch_from(
+                sock, pid, request, offsets, views, ranges, deadline, where,
+                raise_for_status, workers,
+            )
+        except _Fallback as e:
+            logger.info("%s: same-host path unusable (%s); using HTTP", where, e)
+            try:
+                sock.sendall(FALLBACK)
+            except OSError:
+                pass
+            return False
+        except (socket.timeout, TimeoutError):
+            raise CheckpointTransferError(f"{where}: timed out (same-host path)") from None
+        except (OSError, EOFError) as e:
+            raise CheckpointTransferError(
+                f"{where}: source vanished during a same-host transfer ({type(e).__name__}: {e})"
+            ) from None
+        except ValueError as e:
+            raise CheckpointFormatError(f"{where}: bad same-host reply: {e}") from None
+    finally:
+        sock.close()
+
+
+def _fetch_from(
+    sock: socket.socket,
+    pid: int,
+    request: Dict[str, Any],
+    offsets: Sequence[int],
+    views: Sequence[memoryview],
+    ranges: List[Tuple[int, int]],
+    deadline: float,
+    where: str,
+    raise_for_status: Callable[[int, str], None],
+    workers: int,
+) -> bool:
+    send_frame(sock, dict(request, ranges=ranges))
+    reply = recv_frame(sock, deadline)
+    if type(reply) is not dict:
+        raise ValueError("reply is not an object")
+    if reply.get("ok") is not True:
+        code, msg = reply.get("code"), reply.get("error")
+        raise_for_status(code if type(code) is int else 500, f"{where}: {str(msg)[:500]}")
+        raise ValueError(f"refused without a status: {msg!r:.200}")
+    regions = _parse_regions(reply.get("regions"), offsets)
+
+    # Copy the first byte range before starting workers: if the kernel refuses, nothing has
+    # been copied and HTTP can take over.
+    copied: Dict[int, int] = {}
+    lock = threading.Condition()
+    failure: List[BaseException] = []
+
+    def copy_range(k: int) -> None:
+        a, b = ranges[k]
+        crc = 0
+        for i, lo, hi in segments(offsets, a, b):
+            dst = views[i][lo:hi]
+            err = _read(pid, regions[i][0] + lo, dst)
+            if err is not None:
+                if not copied and k == 0 and err.errno in _NOT_PERMITTED:
+                    raise _Fallback(f"process_vm_readv: {err.strerror}")
+                raise CheckpointTransferError(
+                    f"{where}: reading the source's memory failed ({err.strerror})"
+                )
+            crc = ser.crc32c(dst, crc)
+        with lock:
+            copied[k] = crc
+            lock.notify_all()
+
+    if ranges:
+        copy_range(0)
+    next_range = [1]
+
+    def claim() -> Optional[int]:
+        with lock:
+            if failure or next_range[0] >= len(ranges):
+                return None
+            next_range[0] += 1
+            return next_range[0] - 1
+
+    def worker() -> None:
+        try:
+            k = claim()
+            while k is not None:
+                copy_range(k)
+                k = claim()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            with lock:
+                failure.append(e)
+                lock.notify_all()
+
+    # This thread copies too: `workers` is the number of extra copying threads.
+    threads = [
+        threading.Thread(target=worker, daemon=True, name="ft-ckpt-local-copy")
+        for _ in range(max(0, min(workers, len(ranges) - 2)))
+    ]
+    for t in threads:
+        t.start()
+    try:
+        for expected in range(len(ranges)):
+            while True:
+                with lock:
+                    if failure:
+                        raise failure[0]
+                    done = expected in copied
+                if done:
+                    break
+                k = claim()
+                if k is not None:
+                    copy_range(k)
+                    continue
+                with lock:  # a worker holds the range this thread waits for
+                    while expected not in copied and not failure:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError()
+                        lock.wait(remaining)
+            index, crc = _CRC_RECORD.unpack(recv_exact(sock, _CRC_RECORD.size, deadline))
+            if index != expected:
+                raise ValueError(f"checksum record {index}, expected {expected}")
+            if copied[index] != crc:
+                a, b = ranges[index]
+                raise CheckpointCorruptError(
+                    f"{where}: checksum mismatch in bytes [{a}, {b}) (same-host path); "
+                    "data discarded"
+                )
+        sock.sendall(DONE)
+    finally:
+        with lock:
+            failure.append(_Fallback("stopped"))  # idle workers stop claiming
+            lock.notify_all()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    return True
+
+
+def _read(pid: int, address: int, dst: memoryview) -> Optional[OSError]:
+    """A seam for tests (corrupting or refusing reads)."""
+    try:
+        _C.read_process_memory(pid, address, dst)
+    except OSError as e:
+        return e
+    return None
+
+
+def _parse_regions(raw: Any, offsets: Sequence[int]) -> List[Tuple[int, int]]:
+    n = len(offsets) - 1
+    if type(raw) is not list or len(raw) != n:
+        raise ValueError(f"expected {n} regions")
+    out = []
+    for i, r in enumerate(raw):
+        if (
+            type(r) is not list
+            or len(r) != 2
+            or not all(type(x) is int and x >= 0 for x in r)
+            or r[1] != offsets[i + 1] - offsets[i]
+        ):
+            raise ValueError(f"region {i} is {r!r:.80}, expected {offsets[i + 1] - offsets[i]} bytes")
+        out.append((r[0], r[1]))
+    return out

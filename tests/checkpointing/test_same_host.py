@@ -1,0 +1,249 @@
+"""The same-host path of HTTPTransport (ft/checkpointing/same_host.py): a receiver on the
+source's host copies the tensors out of the source process with process_vm_readv and checks
+every byte against the source's CRC-32C. Sources run in separate processes where the claim
+is about processes (kill -9, another process's memory)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Dict
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ckpt_testlib import Peer, assert_same, check_payload  # noqa: E402
+
+from ft.checkpointing import (  # noqa: E402
+    CheckpointAuthError,
+    CheckpointCorruptError,
+    CheckpointNotAvailableError,
+    CheckpointTransferError,
+    HTTPTransport,
+    same_host,
+)
+from ft.checkpointing import serialization as ser  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not same_host.supported(), reason="Linux only")
+
+TO = timedelta(seconds=10)
+
+
+def transport(**kw: Any) -> HTTPTransport:
+    kw.setdefault("timeout", TO)
+    kw.setdefault("num_chunks", 4)
+    kw.setdefault("advertise_host", "127.0.0.1")
+    return HTTPTransport(**kw)
+
+
+def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
+    out: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    out["thread"] = th
+    return out
+
+
+def test_round_trip_from_another_process_is_bitwise_and_skips_the_socket(
+    payload_path: str,
+) -> None:
+    peer = Peer("http", "--step", "4", "--token", "tok", "--payload", payload_path)
+    try:
+        url = peer.expect("ready")["url"]
+        with transport(token="tok") as rx:
+            got = rx.recv_checkpoint(0, url, 4, TO)
+            assert rx.last_recv_path == "same-host"
+            check_payload(got)
+            again = rx.recv_checkpoint(0, url, 4, TO)  # the source serves it again
+            assert_same(got, again)
+        with transport(token="tok", same_host=False) as rx:
+            assert_same(got, rx.recv_checkpoint(0, url, 4, TO))
+            assert rx.last_recv_path == "http"
+    finally:
+        peer.close()
+
+
+def test_large_tensors_land_in_huge_page_memory_that_frees_with_the_tensor() -> None:
+    state = {"big": torch.randn(3 << 20), "small": torch.arange(5)}
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 1, state, TO)
+        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
+        assert dst.last_recv_path == "same-host"
+        assert_same(state, got)
+        assert got["big"].nbytes >= ser.HUGE_PAGE_BYTES
+        got["big"].add_(1)  # writable, an ordinary tensor
+        assert torch.equal(got["big"], state["big"] + 1)
+
+
+def test_corrupted_copy_is_detected_not_returned_and_the_retry_succeeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {"w": torch.randn(1 << 20), "n": 3}
+    real_read = same_host._read
+    flipped = []
+
+    def corrupting_read(pid: int, address: int, dst: memoryview) -> Any:
+        err = real_read(pid, address, dst)
+        if not flipped and len(dst) > 100:
+            dst[100] ^= 0x5A  # one bit pattern changes after the copy: memory corruption
+            flipped.append(address)
+        return err
+
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 2, state, TO)
+        monkeypatch.setattr(same_host, "_read", corrupting_read)
+        with pytest.raises(CheckpointCorruptError, match="checksum mismatch.*same-host"):
+            dst.recv_checkpoint(0, src.metadata(), 2, TO)
+        assert flipped
+        got = dst.recv_checkpoint(0, src.metadata(), 2, TO)  # the heal can be retried
+        assert dst.last_recv_path == "same-host"
+        assert_same(state, got)
+
+
+def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where process_vm_readv is not permitted (a sandbox, a hardened kernel) the receiver uses
+    HTTP; the source keeps serving (the fallback does not drop the receiver's lease)."""
+
+    def refusing_read(pid: int, address: int, dst: memoryview) -> Any:
+        return PermissionError(errno.EPERM, "Operation not permitted")
+
+    state = {"w": torch.randn(1 << 19), "b": torch.ones(3, dtype=torch.bool)}
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 9, state, TO)
+        monkeypatch.setattr(same_host, "_read", refusing_read)
+        got = dst.recv_checkpoint(0, src.metadata(), 9, TO)
+        assert dst.last_recv_path == "http"
+        assert_same(state, got)
+
+
+def test_unreachable_endpoint_falls_back_to_http() -> None:
+    """A receiver on another host (or network namespace) cannot connect to the abstract socket
+    named in the header; it uses HTTP."""
+    state = {"w": torch.randn(1000)}
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 1, state, TO)
+        assert src._local is not None
+        src._local.close()  # the name in the header now leads nowhere
+        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
+        assert dst.last_recv_path == "http"
+        assert_same(state, got)
+
+
+def _raw_request(name: str, request: Any) -> Any:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect("\0" + name)
+        if isinstance(request, bytes):
+            s.sendall(request)
+        else:
+            same_host.send_frame(s, request)
+        return same_host.recv_frame(s, time.monotonic() + 5)
+
+
+def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
+    state = {"w": torch.randn(1 << 18)}
+    total = state["w"].nbytes
+    with transport(token="right") as src, transport(token="right") as dst:
+        src.send_checkpoint([1], 6, state, TO)
+        assert src._local is not None
+        name = src._local.name
+        staging = src._staging.id  # type: ignore[union-attr]
+        good = {"token": "right", "step": 6, "staging": staging, "lease": "",
+                "ranges": [[0, total]]}
+        cases = [
+            (dict(good, token="wrong"), 403, "token"),
+            (dict(good, token=None), 403, "token"),
+            (dict(good, step=7), 410, "step 7"),
+            (dict(good, staging="0" * 32), 410, "no longer served"),
+            (dict(good, ranges=[[0, total - 1]]), 400, "cover"),
+            (dict(good, ranges=[[1, total]]), 400, "continue"),
+            (dict(good, ranges="all"), 400, "ranges"),
+            (dict(good, step="6"), 400, "bad step"),
+            (["not", "an", "object"], 400, "not an object"),
+            (struct.pack(">I", 5) + b"{{{{{", 400, "not JSON"),
+            (struct.pack(">I", 1 << 30), 400, "exceeds"),
+        ]
+        for request, code, words in cases:
+            reply = _raw_request(name, request)
+            assert reply["ok"] is False and reply["code"] == code, (request, reply)
+            assert words in reply["error"], (request, reply)
+        # a refusal surfaces as the matching CheckpointError on a real receiver
+        with transport(token="wrong") as bad:
+            with pytest.raises(CheckpointAuthError):
+                bad.recv_checkpoint(0, src.metadata(), 6, TO)
+        got = dst.recv_checkpoint(0, src.metadata(), 6, TO)
+        assert dst.last_recv_path == "same-host"
+        assert_same(state, got)
+        # nothing stays claimed: the source releases each request (it may still be reading
+        # the receiver's final b"D" when recv_checkpoint returns)
+        st = src._staging
+        assert st is not None
+        end = time.monotonic() + 5
+        while st.active and time.monotonic() < end:
+            time.sleep(0.01)
+        assert st.active == 0 and not st.conns
+
+
+def test_source_killed_mid_transfer_fails_within_timeout() -> None:
+    # --slow paces the source's checksum loop (0.25 s per MiB): the receiver waits on it
+    peer = Peer("http", "--step", "1", "--plain", "--big-mb", "16", "--slow", "0.25")
+    try:
+        url = peer.expect("ready")["url"]
+        with transport() as rx:
+            run = run_in_thread(lambda: rx.recv_checkpoint(0, url, 1, timedelta(seconds=20)))
+            time.sleep(1.0)
+            assert run["thread"].is_alive()
+            killed = time.monotonic()
+            peer.kill9()
+            run["thread"].join(15)
+            assert not run["thread"].is_alive()
+            err = run.get("error")
+            assert isinstance(err, CheckpointTransferError), run
+            assert "same-host" in str(err)
+            assert time.monotonic() - killed < 3
+    finally:
+        peer.close()
+
+
+def test_disallow_waits_for_a_same_host_receiver_then_withdraws() -> None:
+    """The source's tensors stay untouched until the receiver verified its copy; after
+    disallow_checkpoint returns, new receivers are refused."""
+
+    class Paced(HTTPTransport):
+        def _pace(self) -> None:
+            time.sleep(0.1)
+
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB: 4 paced slices
+    src = Paced(TO, 4, advertise_host="127.0.0.1")
+    try:
+        with transport() as dst:
+            src.send_checkpoint([1], 3, state, TO)
+            run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 3, TO))
+            time.sleep(0.15)
+            src.disallow_checkpoint()  # waits for the transfer in flight
+            state["w"].zero_()  # the caller may now reuse its tensors
+            run["thread"].join(10)
+            assert "error" not in run, run
+            assert dst.last_recv_path == "same-host"
+            assert not torch.equal(run["value"]["w"], state["w"])
+            with pytest.raises(CheckpointNotAvailableError):
+                dst.recv_checkpoint(0, src.metadata(), 3, TO)
+    finally:
+        src.shutdown()
