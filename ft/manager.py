@@ -677,8 +677,10 @@ class Manager:
                 self._pending_state_dict = state
                 self.load_state_dict(state["torchft"])
                 self._step = quorum.max_step
+                path = getattr(self._checkpoint_transport, "last_recv_path", None)
                 self._log.info("heal_recv", f"received the checkpoint in "
-                               f"{(time.monotonic() - t2) * 1000:.1f} ms")
+                               f"{(time.monotonic() - t2) * 1000:.1f} ms"
+                               + (f" ({path} path)" if path else ""))
         except Exception as e:  # noqa: BLE001
             self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
             self._pending_state_dict = None

@@ -169,7 +169,7 @@ class _Lease:
 class _Staging:
     """One staged checkpoint: references to its tensors plus bookkeeping."""
 
-    def __init__(self, step: int, state_dict: Any, local_name: Optional[str]) -> None:
+    def __init__(self, step: int, state_dict: Any) -> None:
         self.id = uuid.uuid4().hex
         self.step = step
         tree, self.specs, self.tensors = ser.flatten(state_dict)
@@ -178,7 +178,7 @@ class _Staging:
             self.offsets.append(self.offsets[-1] + spec.nbytes)
         self.total = self.offsets[-1]
         self.header = ser.encode_header(
-            tree, self.specs, step=step, staging=self.id, total_bytes=self.total, local=local_name
+            tree, self.specs, step=step, staging=self.id, total_bytes=self.total
         )
         self.closing = False  # no new transfers; started ones may finish
         self.withdrawn = False  # nothing may read the tensors any more
@@ -344,7 +344,10 @@ class HTTPTransport(CheckpointTransport[T]):
     # ------------------------------------------------------------------ public interface
 
     def metadata(self) -> str:
-        return f"http://{_bracket(self._advertise)}:{self._port}"
+        """``http://host:port``, plus ``#<name>`` of the same-host endpoint when it serves one
+        (a URL fragment: HTTP clients never send it)."""
+        url = f"http://{_bracket(self._advertise)}:{self._port}"
+        return f"{url}#{self._local.name}" if self._local is not None else url
 
     def address(self) -> str:
         return self.metadata()
@@ -357,8 +360,7 @@ class HTTPTransport(CheckpointTransport[T]):
         Raises TypeError (naming the key path) for values that cannot be sent safely. A
         previously staged checkpoint is withdrawn first.
         """
-        # validates before anything is withdrawn
-        staging = _Staging(step, state_dict, self._local.name if self._local else None)
+        staging = _Staging(step, state_dict)  # validates before anything is withdrawn
         self.disallow_checkpoint()
         with self._cond:
             if self._closed:
@@ -433,52 +435,40 @@ class HTTPTransport(CheckpointTransport[T]):
 
         remaining = deadline - time.monotonic()
         wait_s = max(0.0, remaining - min(1.0, remaining / 4))
-        path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
-        body, lease = self._get_small(host, port, path, deadline, where)
-        if len(body) < _TRAILER.size:
-            raise CheckpointTransferError(f"{where}: truncated metadata")
-        header, (crc,) = body[: -_TRAILER.size], _TRAILER.unpack(body[-_TRAILER.size :])
-        if ser.crc32(header) != crc:
-            raise CheckpointCorruptError(f"{where}: metadata checksum mismatch")
-        doc, tree, specs = ser.decode_header(header)
-        total = sum(s.nbytes for s in specs)
-        if doc.get("step") != step or doc.get("total_bytes") != total:
-            raise CheckpointFormatError(
-                f"{where}: server answered step {doc.get('step')!r} with "
-                f"{doc.get('total_bytes')!r} bytes (expected step {step}, {total} bytes)"
-            )
-        staging = doc.get("staging")
-        if type(staging) is not str or not staging.isalnum() or not staging.isascii():
-            raise CheckpointFormatError(f"{where}: bad staging id")
-        if not (lease.isalnum() and lease.isascii()):
-            lease = ""  # an unknown lease still works while the checkpoint is staged
-
-        tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
-        offsets = [0]
-        views = []
-        for t, s in zip(tensors, specs):
-            views.append(ser.memview(t))
-            offsets.append(offsets[-1] + s.nbytes)
-
-        local = doc.get("local")
-        if (
-            self._same_host
-            and type(local) is str
-            and same_host_path.NAME_PATTERN.fullmatch(local)
-            and same_host_path.fetch(
-                local,
+        session = (
+            same_host_path.Session.open(url.fragment, deadline, where, _raise_for_status)
+            if self._same_host and url.fragment
+            else None
+        )
+        try:
+            if session is not None:
+                meta_request = {"token": self._token, "step": step, "wait": wait_s,
+                                "chunks": self._num_chunks}
+                body, lease = session.meta(meta_request, deadline, _MAX_HEADER + _TRAILER.size)
+            else:
+                path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
+                body, lease = self._get_small(host, port, path, deadline, where)
+            tree, specs, staging, lease = self._parse_meta(body, lease, step, where)
+            total = sum(s.nbytes for s in specs)
+            tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
+            offsets = [0]
+            views = []
+            for t, s in zip(tensors, specs):
+                views.append(ser.memview(t))
+                offsets.append(offsets[-1] + s.nbytes)
+            if session is not None and session.copy(
                 {"token": self._token, "step": step, "staging": staging, "lease": lease},
                 offsets,
                 views,
                 plan_chunks(total, _LOCAL_RANGES),
                 deadline,
-                where,
-                _raise_for_status,
                 workers=_LOCAL_WORKERS,
-            )
-        ):
-            self.last_recv_path = "same-host"
-            return self._finish(tree, tensors, specs)
+            ):
+                self.last_recv_path = "same-host"
+                return self._finish(tree, tensors, specs)
+        finally:
+            if session is not None:
+                session.close()
 
         ranges = plan_chunks(total, self._num_chunks)
         stop = threading.Event()
@@ -528,6 +518,30 @@ class HTTPTransport(CheckpointTransport[T]):
 
         self.last_recv_path = "http"
         return self._finish(tree, tensors, specs)
+
+    @staticmethod
+    def _parse_meta(
+        body: bytes, lease: str, step: int, where: str
+    ) -> Tuple[Any, List[ser.TensorSpec], str, str]:
+        """Checks a metadata body (header + CRC-32); returns (tree, specs, staging, lease)."""
+        if len(body) < _TRAILER.size:
+            raise CheckpointTransferError(f"{where}: truncated metadata")
+        header, (crc,) = body[: -_TRAILER.size], _TRAILER.unpack(body[-_TRAILER.size :])
+        if ser.crc32(header) != crc:
+            raise CheckpointCorruptError(f"{where}: metadata checksum mismatch")
+        doc, tree, specs = ser.decode_header(header)
+        total = sum(s.nbytes for s in specs)
+        if doc.get("step") != step or doc.get("total_bytes") != total:
+            raise CheckpointFormatError(
+                f"{where}: server answered step {doc.get('step')!r} with "
+                f"{doc.get('total_bytes')!r} bytes (expected step {step}, {total} bytes)"
+            )
+        staging = doc.get("staging")
+        if type(staging) is not str or not staging.isalnum() or not staging.isascii():
+            raise CheckpointFormatError(f"{where}: bad staging id")
+        if not (lease.isalnum() and lease.isascii()):
+            lease = ""  # an unknown lease still works while the checkpoint is staged
+        return tree, specs, staging, lease
 
     def _finish(self, tree: Any, tensors: List[torch.Tensor], specs: List[ser.TensorSpec]) -> T:
         out = []
@@ -757,8 +771,20 @@ class HTTPTransport(CheckpointTransport[T]):
             raise _HTTPError(400, f"bad parameter {key}={q[key][:40]!r}") from None
 
     def _serve_meta(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
-        chunks = min(max(1, self._num(q, "chunks", int, 1)), _MAX_CHUNKS)
-        wait_s = min(max(0.0, self._num(q, "wait", float, 0.0)), self._timeout.total_seconds())
+        body, lease = self._meta(step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1))
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.send_header("X-FT-Lease", lease)
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.wfile.write(body)
+
+    def _meta(self, step: int, wait_s: float, chunks: int) -> Tuple[bytes, str]:
+        """Waits up to ``wait_s`` for ``step`` to be staged; returns the metadata body (header +
+        CRC-32) and a lease for ``chunks`` data ranges. Raises _HTTPError otherwise."""
+        chunks = min(max(1, chunks), _MAX_CHUNKS)
+        wait_s = min(max(0.0, wait_s), self._timeout.total_seconds())
         deadline = time.monotonic() + wait_s
         with self._cond:
             while True:
@@ -790,14 +816,7 @@ class HTTPTransport(CheckpointTransport[T]):
             n = len(plan_chunks(st.total, chunks))
             if n:
                 st.leases[lease] = _Lease(n, time.monotonic() + self._timeout.total_seconds())
-            body = st.header + _TRAILER.pack(ser.crc32(st.header))
-        h.send_response(200)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(body)))
-        h.send_header("X-FT-Lease", lease)
-        h.send_header("Connection", "close")
-        h.end_headers()
-        h.wfile.write(body)
+            return st.header + _TRAILER.pack(ser.crc32(st.header)), lease
 
     def _claim(self, step: int, staging_id: str, lease_id: str, conn: socket.socket) -> _Staging:
         """Registers a transfer of the staged checkpoint (``disallow_checkpoint`` waits for it,
@@ -864,19 +883,61 @@ class HTTPTransport(CheckpointTransport[T]):
             self._release(st, lease_id, h.connection, used)
 
     def _serve_local(self, conn: socket.socket) -> None:
-        """One same-host request (protocol in same_host.py): validates it like a data request,
-        sends the tensors' addresses, then each range's CRC-32C, and holds the checkpoint until
-        the receiver says it verified everything."""
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        try:
-            req = same_host_path.recv_frame(conn, deadline)
-            st, lease_id, ranges = self._claim_local(req, conn)
-        except _HTTPError as e:
-            same_host_path.send_frame(conn, {"ok": False, "code": e.code, "error": e.msg})
+        """One same-host connection (protocol in same_host.py): metadata requests, then at most
+        one data request, validated like their HTTP twins. For data: sends the tensors'
+        addresses, then each range's CRC-32C, and holds the checkpoint until the receiver says
+        it verified everything."""
+        while True:
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            try:
+                try:
+                    req = same_host_path.recv_frame(conn, deadline)
+                except EOFError:
+                    return  # the receiver is done with this connection
+                if type(req) is not dict:
+                    raise _HTTPError(400, "request is not an object")
+                self._check_local_token(req)
+                op = req.get("op")
+                if op == "meta":
+                    step, wait_s, chunks = req.get("step"), req.get("wait"), req.get("chunks")
+                    if (
+                        type(step) is not int
+                        or type(wait_s) not in (int, float)
+                        or type(chunks) is not int
+                    ):
+                        raise _HTTPError(400, "bad step, wait or chunks")
+                    body, lease = self._meta(step, wait_s, chunks)
+                    same_host_path.send_frame(conn, {"ok": True, "lease": lease})
+                    same_host_path.send_raw(conn, body)
+                    continue
+                if op != "data":
+                    raise _HTTPError(400, f"unknown op {op!r:.40}")
+                st, lease_id, ranges = self._claim_local(req, conn)
+            except _HTTPError as e:
+                same_host_path.send_frame(conn, {"ok": False, "code": e.code, "error": e.msg})
+                return
+            except ValueError as e:
+                same_host_path.send_frame(conn, {"ok": False, "code": 400, "error": str(e)})
+                return
+            self._serve_local_data(conn, st, lease_id, ranges, deadline)
             return
-        except ValueError as e:
-            same_host_path.send_frame(conn, {"ok": False, "code": 400, "error": str(e)})
-            return
+
+    def _check_local_token(self, req: Dict[str, Any]) -> None:
+        if self._token is not None:
+            got = req.get("token")
+            if type(got) is not str or not hmac.compare_digest(
+                got.encode(), self._token.encode()
+            ):
+                raise _HTTPError(403, "missing or wrong checkpoint token")
+
+    def _serve_local_data(
+        self,
+        conn: socket.socket,
+        st: _Staging,
+        lease_id: str,
+        ranges: List[Tuple[int, int]],
+        deadline: float,
+    ) -> None:
         used: Optional[int] = None
         try:
             regions = [[st.cpu(i).data_ptr(), spec.nbytes] for i, spec in enumerate(st.specs)]
@@ -907,14 +968,6 @@ class HTTPTransport(CheckpointTransport[T]):
     def _claim_local(
         self, req: Any, conn: socket.socket
     ) -> Tuple[_Staging, str, List[Tuple[int, int]]]:
-        if type(req) is not dict:
-            raise _HTTPError(400, "request is not an object")
-        if self._token is not None:
-            got = req.get("token")
-            if type(got) is not str or not hmac.compare_digest(
-                got.encode(), self._token.encode()
-            ):
-                raise _HTTPError(403, "missing or wrong checkpoint token")
         step, staging_id, lease_id = req.get("step"), req.get("staging"), req.get("lease", "")
         if type(step) is not int or type(staging_id) is not str or type(lease_id) is not str:
             raise _HTTPError(400, "bad step, staging or lease")

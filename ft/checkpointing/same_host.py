@@ -7,22 +7,28 @@ loopback TCP: two kernel copies and the socket machinery, ~5x a memcpy on the de
 machine. Here the kernel copies once (``process_vm_readv``, see csrc/process_memory.hpp).
 
 How a receiver finds the path: the HTTP source also listens on an abstract Unix socket with a
-random name (``ft-ckpt-<32 hex>``) and puts that name in the checkpoint header. Abstract
-sockets exist only inside one network namespace of one kernel, so a successful connect proves
-that source and receiver share a host; the socket's peer credentials then give the source's
-pid as the receiver's kernel numbers it. Anything that makes the path unusable before a byte
-is copied (another host, another pid namespace, the kernel refusing ``process_vm_readv``)
-makes the receiver fall back to HTTP; failures after that are real transfer failures.
+random name (``ft-ckpt-<32 hex>``) and names it in its metadata, as the URL's fragment
+(``http://host:port#ft-ckpt-...``). Abstract sockets exist only inside one network namespace of
+one kernel, so a successful connect proves that source and receiver share a host; the socket's
+peer credentials then give the source's pid as the receiver's kernel numbers it. A same-host
+heal never touches TCP: the metadata comes over the same connection. Anything that makes the
+path unusable before a byte is copied (another host, another pid namespace, the kernel refusing
+``process_vm_readv``) makes the receiver use HTTP; failures after that are transfer failures.
 
-Protocol (frames are a 4-byte big-endian length plus UTF-8 JSON, at most 1 MiB)::
+Protocol (frames are a 4-byte big-endian length plus UTF-8 JSON of at most 1 MiB; raw frames
+the same length prefix plus bytes)::
 
-    receiver -> source  {"token", "step", "staging", "lease", "ranges": [[a, b], ...]}
+    receiver -> source  {"op": "meta", "token", "step", "wait", "chunks"}
+    source -> receiver  {"ok": true, "lease": "..."} then a raw frame: the header and its
+                        CRC-32, exactly the body of HTTP's /meta response
+    receiver -> source  {"op": "data", "token", "step", "staging", "lease", "ranges": [[a, b]..]}
                         (ranges: consecutive byte ranges covering the whole checkpoint)
     source -> receiver  {"ok": true, "regions": [[address, nbytes], ...]}
-                        or {"ok": false, "code": <HTTP-like status>, "error": "..."}
     source -> receiver  one record per range, in order: >II (range index, CRC-32C of its bytes)
     receiver -> source  b"D" when every range verified (the source may reuse its tensors),
                         b"F" when it falls back to HTTP before copying anything
+
+    Any refusal is {"ok": false, "code": <HTTP status>, "error": "..."}.
 
 Regions are the source's tensors in header order (their bytes concatenated form the offsets
 that ranges index). The source computes each range's CRC from its own tensors while the
@@ -52,7 +58,7 @@ from ft.checkpointing.transport import (
     CheckpointTransferError,
 )
 
-__all__ = ["LocalEndpoint", "fetch", "segments", "supported", "NAME_PATTERN"]
+__all__ = ["LocalEndpoint", "Session", "segments", "supported", "NAME_PATTERN"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +123,17 @@ def recv_frame(sock: socket.socket, deadline: float) -> Any:
         return json.loads(recv_exact(sock, n, deadline).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"frame is not JSON ({e})") from None
+
+
+def send_raw(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def recv_raw(sock: socket.socket, deadline: float, max_bytes: int) -> bytes:
+    (n,) = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
+    if n > max_bytes:
+        raise ValueError(f"frame of {n} bytes exceeds {max_bytes}")
+    return recv_exact(sock, n, deadline)
 
 
 def send_crc(sock: socket.socket, index: int, crc: int) -> None:
@@ -213,87 +230,127 @@ class _Fallback(Exception):
     """The same-host path cannot be used; nothing was copied."""
 
 
-def fetch(
-    name: str,
-    request: Dict[str, Any],
-    offsets: Sequence[int],
-    views: Sequence[memoryview],
-    ranges: List[Tuple[int, int]],
-    deadline: float,
-    where: str,
-    raise_for_status: Callable[[int, str], None],
-    workers: int = 2,
-) -> bool:
-    """Fetches every byte of a staged checkpoint from the same-host source at ``name`` into
-    ``views`` (tensor i's bytes; ``offsets`` lays them end to end).
+class Session:
+    """One receiver's connection to a same-host source. Not thread-safe: one caller.
 
-    Returns False (nothing copied; use HTTP) when the path is unusable. Raises
-    CheckpointCorruptError on a checksum mismatch, CheckpointTransferError when the source
-    vanishes or the deadline passes, and whatever ``raise_for_status(code, message)`` raises for
-    a refusal (token, step withdrawn...).
+    ``open`` returns None where the source is not on this host. ``meta`` and ``copy`` raise
+    the CheckpointErrors of a failed transfer (``raise_for_status`` maps refusals).
     """
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    except OSError:
-        return False
-    try:
+
+    def __init__(
+        self, sock: socket.socket, pid: int, where: str, raise_for_status: Callable[[int, str], None]
+    ) -> None:
+        self._sock = sock
+        self._pid = pid
+        self._where = where
+        self._raise_for_status = raise_for_status
+
+    @classmethod
+    def open(
+        cls, name: str, deadline: float, where: str, raise_for_status: Callable[[int, str], None]
+    ) -> Optional["Session"]:
+        if not supported() or not NAME_PATTERN.fullmatch(name):
+            return None
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:
+            return None
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.connect("\0" + name)
             pid = peer_pid(sock)
         except OSError as e:
+            sock.close()
             logger.debug("%s: no same-host path (%s)", where, e)
-            return False
+            return None
         if pid <= 0:
+            sock.close()
             logger.debug("%s: source is in another pid namespace; using HTTP", where)
-            return False
+            return None
+        return cls(sock, pid, where, raise_for_status)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _call(self, request: Dict[str, Any], deadline: float) -> Dict[str, Any]:
+        send_frame(self._sock, request)
+        reply = recv_frame(self._sock, deadline)
+        if type(reply) is not dict:
+            raise ValueError("reply is not an object")
+        if reply.get("ok") is not True:
+            code, msg = reply.get("code"), reply.get("error")
+            self._raise_for_status(
+                code if type(code) is int else 500, f"{self._where}: {str(msg)[:500]}"
+            )
+            raise ValueError(f"refused without a status: {msg!r:.200}")
+        return reply
+
+    def _translate(self, e: BaseException) -> BaseException:
+        where = self._where
+        if isinstance(e, (socket.timeout, TimeoutError)):
+            return CheckpointTransferError(f"{where}: timed out (same-host path)")
+        if isinstance(e, (OSError, EOFError)):
+            return CheckpointTransferError(
+                f"{where}: source vanished during a same-host transfer ({type(e).__name__}: {e})"
+            )
+        if isinstance(e, ValueError):
+            return CheckpointFormatError(f"{where}: bad same-host reply: {e}")
+        return e
+
+    def meta(self, request: Dict[str, Any], deadline: float, max_bytes: int) -> Tuple[bytes, str]:
+        """The checkpoint's metadata body (header + CRC-32 trailer) and the source's lease."""
         try:
-            return _fetch_from(
-                sock, pid, request, offsets, views, ranges, deadline, where,
-                raise_for_status, workers,
+            reply = self._call(dict(request, op="meta"), deadline)
+            body = recv_raw(self._sock, deadline, max_bytes)
+        except (OSError, EOFError, ValueError) as e:  # socket.timeout is an OSError
+            raise self._translate(e) from None
+        lease = reply.get("lease")
+        return body, lease if type(lease) is str else ""
+
+    def copy(
+        self,
+        request: Dict[str, Any],
+        offsets: Sequence[int],
+        views: Sequence[memoryview],
+        ranges: List[Tuple[int, int]],
+        deadline: float,
+        workers: int,
+    ) -> bool:
+        """Copies every byte into ``views`` (tensor i's bytes; ``offsets`` lays them end to
+        end), verifying each range. False: the kernel refused before anything was copied (the
+        source was told; fetch the ranges over HTTP with the same lease)."""
+        try:
+            return _copy(
+                self._sock, self._pid, self._call, dict(request, op="data", ranges=ranges),
+                offsets, views, ranges, deadline, self._where, workers,
             )
         except _Fallback as e:
-            logger.info("%s: same-host path unusable (%s); using HTTP", where, e)
+            logger.info("%s: same-host path unusable (%s); using HTTP", self._where, e)
             try:
-                sock.sendall(FALLBACK)
+                self._sock.sendall(FALLBACK)
             except OSError:
                 pass
             return False
-        except (socket.timeout, TimeoutError):
-            raise CheckpointTransferError(f"{where}: timed out (same-host path)") from None
-        except (OSError, EOFError) as e:
-            raise CheckpointTransferError(
-                f"{where}: source vanished during a same-host transfer ({type(e).__name__}: {e})"
-            ) from None
-        except ValueError as e:
-            raise CheckpointFormatError(f"{where}: bad same-host reply: {e}") from None
-    finally:
-        sock.close()
+        except (OSError, EOFError, ValueError) as e:
+            raise self._translate(e) from None
 
 
-def _fetch_from(
+def _copy(
     sock: socket.socket,
     pid: int,
+    call: Callable[[Dict[str, Any], float], Dict[str, Any]],
     request: Dict[str, Any],
     offsets: Sequence[int],
     views: Sequence[memoryview],
     ranges: List[Tuple[int, int]],
     deadline: float,
     where: str,
-    raise_for_status: Callable[[int, str], None],
     workers: int,
 ) -> bool:
-    send_frame(sock, dict(request, ranges=ranges))
-    reply = recv_frame(sock, deadline)
-    if type(reply) is not dict:
-        raise ValueError("reply is not an object")
-    if reply.get("ok") is not True:
-        code, msg = reply.get("code"), reply.get("error")
-        raise_for_status(code if type(code) is int else 500, f"{where}: {str(msg)[:500]}")
-        raise ValueError(f"refused without a status: {msg!r:.200}")
+    reply = call(request, deadline)
     regions = _parse_regions(reply.get("regions"), offsets)
 
-    # Copy the first byte range before starting workers: if the kernel refuses, nothing has
+    # The first range is copied before any worker starts: if the kernel refuses, nothing has
     # been copied and HTTP can take over.
     copied: Dict[int, int] = {}
     lock = threading.Condition()

@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
@@ -218,7 +219,7 @@ def test_corruption_in_transit_is_detected_and_not_returned(kind: str, offset: i
     state = {"w": torch.randn(1 << 20), "meta": {"step": 3}}  # 4 MiB: several chunks
     with transport(num_chunks=3) as src, transport(num_chunks=3) as dst:
         src.send_checkpoint([1], 3, state, TO)
-        port = int(src.metadata().rsplit(":", 1)[1])
+        port = urlsplit(src.metadata()).port
         proxy = CorruptingProxy(port, kind, offset)
         try:
             with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
@@ -339,7 +340,7 @@ def test_empty_and_tensorless_state_dicts() -> None:
 def test_shutdown_is_bounded_with_idle_and_stuck_clients() -> None:
     src = transport(timeout=timedelta(seconds=30))
     src.send_checkpoint([1], 1, {"w": torch.ones(10)}, TO)
-    port = int(src.metadata().rsplit(":", 1)[1])
+    port = urlsplit(src.metadata()).port
     idle = socket.create_connection(("127.0.0.1", port), timeout=5)  # sends nothing
     try:
         time.sleep(0.1)

@@ -165,8 +165,9 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
         assert src._local is not None
         name = src._local.name
         staging = src._staging.id  # type: ignore[union-attr]
-        good = {"token": "right", "step": 6, "staging": staging, "lease": "",
+        good = {"op": "data", "token": "right", "step": 6, "staging": staging, "lease": "",
                 "ranges": [[0, total]]}
+        meta = {"op": "meta", "token": "right", "step": 6, "wait": 0.0, "chunks": 1}
         cases = [
             (dict(good, token="wrong"), 403, "token"),
             (dict(good, token=None), 403, "token"),
@@ -177,6 +178,10 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
             (dict(good, ranges="all"), 400, "ranges"),
             (dict(good, step="6"), 400, "bad step"),
             (["not", "an", "object"], 400, "not an object"),
+            (dict(good, op="steal"), 400, "unknown op"),
+            (dict(meta, token="wrong"), 403, "token"),
+            (dict(meta, step=5), 404, "step 5"),
+            (dict(meta, wait="forever"), 400, "bad step, wait"),
             (struct.pack(">I", 5) + b"{{{{{", 400, "not JSON"),
             (struct.pack(">I", 1 << 30), 400, "exceeds"),
         ]

@@ -89,6 +89,8 @@ def test_kill_restart_heals_and_ends_identical(transport: str, async_quorum: boo
     for x in restarted:
         assert x["loads"] >= 1, "the restarted group never loaded a healed state"
         assert x["history"][0]["step"] >= 3 or async_quorum  # sync: healed before its 1st step
+        if transport == "http":  # both groups share this host: no TCP for the state
+            assert x["recv_path"] == "same-host", x["recv_path"]
     survivors = [x for x in results if x["group"] == 0]
     for x in survivors:
         solo = [h for h in x["history"] if h["committed"] and h["participants"] == 1]
@@ -128,6 +130,7 @@ def test_corrupted_checkpoint_is_detected_not_loaded_and_retried() -> None:
     assert_identical(results, 1)
     g0, g1 = results
     assert g0["proxy_flipped"] == 1
+    assert g1["recv_path"] == "http"  # the proxy's URL names no same-host endpoint
     first = g1["history"][0]
     assert not first["committed"] and "CheckpointCorruptError" in first["errored"], first
     assert first["pre_hash"] == g1["init_hash"], "corrupted state was loaded"

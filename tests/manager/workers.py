@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import socket
 import threading
 import time
+from urllib.parse import urlsplit
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
@@ -144,7 +144,7 @@ def train(
     else:
         ckpt = HTTPTransport(timeout=to, num_chunks=2, advertise_host="127.0.0.1")
         if corrupt_sends:
-            port = int(ckpt.metadata().rsplit(":", 1)[1])
+            port = urlsplit(ckpt.metadata()).port
             proxy = CorruptingProxy(port, count=corrupt_sends)
             url = f"http://127.0.0.1:{proxy.port}"
             ckpt.metadata = lambda: url  # type: ignore[method-assign]
@@ -233,6 +233,8 @@ def train(
         "init_hash": init_hash,
         "loads": len(loads),
         "proxy_flipped": proxy.flipped if proxy is not None else 0,
+        # HTTPTransport: "same-host" or "http" for the last heal; None if it never healed
+        "recv_path": getattr(ckpt, "last_recv_path", None),
     }
     manager.shutdown(wait=False)
     return result
