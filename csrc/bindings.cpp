@@ -129,6 +129,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"),
       "Copies len(dst) bytes at `address` in process `pid` into `dst` (process_vm_readv, GIL "
       "released). Raises OSError with the errno on failure.");
+  m.def(
+      "allow_process_to_read",
+      [](int pid) { return ft::allowProcessToRead(static_cast<pid_t>(pid)); },
+      py::arg("pid"),
+      "prctl(PR_SET_PTRACER, pid): lets `pid` read this process under Yama ptrace_scope 1 "
+      "(0: nobody). Returns 0 or the errno (EINVAL where there is no Yama).");
   m.def("_shutdown_all", &ft::shutdownAllBackends, py::arg("timeout"),
         py::call_guard<py::gil_scoped_release>(),
         "At exit: shut down every backend and wait for their teardown.");

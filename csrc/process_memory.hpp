@@ -21,4 +21,9 @@ namespace ft {
 // counts as EFAULT.
 int readProcessMemory(pid_t pid, uint64_t remoteAddress, void* dst, size_t size);
 
+// Lets process `pid` (0: nobody again) read this process with readProcessMemory where Yama's
+// ptrace_scope is 1 (Ubuntu's default), which otherwise allows it only to ancestors. Returns 0,
+// or the errno (EINVAL: no Yama here, nothing to do). One pid at a time per process.
+int allowProcessToRead(pid_t pid);
+
 } // namespace ft

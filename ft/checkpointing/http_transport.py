@@ -40,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
+from ft import _C
 from ft.checkpointing import same_host as same_host_path
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.transport import (
@@ -333,6 +334,7 @@ class HTTPTransport(CheckpointTransport[T]):
             same_host = os.environ.get(SAME_HOST_ENV, "1") != "0"
         self._same_host = bool(same_host) and same_host_path.supported()
         self._local: Optional[same_host_path.LocalEndpoint] = None
+        self._ptracer_lock = threading.Lock()
         if self._same_host:
             try:
                 self._local = same_host_path.LocalEndpoint(self._serve_local)
@@ -565,7 +567,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._server.server_close()
         self._server.kill_connections()
         if self._local is not None:
-            self._local.close(join_timeout=min(5.0, self._timeout.total_seconds()))
+            self._local.close(join_timeout=min(5.0, self._timeout.total_seconds()) if wait else 0.0)
         if wait:
             end = time.monotonic() + min(5.0, self._timeout.total_seconds())
             self._thread.join(max(0.0, end - time.monotonic()))
@@ -887,6 +889,23 @@ class HTTPTransport(CheckpointTransport[T]):
         one data request, validated like their HTTP twins. For data: sends the tensors'
         addresses, then each range's CRC-32C, and holds the checkpoint until the receiver says
         it verified everything."""
+        issued: List[str] = []  # leases handed out on this connection
+        try:
+            self._serve_local_requests(conn, issued)
+        finally:
+            if issued:
+                self._drop_leases(issued)
+
+    def _drop_leases(self, lease_ids: List[str]) -> None:
+        """Leases whose receiver is gone without asking for data: nothing waits for them."""
+        with self._cond:
+            st = self._staging
+            if st is not None:
+                for lease_id in lease_ids:
+                    st.leases.pop(lease_id, None)
+            self._cond.notify_all()
+
+    def _serve_local_requests(self, conn: socket.socket, issued: List[str]) -> None:
         while True:
             deadline = time.monotonic() + self._timeout.total_seconds()
             try:
@@ -907,6 +926,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     ):
                         raise _HTTPError(400, "bad step, wait or chunks")
                     body, lease = self._meta(step, wait_s, chunks)
+                    issued.append(lease)
                     same_host_path.send_frame(conn, {"ok": True, "lease": lease})
                     same_host_path.send_raw(conn, body)
                     continue
@@ -919,6 +939,8 @@ class HTTPTransport(CheckpointTransport[T]):
             except ValueError as e:
                 same_host_path.send_frame(conn, {"ok": False, "code": 400, "error": str(e)})
                 return
+            if lease_id in issued:
+                issued.remove(lease_id)  # the data request settles it
             self._serve_local_data(conn, st, lease_id, ranges, deadline)
             return
 
@@ -939,10 +961,17 @@ class HTTPTransport(CheckpointTransport[T]):
         deadline: float,
     ) -> None:
         used: Optional[int] = None
+        granted = False
         try:
+            granted = self._grant_read_access(conn, deadline)
             regions = [[st.cpu(i).data_ptr(), spec.nbytes] for i, spec in enumerate(st.specs)]
             same_host_path.send_frame(conn, {"ok": True, "regions": regions})
+            answer: Optional[bytes] = None
             for k, (start, end) in enumerate(ranges):
+                # a receiver that falls back (or gives up) says so early: stop checksumming
+                answer = same_host_path.poll_answer(conn)
+                if answer is not None:
+                    break
                 crc = 0
                 for i, lo, hi in same_host_path.segments(st.offsets, start, end):
                     view = st.view(i)
@@ -951,9 +980,16 @@ class HTTPTransport(CheckpointTransport[T]):
                             raise _Abort()
                         crc = ser.crc32c(view[a : min(hi, a + _SLICE)], crc)
                         self._pace()
-                same_host_path.send_crc(conn, k, crc)
-            # the receiver may still be copying: the tensors stay untouched until it answers
-            answer = same_host_path.recv_exact(conn, 1, deadline)
+                try:
+                    same_host_path.send_crc(conn, k, crc)
+                except OSError:
+                    answer = same_host_path.poll_answer(conn, wait=0.1)  # b"F" may be queued
+                    if answer is None:
+                        raise
+                    break
+            if answer is None:
+                # the receiver may still be copying: the tensors stay untouched until it answers
+                answer = same_host_path.recv_exact(conn, 1, deadline)
             if answer == same_host_path.DONE:
                 used = len(ranges) + _MAX_CHUNKS  # the whole lease
             elif answer == same_host_path.FALLBACK:
@@ -963,7 +999,29 @@ class HTTPTransport(CheckpointTransport[T]):
         except (OSError, EOFError, TimeoutError) as e:
             logger.debug("same-host checkpoint transfer failed: %s", e)
         finally:
+            if granted:
+                _C.allow_process_to_read(0)
+                self._ptracer_lock.release()
             self._release(st, lease_id, conn, used)
+
+    def _grant_read_access(self, conn: socket.socket, deadline: float) -> bool:
+        """Under Yama ptrace_scope 1, names the receiver as this process's ptracer for the
+        transfer (one receiver at a time: the setting holds one pid). True if granted (the
+        caller revokes it and releases the lock). Without the grant the receiver's first read
+        fails and it falls back to HTTP, so a busy lock or an invisible pid only costs speed."""
+        if not same_host_path.ptracer_needed():
+            return False
+        pid = same_host_path.peer_pid(conn)
+        if pid <= 0 or not self._ptracer_lock.acquire(
+            timeout=max(0.0, min(2.0, deadline - time.monotonic()))
+        ):
+            return False
+        err = _C.allow_process_to_read(pid)
+        if err:
+            self._ptracer_lock.release()
+            logger.debug("prctl(PR_SET_PTRACER, %d) failed: %s", pid, os.strerror(err))
+            return False
+        return True
 
     def _claim_local(
         self, req: Any, conn: socket.socket

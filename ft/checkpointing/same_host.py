@@ -42,6 +42,7 @@ import errno
 import json
 import logging
 import re
+import select
 import socket
 import struct
 import sys
@@ -115,10 +116,10 @@ def send_frame(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_FRAME.pack(len(body)) + body)
 
 
-def recv_frame(sock: socket.socket, deadline: float) -> Any:
+def recv_frame(sock: socket.socket, deadline: float, max_bytes: int = _MAX_FRAME) -> Any:
     (n,) = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
-    if n > _MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes exceeds {_MAX_FRAME}")
+    if n > max_bytes:
+        raise ValueError(f"frame of {n} bytes exceeds {max_bytes}")
     try:
         return json.loads(recv_exact(sock, n, deadline).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -134,6 +135,34 @@ def recv_raw(sock: socket.socket, deadline: float, max_bytes: int) -> bytes:
     if n > max_bytes:
         raise ValueError(f"frame of {n} bytes exceeds {max_bytes}")
     return recv_exact(sock, n, deadline)
+
+
+def poll_answer(sock: socket.socket, wait: float = 0.0) -> Optional[bytes]:
+    """The receiver's one-byte answer if it has arrived within ``wait`` seconds (b"" if the
+    receiver closed the connection), else None."""
+    try:
+        readable, _, _ = select.select([sock], [], [], wait)
+        if not readable:
+            return None
+        return sock.recv(1)
+    except (OSError, ValueError):
+        return b""
+
+
+def ptracer_needed() -> bool:
+    """True where Yama's ptrace_scope is 1: a receiver may read this process only once this
+    process names it (``_C.allow_process_to_read``)."""
+    global _PTRACER_NEEDED
+    if _PTRACER_NEEDED is None:
+        try:
+            with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+                _PTRACER_NEEDED = f.read().strip() == "1"
+        except OSError:
+            _PTRACER_NEEDED = False  # no Yama: same-user processes may read each other
+    return _PTRACER_NEEDED
+
+
+_PTRACER_NEEDED: Optional[bool] = None
 
 
 def send_crc(sock: socket.socket, index: int, crc: int) -> None:
@@ -176,8 +205,13 @@ class LocalEndpoint:
         while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                # EMFILE, ENOMEM...: transient; the name stays bound, so keep serving
+                logger.warning("same-host checkpoint endpoint: accept failed (%s)", e)
+                time.sleep(0.05)
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -272,9 +306,11 @@ class Session:
     def close(self) -> None:
         self._sock.close()
 
-    def _call(self, request: Dict[str, Any], deadline: float) -> Dict[str, Any]:
+    def _call(
+        self, request: Dict[str, Any], deadline: float, max_bytes: int = _MAX_FRAME
+    ) -> Dict[str, Any]:
         send_frame(self._sock, request)
-        reply = recv_frame(self._sock, deadline)
+        reply = recv_frame(self._sock, deadline, max_bytes)
         if type(reply) is not dict:
             raise ValueError("reply is not an object")
         if reply.get("ok") is not True:
@@ -338,7 +374,7 @@ class Session:
 def _copy(
     sock: socket.socket,
     pid: int,
-    call: Callable[[Dict[str, Any], float], Dict[str, Any]],
+    call: Callable[[Dict[str, Any], float, int], Dict[str, Any]],
     request: Dict[str, Any],
     offsets: Sequence[int],
     views: Sequence[memoryview],
@@ -347,7 +383,8 @@ def _copy(
     where: str,
     workers: int,
 ) -> bool:
-    reply = call(request, deadline)
+    # the regions reply grows with the number of tensors (~30 bytes each)
+    reply = call(request, deadline, _MAX_FRAME + 64 * len(offsets))
     regions = _parse_regions(reply.get("regions"), offsets)
 
     # The first range is copied before any worker starts: if the kernel refuses, nothing has
@@ -366,7 +403,8 @@ def _copy(
                 if not copied and k == 0 and err.errno in _NOT_PERMITTED:
                     raise _Fallback(f"process_vm_readv: {err.strerror}")
                 raise CheckpointTransferError(
-                    f"{where}: reading the source's memory failed ({err.strerror})"
+                    f"{where}: reading the source's memory failed on the same-host path "
+                    f"({err.strerror})"
                 )
             crc = ser.crc32c(dst, crc)
         with lock:
@@ -460,6 +498,7 @@ def _parse_regions(raw: Any, offsets: Sequence[int]) -> List[Tuple[int, int]]:
             or len(r) != 2
             or not all(type(x) is int and x >= 0 for x in r)
             or r[1] != offsets[i + 1] - offsets[i]
+            or r[0] + r[1] >= 1 << 64
         ):
             raise ValueError(f"region {i} is {r!r:.80}, expected {offsets[i + 1] - offsets[i]} bytes")
         out.append((r[0], r[1]))

@@ -416,7 +416,7 @@ HUGE_PAGE_BYTES = 2 << 20
 def _allocate_huge_pages(spec: TensorSpec) -> Optional[torch.Tensor]:
     try:
         buf = mmap.mmap(-1, spec.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, OverflowError):
         return None
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
@@ -439,7 +439,7 @@ def allocate(spec: TensorSpec, device: torch.device) -> torch.Tensor:
             return t
     try:
         return torch.empty(spec.shape, dtype=spec.dtype, device=device)
-    except (RuntimeError, ValueError, TypeError) as e:
+    except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as e:
         raise _fail(f"cannot allocate {spec}: {e}") from None
 
 

@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -22,6 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_testlib import Peer, assert_same, check_payload  # noqa: E402
+
+from tests.corrupting_proxy import CorruptingProxy  # noqa: E402
 
 from ft.checkpointing import (  # noqa: E402
     CheckpointAuthError,
@@ -137,90 +139,13 @@ def test_sender_killed_mid_transfer_fails_within_timeout() -> None:
 # ----------------------------------------------------------------------------- corruption
 
 
-class CorruptingProxy:
-    """TCP proxy that flips one byte of the body of one kind of response ("meta"/"data")."""
-
-    def __init__(self, target_port: int, kind: str, body_offset: int) -> None:
-        self.target = target_port
-        self.kind = kind
-        self.offset = body_offset
-        self.flipped = 0
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.srv.settimeout(0.2)
-        self.port = self.srv.getsockname()[1]
-        self.stop = threading.Event()
-        self.threads: List[threading.Thread] = []
-        t = threading.Thread(target=self._accept, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                c, _ = self.srv.accept()
-            except (socket.timeout, OSError):
-                continue
-            s = socket.create_connection(("127.0.0.1", self.target), timeout=10)
-            c.settimeout(10)
-            req: Dict[str, Any] = {"first": b""}
-            for args in ((c, s, True, req), (s, c, False, req)):
-                t = threading.Thread(target=self._pump, args=args, daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, req: Dict) -> None:
-        head = b""
-        body_seen: Optional[int] = None
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if upstream:
-                    req["first"] += data
-                else:
-                    corrupt = f"/{self.kind}".encode() in req["first"].split(b"\r\n")[0]
-                    if corrupt and body_seen is None:
-                        head += data
-                        end = head.find(b"\r\n\r\n")
-                        if end >= 0:
-                            body_seen = 0
-                            data = head[end + 4 :]
-                            dst.sendall(head[: end + 4])
-                        else:
-                            continue
-                    if corrupt and body_seen is not None:
-                        k = self.offset - body_seen
-                        if 0 <= k < len(data):
-                            data = bytearray(data)
-                            data[k] ^= 0x5A
-                            data = bytes(data)
-                            self.flipped += 1
-                        body_seen += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for x in (src, dst):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.stop.set()
-        self.srv.close()
-        for t in self.threads:
-            t.join(5)
-
-
 @pytest.mark.parametrize("kind,offset", [("data", 12345), ("meta", 40)])
 def test_corruption_in_transit_is_detected_and_not_returned(kind: str, offset: int) -> None:
     state = {"w": torch.randn(1 << 20), "meta": {"step": 3}}  # 4 MiB: several chunks
     with transport(num_chunks=3) as src, transport(num_chunks=3) as dst:
         src.send_checkpoint([1], 3, state, TO)
         port = urlsplit(src.metadata()).port
-        proxy = CorruptingProxy(port, kind, offset)
+        proxy = CorruptingProxy(port, kind, offset)  # every matching response
         try:
             with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
                 dst.recv_checkpoint(0, f"http://127.0.0.1:{proxy.port}", 3, TO)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import socket
-import threading
 import time
-from urllib.parse import urlsplit
 from datetime import timedelta
+from urllib.parse import urlsplit
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from tests.corrupting_proxy import CorruptingProxy
 
 from tests.procs import connect_store
 
@@ -28,75 +28,6 @@ def _hash(model: torch.nn.Module) -> str:
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-class CorruptingProxy:
-    """TCP proxy in front of an HTTP checkpoint server: flips one byte in the body of the
-    first ``count`` ``/data`` responses, then passes everything through."""
-
-    def __init__(self, target_port: int, count: int = 1, offset: int = 100) -> None:
-        self.target = target_port
-        self.count = count
-        self.offset = offset
-        self.flipped = 0
-        self.lock = threading.Lock()
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.srv.accept()
-            except OSError:
-                return
-            s = socket.create_connection(("127.0.0.1", self.target), timeout=10)
-            req: Dict[str, bytes] = {"first": b""}
-            threading.Thread(target=self._pump, args=(c, s, True, req), daemon=True).start()
-            threading.Thread(target=self._pump, args=(s, c, False, req), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, req: Dict) -> None:
-        head = b""
-        seen: Optional[int] = None
-        corrupt: Optional[bool] = None
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if upstream:
-                    req["first"] += data
-                else:
-                    if corrupt is None:
-                        with self.lock:
-                            corrupt = b"/data" in req["first"].split(b"\r\n")[0] and (
-                                self.flipped < self.count
-                            )
-                            if corrupt:
-                                self.flipped += 1
-                    if corrupt and seen is None:
-                        head += data
-                        end = head.find(b"\r\n\r\n")
-                        if end < 0:
-                            continue
-                        dst.sendall(head[: end + 4])
-                        data, seen = head[end + 4 :], 0
-                    if corrupt and seen is not None:
-                        k = self.offset - seen
-                        if 0 <= k < len(data):
-                            b = bytearray(data)
-                            b[k] ^= 0x5A
-                            data = bytes(b)
-                        seen += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for x in (src, dst):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 def train(
@@ -145,7 +76,7 @@ def train(
         ckpt = HTTPTransport(timeout=to, num_chunks=2, advertise_host="127.0.0.1")
         if corrupt_sends:
             port = urlsplit(ckpt.metadata()).port
-            proxy = CorruptingProxy(port, count=corrupt_sends)
+            proxy = CorruptingProxy(port, "data", count=corrupt_sends)
             url = f"http://127.0.0.1:{proxy.port}"
             ckpt.metadata = lambda: url  # type: ignore[method-assign]
 
