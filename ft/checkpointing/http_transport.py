@@ -35,7 +35,7 @@ import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as futures_wait
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import torch
@@ -866,15 +866,9 @@ class HTTPTransport(CheckpointTransport[T]):
             h.send_header("Connection", "close")
             h.end_headers()
             crc = 0
-            for i, lo, hi in same_host_path.segments(st.offsets, start, end):
-                view = st.view(i)
-                for a in range(lo, hi, _SLICE):
-                    if st.withdrawn:
-                        raise _Abort()
-                    piece = view[a : min(hi, a + _SLICE)]
-                    crc = ser.crc32c(piece, crc)
-                    self._pace()
-                    h.wfile.write(piece)
+            for piece in self._source_slices(st, start, end):
+                crc = ser.crc32c(piece, crc)
+                h.wfile.write(piece)
             h.wfile.write(_TRAILER.pack(crc))
             used = 1
         except _Abort:
@@ -973,13 +967,8 @@ class HTTPTransport(CheckpointTransport[T]):
                 if answer is not None:
                     break
                 crc = 0
-                for i, lo, hi in same_host_path.segments(st.offsets, start, end):
-                    view = st.view(i)
-                    for a in range(lo, hi, _SLICE):
-                        if st.withdrawn:
-                            raise _Abort()
-                        crc = ser.crc32c(view[a : min(hi, a + _SLICE)], crc)
-                        self._pace()
+                for piece in self._source_slices(st, start, end):
+                    crc = ser.crc32c(piece, crc)
                 try:
                     same_host_path.send_crc(conn, k, crc)
                 except OSError:
@@ -1038,6 +1027,17 @@ class HTTPTransport(CheckpointTransport[T]):
                 self._release(st, lease_id, conn, None)
                 raise
         return st, lease_id, ranges
+
+    def _source_slices(self, st: _Staging, start: int, end: int) -> Iterator[memoryview]:
+        """Bytes ``[start, end)`` of the staged tensors in slices of at most 1 MiB; raises
+        _Abort as soon as the checkpoint is withdrawn (both serving paths read through it)."""
+        for i, lo, hi in same_host_path.segments(st.offsets, start, end):
+            view = st.view(i)
+            for a in range(lo, hi, _SLICE):
+                if st.withdrawn:
+                    raise _Abort()
+                self._pace()
+                yield view[a : min(hi, a + _SLICE)]
 
     def _pace(self) -> None:
         """Called once per 1 MiB slice the source serves, on either path (a seam for tests
