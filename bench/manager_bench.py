@@ -331,6 +331,8 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         print(f"    process start (exec -> Manager ready) : {(rec['ready'] - rec['exec']) * 1000:8.1f} ms")
         print(f"    quorum (start_quorum -> configured)   : {(rec['configured'] - rec['ready']) * 1000:8.1f} ms")
         print(f"    transfer (fetch checkpoint)           : {rec['transfer_ms']:8.1f} ms")
+        if "metadata_ms" in rec:
+            print(f"      of which the source's metadata RPC  : {rec['metadata_ms']:8.1f} ms")
         print(f"    load (apply state)                    : {(rec['applied'] - rec['received']) * 1000:8.1f} ms")
         print(f"    exec -> first committed step          : {total * 1000:8.1f} ms")
         print(f"    local memory copy of the same 32 MiB  : {copy * 1000:8.1f} ms")
@@ -354,6 +356,8 @@ def parse_recovery(path: str) -> Dict[str, float]:
             out["ready"] = t
         elif e == "configure" and "configured" not in out:
             out["configured"] = t
+        elif e == "heal_recv" and "metadata in " in ev["msg"]:
+            out["metadata_ms"] = float(ev["msg"].split("metadata in ")[1].split(" ms")[0])
         elif e == "heal_recv" and "received the checkpoint" in ev["msg"]:
             out["received"] = t
             out["transfer_ms"] = float(ev["msg"].split(" in ")[1].split(" ms")[0])
@@ -361,7 +365,7 @@ def parse_recovery(path: str) -> Dict[str, float]:
             out["applied"] = t
         elif e == "commit" and "commit" not in out and "not committed" not in ev["msg"]:
             out["commit"] = t
-    return out if len(out) >= 7 else {}
+    return out if len(out) >= 7 else {}  # (metadata_ms is optional)
 
 
 def main() -> None:

@@ -104,31 +104,71 @@ PYBIND11_MODULE(_C, m) {
       py::arg("value") = 0,
       "CRC-32C of a contiguous buffer, continuing from `value` (GIL released).");
   m.def(
-      "read_process_memory",
-      [](int pid, uint64_t address, py::object dst) {
-        // PyBUF_WRITABLE: the destination must be one contiguous writable buffer.
-        Py_buffer view;
-        if (PyObject_GetBuffer(dst.ptr(), &view, PyBUF_WRITABLE) != 0) {
-          throw py::error_already_set();
+      "copy_from_process",
+      [](int pid, const py::list& ranges) {
+        // ranges: [[(remote_address, writable contiguous buffer), ...], ...]. Every buffer is
+        // pinned (PyBUF_WRITABLE) before the GIL is released for the whole copy: one release
+        // per transfer, not one per piece, so a busy training thread cannot slow it down.
+        struct Piece {
+          uint64_t remote;
+          Py_buffer view;
+        };
+        std::vector<std::vector<Piece>> plan;
+        auto releaseAll = [&plan]() {
+          for (auto& range : plan) {
+            for (auto& piece : range) {
+              PyBuffer_Release(&piece.view);
+            }
+          }
+        };
+        try {
+          for (const auto& range : ranges) {
+            plan.emplace_back();
+            for (auto item : range.cast<py::sequence>()) {
+              auto pair = item.cast<py::sequence>();
+              if (pair.size() != 2) {
+                throw py::value_error("each piece is (remote_address, buffer)");
+              }
+              Piece piece{pair[0].cast<uint64_t>(), {}};
+              if (PyObject_GetBuffer(pair[1].ptr(), &piece.view, PyBUF_WRITABLE) != 0) {
+                throw py::error_already_set();
+              }
+              plan.back().push_back(piece);
+            }
+          }
+        } catch (...) {
+          releaseAll();
+          throw;
         }
-        int err;
+        std::vector<uint32_t> crcs;
+        int err = 0;
         {
           py::gil_scoped_release nogil;
-          err = ft::readProcessMemory(
-              static_cast<pid_t>(pid), address, view.buf, static_cast<size_t>(view.len));
+          for (auto& range : plan) {
+            uint32_t crc = 0;
+            for (auto& piece : range) {
+              err = ft::readProcessMemory(
+                  static_cast<pid_t>(pid), piece.remote, piece.view.buf,
+                  static_cast<size_t>(piece.view.len));
+              if (err != 0) {
+                break;
+              }
+              crc = ft::crc32c(piece.view.buf, static_cast<size_t>(piece.view.len), crc);
+            }
+            if (err != 0) {
+              break;
+            }
+            crcs.push_back(crc);
+          }
         }
-        PyBuffer_Release(&view);
-        if (err != 0) {
-          errno = err;
-          PyErr_SetFromErrno(PyExc_OSError);
-          throw py::error_already_set();
-        }
+        releaseAll();
+        return py::make_tuple(crcs, err);
       },
       py::arg("pid"),
-      py::arg("address"),
-      py::arg("dst"),
-      "Copies len(dst) bytes at `address` in process `pid` into `dst` (process_vm_readv, GIL "
-      "released). Raises OSError with the errno on failure.");
+      py::arg("ranges"),
+      "Copies each range's pieces (remote_address -> buffer) out of process `pid` with "
+      "process_vm_readv and returns (CRC-32C of each completed range, errno of the first "
+      "failure or 0); the range that failed is the one after the last CRC. GIL released.");
   m.def(
       "allow_process_to_read",
       [](int pid) { return ft::allowProcessToRead(static_cast<pid_t>(pid)); },

@@ -79,10 +79,9 @@ def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-# The same-host path splits a transfer into this many byte ranges (>= 1 MiB each), copied by
-# this many threads: the source checksums range k while the receiver copies range k + 1.
+# The same-host path checks a transfer in this many byte ranges (>= 1 MiB each): the source
+# checksums them one by one while the receiver copies.
 _LOCAL_RANGES = 16
-_LOCAL_WORKERS = 1
 
 
 def _raise_for_status(status: int, text: str) -> None:
@@ -464,7 +463,6 @@ class HTTPTransport(CheckpointTransport[T]):
                 views,
                 plan_chunks(total, _LOCAL_RANGES),
                 deadline,
-                workers=_LOCAL_WORKERS,
             ):
                 self.last_recv_path = "same-host"
                 return self._finish(tree, tensors, specs)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import errno
 import json
+import os
 import logging
 import re
 import select
@@ -52,7 +53,6 @@ import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ft import _C
-from ft.checkpointing import serialization as ser
 from ft.checkpointing.transport import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -350,7 +350,6 @@ class Session:
         views: Sequence[memoryview],
         ranges: List[Tuple[int, int]],
         deadline: float,
-        workers: int,
     ) -> bool:
         """Copies every byte into ``views`` (tensor i's bytes; ``offsets`` lays them end to
         end), verifying each range. False: the kernel refused before anything was copied (the
@@ -358,7 +357,7 @@ class Session:
         try:
             return _copy(
                 self._sock, self._pid, self._call, dict(request, op="data", ranges=ranges),
-                offsets, views, ranges, deadline, self._where, workers,
+                offsets, views, ranges, deadline, self._where,
             )
         except _Fallback as e:
             logger.info("%s: same-host path unusable (%s); using HTTP", self._where, e)
@@ -381,110 +380,42 @@ def _copy(
     ranges: List[Tuple[int, int]],
     deadline: float,
     where: str,
-    workers: int,
 ) -> bool:
     # the regions reply grows with the number of tensors (~30 bytes each)
     reply = call(request, deadline, _MAX_FRAME + 64 * len(offsets))
     regions = _parse_regions(reply.get("regions"), offsets)
-
-    # The first range is copied before any worker starts: if the kernel refuses, nothing has
-    # been copied and HTTP can take over.
-    copied: Dict[int, int] = {}
-    lock = threading.Condition()
-    failure: List[BaseException] = []
-
-    def copy_range(k: int) -> None:
-        a, b = ranges[k]
-        crc = 0
-        for i, lo, hi in segments(offsets, a, b):
-            dst = views[i][lo:hi]
-            err = _read(pid, regions[i][0] + lo, dst)
-            if err is not None:
-                if not copied and k == 0 and err.errno in _NOT_PERMITTED:
-                    raise _Fallback(f"process_vm_readv: {err.strerror}")
-                raise CheckpointTransferError(
-                    f"{where}: reading the source's memory failed on the same-host path "
-                    f"({err.strerror})"
-                )
-            crc = ser.crc32c(dst, crc)
-        with lock:
-            copied[k] = crc
-            lock.notify_all()
-
-    if ranges:
-        copy_range(0)
-    next_range = [1]
-
-    def claim() -> Optional[int]:
-        with lock:
-            if failure or next_range[0] >= len(ranges):
-                return None
-            next_range[0] += 1
-            return next_range[0] - 1
-
-    def worker() -> None:
-        try:
-            k = claim()
-            while k is not None:
-                copy_range(k)
-                k = claim()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            with lock:
-                failure.append(e)
-                lock.notify_all()
-
-    # This thread copies too: `workers` is the number of extra copying threads.
-    threads = [
-        threading.Thread(target=worker, daemon=True, name="ft-ckpt-local-copy")
-        for _ in range(max(0, min(workers, len(ranges) - 2)))
+    plan = [
+        [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
+        for a, b in ranges
     ]
-    for t in threads:
-        t.start()
-    try:
-        for expected in range(len(ranges)):
-            while True:
-                with lock:
-                    if failure:
-                        raise failure[0]
-                    done = expected in copied
-                if done:
-                    break
-                k = claim()
-                if k is not None:
-                    copy_range(k)
-                    continue
-                with lock:  # a worker holds the range this thread waits for
-                    while expected not in copied and not failure:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            raise TimeoutError()
-                        lock.wait(remaining)
-            index, crc = _CRC_RECORD.unpack(recv_exact(sock, _CRC_RECORD.size, deadline))
-            if index != expected:
-                raise ValueError(f"checksum record {index}, expected {expected}")
-            if copied[index] != crc:
-                a, b = ranges[index]
-                raise CheckpointCorruptError(
-                    f"{where}: checksum mismatch in bytes [{a}, {b}) (same-host path); "
-                    "data discarded"
-                )
-        sock.sendall(DONE)
-    finally:
-        with lock:
-            failure.append(_Fallback("stopped"))  # idle workers stop claiming
-            lock.notify_all()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    # One native call copies and checksums everything with the GIL released; meanwhile the
+    # source computes its CRCs, which are waiting in the socket by the time this returns.
+    crcs, err = _copy_ranges(pid, plan)
+    if err:
+        if not crcs and err in _NOT_PERMITTED:
+            raise _Fallback(f"process_vm_readv: {os.strerror(err)}")
+        raise CheckpointTransferError(
+            f"{where}: reading the source's memory failed on the same-host path "
+            f"({os.strerror(err)})"
+        )
+    for expected in range(len(ranges)):
+        index, crc = _CRC_RECORD.unpack(recv_exact(sock, _CRC_RECORD.size, deadline))
+        if index != expected:
+            raise ValueError(f"checksum record {index}, expected {expected}")
+        if crcs[index] != crc:
+            a, b = ranges[index]
+            raise CheckpointCorruptError(
+                f"{where}: checksum mismatch in bytes [{a}, {b}) (same-host path); "
+                "data discarded"
+            )
+    sock.sendall(DONE)
     return True
 
 
-def _read(pid: int, address: int, dst: memoryview) -> Optional[OSError]:
-    """A seam for tests (corrupting or refusing reads)."""
-    try:
-        _C.read_process_memory(pid, address, dst)
-    except OSError as e:
-        return e
-    return None
+def _copy_ranges(pid: int, plan: List[List[Tuple[int, memoryview]]]) -> Tuple[List[int], int]:
+    """(CRC-32C of each range copied, errno of the first failure or 0); a seam for tests."""
+    crcs, err = _C.copy_from_process(pid, plan)
+    return list(crcs), int(err)
 
 
 def _parse_regions(raw: Any, offsets: Sequence[int]) -> List[Tuple[int, int]]:

@@ -107,19 +107,26 @@ def test_corrupted_copy_is_detected_not_returned_and_the_retry_succeeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     state = {"w": torch.randn(1 << 20), "n": 3}
-    real_read = same_host._read
+    real_copy = same_host._copy_ranges
     flipped = []
 
-    def corrupting_read(pid: int, address: int, dst: memoryview) -> Any:
-        err = real_read(pid, address, dst)
-        if not flipped and len(dst) > 100:
-            dst[100] ^= 0x5A  # one bit pattern changes after the copy: memory corruption
-            flipped.append(address)
-        return err
+    def corrupting_copy(pid: int, plan: Any) -> Any:
+        """The copy lands one wrong byte; the receiver's checksums are of what landed."""
+        crcs, err = real_copy(pid, plan)
+        if not flipped:
+            plan[0][0][1][100] ^= 0x5A
+            flipped.append(plan[0][0][0])
+            crcs = []
+            for pieces in plan:
+                crc = 0
+                for _, buf in pieces:
+                    crc = ser.crc32c(buf, crc)
+                crcs.append(crc)
+        return crcs, err
 
     with transport() as src, transport() as dst:
         src.send_checkpoint([1], 2, state, TO)
-        monkeypatch.setattr(same_host, "_read", corrupting_read)
+        monkeypatch.setattr(same_host, "_copy_ranges", corrupting_copy)
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch.*same-host"):
             dst.recv_checkpoint(0, src.metadata(), 2, TO)
         assert flipped
@@ -134,8 +141,8 @@ def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
     """Where process_vm_readv is not permitted (a sandbox, a hardened kernel) the receiver uses
     HTTP; the source keeps serving (the fallback does not drop the receiver's lease)."""
 
-    def refusing_read(pid: int, address: int, dst: memoryview) -> Any:
-        return PermissionError(errno.EPERM, "Operation not permitted")
+    def refusing_copy(pid: int, plan: Any) -> Any:
+        return [], errno.EPERM  # what process_vm_readv answers under a hardened kernel
 
     class Paced(HTTPTransport):
         """Slow checksums: the receiver's fallback answer arrives while the source is busy."""
@@ -154,7 +161,7 @@ def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
     try:
         with transport() as dst:
             src.send_checkpoint([1], 9, state, TO)
-            monkeypatch.setattr(same_host, "_read", refusing_read)
+            monkeypatch.setattr(same_host, "_copy_ranges", refusing_copy)
             got = dst.recv_checkpoint(0, src.metadata(), 9, TO)
             assert dst.last_recv_path == "http"
             assert_same(state, got)
