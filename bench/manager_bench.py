@@ -28,6 +28,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from datetime import timedelta
@@ -407,6 +408,9 @@ def main() -> None:
             bench_overhead(args, tmp)
         if args.only in (None, "failures"):
             bench_failures(args, tmp)
+        keep = os.environ.get("FT_BENCH_KEEP_LOGS")  # a folder to copy the children's logs to
+        if keep:
+            shutil.copytree(tmp, keep, dirs_exist_ok=True)
 
 
 if __name__ == "__main__":
