@@ -24,16 +24,17 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 import grpc
+from google.protobuf.message import Message
 
 from . import _rpc
 from ..utils.retry import retry_until
 from ._proto import torchft_pb2 as pb
-from ._proto import torchft_pb2_grpc as pb_grpc
 from ._rpc import CoordinationError, Timeout
 from .clients import LighthouseClient, _result_to_pb
+from .rpc_server import Call, Method, RpcServer
 from .quorum import (
     GroupRequest,
     Quorum,
@@ -89,16 +90,36 @@ def _check_rank(what: str, value: int, world_size: int) -> None:
                     f"{what} {value} is out of range for world_size {world_size}")
 
 
-class _ManagerServicer(pb_grpc.ManagerServiceServicer):
-    """gRPC front of a ManagerServer: unpacks requests, runs the server's logic, and turns its
+_SERVICE = "/torchft.ManagerService/"
+
+
+def _methods(server: "ManagerServer", pool: futures.ThreadPoolExecutor) -> Dict[str, Method]:
+    """The torchft.ManagerService methods: unpack requests, run the server's logic, and turn its
     CoordinationErrors into statuses. The logic itself lives on ManagerServer so that the
-    group's rank 0, which hosts the server, can call it without a loopback RPC."""
+    group's rank 0, which hosts the server, can call it without a loopback RPC.
 
-    def __init__(self, server: "ManagerServer") -> None:
-        self._s = server
+    Quorum and ShouldCommit wait for the group's other ranks, so they run on ``pool`` (never on
+    the serving threads, which must not block); the other two answer at once."""
 
-    def Quorum(self, request, context):
-        deadline = _rpc.server_deadline(context, "Quorum")
+    def answer_later(call: Call, work: Callable[[], Message]) -> None:
+        def run() -> None:
+            try:
+                response = work()
+            except CoordinationError as e:
+                call.finish(e.code, e.details)
+            except Exception as e:  # noqa: BLE001 - a bug must still answer the caller
+                logger.exception("manager server: %s failed", call.method)
+                call.finish(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            else:
+                call.reply(response)
+
+        try:
+            pool.submit(run)
+        except RuntimeError:  # the pool is shut down: the server is stopping
+            call.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
+
+    def quorum(request: pb.ManagerQuorumRequest, call: Call) -> None:
+        deadline = _rpc.server_deadline(call, "Quorum")
         req = GroupRequest(
             group_rank=request.group_rank,
             step=request.step,
@@ -107,37 +128,35 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
             init_sync=request.init_sync,
             commit_failures=request.commit_failures,
         )
-        try:
-            return _result_to_pb(self._s.quorum(req, deadline))
-        except CoordinationError as e:
-            context.abort(e.code, e.details)
+        answer_later(call, lambda: _result_to_pb(server.quorum(req, deadline)))
 
-    def CheckpointMetadata(self, request, context):
-        _rpc.server_deadline(context, "CheckpointMetadata")
+    def checkpoint_metadata(request: pb.CheckpointMetadataRequest, call: Call) -> None:
+        _rpc.server_deadline(call, "CheckpointMetadata")
         try:
-            md = self._s.checkpoint_metadata(request.rank)
+            md = server.checkpoint_metadata(request.rank)
         except CoordinationError as e:
-            context.abort(e.code, e.details)
-        return pb.CheckpointMetadataResponse(checkpoint_metadata=md)
+            call.abort(e.code, e.details)
+        call.reply(pb.CheckpointMetadataResponse(checkpoint_metadata=md))
 
-    def ShouldCommit(self, request, context):
-        deadline = _rpc.server_deadline(context, "ShouldCommit")
-        try:
-            decision = self._s.should_commit(
-                request.group_rank, request.step, bool(request.should_commit), deadline)
-        except CoordinationError as e:
-            context.abort(e.code, e.details)
-        return pb.ShouldCommitResponse(should_commit=decision)
+    def should_commit(request: pb.ShouldCommitRequest, call: Call) -> None:
+        deadline = _rpc.server_deadline(call, "ShouldCommit")
+        answer_later(call, lambda: pb.ShouldCommitResponse(should_commit=server.should_commit(
+            request.group_rank, request.step, bool(request.should_commit), deadline)))
 
-    # --- Kill -------------------------------------------------------------------------
-    def Kill(self, request, context):
-        s = self._s
-        _rpc.server_deadline(context, "Kill")
-        logger.error("replica %s: killed by request: %s", s._replica_id, request.msg[:1000])
-        t = threading.Timer(0.2, s._exit, args=(1,))
+    def kill(request: pb.KillRequest, call: Call) -> None:
+        _rpc.server_deadline(call, "Kill")
+        logger.error("replica %s: killed by request: %s", server._replica_id, request.msg[:1000])
+        t = threading.Timer(0.2, server._exit, args=(1,))
         t.daemon = True
         t.start()
-        return pb.KillResponse()
+        call.reply(pb.KillResponse())
+
+    return {
+        _SERVICE + "Quorum": Method(pb.ManagerQuorumRequest, quorum),
+        _SERVICE + "CheckpointMetadata": Method(pb.CheckpointMetadataRequest, checkpoint_metadata),
+        _SERVICE + "ShouldCommit": Method(pb.ShouldCommitRequest, should_commit),
+        _SERVICE + "Kill": Method(pb.KillRequest, kill),
+    }
 
 
 class ManagerServer:
@@ -153,6 +172,8 @@ class ManagerServer:
         heartbeat_interval: period of heartbeats to the lighthouse (timedelta or seconds).
         connect_timeout: bound on connecting to the lighthouse (timedelta or seconds).
         quorum_retries: extra lighthouse attempts per quorum round.
+        transport: gRPC server, see :class:`~ft.coordination.rpc_server.RpcServer`: "auto"
+            (the native server where it is built), "native" or "grpcio".
     """
 
     def __init__(
@@ -166,6 +187,7 @@ class ManagerServer:
         heartbeat_interval: Timeout,
         connect_timeout: Timeout,
         quorum_retries: int = 0,
+        transport: str = "auto",
     ) -> None:
         if not replica_id:
             raise ValueError("replica_id must not be empty")
@@ -190,19 +212,19 @@ class ManagerServer:
         self._last_quorum_sent = float("-inf")
         self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout)
 
+        # Quorum and ShouldCommit calls wait for the group's ranks: each holds a pool thread.
         workers = 64 + 4 * min(world_size, 1024)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ft-manager-server"),
-            options=_rpc.SERVER_OPTIONS,
-            maximum_concurrent_rpcs=workers,
-        )
-        pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="ft-manager-server")
+        try:
+            self._server = RpcServer(bind, _methods(self, self._pool), transport=transport,
+                                     max_workers=workers)
+        except OSError as e:
+            self._pool.shutdown(wait=False)
+            raise OSError(f"manager server could not bind {bind!r}: {e}") from None
+        self._port = self._server.port
         bind_host, _ = _rpc.split_hostport(bind)
-        self._port = self._server.add_insecure_port(_rpc.grpc_target(bind))
-        if self._port == 0:
-            raise OSError(f"manager server could not bind {bind!r}")
         self._host = _rpc.advertised_host(bind_host, hostname)
-        self._server.start()
 
         self._stop = threading.Event()
         self._heartbeater = threading.Thread(
@@ -427,7 +449,8 @@ class ManagerServer:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._server.stop(grace).wait(timeout=grace + 5)
+        self._server.shutdown(grace)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._heartbeater.join(timeout=5)
         self._lighthouse.close()
 

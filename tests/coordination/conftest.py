@@ -133,10 +133,14 @@ def lighthouse_factory(request):
 
 
 @pytest.fixture
-def manager_factory():
+def manager_factory(request):
     made: List[ManagerServer] = []
+    # ManagerServers serve on the same transport as the test's lighthouse (both run twice)
+    callspec = getattr(request.node, "callspec", None)
+    transport = callspec.params.get("lighthouse_factory", "auto") if callspec else "auto"
 
     def make(replica_id: str, lighthouse_addr: str, world_size: int = 1, **kw) -> ManagerServer:
+        kw.setdefault("transport", transport)
         kw.setdefault("heartbeat_interval", 0.05)
         kw.setdefault("connect_timeout", 5.0)
         s = ManagerServer(

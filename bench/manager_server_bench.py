@@ -1,0 +1,134 @@
+"""ManagerServer RPC cost for a replica group of 2 ranks: the per-step Quorum + ShouldCommit
+that rank 1 (another process) sends to rank 0's ManagerServer, served by the native gRPC server
+and by grpcio, side by side in one run.
+
+    PYTHONPATH=. .venv/bin/python bench/manager_server_bench.py [--rounds 300]
+
+Rank 0 asks in-process (LocalManagerClient), as the Manager's rank 0 does; the lighthouse runs in
+a third process. Reported per step: the wall time of the round as rank 1 sees it, and
+the CPU time of the process hosting the ManagerServer (from os.times, all its threads), which
+is what serving costs the training process of rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def rank1(addr: str, rounds: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
+    sys.path.insert(0, ROOT)
+    from ft.coordination.clients import ManagerClient
+
+    client = ManagerClient(addr, timedelta(seconds=10))
+    times = []
+    try:
+        for step in range(rounds + 10):
+            barrier.wait(timeout=60)
+            t0 = time.perf_counter()
+            client._quorum(1, step, "", False, TIMEOUT)
+            client.should_commit(1, step, True, TIMEOUT)
+            times.append(time.perf_counter() - t0)
+        out.put(times[10:])
+    except BaseException as e:  # noqa: BLE001
+        out.put(repr(e))
+        barrier.abort()
+    finally:
+        client.close()
+
+
+def run(transport: str, lighthouse_addr: str, rounds: int) -> tuple:
+    from ft.coordination import ManagerServer
+    from ft.coordination.manager_server import LocalManagerClient
+
+    server = ManagerServer(f"bench-{transport}", lighthouse_addr, "127.0.0.1", "127.0.0.1:0",
+                           "store", 2, timedelta(milliseconds=100), timedelta(seconds=10),
+                           transport=transport)
+    local = LocalManagerClient(server)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    out = ctx.Queue()
+    proc = ctx.Process(target=rank1, args=(server.address(), rounds, barrier, out), daemon=True)
+    proc.start()
+    cpu = []
+    try:
+        for step in range(rounds + 10):
+            barrier.wait(timeout=60)
+            c0 = os.times()
+            local._quorum(0, step, "", False, TIMEOUT)
+            local.should_commit(0, step, True, TIMEOUT)
+            c1 = os.times()
+            if step >= 10:
+                cpu.append((c1.user + c1.system) - (c0.user + c0.system))
+        times = out.get(timeout=60)
+        if isinstance(times, str):
+            raise RuntimeError(f"rank 1 failed: {times}")
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        server.shutdown(0.1)
+    return statistics.median(times), statistics.mean(cpu), server_transport(server)
+
+
+def server_transport(server) -> str:  # type: ignore[no-untyped-def]
+    return server._server.transport
+
+
+def lighthouse(addr_out, stop) -> None:  # type: ignore[no-untyped-def]
+    sys.path.insert(0, ROOT)
+    from ft.coordination import LighthouseServer
+
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100, quorum_tick_ms=10,
+                          heartbeat_timeout_ms=5000)
+    addr_out.put(lh.address())
+    stop.wait(600)
+    lh.shutdown(0.1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=300)
+    a = p.parse_args()
+
+    # the lighthouse in a process of its own: the CPU measured below is the ManagerServer's
+    ctx = mp.get_context("spawn")
+    addr_out, stop = ctx.Queue(), ctx.Event()
+    lh = ctx.Process(target=lighthouse, args=(addr_out, stop), daemon=True)
+    lh.start()
+    rows = []
+    try:
+        addr = addr_out.get(timeout=60)
+        for transport in ("native", "grpcio", "native", "grpcio"):  # alternate against drift
+            rows.append((transport, *run(transport, addr, a.rounds)))
+    finally:
+        stop.set()
+        lh.join(10)
+        if lh.is_alive():
+            lh.kill()
+    print(f"ManagerServer, group of 2 ranks, {a.rounds} steps (Quorum + ShouldCommit per step); "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'server':8s} {'step round trip (rank 1)':>26s} {'server process CPU/step':>25s}")
+    for transport, wall, cpu, actual in rows:
+        assert actual == transport, (actual, transport)
+        print(f"{transport:8s} {wall * 1e3:23.2f} ms {cpu * 1e3:22.2f} ms")
+    nat = [r for r in rows if r[0] == "native"]
+    gio = [r for r in rows if r[0] == "grpcio"]
+    print(f"native / grpcio: round trip {statistics.mean(r[1] for r in nat) / statistics.mean(r[1] for r in gio):.2f}x, "
+          f"CPU {statistics.mean(r[2] for r in nat) / statistics.mean(r[2] for r in gio):.2f}x")
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    main()
