@@ -67,6 +67,7 @@ NAME_PATTERN = re.compile(r"ft-ckpt-[0-9a-f]{32}")
 _FRAME = struct.Struct(">I")
 _CRC_RECORD = struct.Struct(">II")
 _MAX_FRAME = 1 << 20
+MAX_CONNECTIONS = 256  # open same-host connections per source (each holds a thread)
 DONE = b"D"
 FALLBACK = b"F"
 # errnos of a kernel (or sandbox) that will not let this receiver read the source: use HTTP
@@ -216,6 +217,12 @@ class LocalEndpoint:
                 if self._closed:
                     conn.close()
                     return
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    # each connection holds a thread until it is done or times out: bound them
+                    logger.warning("same-host checkpoint endpoint: %d connections open; "
+                                   "refusing another", len(self._conns))
+                    conn.close()
+                    continue
                 t = threading.Thread(
                     target=self._run, args=(conn,), daemon=True, name="ft-ckpt-local"
                 )

@@ -331,3 +331,35 @@ def test_disallow_waits_for_a_same_host_receiver_then_withdraws() -> None:
                 dst.recv_checkpoint(0, src.metadata(), 3, TO)
     finally:
         src.shutdown()
+
+
+def test_connections_beyond_the_cap_are_refused_and_the_endpoint_keeps_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each open same-host connection holds a source thread; idle ones past the cap are closed
+    at once instead of piling up threads, and receivers are served again once they go."""
+    monkeypatch.setattr(same_host, "MAX_CONNECTIONS", 3)
+    state = {"w": torch.randn(1000)}
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 1, state, TO)
+        assert src._local is not None
+        idle = []
+        for _ in range(3):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + src._local.name)
+            idle.append(s)
+        end = time.monotonic() + 5
+        while len(src._local._conns) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
+            extra.settimeout(5)
+            extra.connect("\0" + src._local.name)
+            assert extra.recv(1) == b""  # closed by the source without a word
+        for s in idle:
+            s.close()
+        end = time.monotonic() + 5
+        while src._local._conns and time.monotonic() < end:
+            time.sleep(0.01)
+        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
+        assert dst.last_recv_path == "same-host"
+        assert_same(state, got)
