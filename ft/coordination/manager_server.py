@@ -93,29 +93,47 @@ def _check_rank(what: str, value: int, world_size: int) -> None:
 _SERVICE = "/torchft.ManagerService/"
 
 
-def _methods(server: "ManagerServer", pool: futures.ThreadPoolExecutor) -> Dict[str, Method]:
+def _methods(
+    server: "ManagerServer", pool: futures.ThreadPoolExecutor, workers: int
+) -> Dict[str, Method]:
     """The torchft.ManagerService methods: unpack requests, run the server's logic, and turn its
     CoordinationErrors into statuses. The logic itself lives on ManagerServer so that the
     group's rank 0, which hosts the server, can call it without a loopback RPC.
 
     Quorum and ShouldCommit wait for the group's other ranks, so they run on ``pool`` (never on
-    the serving threads, which must not block); the other two answer at once."""
+    the serving threads, which must not block); the other two answer at once. At most
+    ``workers`` such calls are open at once (more get RESOURCE_EXHAUSTED, as grpcio's limit
+    answers), so none waits in the pool's queue: a queued call could join a round after its
+    caller gave up."""
+    slots = threading.BoundedSemaphore(workers)
 
     def answer_later(call: Call, work: Callable[[], Message]) -> None:
         def run() -> None:
             try:
-                response = work()
-            except CoordinationError as e:
-                call.finish(e.code, e.details)
-            except Exception as e:  # noqa: BLE001 - a bug must still answer the caller
-                logger.exception("manager server: %s failed", call.method)
-                call.finish(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-            else:
-                call.reply(response)
+                if not call.is_active():
+                    return  # the caller is gone: do not join a round on its behalf
+                try:
+                    response = work()
+                except CoordinationError as e:
+                    call.finish(e.code, e.details)
+                except Exception as e:  # noqa: BLE001 - a bug must still answer the caller
+                    logger.exception("manager server: %s failed", call.method)
+                    call.finish(grpc.StatusCode.INTERNAL,
+                                f"{call.method}: {type(e).__name__}: {e}")
+                else:
+                    call.reply(response)
+            except Exception:  # noqa: BLE001 - answering itself failed; nothing more to do
+                logger.exception("manager server: answering %s failed", call.method)
+            finally:
+                slots.release()
 
+        if not slots.acquire(blocking=False):
+            call.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"manager server: {workers} calls already open")
         try:
             pool.submit(run)
         except RuntimeError:  # the pool is shut down: the server is stopping
+            slots.release()
             call.abort(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
 
     def quorum(request: pb.ManagerQuorumRequest, call: Call) -> None:
@@ -217,8 +235,8 @@ class ManagerServer:
         self._pool = futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="ft-manager-server")
         try:
-            self._server = RpcServer(bind, _methods(self, self._pool), transport=transport,
-                                     max_workers=workers)
+            self._server = RpcServer(bind, _methods(self, self._pool, workers),
+                                     transport=transport, max_workers=workers)
         except OSError as e:
             self._pool.shutdown(wait=False)
             raise OSError(f"manager server could not bind {bind!r}: {e}") from None
@@ -279,6 +297,9 @@ class ManagerServer:
                         f"commit_failures must be >= 0, got {req.commit_failures}")
         rank = req.group_rank
         leader = False
+        if deadline <= time.monotonic():  # never join (or lead) a round for a caller gone
+            raise _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"replica {self._replica_id}: Quorum arrived after its deadline")
         with self._cond:
             if self._closed:
                 raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
@@ -344,6 +365,9 @@ class ManagerServer:
         _check_rank("group_rank", rank, self._world_size)
         if step < 0:
             raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {step}")
+        if deadline <= time.monotonic():  # a stale vote must not decide a later round
+            raise _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"replica {self._replica_id}: ShouldCommit arrived after its deadline")
         with self._cond:
             rnd = self._commit
             # The round's step is that of the other ranks' votes (a re-vote replaces one's own).

@@ -12,6 +12,7 @@ from conftest import free_port, parallel, run_threads, wait_for
 from ft.coordination import CoordinationError, LighthouseClient, ManagerClient, QuorumResult
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination.manager_server import LocalManagerClient
+from ft.coordination.quorum import GroupRequest
 from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
 
 
@@ -318,3 +319,51 @@ def test_kill9_manager_survivors_and_notification(lighthouse_factory, manager_fa
         assert t_quorum - t_kill < bound + 0.2, t_quorum - t_kill
     finally:
         sub.close()
+
+
+def test_calls_past_their_deadline_never_join_a_round(lighthouse_factory, manager_factory):
+    """A Quorum or ShouldCommit that reaches the server's logic after its caller's deadline
+    (e.g. it waited behind others) is refused; it neither votes in nor leads a later round."""
+    lh = lighthouse_factory()
+    s = manager_factory("g0", lh.address(), world_size=2)
+    past = time.monotonic() - 0.1
+    with pytest.raises(CoordinationError) as e:
+        s.should_commit(1, 7, False, past)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(CoordinationError) as e:
+        s.quorum(GroupRequest(group_rank=1, step=7, checkpoint_metadata="", shrink_only=False,
+                              init_sync=True, commit_failures=0), past)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not s._commit.votes and not s._round.requests  # nothing was recorded
+    c = mc(s)
+    # the stale "no" above did not count: the next round commits
+    assert parallel([lambda: c.should_commit(0, 8, True, 5.0),
+                     lambda: c.should_commit(1, 8, True, 5.0)]) == [True, True]
+
+
+def test_open_calls_beyond_the_pool_get_resource_exhausted(lighthouse_factory, manager_factory,
+                                                          monkeypatch):
+    """Quorum/ShouldCommit calls hold a worker each while they wait for the group; past the
+    cap a call is refused at once instead of queueing behind the others."""
+    from ft.coordination import manager_server
+
+    real = manager_server._methods
+    monkeypatch.setattr(manager_server, "_methods",
+                        lambda server, pool, workers: real(server, pool, 2))
+    lh = lighthouse_factory()
+    s = manager_factory("g0", lh.address(), world_size=4)
+    c = mc(s)
+    with run_threads([lambda: c.should_commit(0, 1, True, 3.0),
+                      lambda: c.should_commit(1, 1, True, 3.0)]) as waiting:
+        wait_for(lambda: len(s._commit.votes) == 2)
+        with pytest.raises(CoordinationError) as e:
+            c.should_commit(2, 1, True, 3.0)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert all(isinstance(x, TimeoutError) for x in waiting), waiting  # rank 3 never voted
+    # the slots are free again once those calls ended: two remote ranks (the cap) and two
+    # in-process ones (no gRPC call) complete a round
+    local = mc(s, "local")
+    assert parallel([lambda: c.should_commit(0, 2, True, 5.0),
+                     lambda: c.should_commit(1, 2, True, 5.0),
+                     lambda: local.should_commit(2, 2, True, 5.0),
+                     lambda: local.should_commit(3, 2, True, 5.0)]) == [True] * 4
