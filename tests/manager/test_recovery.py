@@ -129,7 +129,9 @@ def test_injected_allreduce_failure_commits_nowhere_and_recovers() -> None:
 def test_corrupted_checkpoint_is_detected_not_loaded_and_retried() -> None:
     # Group 0 serves its checkpoint through a proxy that corrupts the first transfer; group 1
     # heals from it at step 0 (init_sync), fails, and heals again on the next quorum.
-    results = one_wave(2, 4, corrupt_sends=1, seed_per_group=True)
+    # min_replicas=2: both groups are in the first quorum however late one starts (the heal
+    # from group 0's initial state is what this test checks)
+    results = one_wave(2, 4, lh_kw={"min_replicas": 2}, corrupt_sends=1, seed_per_group=True)
     assert_identical(results, 1)
     g0, g1 = results
     assert g0["proxy_flipped"] == 1
