@@ -737,10 +737,8 @@ class HTTPTransport(CheckpointTransport[T]):
         return Handler
 
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
-        if self._token is not None:
-            got = h.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {self._token}".encode()):
-                raise _HTTPError(403, "missing or wrong checkpoint token")
+        auth = h.headers.get("Authorization", "")
+        self._check_token(auth[len("Bearer "):] if auth.startswith("Bearer ") else None)
         url = urlsplit(h.path)
         if not url.path.startswith(_PREFIX):
             raise _HTTPError(404, f"unknown path {url.path[:100]!r}")
@@ -907,7 +905,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     return  # the receiver is done with this connection
                 if type(req) is not dict:
                     raise _HTTPError(400, "request is not an object")
-                self._check_local_token(req)
+                self._check_token(req.get("token"))
                 op = req.get("op")
                 if op == "meta":
                     step, wait_s, chunks = req.get("step"), req.get("wait"), req.get("chunks")
@@ -936,13 +934,13 @@ class HTTPTransport(CheckpointTransport[T]):
             self._serve_local_data(conn, st, lease_id, ranges, deadline)
             return
 
-    def _check_local_token(self, req: Dict[str, Any]) -> None:
-        if self._token is not None:
-            got = req.get("token")
-            if type(got) is not str or not hmac.compare_digest(
-                got.encode(), self._token.encode()
-            ):
-                raise _HTTPError(403, "missing or wrong checkpoint token")
+    def _check_token(self, presented: Any) -> None:
+        """Refuses (403) a request of either path that lacks the shared token."""
+        if self._token is not None and (
+            type(presented) is not str
+            or not hmac.compare_digest(presented.encode(), self._token.encode())
+        ):
+            raise _HTTPError(403, "missing or wrong checkpoint token")
 
     def _serve_local_data(
         self,

@@ -109,22 +109,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
         if not k:
             raise EOFError("connection closed by peer")
         got += k
-    return bytes(buf)
-
-
-def send_frame(sock: socket.socket, obj: Any) -> None:
-    body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    sock.sendall(_FRAME.pack(len(body)) + body)
-
-
-def recv_frame(sock: socket.socket, deadline: float, max_bytes: int = _MAX_FRAME) -> Any:
-    (n,) = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
-    if n > max_bytes:
-        raise ValueError(f"frame of {n} bytes exceeds {max_bytes}")
-    try:
-        return json.loads(recv_exact(sock, n, deadline).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"frame is not JSON ({e})") from None
+    return buf  # bytes-like; not copied again into a bytes object
 
 
 def send_raw(sock: socket.socket, data: bytes) -> None:
@@ -136,6 +121,18 @@ def recv_raw(sock: socket.socket, deadline: float, max_bytes: int) -> bytes:
     if n > max_bytes:
         raise ValueError(f"frame of {n} bytes exceeds {max_bytes}")
     return recv_exact(sock, n, deadline)
+
+
+def send_frame(sock: socket.socket, obj: Any) -> None:
+    send_raw(sock, json.dumps(obj, separators=(",", ":")).encode("utf-8"))
+
+
+def recv_frame(sock: socket.socket, deadline: float, max_bytes: int = _MAX_FRAME) -> Any:
+    body = recv_raw(sock, deadline, max_bytes)
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"frame is not JSON ({e})") from None
 
 
 def poll_answer(sock: socket.socket, wait: float = 0.0) -> Optional[bytes]:
@@ -362,10 +359,8 @@ class Session:
         end), verifying each range. False: the kernel refused before anything was copied (the
         source was told; fetch the ranges over HTTP with the same lease)."""
         try:
-            return _copy(
-                self._sock, self._pid, self._call, dict(request, op="data", ranges=ranges),
-                offsets, views, ranges, deadline, self._where,
-            )
+            return self._copy(dict(request, op="data", ranges=ranges), offsets, views, ranges,
+                              deadline)
         except _Fallback as e:
             logger.info("%s: same-host path unusable (%s); using HTTP", self._where, e)
             try:
@@ -376,47 +371,43 @@ class Session:
         except (OSError, EOFError, ValueError) as e:
             raise self._translate(e) from None
 
-
-def _copy(
-    sock: socket.socket,
-    pid: int,
-    call: Callable[[Dict[str, Any], float, int], Dict[str, Any]],
-    request: Dict[str, Any],
-    offsets: Sequence[int],
-    views: Sequence[memoryview],
-    ranges: List[Tuple[int, int]],
-    deadline: float,
-    where: str,
-) -> bool:
-    # the regions reply grows with the number of tensors (~30 bytes each)
-    reply = call(request, deadline, _MAX_FRAME + 64 * len(offsets))
-    regions = _parse_regions(reply.get("regions"), offsets)
-    plan = [
-        [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
-        for a, b in ranges
-    ]
-    # One native call copies and checksums everything with the GIL released; meanwhile the
-    # source computes its CRCs, which are waiting in the socket by the time this returns.
-    crcs, err = _copy_ranges(pid, plan)
-    if err:
-        if not crcs and err in _NOT_PERMITTED:
-            raise _Fallback(f"process_vm_readv: {os.strerror(err)}")
-        raise CheckpointTransferError(
-            f"{where}: reading the source's memory failed on the same-host path "
-            f"({os.strerror(err)})"
-        )
-    for expected in range(len(ranges)):
-        index, crc = _CRC_RECORD.unpack(recv_exact(sock, _CRC_RECORD.size, deadline))
-        if index != expected:
-            raise ValueError(f"checksum record {index}, expected {expected}")
-        if crcs[index] != crc:
-            a, b = ranges[index]
-            raise CheckpointCorruptError(
-                f"{where}: checksum mismatch in bytes [{a}, {b}) (same-host path); "
-                "data discarded"
+    def _copy(
+        self,
+        request: Dict[str, Any],
+        offsets: Sequence[int],
+        views: Sequence[memoryview],
+        ranges: List[Tuple[int, int]],
+        deadline: float,
+    ) -> bool:
+        # the regions reply grows with the number of tensors (~30 bytes each)
+        reply = self._call(request, deadline, _MAX_FRAME + 64 * len(offsets))
+        regions = _parse_regions(reply.get("regions"), offsets)
+        plan = [
+            [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
+            for a, b in ranges
+        ]
+        # One native call copies and checksums everything with the GIL released; meanwhile the
+        # source computes its CRCs, which are waiting in the socket by the time this returns.
+        crcs, err = _copy_ranges(self._pid, plan)
+        if err:
+            if not crcs and err in _NOT_PERMITTED:
+                raise _Fallback(f"process_vm_readv: {os.strerror(err)}")
+            raise CheckpointTransferError(
+                f"{self._where}: reading the source's memory failed on the same-host path "
+                f"({os.strerror(err)})"
             )
-    sock.sendall(DONE)
-    return True
+        for expected in range(len(ranges)):
+            index, crc = _CRC_RECORD.unpack(recv_exact(self._sock, _CRC_RECORD.size, deadline))
+            if index != expected:
+                raise ValueError(f"checksum record {index}, expected {expected}")
+            if crcs[index] != crc:
+                a, b = ranges[index]
+                raise CheckpointCorruptError(
+                    f"{self._where}: checksum mismatch in bytes [{a}, {b}) (same-host path); "
+                    "data discarded"
+                )
+        self._sock.sendall(DONE)
+        return True
 
 
 def _copy_ranges(pid: int, plan: List[List[Tuple[int, memoryview]]]) -> Tuple[List[int], int]:
