@@ -262,9 +262,9 @@ class _Server(HTTPServer):
                 self.sockets.discard(request)
                 self.threads.discard(threading.current_thread())
 
-    def kill_connections(self, only: Optional[Set[socket.socket]] = None) -> None:
+    def kill_connections(self) -> None:
         with self.track_lock:
-            socks = list(self.sockets if only is None else self.sockets & only)
+            socks = list(self.sockets)
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
