@@ -140,26 +140,19 @@ PYBIND11_MODULE(_C, m) {
           releaseAll();
           throw;
         }
+        std::vector<std::vector<ft::RemotePiece>> pieces;
+        for (auto& range : plan) {
+          pieces.emplace_back();
+          for (auto& piece : range) {
+            pieces.back().push_back(
+                {piece.remote, piece.view.buf, static_cast<size_t>(piece.view.len)});
+          }
+        }
         std::vector<uint32_t> crcs;
         int err = 0;
         {
           py::gil_scoped_release nogil;
-          for (auto& range : plan) {
-            uint32_t crc = 0;
-            for (auto& piece : range) {
-              err = ft::readProcessMemory(
-                  static_cast<pid_t>(pid), piece.remote, piece.view.buf,
-                  static_cast<size_t>(piece.view.len));
-              if (err != 0) {
-                break;
-              }
-              crc = ft::crc32c(piece.view.buf, static_cast<size_t>(piece.view.len), crc);
-            }
-            if (err != 0) {
-              break;
-            }
-            crcs.push_back(crc);
-          }
+          err = ft::copyAndChecksum(static_cast<pid_t>(pid), pieces, crcs);
         }
         releaseAll();
         return py::make_tuple(crcs, err);

@@ -1,6 +1,11 @@
 #include "process_memory.hpp"
 
 #include <cerrno>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "checksum.hpp"
 
 #if defined(__linux__)
 #include <sys/prctl.h>
@@ -42,6 +47,71 @@ int readProcessMemory(pid_t pid, uint64_t remoteAddress, void* dst, size_t size)
   (void)size;
   return ENOSYS;
 #endif
+}
+
+int copyAndChecksum(
+    pid_t pid,
+    const std::vector<std::vector<RemotePiece>>& ranges,
+    std::vector<uint32_t>& crcs) {
+  std::mutex mu;
+  std::condition_variable copiedCv;
+  size_t copied = 0; // ranges fully copied, guarded by mu
+  bool copyEnded = false; // no more ranges will be copied (done or failed), guarded by mu
+  std::vector<uint32_t> rangeCrcs(ranges.size(), 0);
+  auto checksumRange = [&](size_t k) {
+    uint32_t crc = 0;
+    for (const auto& piece : ranges[k]) {
+      crc = crc32c(piece.dst, piece.size, crc);
+    }
+    rangeCrcs[k] = crc;
+  };
+  // A single range gains nothing from a second thread.
+  const bool pipelined = ranges.size() > 1;
+  std::thread checksummer;
+  if (pipelined) {
+    checksummer = std::thread([&] {
+      for (size_t k = 0;; ++k) {
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          copiedCv.wait(lock, [&] { return copied > k || copyEnded; });
+          if (copied <= k) {
+            return; // range k was never completed
+          }
+        }
+        checksumRange(k);
+      }
+    });
+  }
+  int err = 0;
+  size_t done = 0;
+  for (; done < ranges.size() && err == 0; ++done) {
+    for (const auto& piece : ranges[done]) {
+      err = readProcessMemory(pid, piece.remoteAddress, piece.dst, piece.size);
+      if (err != 0) {
+        break;
+      }
+    }
+    if (err != 0) {
+      break;
+    }
+    if (pipelined) {
+      std::lock_guard<std::mutex> lock(mu);
+      copied = done + 1;
+      copiedCv.notify_one();
+    } else {
+      checksumRange(done);
+    }
+  }
+  if (pipelined) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      copyEnded = true;
+      copiedCv.notify_one();
+    }
+    checksummer.join();
+  }
+  crcs.insert(crcs.end(), rangeCrcs.begin(), rangeCrcs.begin() + done);
+  return err;
 }
 
 int allowProcessToRead(pid_t pid) {

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace ft {
 
@@ -20,6 +21,23 @@ namespace ft {
 // range is not mapped there; ENOSYS: not supported). A short read that makes no progress
 // counts as EFAULT.
 int readProcessMemory(pid_t pid, uint64_t remoteAddress, void* dst, size_t size);
+
+// One contiguous piece of a range: `size` bytes at `remoteAddress` in the source go to `dst`.
+struct RemotePiece {
+  uint64_t remoteAddress;
+  void* dst;
+  size_t size;
+};
+
+// Copies every range's pieces out of process `pid` and appends to `crcs` the CRC-32C of each
+// range that was copied completely, in order. Returns 0, or the errno of the first failure
+// (the failed range is the one after the last CRC). The checksum of range k runs on a second
+// thread while range k+1 is copied, so the kernel copy (the slow part: it pins the source's
+// pages one by one) is the only cost on the critical path.
+int copyAndChecksum(
+    pid_t pid,
+    const std::vector<std::vector<RemotePiece>>& ranges,
+    std::vector<uint32_t>& crcs);
 
 // Lets process `pid` (0: nobody again) read this process with readProcessMemory where Yama's
 // ptrace_scope is 1 (Ubuntu's default), which otherwise allows it only to ancestors. Returns 0,

@@ -84,6 +84,19 @@ def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
 _LOCAL_RANGES = 16
 
 
+def _host_copy_budget() -> int:
+    """Most bytes of CPU tensors a source copies into huge pages for same-host receivers: a
+    quarter of the memory available now (0 where that cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _raise_for_status(status: int, text: str) -> None:
     """Raises the CheckpointError a refusal with this (HTTP) status means."""
     if status in (401, 403):
@@ -167,7 +180,11 @@ class _Lease:
 
 
 class _Staging:
-    """One staged checkpoint: references to its tensors plus bookkeeping."""
+    """One staged checkpoint: references to its tensors plus bookkeeping.
+
+    Readers take tensor i's bytes from ``cpu(i)``: a host copy when one exists, else the
+    caller's tensor (same bytes: the caller leaves them alone until disallow_checkpoint).
+    """
 
     def __init__(self, step: int, state_dict: Any) -> None:
         self.id = uuid.uuid4().hex
@@ -190,13 +207,38 @@ class _Staging:
 
     def cpu(self, i: int) -> torch.Tensor:
         """Tensor i in host memory (accelerator tensors are copied once, on first use)."""
+        with self._cpu_lock:
+            copy = self._cpu.get(i)
+        if copy is not None:
+            return copy
         t = self.tensors[i]
-        if t.device.type != "cpu":
-            with self._cpu_lock:
-                if i not in self._cpu:
-                    self._cpu[i] = t.to("cpu")
-                t = self._cpu[i]
-        return t
+        if t.device.type == "cpu":
+            return t
+        return self._copy_to_host(i)
+
+    def _copy_to_host(self, i: int) -> torch.Tensor:
+        copy = ser.allocate(self.specs[i], torch.device("cpu"))
+        copy.copy_(self.tensors[i])
+        with self._cpu_lock:
+            return self._cpu.setdefault(i, copy)  # a concurrent copy may have won
+
+    def cpu_bytes(self) -> int:
+        return sum(s.nbytes for s, t in zip(self.specs, self.tensors) if t.device.type == "cpu")
+
+    def copy_cpu_tensors_to_huge_pages(self) -> None:
+        """Gives every CPU tensor of at least 2 MiB a host copy in huge pages (stops early
+        once the checkpoint is withdrawn). Why: the same-host path's kernel copy pins the
+        source's pages one by one, ~3x a memcpy over 4 KiB pages and ~1.3x over huge ones, and
+        the caller's tensors rarely sit on whole huge pages. Run it before the healer asks (it
+        needs milliseconds to find this source): then its copy is the fast one."""
+        try:
+            for i, (spec, t) in enumerate(zip(self.specs, self.tensors)):
+                if self.closing:
+                    return
+                if t.device.type == "cpu" and spec.nbytes >= ser.HUGE_PAGE_BYTES:
+                    self._copy_to_host(i)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: serve the tensors as they are
+            logger.warning("checkpoint host copy stopped (%s); serving the tensors in place", e)
 
     def view(self, i: int) -> memoryview:
         return ser.memview(self.cpu(i))
@@ -370,6 +412,12 @@ class HTTPTransport(CheckpointTransport[T]):
             self._last_step = step
             self._abandoned = None
             self._cond.notify_all()
+        if self._local is not None and staging.cpu_bytes() <= _host_copy_budget():
+            threading.Thread(
+                target=staging.copy_cpu_tensors_to_huge_pages,
+                daemon=True,
+                name="ft-ckpt-host-copy",
+            ).start()
         logger.debug(
             "staged checkpoint step=%d bytes=%d tensors=%d for %s",
             step,

@@ -59,7 +59,13 @@ from ft.checkpointing.transport import (
     CheckpointTransferError,
 )
 
-__all__ = ["LocalEndpoint", "Session", "segments", "supported", "NAME_PATTERN"]
+__all__ = [
+    "LocalEndpoint",
+    "Session",
+    "segments",
+    "supported",
+    "NAME_PATTERN",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -96,11 +96,46 @@ def test_large_tensors_are_received_into_their_own_huge_page_advised_mappings(
         got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
         assert dst.last_recv_path == "same-host"
         assert_same(state, got)
-        assert len(made) == 1 and made[0] is not None  # only the tensor >= 2 MiB
-        assert got["big"].data_ptr() == made[0].data_ptr()
+        # only tensors >= 2 MiB: the receiver's, and the source's host copy (same process)
+        assert 1 <= len(made) <= 2 and all(m is not None for m in made)
+        assert got["big"].data_ptr() in [m.data_ptr() for m in made]
         assert not got["big"].untyped_storage().resizable()  # a mapping of its own, not heap
         got["big"].add_(1)  # writable, an ordinary tensor otherwise
         assert torch.equal(got["big"], state["big"] + 1)
+
+
+def test_source_serves_large_cpu_tensors_from_a_huge_page_copy_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """send_checkpoint copies CPU tensors >= 2 MiB into huge-page memory on a background
+    thread, so the receiver's kernel copy reads huge pages; small tensors and checkpoints over
+    the memory budget are served from the caller's tensors. Either way the bytes match."""
+    from ft.checkpointing import http_transport
+
+    state = {"big": torch.randn(1 << 20), "small": torch.randn(10)}
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 1, state, TO)
+        st = src._staging
+        assert st is not None
+        end = time.monotonic() + 5
+        while st.cpu(0).data_ptr() == state["big"].data_ptr() and time.monotonic() < end:
+            time.sleep(0.005)
+        copy = st.cpu(0)
+        assert copy.data_ptr() != state["big"].data_ptr()
+        assert not copy.untyped_storage().resizable()  # an mmap of its own (huge-page advised)
+        assert torch.equal(copy, state["big"])
+        assert st.cpu(1).data_ptr() == state["small"].data_ptr()
+        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
+        assert dst.last_recv_path == "same-host"
+        assert_same(state, got)
+
+        monkeypatch.setattr(http_transport, "_host_copy_budget", lambda: 1 << 20)
+        src.send_checkpoint([1], 2, state, TO)
+        st = src._staging
+        assert st is not None
+        time.sleep(0.2)
+        assert st.cpu(0).data_ptr() == state["big"].data_ptr()  # over budget: served in place
+        assert_same(state, dst.recv_checkpoint(0, src.metadata(), 2, TO))
 
 
 def test_corrupted_copy_is_detected_not_returned_and_the_retry_succeeds(
