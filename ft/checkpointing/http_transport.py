@@ -65,7 +65,7 @@ SAME_HOST_ENV = "FT_CHECKPOINT_SAME_HOST"
 _PREFIX = "/ft/v1/checkpoint/"
 _SLICE = 1 << 20  # bytes per read/crc/write step
 _MIN_CHUNK = 1 << 20  # don't split transfers into chunks smaller than this
-_MAX_CHUNKS = 256
+_MAX_CHUNKS = same_host_path.MAX_RANGES
 _MAX_HEADER = 1 << 30
 _TRAILER = struct.Struct(">I")
 
@@ -80,7 +80,7 @@ def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
 
 
 # The same-host path checks a transfer in this many byte ranges (>= 1 MiB each): the source
-# checksums them one by one while the receiver copies.
+# checksums them one by one while the receiver copies (and checksums the one before).
 _LOCAL_RANGES = 16
 
 
@@ -104,25 +104,6 @@ def _raise_for_status(status: int, text: str) -> None:
     if status in (404, 409, 410):
         raise CheckpointNotAvailableError(text)
     raise CheckpointTransferError(text)
-
-
-def _parse_ranges(raw: Any, total: int) -> List[Tuple[int, int]]:
-    """Validates a receiver's ranges: consecutive, non-empty, covering ``[0, total)``."""
-    if type(raw) is not list or len(raw) > _MAX_CHUNKS or (total > 0 and not raw):
-        raise _HTTPError(400, f"ranges must be a list of at most {_MAX_CHUNKS} byte ranges")
-    out: List[Tuple[int, int]] = []
-    pos = 0
-    for r in raw:
-        if type(r) is not list or len(r) != 2 or not all(type(x) is int for x in r):
-            raise _HTTPError(400, f"bad range {r!r:.60}")
-        a, b = r
-        if a != pos or b <= a:
-            raise _HTTPError(400, f"range [{a}, {b}) does not continue at byte {pos}")
-        out.append((a, b))
-        pos = b
-    if pos != total:
-        raise _HTTPError(400, f"ranges cover {pos} of {total} bytes")
-    return out
 
 
 def _is_loopback(addr: str) -> bool:
@@ -491,33 +472,27 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         try:
             if session is not None:
-                meta_request = {"token": self._token, "step": step, "wait": wait_s,
-                                "chunks": self._num_chunks}
-                body, lease = session.meta(meta_request, deadline, _MAX_HEADER + _TRAILER.size)
+                fetch = {"token": self._token, "step": step, "wait": wait_s,
+                         "chunks": self._num_chunks}
+                body, lease, reply = session.fetch(fetch, deadline, _MAX_HEADER + _TRAILER.size)
             else:
                 path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
                 body, lease = self._get_small(host, port, path, deadline, where)
             tree, specs, staging, lease = self._parse_meta(body, lease, step, where)
-            total = sum(s.nbytes for s in specs)
             tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
             offsets = [0]
             views = []
             for t, s in zip(tensors, specs):
                 views.append(ser.memview(t))
                 offsets.append(offsets[-1] + s.nbytes)
-            if session is not None and session.copy(
-                {"token": self._token, "step": step, "staging": staging, "lease": lease},
-                offsets,
-                views,
-                plan_chunks(total, _LOCAL_RANGES),
-                deadline,
-            ):
+            if session is not None and session.copy(reply, offsets, views, deadline):
                 self.last_recv_path = "same-host"
                 return self._finish(tree, tensors, specs)
         finally:
             if session is not None:
                 session.close()
 
+        total = offsets[-1]
         ranges = plan_chunks(total, self._num_chunks)
         stop = threading.Event()
         if ranges:
@@ -817,7 +792,9 @@ class HTTPTransport(CheckpointTransport[T]):
             raise _HTTPError(400, f"bad parameter {key}={q[key][:40]!r}") from None
 
     def _serve_meta(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
-        body, lease = self._meta(step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1))
+        _, body, lease = self._meta(
+            step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1)
+        )
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(body)))
@@ -826,9 +803,10 @@ class HTTPTransport(CheckpointTransport[T]):
         h.end_headers()
         h.wfile.write(body)
 
-    def _meta(self, step: int, wait_s: float, chunks: int) -> Tuple[bytes, str]:
-        """Waits up to ``wait_s`` for ``step`` to be staged; returns the metadata body (header +
-        CRC-32) and a lease for ``chunks`` data ranges. Raises _HTTPError otherwise."""
+    def _meta(self, step: int, wait_s: float, chunks: int) -> Tuple[_Staging, bytes, str]:
+        """Waits up to ``wait_s`` for ``step`` to be staged; returns the staging, its metadata
+        body (header + CRC-32) and a lease for ``chunks`` data ranges. Raises _HTTPError
+        otherwise."""
         chunks = min(max(1, chunks), _MAX_CHUNKS)
         wait_s = min(max(0.0, wait_s), self._timeout.total_seconds())
         deadline = time.monotonic() + wait_s
@@ -862,7 +840,7 @@ class HTTPTransport(CheckpointTransport[T]):
             n = len(plan_chunks(st.total, chunks))
             if n:
                 st.leases[lease] = _Lease(n, time.monotonic() + self._timeout.total_seconds())
-            return st.header + _TRAILER.pack(ser.crc32(st.header)), lease
+            return st, st.header + _TRAILER.pack(ser.crc32(st.header)), lease
 
     def _claim(self, step: int, staging_id: str, lease_id: str, conn: socket.socket) -> _Staging:
         """Registers a transfer of the staged checkpoint (``disallow_checkpoint`` waits for it,
@@ -923,64 +901,43 @@ class HTTPTransport(CheckpointTransport[T]):
             self._release(st, lease_id, h.connection, used)
 
     def _serve_local(self, conn: socket.socket) -> None:
-        """One same-host connection (protocol in same_host.py): metadata requests, then at most
-        one data request, validated like their HTTP twins. For data: sends the tensors'
-        addresses, then each range's CRC-32C, and holds the checkpoint until the receiver says
-        it verified everything."""
-        issued: List[str] = []  # leases handed out on this connection
+        """One same-host fetch (protocol in same_host.py), validated like its HTTP twins: sends
+        the metadata and the tensors' addresses, then each range's CRC-32C, and holds the
+        checkpoint until the receiver says it verified everything (or falls back to HTTP)."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        lease = ""
         try:
-            self._serve_local_requests(conn, issued)
-        finally:
-            if issued:
-                self._drop_leases(issued)
+            try:
+                req = same_host_path.recv_frame(conn, deadline)
+            except EOFError:
+                return  # connected and left: nothing asked
+            if type(req) is not dict:
+                raise _HTTPError(400, "request is not an object")
+            self._check_token(req.get("token"))
+            op = req.get("op")
+            if op != "fetch":
+                raise _HTTPError(400, f"unknown op {op!r:.40}")
+            step, wait_s, chunks = req.get("step"), req.get("wait"), req.get("chunks")
+            if type(step) is not int or type(wait_s) not in (int, float) or type(chunks) is not int:
+                raise _HTTPError(400, "bad step, wait or chunks")
+            st, body, lease = self._meta(step, wait_s, chunks)
+            with self._cond:
+                self._claim(step, st.id, lease, conn)
+        except (_HTTPError, ValueError) as e:
+            code, msg = (e.code, e.msg) if isinstance(e, _HTTPError) else (400, str(e))
+            if lease:
+                self._drop_lease(lease)
+            same_host_path.send_frame(conn, {"ok": False, "code": code, "error": msg})
+            return
+        self._serve_local_data(conn, st, lease, body, deadline)
 
-    def _drop_leases(self, lease_ids: List[str]) -> None:
-        """Leases whose receiver is gone without asking for data: nothing waits for them."""
+    def _drop_lease(self, lease_id: str) -> None:
+        """A lease whose receiver will not use it: nothing waits for it."""
         with self._cond:
             st = self._staging
             if st is not None:
-                for lease_id in lease_ids:
-                    st.leases.pop(lease_id, None)
+                st.leases.pop(lease_id, None)
             self._cond.notify_all()
-
-    def _serve_local_requests(self, conn: socket.socket, issued: List[str]) -> None:
-        while True:
-            deadline = time.monotonic() + self._timeout.total_seconds()
-            try:
-                try:
-                    req = same_host_path.recv_frame(conn, deadline)
-                except EOFError:
-                    return  # the receiver is done with this connection
-                if type(req) is not dict:
-                    raise _HTTPError(400, "request is not an object")
-                self._check_token(req.get("token"))
-                op = req.get("op")
-                if op == "meta":
-                    step, wait_s, chunks = req.get("step"), req.get("wait"), req.get("chunks")
-                    if (
-                        type(step) is not int
-                        or type(wait_s) not in (int, float)
-                        or type(chunks) is not int
-                    ):
-                        raise _HTTPError(400, "bad step, wait or chunks")
-                    body, lease = self._meta(step, wait_s, chunks)
-                    issued.append(lease)
-                    same_host_path.send_frame(conn, {"ok": True, "lease": lease})
-                    same_host_path.send_raw(conn, body)
-                    continue
-                if op != "data":
-                    raise _HTTPError(400, f"unknown op {op!r:.40}")
-                st, lease_id, ranges = self._claim_local(req, conn)
-            except _HTTPError as e:
-                same_host_path.send_frame(conn, {"ok": False, "code": e.code, "error": e.msg})
-                return
-            except ValueError as e:
-                same_host_path.send_frame(conn, {"ok": False, "code": 400, "error": str(e)})
-                return
-            if lease_id in issued:
-                issued.remove(lease_id)  # the data request settles it
-            self._serve_local_data(conn, st, lease_id, ranges, deadline)
-            return
 
     def _check_token(self, presented: Any) -> None:
         """Refuses (403) a request of either path that lacks the shared token."""
@@ -991,19 +948,20 @@ class HTTPTransport(CheckpointTransport[T]):
             raise _HTTPError(403, "missing or wrong checkpoint token")
 
     def _serve_local_data(
-        self,
-        conn: socket.socket,
-        st: _Staging,
-        lease_id: str,
-        ranges: List[Tuple[int, int]],
-        deadline: float,
+        self, conn: socket.socket, st: _Staging, lease_id: str, body: bytes, deadline: float
     ) -> None:
         used: Optional[int] = None
         granted = False
         try:
             granted = self._grant_read_access(conn, deadline)
             regions = [[st.cpu(i).data_ptr(), spec.nbytes] for i, spec in enumerate(st.specs)]
-            same_host_path.send_frame(conn, {"ok": True, "regions": regions})
+            ranges = plan_chunks(st.total, _LOCAL_RANGES)
+            same_host_path.send_frame(
+                conn,
+                {"ok": True, "lease": lease_id, "regions": regions,
+                 "ranges": [list(r) for r in ranges]},
+            )
+            same_host_path.send_raw(conn, body)
             answer: Optional[bytes] = None
             for k, (start, end) in enumerate(ranges):
                 # a receiver that falls back (or gives up) says so early: stop checksumming
@@ -1055,22 +1013,6 @@ class HTTPTransport(CheckpointTransport[T]):
             logger.debug("prctl(PR_SET_PTRACER, %d) failed: %s", pid, os.strerror(err))
             return False
         return True
-
-    def _claim_local(
-        self, req: Any, conn: socket.socket
-    ) -> Tuple[_Staging, str, List[Tuple[int, int]]]:
-        step, staging_id, lease_id = req.get("step"), req.get("staging"), req.get("lease", "")
-        if type(step) is not int or type(staging_id) is not str or type(lease_id) is not str:
-            raise _HTTPError(400, "bad step, staging or lease")
-        raw = req.get("ranges")
-        with self._cond:
-            st = self._claim(step, staging_id, lease_id, conn)
-            try:
-                ranges = _parse_ranges(raw, st.total)
-            except _HTTPError:
-                self._release(st, lease_id, conn, None)
-                raise
-        return st, lease_id, ranges
 
     def _source_slices(self, st: _Staging, start: int, end: int) -> Iterator[memoryview]:
         """Bytes ``[start, end)`` of the staged tensors in slices of at most 1 MiB; raises

@@ -11,19 +11,19 @@ random name (``ft-ckpt-<32 hex>``) and names it in its metadata, as the URL's fr
 (``http://host:port#ft-ckpt-...``). Abstract sockets exist only inside one network namespace of
 one kernel, so a successful connect proves that source and receiver share a host; the socket's
 peer credentials then give the source's pid as the receiver's kernel numbers it. A same-host
-heal never touches TCP: the metadata comes over the same connection. Anything that makes the
-path unusable before a byte is copied (another host, another pid namespace, the kernel refusing
+heal never touches TCP, and takes one request: the source answers with the metadata, where its
+tensors are and the CRCs, while the receiver allocates and copies. Anything that makes the path
+unusable before a byte is copied (another host, another pid namespace, the kernel refusing
 ``process_vm_readv``) makes the receiver use HTTP; failures after that are transfer failures.
 
 Protocol (frames are a 4-byte big-endian length plus UTF-8 JSON of at most 1 MiB; raw frames
 the same length prefix plus bytes)::
 
-    receiver -> source  {"op": "meta", "token", "step", "wait", "chunks"}
-    source -> receiver  {"ok": true, "lease": "..."} then a raw frame: the header and its
-                        CRC-32, exactly the body of HTTP's /meta response
-    receiver -> source  {"op": "data", "token", "step", "staging", "lease", "ranges": [[a, b]..]}
-                        (ranges: consecutive byte ranges covering the whole checkpoint)
-    source -> receiver  {"ok": true, "regions": [[address, nbytes], ...]}
+    receiver -> source  {"op": "fetch", "token", "step", "wait", "chunks"}
+    source -> receiver  {"ok": true, "lease": "...", "regions": [[address, nbytes], ...],
+                         "ranges": [[a, b], ...]}
+                        then a raw frame: the header and its CRC-32, exactly the body of HTTP's
+                        /meta response (the lease is good for ``chunks`` HTTP data requests)
     source -> receiver  one record per range, in order: >II (range index, CRC-32C of its bytes)
     receiver -> source  b"D" when every range verified (the source may reuse its tensors),
                         b"F" when it falls back to HTTP before copying anything
@@ -31,8 +31,9 @@ the same length prefix plus bytes)::
     Any refusal is {"ok": false, "code": <HTTP status>, "error": "..."}.
 
 Regions are the source's tensors in header order (their bytes concatenated form the offsets
-that ranges index). The source computes each range's CRC from its own tensors while the
-receiver copies and checksums the same range; a mismatch fails the heal, nothing is returned.
+that ranges index); ranges are consecutive byte ranges covering the whole checkpoint. The
+source computes each range's CRC from its own tensors while the receiver copies and checksums
+the same range; a mismatch fails the heal, nothing is returned.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from ft.checkpointing.transport import (
 __all__ = [
     "LocalEndpoint",
     "Session",
+    "parse_ranges",
     "segments",
     "supported",
     "NAME_PATTERN",
@@ -343,30 +345,32 @@ class Session:
             return CheckpointFormatError(f"{where}: bad same-host reply: {e}")
         return e
 
-    def meta(self, request: Dict[str, Any], deadline: float, max_bytes: int) -> Tuple[bytes, str]:
-        """The checkpoint's metadata body (header + CRC-32 trailer) and the source's lease."""
+    def fetch(
+        self, request: Dict[str, Any], deadline: float, max_bytes: int
+    ) -> Tuple[bytes, str, Dict[str, Any]]:
+        """Asks for the checkpoint: returns the metadata body (header + CRC-32 trailer), the
+        source's lease and the reply that ``copy`` needs. The source starts checksumming."""
         try:
-            reply = self._call(dict(request, op="meta"), deadline)
+            # the reply lists every tensor's region: it may be as large as the header
+            reply = self._call(dict(request, op="fetch"), deadline, max_bytes)
             body = recv_raw(self._sock, deadline, max_bytes)
         except (OSError, EOFError, ValueError) as e:  # socket.timeout is an OSError
             raise self._translate(e) from None
         lease = reply.get("lease")
-        return body, lease if type(lease) is str else ""
+        return body, lease if type(lease) is str else "", reply
 
     def copy(
         self,
-        request: Dict[str, Any],
+        reply: Dict[str, Any],
         offsets: Sequence[int],
         views: Sequence[memoryview],
-        ranges: List[Tuple[int, int]],
         deadline: float,
     ) -> bool:
         """Copies every byte into ``views`` (tensor i's bytes; ``offsets`` lays them end to
-        end), verifying each range. False: the kernel refused before anything was copied (the
-        source was told; fetch the ranges over HTTP with the same lease)."""
+        end, as the header the source sent), verifying each range. False: the kernel refused
+        before anything was copied (the source was told; fetch over HTTP with the lease)."""
         try:
-            return self._copy(dict(request, op="data", ranges=ranges), offsets, views, ranges,
-                              deadline)
+            return self._copy(reply, offsets, views, deadline)
         except _Fallback as e:
             logger.info("%s: same-host path unusable (%s); using HTTP", self._where, e)
             try:
@@ -379,15 +383,13 @@ class Session:
 
     def _copy(
         self,
-        request: Dict[str, Any],
+        reply: Dict[str, Any],
         offsets: Sequence[int],
         views: Sequence[memoryview],
-        ranges: List[Tuple[int, int]],
         deadline: float,
     ) -> bool:
-        # the regions reply grows with the number of tensors (~30 bytes each)
-        reply = self._call(request, deadline, _MAX_FRAME + 64 * len(offsets))
         regions = _parse_regions(reply.get("regions"), offsets)
+        ranges = parse_ranges(reply.get("ranges"), offsets[-1])
         plan = [
             [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
             for a, b in ranges
@@ -420,6 +422,29 @@ def _copy_ranges(pid: int, plan: List[List[Tuple[int, memoryview]]]) -> Tuple[Li
     """(CRC-32C of each range copied, errno of the first failure or 0); a seam for tests."""
     crcs, err = _C.copy_from_process(pid, plan)
     return list(crcs), int(err)
+
+
+MAX_RANGES = 256
+
+
+def parse_ranges(raw: Any, total: int) -> List[Tuple[int, int]]:
+    """Checks a source's ranges: at most MAX_RANGES, consecutive, non-empty, covering
+    ``[0, total)``. Raises ValueError naming the first problem."""
+    if type(raw) is not list or len(raw) > MAX_RANGES or (total > 0 and not raw):
+        raise ValueError(f"ranges must be a list of at most {MAX_RANGES} byte ranges")
+    out: List[Tuple[int, int]] = []
+    pos = 0
+    for r in raw:
+        if type(r) is not list or len(r) != 2 or not all(type(x) is int for x in r):
+            raise ValueError(f"bad range {r!r:.60}")
+        a, b = r
+        if a != pos or b <= a:
+            raise ValueError(f"range [{a}, {b}) does not continue at byte {pos}")
+        out.append((a, b))
+        pos = b
+    if pos != total:
+        raise ValueError(f"ranges cover {pos} of {total} bytes")
+    return out
 
 
 def _parse_regions(raw: Any, offsets: Sequence[int]) -> List[Tuple[int, int]]:

@@ -209,8 +209,8 @@ def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
 
 
 def test_receiver_gone_after_metadata_does_not_hold_up_disallow() -> None:
-    """A receiver that fetched the metadata (and a lease) over the same-host socket and then
-    vanished must not make disallow_checkpoint wait out its timeout for that lease."""
+    """A receiver that got the metadata (and a lease) over the same-host socket and then
+    vanished without answering must not make disallow_checkpoint wait out its timeout."""
     state = {"w": torch.randn(1000)}
     with transport(timeout=timedelta(seconds=30)) as src:
         src.send_checkpoint([1], 2, state, TO)
@@ -218,7 +218,7 @@ def test_receiver_gone_after_metadata_does_not_hold_up_disallow() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
             s.connect("\0" + src._local.name)
-            same_host.send_frame(s, {"op": "meta", "token": None, "step": 2, "wait": 0.0,
+            same_host.send_frame(s, {"op": "fetch", "token": None, "step": 2, "wait": 0.0,
                                      "chunks": 4})
             assert same_host.recv_frame(s, time.monotonic() + 5)["ok"] is True
             same_host.recv_raw(s, time.monotonic() + 5, 1 << 20)
@@ -268,29 +268,22 @@ def _raw_request(name: str, request: Any) -> Any:
 
 def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
     state = {"w": torch.randn(1 << 18)}
-    total = state["w"].nbytes
     with transport(token="right") as src, transport(token="right") as dst:
         src.send_checkpoint([1], 6, state, TO)
         assert src._local is not None
         name = src._local.name
-        staging = src._staging.id  # type: ignore[union-attr]
-        good = {"op": "data", "token": "right", "step": 6, "staging": staging, "lease": "",
-                "ranges": [[0, total]]}
-        meta = {"op": "meta", "token": "right", "step": 6, "wait": 0.0, "chunks": 1}
+        good = {"op": "fetch", "token": "right", "step": 6, "wait": 0.0, "chunks": 1}
         cases = [
             (dict(good, token="wrong"), 403, "token"),
             (dict(good, token=None), 403, "token"),
-            (dict(good, step=7), 410, "step 7"),
-            (dict(good, staging="0" * 32), 410, "no longer served"),
-            (dict(good, ranges=[[0, total - 1]]), 400, "cover"),
-            (dict(good, ranges=[[1, total]]), 400, "continue"),
-            (dict(good, ranges="all"), 400, "ranges"),
+            (dict(good, step=7), 404, "step 7"),
+            (dict(good, step=5), 404, "step 5"),
             (dict(good, step="6"), 400, "bad step"),
+            (dict(good, wait="forever"), 400, "bad step, wait"),
+            (dict(good, chunks=None), 400, "chunks"),
             (["not", "an", "object"], 400, "not an object"),
             (dict(good, op="steal"), 400, "unknown op"),
-            (dict(meta, token="wrong"), 403, "token"),
-            (dict(meta, step=5), 404, "step 5"),
-            (dict(meta, wait="forever"), 400, "bad step, wait"),
+            (dict(good, op="data"), 400, "unknown op"),
             (struct.pack(">I", 5) + b"{{{{{", 400, "not JSON"),
             (struct.pack(">I", 1 << 30), 400, "exceeds"),
         ]
@@ -313,6 +306,41 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
         while st.active and time.monotonic() < end:
             time.sleep(0.01)
         assert st.active == 0 and not st.conns
+        src.disallow_checkpoint()
+        reply = _raw_request(name, good)
+        assert reply["ok"] is False and reply["code"] == 410, reply
+
+
+def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source whose reply names ranges or regions that do not fit the header it sent: the
+    receiver raises CheckpointFormatError naming the problem, copies nothing, and its next
+    heal works."""
+    from ft.checkpointing import CheckpointFormatError, http_transport
+
+    state = {"w": torch.randn(1 << 19), "v": torch.randn(100)}
+    total = sum(t.nbytes for t in state.values())
+    real_plan = http_transport.plan_chunks
+    real_regions = same_host._parse_regions
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 4, state, TO)
+        for bad_plan, words in (
+            (lambda t, n: [(0, t - 1)], f"ranges cover {total - 1} of {total}"),
+            (lambda t, n: [(1, t)], "does not continue at byte 0"),
+            (lambda t, n: [], "ranges must be a list"),
+        ):
+            monkeypatch.setattr(http_transport, "plan_chunks", bad_plan)
+            with pytest.raises(CheckpointFormatError, match=words):
+                dst.recv_checkpoint(0, src.metadata(), 4, TO)
+        monkeypatch.setattr(http_transport, "plan_chunks", real_plan)
+        monkeypatch.setattr(
+            same_host, "_parse_regions", lambda raw, offsets: real_regions(raw[:1], offsets)
+        )
+        with pytest.raises(CheckpointFormatError, match="expected 2 regions"):
+            dst.recv_checkpoint(0, src.metadata(), 4, TO)
+        monkeypatch.setattr(same_host, "_parse_regions", real_regions)
+        got = dst.recv_checkpoint(0, src.metadata(), 4, TO)
+        assert dst.last_recv_path == "same-host"
+        assert_same(state, got)
 
 
 def test_source_killed_mid_transfer_fails_within_timeout() -> None:
