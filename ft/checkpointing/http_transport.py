@@ -35,7 +35,7 @@ import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as futures_wait
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import torch
@@ -185,6 +185,33 @@ class _Staging:
         self.leases: Dict[str, _Lease] = {}
         self._cpu: Dict[int, torch.Tensor] = {}
         self._cpu_lock = threading.Lock()
+        # the byte ranges a same-host receiver gets checksums of, and those checksums
+        self.local_ranges = plan_chunks(self.total, _LOCAL_RANGES)
+        self._range_crcs: List[Optional[int]] = [None] * len(self.local_ranges)
+        self._range_busy = [False] * len(self.local_ranges)
+        self._range_cond = threading.Condition()
+
+    def range_crc(self, k: int, checksum: Callable[[int, int], int]) -> int:
+        """CRC-32C of ``local_ranges[k]``, computed once (``checksum(start, end)``) by whichever
+        thread asks first; a thread asking meanwhile waits for that result."""
+        with self._range_cond:
+            while self._range_crcs[k] is None and self._range_busy[k]:
+                if self.withdrawn:
+                    raise _Abort()
+                self._range_cond.wait(0.05)
+            crc = self._range_crcs[k]
+            if crc is not None:
+                return crc
+            self._range_busy[k] = True
+        try:
+            crc = checksum(*self.local_ranges[k])
+        finally:
+            with self._range_cond:
+                self._range_busy[k] = False
+                self._range_cond.notify_all()
+        with self._range_cond:
+            self._range_crcs[k] = crc
+        return crc
 
     def cpu(self, i: int) -> torch.Tensor:
         """Tensor i in host memory (accelerator tensors are copied once, on first use)."""
@@ -209,17 +236,13 @@ class _Staging:
     def copy_cpu_tensors_to_huge_pages(self) -> None:
         """Gives every CPU tensor of at least 2 MiB a host copy in huge pages (stops early
         once the checkpoint is withdrawn). Why: the same-host path's kernel copy pins the
-        source's pages one by one, ~3x a memcpy over 4 KiB pages and ~1.3x over huge ones, and
-        the caller's tensors rarely sit on whole huge pages. Run it before the healer asks (it
-        needs milliseconds to find this source): then its copy is the fast one."""
-        try:
-            for i, (spec, t) in enumerate(zip(self.specs, self.tensors)):
-                if self.closing:
-                    return
-                if t.device.type == "cpu" and spec.nbytes >= ser.HUGE_PAGE_BYTES:
-                    self._copy_to_host(i)
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory: serve the tensors as they are
-            logger.warning("checkpoint host copy stopped (%s); serving the tensors in place", e)
+        source's pages one by one, ~3x a memcpy over 4 KiB pages and ~1.5x over huge ones, and
+        the caller's tensors rarely sit on whole huge pages."""
+        for i, (spec, t) in enumerate(zip(self.specs, self.tensors)):
+            if self.closing:
+                return
+            if t.device.type == "cpu" and spec.nbytes >= ser.HUGE_PAGE_BYTES:
+                self._copy_to_host(i)
 
     def view(self, i: int) -> memoryview:
         return ser.memview(self.cpu(i))
@@ -393,11 +416,12 @@ class HTTPTransport(CheckpointTransport[T]):
             self._last_step = step
             self._abandoned = None
             self._cond.notify_all()
-        if self._local is not None and staging.cpu_bytes() <= _host_copy_budget():
+        if self._local is not None:
             threading.Thread(
-                target=staging.copy_cpu_tensors_to_huge_pages,
+                target=self._prepare_same_host,
+                args=(staging, staging.cpu_bytes() <= _host_copy_budget()),
                 daemon=True,
-                name="ft-ckpt-host-copy",
+                name="ft-ckpt-prepare",
             ).start()
         logger.debug(
             "staged checkpoint step=%d bytes=%d tensors=%d for %s",
@@ -955,7 +979,7 @@ class HTTPTransport(CheckpointTransport[T]):
         try:
             granted = self._grant_read_access(conn, deadline)
             regions = [[st.cpu(i).data_ptr(), spec.nbytes] for i, spec in enumerate(st.specs)]
-            ranges = plan_chunks(st.total, _LOCAL_RANGES)
+            ranges = st.local_ranges
             same_host_path.send_frame(
                 conn,
                 {"ok": True, "lease": lease_id, "regions": regions,
@@ -963,14 +987,12 @@ class HTTPTransport(CheckpointTransport[T]):
             )
             same_host_path.send_raw(conn, body)
             answer: Optional[bytes] = None
-            for k, (start, end) in enumerate(ranges):
+            for k in range(len(ranges)):
                 # a receiver that falls back (or gives up) says so early: stop checksumming
                 answer = same_host_path.poll_answer(conn)
                 if answer is not None:
                     break
-                crc = 0
-                for piece in self._source_slices(st, start, end):
-                    crc = ser.crc32c(piece, crc)
+                crc = st.range_crc(k, lambda a, b: self._checksum(st, a, b))
                 try:
                     same_host_path.send_crc(conn, k, crc)
                 except OSError:
@@ -994,6 +1016,30 @@ class HTTPTransport(CheckpointTransport[T]):
                 _C.allow_process_to_read(0)
                 self._ptracer_lock.release()
             self._release(st, lease_id, conn, used)
+
+    def _prepare_same_host(self, st: _Staging, copy_to_huge_pages: bool) -> None:
+        """Runs on a background thread from send_checkpoint, while a healer is still finding
+        this source (milliseconds): moves large CPU tensors onto huge pages (within the memory
+        budget) and checksums the same-host ranges, so that a same-host receiver's copy is the
+        fast one and its checksums are ready."""
+        try:
+            if copy_to_huge_pages:
+                st.copy_cpu_tensors_to_huge_pages()
+            for k in range(len(st.local_ranges)):
+                if st.closing:
+                    return
+                st.range_crc(k, lambda a, b: self._checksum(st, a, b))
+        except _Abort:
+            pass
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: serving works without it
+            logger.warning("preparing checkpoint step %d for same-host receivers stopped: %s",
+                           st.step, e)
+
+    def _checksum(self, st: _Staging, start: int, end: int) -> int:
+        crc = 0
+        for piece in self._source_slices(st, start, end):
+            crc = ser.crc32c(piece, crc)
+        return crc
 
     def _grant_read_access(self, conn: socket.socket, deadline: float) -> bool:
         """Under Yama ptrace_scope 1, names the receiver as this process's ptracer for the

@@ -138,6 +138,36 @@ def test_source_serves_large_cpu_tensors_from_a_huge_page_copy_within_its_budget
         assert_same(state, dst.recv_checkpoint(0, src.metadata(), 2, TO))
 
 
+def test_source_checksums_each_range_once_ahead_of_the_receiver() -> None:
+    """send_checkpoint checksums the same-host ranges on a background thread; receivers (two
+    here, one after the other) get those checksums instead of recomputing them."""
+    calls: List[Any] = []
+
+    class Counting(HTTPTransport):
+        def _checksum(self, st: Any, start: int, end: int) -> int:
+            calls.append((start, end))
+            return super()._checksum(st, start, end)
+
+    state = {"w": torch.randn(3 << 20), "v": torch.randn(7)}  # 12 MiB: ranges of ~1 MiB
+    src = Counting(TO, 4, advertise_host="127.0.0.1")
+    try:
+        with transport() as dst:
+            src.send_checkpoint([1], 5, state, TO)
+            st = src._staging
+            assert st is not None and len(st.local_ranges) > 8
+            end = time.monotonic() + 5
+            while None in st._range_crcs and time.monotonic() < end:
+                time.sleep(0.005)
+            assert None not in st._range_crcs
+            for _ in range(2):
+                got = dst.recv_checkpoint(0, src.metadata(), 5, TO)
+                assert dst.last_recv_path == "same-host"
+                assert_same(state, got)
+            assert sorted(calls) == sorted(st.local_ranges)  # each range exactly once
+    finally:
+        src.shutdown()
+
+
 def test_corrupted_copy_is_detected_not_returned_and_the_retry_succeeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -322,16 +352,17 @@ def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.Monk
     real_plan = http_transport.plan_chunks
     real_regions = same_host._parse_regions
     with transport() as src, transport() as dst:
-        src.send_checkpoint([1], 4, state, TO)
         for bad_plan, words in (
             (lambda t, n: [(0, t - 1)], f"ranges cover {total - 1} of {total}"),
             (lambda t, n: [(1, t)], "does not continue at byte 0"),
             (lambda t, n: [], "ranges must be a list"),
         ):
             monkeypatch.setattr(http_transport, "plan_chunks", bad_plan)
+            src.send_checkpoint([1], 4, state, TO)  # the source plans its ranges here
             with pytest.raises(CheckpointFormatError, match=words):
                 dst.recv_checkpoint(0, src.metadata(), 4, TO)
         monkeypatch.setattr(http_transport, "plan_chunks", real_plan)
+        src.send_checkpoint([1], 4, state, TO)
         monkeypatch.setattr(
             same_host, "_parse_regions", lambda raw, offsets: real_regions(raw[:1], offsets)
         )
