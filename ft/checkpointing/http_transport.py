@@ -18,6 +18,11 @@ corruption anywhere on the way is detected by the receiver, which then raises
 :class:`CheckpointCorruptError` and returns nothing. ``disallow_checkpoint`` waits (bounded by
 the timeout) until transfers that already started have finished, so that after it returns the
 caller may mutate the tensors again.
+
+Same-host receivers take the path in same_host.py instead. For them, ``send_checkpoint`` also
+starts a background thread that copies CPU tensors of 2 MiB or more into huge-page memory (at
+most a quarter of the memory available; above that the tensors are served in place) and
+checksums the byte ranges that path verifies, while the healer is still finding this source.
 """
 
 from __future__ import annotations

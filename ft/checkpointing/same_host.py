@@ -32,8 +32,9 @@ the same length prefix plus bytes)::
 
 Regions are the source's tensors in header order (their bytes concatenated form the offsets
 that ranges index); ranges are consecutive byte ranges covering the whole checkpoint. The
-source computes each range's CRC from its own tensors while the receiver copies and checksums
-the same range; a mismatch fails the heal, nothing is returned.
+source checksums each range once, from its own memory, usually before the receiver asks (see
+HTTPTransport.send_checkpoint); the receiver checksums what it copied, range by range, on a
+second thread while it copies the next. A mismatch fails the heal, nothing is returned.
 """
 
 from __future__ import annotations
