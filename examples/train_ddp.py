@@ -135,6 +135,9 @@ def main() -> int:
     p.add_argument("--quorum-timeout", type=float, default=60.0)
     p.add_argument("--final-wait", type=float, default=60.0,
                    help="seconds to wait at the end for every replica group to rejoin")
+    p.add_argument("--exit-linger", type=float, default=1.0,
+                   help="seconds to stay connected after the last step, for peers still "
+                        "finishing it")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pad every step (demo pacing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug-hash", action="store_true",
@@ -312,6 +315,10 @@ def main() -> int:
     print(f"train_ddp: group {group_id} rank {rank} done after {trained} steps: "
           f"test loss {test_loss:.4f}, accuracy {acc:.1%}, state sha256 {digest}", flush=True)
     _write_hash(group_id, rank, digest)
+    # The other groups may still be reading the last allreduce from us: exiting now would reset
+    # those connections, discard what they have not read yet and fail their final step (they
+    # would then wait --final-wait for a group that is gone). Stay connected a moment.
+    time.sleep(args.exit_linger)
     manager.shutdown()
     if group_pg is not None:
         dist.destroy_process_group()

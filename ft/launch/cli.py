@@ -16,6 +16,10 @@ What it does:
   :mod:`ft.launch.worker`: ``FT_LAUNCH_STOP_FILE``, ``FT_LAUNCH_PARENT_PID``, ``FT_MAX_STEPS``.
 * When any rank of a group exits with a failure, kills the group's other ranks and restarts the
   whole group (new ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT`` + 1) after ``--restart-delay``.
+  Restarted ranks are warm standbys where one is ready (:mod:`ft.launch.standby`: processes that
+  imported torch and ft ahead of time; one per rank of a group is kept ready once every group
+  trains), which saves the seconds a cold Python + torch start costs; ``--no-standby`` execs
+  new processes instead.
   A group whose ranks all exit 0 is done. A group is not restarted once every other group has
   finished (it would have nobody to heal from).
 * ``--chaos`` injects one failure every ``--every`` seconds into a random group that has made
@@ -60,6 +64,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
+from . import standby
 from .worker import parse_progress
 
 logger = logging.getLogger("ft.launch")
@@ -209,6 +214,11 @@ class Supervisor:
         self._table_lines = 0
         self._last_status = 0.0
         self.reaped_late: List[RankProc] = []
+        # warm standbys (ft.launch.standby): started once every group trains, consumed by restarts
+        self.standby_argv = None if args.no_standby else standby.runnable_argv(command)
+        self.standbys: List[subprocess.Popen] = []
+        self.standby_pids: List[int] = []  # every standby started, for the summary
+        self.warm_starts = 0
 
     # -- output ---------------------------------------------------------------------------------
 
@@ -298,13 +308,8 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------------
 
     def _env(self, g: Group, rank: int) -> Dict[str, str]:
-        env = dict(os.environ)
-        # Let `python examples/x.py` import this very ft even when it is not installed.
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = self._common_env()
         env.update(
-            PYTHONUNBUFFERED="1",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(g.master_port),
             RANK=str(rank),
@@ -316,8 +321,20 @@ class Supervisor:
             NUM_REPLICA_GROUPS=str(self.args.replicas),
             TORCHFT_LIGHTHOUSE=str(self.lighthouse_addr),
             TORCHELASTIC_RESTART_COUNT=str(g.attempt - 1),
-            FT_LAUNCH="1",
             FT_LAUNCH_ATTEMPT=str(g.attempt),
+        )
+        return env
+
+    def _common_env(self) -> Dict[str, str]:
+        """The environment every child shares (standbys start with it, before they have a rank)."""
+        env = dict(os.environ)
+        # Let `python examples/x.py` import this very ft even when it is not installed.
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(
+            PYTHONUNBUFFERED="1",
+            FT_LAUNCH="1",
             FT_LAUNCH_STOP_FILE=self.stop_file,
             FT_LAUNCH_PARENT_PID=str(os.getpid()),
             FT_LAUNCH_LOG_DIR=self.log_dir,
@@ -336,19 +353,25 @@ class Supervisor:
         g.started_at = time.monotonic()
         g.start_times.append(self.elapsed())
         g.step = g.loss = g.participants = None
+        warm = 0
         for rank in range(g.world_size):
             log_path = os.path.join(self.log_dir, f"group{g.gid}_rank{rank}_try{g.attempt}.log")
-            proc = subprocess.Popen(
-                self.command,
-                env=self._env(g, rank),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # terminal Ctrl-C goes to the launcher only
-                bufsize=1,
-                text=True,
-                errors="replace",
-            )
+            env = self._env(g, rank)
+            proc = self._activate_standby(env)
+            if proc is not None:
+                warm += 1
+            else:
+                proc = subprocess.Popen(
+                    self.command,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # terminal Ctrl-C goes to the launcher only
+                    bufsize=1,
+                    text=True,
+                    errors="replace",
+                )
             rp = RankProc(rank, g.attempt, proc, log_path)
             rp.reader = threading.Thread(
                 target=self._read, args=(g.gid, rp), name=f"ft-launch-read-g{g.gid}r{rank}",
@@ -358,8 +381,84 @@ class Supervisor:
             g.ranks.append(rp)
         g.pids.append([r.pid for r in g.ranks])
         pids = ",".join(str(r.pid) for r in g.ranks)
+        self.warm_starts += warm
         self.say(f"group {g.gid}: started try {g.attempt} ({g.world_size} rank(s), pids {pids}, "
-                 f"MASTER_PORT {g.master_port})")
+                 f"MASTER_PORT {g.master_port}"
+                 + (f", {warm} from warm standbys" if warm else "") + ")")
+
+    # -- warm standbys ----------------------------------------------------------------------------
+
+    def _spawn_standby(self) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "ft.launch.standby"],
+            env=self._common_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            bufsize=1,
+            text=True,
+            errors="replace",
+        )
+        self.standbys.append(proc)
+        self.standby_pids.append(proc.pid)
+
+    def refill_standbys(self) -> None:
+        """Keeps one standby per rank of a group, started only while every group trains: an
+        import of torch must not slow down a start or a recovery."""
+        if self.standby_argv is None or self.terminating or self.finishing:
+            return
+        self._reap_dead_standbys()
+        if len(self.standbys) >= self.args.ranks_per_group:
+            return
+        if all(g.state in ("running", "done") and (g.progressing or g.state == "done")
+               for g in self.groups):
+            self._spawn_standby()
+
+    def _reap_dead_standbys(self) -> None:
+        for proc in [p for p in self.standbys if p.poll() is not None]:
+            self.standbys.remove(proc)
+            out = proc.stdout.read() if proc.stdout is not None else ""
+            self.say(f"warm standby pid {proc.pid} exited ({proc.returncode}) before it was "
+                     "needed; restarts start cold from now on"
+                     + (f":\n{out.strip()[-2000:]}" if out.strip() else ""))
+            self.standby_argv = None  # it will not get better: stop trying
+
+    def _activate_standby(self, env: Dict[str, str]) -> Optional[subprocess.Popen]:
+        """A ready standby turned into the process ``env`` describes, or None (start cold)."""
+        if self.standby_argv is None:
+            return None
+        self._reap_dead_standbys()
+        while self.standbys:
+            proc = self.standbys.pop(0)
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(standby.activation(env, self.standby_argv))
+                proc.stdin.close()
+                return proc
+            except (OSError, ValueError):
+                proc.kill()  # ours and not yet reaped: it was just alive
+                proc.wait()
+        return None
+
+    def close_standbys(self) -> None:
+        """Standbys exit on end of input; those still importing are killed after a grace."""
+        for proc in self.standbys:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self.standbys:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self.standbys = []
 
     def _read(self, gid: int, rp: RankProc) -> None:
         assert rp.proc.stdout is not None
@@ -588,6 +687,7 @@ class Supervisor:
         self.stop_requested_at = time.monotonic()
         self.stop_reason = reason
         self.finishing = True
+        self.close_standbys()
         with open(self.stop_file, "w") as f:
             f.write(reason + "\n")
         self.say(f"stop requested ({reason}); waiting up to {self.args.stop_grace:.0f}s for the "
@@ -640,6 +740,7 @@ class Supervisor:
             while True:
                 self.handle_events()
                 self.check_children()
+                self.refill_standbys()
                 self.chaos_tick()
                 if all(g.state in ("done", "failed") for g in self.groups):
                     break
@@ -679,6 +780,7 @@ class Supervisor:
         return bool(live) and all(isinstance(g.step, int) and g.step >= max_steps + 5 for g in live)
 
     def shutdown(self) -> None:
+        self.close_standbys()
         live = [r for g in self.groups for r in g.ranks if r.alive()]
         if live:
             self.terminate_all("shutting down")
@@ -729,6 +831,7 @@ class Supervisor:
         print(f"chaos: {n_chaos} failure(s) injected"
               + (f" ({self.args.chaos})" if self.args.chaos else "")
               + f"; restarts: {sum(g.restarts for g in self.groups)}"
+              + (f" ({self.warm_starts} rank(s) from warm standbys)" if self.warm_starts else "")
               + f"; heals: {sum(g.heals for g in self.groups)}"
               + f"; quorums: {len(self.quorum_ids_seen)}"
               + f"; uncommitted steps: {sum(g.uncommitted for g in self.groups)}", file=out)
@@ -775,6 +878,8 @@ class Supervisor:
             "all_done": all_done,
             "stop_reason": self.stop_reason,
             "log_dir": self.log_dir,
+            "standby_pids": self.standby_pids,
+            "warm_starts": self.warm_starts,
         }
         if self.args.summary_json:
             with open(self.args.summary_json, "w") as f:
@@ -837,6 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between status lines when stdout is not a terminal")
     p.add_argument("--no-tty", action="store_true", help="plain status lines even on a terminal")
     p.add_argument("--tee", action="store_true", help="echo the workers' other output")
+    p.add_argument("--no-standby", action="store_true",
+                   help="restart groups with newly exec'd processes instead of warm standbys "
+                        "(processes that imported torch and ft ahead of time)")
     p.add_argument("--no-python", action="store_true",
                    help="run the command as is (default: .py files and -m run under this Python)")
     p.add_argument("-v", "--verbose", action="store_true", help="more launcher and lighthouse logs")

@@ -67,6 +67,7 @@ def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
         with open(summary) as f:
             result = json.load(f)
     pids = [pid for g in result.get("groups", []) for attempt in g["pids"] for pid in attempt]
+    pids += result.get("standby_pids", [])  # unused standbys are reaped too
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -120,6 +121,35 @@ def test_kill_chaos_restarts_and_finishes():
     assert all(c["mode"] == "kill" for c in s["chaos"])
     assert s["steps_after_last_chaos"] > 0, out
     assert "training went on" in out and "identical model and optimizer state" in out
+
+
+def test_restarts_use_warm_standbys():
+    """Once every group trains, the launcher keeps a standby per rank (a process that imported
+    torch and ft ahead of time); a restarted group's ranks are those standbys, they get the
+    rank's environment, and unused standbys are reaped at the end."""
+    rc, out, s = run_launch(["--replicas", "2", "--ranks-per-group", "2", "--chaos", "kill",
+                             "--every", "6", "--seed", "1", "--max-steps", "200",
+                             "--restart-delay", "0.1", "--", FAKE, "--dump-env",
+                             "--step-s", "0.05"], 120)
+    assert rc == 0, out
+    assert s["all_done"] and s["identical"], out
+    assert s["warm_starts"] >= 2 and "from warm standbys" in out, out
+    restarted = [g for g in s["groups"] if g["tries"] > 1]
+    assert restarted, out
+    g = restarted[0]
+    assert set(g["pids"][1]) <= set(s["standby_pids"]), (g, s["standby_pids"])
+    with open(os.path.join(s["log_dir"], f"env_g{g['group']}_r1_t2.json")) as f:
+        env = json.load(f)
+    assert env["RANK"] == "1" and env["REPLICA_GROUP_ID"] == str(g["group"])
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "1"
+
+
+def test_no_standby_restarts_cold():
+    rc, out, s = run_launch(["--replicas", "2", "--chaos", "kill", "--every", "1", "--seed", "3",
+                             "--max-steps", "60", "--restart-delay", "0.1", "--no-standby",
+                             "--", FAKE], 90)
+    assert rc == 0, out
+    assert s["restarts"] and s["warm_starts"] == 0 and not s["standby_pids"], out
 
 
 def test_whole_group_restart_and_env():

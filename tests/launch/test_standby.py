@@ -1,0 +1,107 @@
+"""ft.launch.standby: a process that imported torch and ft ahead of time becomes a rank when
+it is handed an environment and a command (real processes; each preloads torch for real)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ft.launch import standby
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
+                      "rank": os.environ.get("RANK"), "leaked": os.environ.get("STANDBY_ONLY"),
+                      "stdin": sys.stdin.read(), "torch": "torch" in sys.modules}))
+    sys.exit(int(os.environ.get("EXIT_WITH", "0")))
+    """
+)
+
+
+def start(cwd: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=ROOT, STANDBY_ONLY="yes")
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "ft.launch.standby"], cwd=cwd, env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, line: str = "") -> tuple:
+    try:
+        out, err = proc.communicate(line, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, err
+
+
+def test_runnable_argv() -> None:
+    py = sys.executable
+    assert standby.runnable_argv([py, "-u", "train.py", "--lr", "1"]) == ["train.py", "--lr", "1"]
+    assert standby.runnable_argv([py, "-m", "pkg.mod", "x"]) == ["-m", "pkg.mod", "x"]
+    assert standby.runnable_argv([py, "-u", "-m", "pkg.mod"]) == ["-m", "pkg.mod"]
+    # anything a standby cannot reproduce starts cold
+    assert standby.runnable_argv(["/usr/bin/other-python", "train.py"]) is None
+    assert standby.runnable_argv([py, "-O", "train.py"]) is None
+    assert standby.runnable_argv([py, "-m"]) is None
+    assert standby.runnable_argv(["./train"]) is None
+    assert standby.runnable_argv([]) is None
+
+
+def test_activated_standby_runs_the_script_as_a_cold_start_would(tmp_path) -> None:
+    script = tmp_path / "work" / "train.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT)
+    proc = start(str(tmp_path))
+    env = {"RANK": "3", "EXIT_WITH": "7", "PATH": os.environ.get("PATH", "")}
+    rc, out, err = finish(proc, standby.activation(env, [str(script), "--lr", "0.5"]))
+    assert rc == 7, err  # the script's exit status
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["name"] == "__main__"
+    assert rec["argv"] == [str(script), "--lr", "0.5"]
+    assert rec["path0"] == str(script.parent)
+    assert rec["rank"] == "3"
+    assert rec["leaked"] is None  # the environment is replaced, not merged
+    assert rec["stdin"] == ""  # /dev/null, as a cold-started rank
+    assert rec["torch"] is True  # preloaded
+
+
+def test_activated_standby_runs_a_module(tmp_path) -> None:
+    (tmp_path / "trainmod.py").write_text(SCRIPT)
+    proc = start(str(tmp_path))
+    rc, out, err = finish(proc, standby.activation({"RANK": "0"}, ["-m", "trainmod", "a"]))
+    assert rc == 0, err
+    rec = json.loads(out.strip().splitlines()[-1])
+    assert rec["name"] == "__main__" and rec["argv"][1:] == ["a"]
+    assert rec["argv"][0].endswith("trainmod.py")
+
+
+def test_failing_script_exits_1_with_its_traceback(tmp_path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text("raise RuntimeError('boom from the script')\n")
+    rc, _, err = finish(start(str(tmp_path)), standby.activation({}, [str(script)]))
+    assert rc == 1
+    assert "boom from the script" in err
+
+
+def test_end_of_input_exits_quietly(tmp_path) -> None:
+    rc, out, err = finish(start(str(tmp_path)), "")
+    assert rc == 0 and out == "", err
+
+
+@pytest.mark.parametrize(
+    "line",
+    ['{"env": {"A": 1}, "argv": ["x.py"]}\n', '{"env": {}, "argv": []}\n', '{"env": [], "argv": ["x.py"]}\n'],
+)
+def test_bad_activation_is_refused_with_a_message(tmp_path, line: str) -> None:
+    rc, _, err = finish(start(str(tmp_path)), line)
+    assert rc == 2 and "bad activation" in err
