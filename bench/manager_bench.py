@@ -12,7 +12,9 @@ All on CPU, loopback, one process per replica group (1 rank each), a ~4M-paramet
    committed step, split into process start (exec -> Manager ready), quorum (start_quorum ->
    quorum answer + pg configure), transfer (checkpoint fetch, 16 MiB model + 16 MiB momentum)
    and load (apply) -- from the Manager's structured log records. Also: a local memory copy of
-   the same bytes.
+   the same bytes. Measured twice: a cold restart (a new process: Python + import torch first)
+   and a warm one (a standby that imported torch and ft ahead of time, as ft-launch restarts
+   groups; "start" is then its activation).
 3. stall: the survivors' longest gap between two committed steps when a group is killed
    (kill -9) and when one is stopped (SIGSTOP); heartbeat timeout --hb-ms.
 """
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import shutil
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -135,18 +138,61 @@ def child(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ parent
 
 
+def child_argv(args: argparse.Namespace, tmp: str, group: int, mode: str, port: int,
+               steps: int, name: str, lighthouse: str = "", extra: List[str] = ()) -> List[str]:
+    """A child's command line after the interpreter."""
+    return [os.path.abspath(__file__), "--child", "--mode", mode,
+            "--group", str(group), "--groups", str(args.groups), "--port", str(port),
+            "--steps", str(steps), "--lighthouse", lighthouse,
+            "--out", os.path.join(tmp, f"{name}.json"),
+            "--progress", os.path.join(tmp, f"{name}.progress"),
+            "--stop-file", os.path.join(tmp, "stop"), *extra]
+
+
+def child_env() -> Dict[str, str]:
+    return dict(os.environ, BENCH_T_EXEC=repr(time.time()), PYTHONPATH=ROOT,
+                FT_ADVERTISE_HOST="127.0.0.1")
+
+
 def spawn(args: argparse.Namespace, tmp: str, group: int, mode: str, port: int, steps: int,
           name: str, lighthouse: str = "", extra: List[str] = ()) -> subprocess.Popen:
-    env = dict(os.environ, BENCH_T_EXEC=repr(time.time()), PYTHONPATH=ROOT,
-               FT_ADVERTISE_HOST="127.0.0.1")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
-           "--group", str(group), "--groups", str(args.groups), "--port", str(port),
-           "--steps", str(steps), "--lighthouse", lighthouse,
-           "--out", os.path.join(tmp, f"{name}.json"),
-           "--progress", os.path.join(tmp, f"{name}.progress"),
-           "--stop-file", os.path.join(tmp, "stop"), *extra]
+    cmd = [sys.executable] + child_argv(args, tmp, group, mode, port, steps, name, lighthouse,
+                                        extra)
     log = open(os.path.join(tmp, f"{name}.log"), "w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def start_standby() -> subprocess.Popen:
+    """A warm standby as ft-launch keeps one (ft/launch/standby.py); returns once it is ready."""
+    from ft.launch import standby
+
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "ft.launch.standby"],
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != standby.READY:
+        proc.kill()
+        raise RuntimeError(f"standby did not come up: {line!r}")
+    return proc
+
+
+def activate_standby(proc: subprocess.Popen, argv: List[str], log_path: str) -> None:
+    """Hands the standby a child's command; its output is copied to ``log_path``."""
+    from ft.launch import standby
+
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(standby.activation(child_env(), argv))
+    proc.stdin.close()
+    out = proc.stdout
+
+    def copy() -> None:
+        with open(log_path, "w") as log:
+            for line in out:
+                log.write(line)
+                log.flush()
+
+    threading.Thread(target=copy, daemon=True).start()
 
 
 def load(tmp: str, name: str) -> Dict[str, Any]:
@@ -280,6 +326,21 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         procs.append(spawn(args, tmp, victim, "ft", free_port(), long_steps, restarted,
                            lh.address(), extra=["--pg-timeout", "60"]))
         wait_until(lambda: progress(tmp, restarted) >= 3, 300, "restarted group")
+        # --- the same kill and restart, the new group being a warm standby (as ft-launch does)
+        standby_proc = start_standby()
+        procs.append(standby_proc)
+        s = progress(tmp, names[0])
+        wait_until(lambda: progress(tmp, names[0]) >= s + 5, 120, "survivors with a standby")
+        procs[-2].kill()
+        procs[-2].wait(10)
+        s = progress(tmp, names[0])
+        wait_until(lambda: progress(tmp, names[0]) >= s + 5, 120, "survivors after kill")
+        warm = "f-warm-restart"
+        activate_standby(standby_proc, child_argv(args, tmp, victim, "ft", free_port(),
+                                                  long_steps, warm, lh.address(),
+                                                  extra=["--pg-timeout", "60"]),
+                         os.path.join(tmp, f"{warm}.log"))
+        wait_until(lambda: progress(tmp, warm) >= 3, 300, "group restarted from a standby")
         # --- SIGSTOP
         s = progress(tmp, names[0])
         t_stop = time.time()
@@ -312,7 +373,9 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
     # recovery breakdown from the restarted process's Manager log records (its stdout is gone,
     # so re-run a short restart measurement from the events captured before SIGSTOP is not
     # possible; the restarted child's json is written only at exit) -> use the log file.
-    rec = parse_recovery(os.path.join(tmp, f"{restarted}.log"))
+    recs = [("cold restart: a new process", parse_recovery(os.path.join(tmp, f"{restarted}.log"))),
+            ("warm restart: a standby that had imported torch and ft (ft-launch's default)",
+             parse_recovery(os.path.join(tmp, f"{warm}.log")))]
 
     n = 2 * 4200000 * 4
     src = torch.empty(n // 4)
@@ -326,16 +389,19 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
     print(f"  survivors' longest stall, kill -9 : {stall_kill * 1000:8.1f} ms")
     print(f"  survivors' longest stall, SIGSTOP : {stall_stop * 1000:8.1f} ms   "
           f"(bound: heartbeat timeout + one step = {args.hb_ms + normal * 1000:.0f} ms)")
-    if rec:
+    for title, rec in recs:
+        if not rec:
+            print(f"  {title}: no recovery records found")
+            continue
         total = rec["commit"] - rec["exec"]
-        print(f"  recovery of the restarted group (state: 16 MiB params + 16 MiB momentum):")
-        print(f"    process start (exec -> Manager ready) : {(rec['ready'] - rec['exec']) * 1000:8.1f} ms")
+        print(f"  recovery of the restarted group (state: 16 MiB params + 16 MiB momentum), {title}:")
+        print(f"    process start (exec or activation -> Manager ready) : {(rec['ready'] - rec['exec']) * 1000:8.1f} ms")
         print(f"    quorum (start_quorum -> configured)   : {(rec['configured'] - rec['ready']) * 1000:8.1f} ms")
         print(f"    transfer (fetch checkpoint)           : {rec['transfer_ms']:8.1f} ms")
         if "metadata_ms" in rec:
             print(f"      of which the source's metadata RPC  : {rec['metadata_ms']:8.1f} ms")
         print(f"    load (apply state)                    : {(rec['applied'] - rec['received']) * 1000:8.1f} ms")
-        print(f"    exec -> first committed step          : {total * 1000:8.1f} ms")
+        print(f"    start -> first committed step         : {total * 1000:8.1f} ms")
         print(f"    local memory copy of the same 32 MiB  : {copy * 1000:8.1f} ms")
 
 

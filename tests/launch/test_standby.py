@@ -65,7 +65,9 @@ def test_activated_standby_runs_the_script_as_a_cold_start_would(tmp_path) -> No
     env = {"RANK": "3", "EXIT_WITH": "7", "PATH": os.environ.get("PATH", "")}
     rc, out, err = finish(proc, standby.activation(env, [str(script), "--lr", "0.5"]))
     assert rc == 7, err  # the script's exit status
-    rec = json.loads(out.strip().splitlines()[-1])
+    lines = out.strip().splitlines()
+    assert lines[0] == standby.READY
+    rec = json.loads(lines[-1])
     assert rec["name"] == "__main__"
     assert rec["argv"] == [str(script), "--lr", "0.5"]
     assert rec["path0"] == str(script.parent)
@@ -95,7 +97,7 @@ def test_failing_script_exits_1_with_its_traceback(tmp_path) -> None:
 
 def test_end_of_input_exits_quietly(tmp_path) -> None:
     rc, out, err = finish(start(str(tmp_path)), "")
-    assert rc == 0 and out == "", err
+    assert rc == 0 and out.strip() == standby.READY, err
 
 
 @pytest.mark.parametrize(
