@@ -184,6 +184,7 @@ class _Staging:
             tree, self.specs, step=step, staging=self.id, total_bytes=self.total
         )
         self.closing = False  # no new transfers; started ones may finish
+        self.regions_sent = False  # a same-host receiver has the tensors' addresses
         self.withdrawn = False  # nothing may read the tensors any more
         self.active = 0  # data responses currently reading tensors
         self.conns: Set[socket.socket] = set()  # their connections, to cut them off
@@ -239,13 +240,14 @@ class _Staging:
         return sum(s.nbytes for s, t in zip(self.specs, self.tensors) if t.device.type == "cpu")
 
     def copy_cpu_tensors_to_huge_pages(self) -> None:
-        """Gives every CPU tensor of at least 2 MiB a host copy in huge pages (stops early
-        once the checkpoint is withdrawn). Why: the same-host path's kernel copy pins the
-        source's pages one by one, ~3x a memcpy over 4 KiB pages and ~1.5x over huge ones, and
-        the caller's tensors rarely sit on whole huge pages."""
+        """Gives every CPU tensor of at least 2 MiB a host copy in huge pages. Why: the
+        same-host path's kernel copy pins the source's pages one by one, ~3x a memcpy over
+        4 KiB pages and ~1.5x over huge ones, and the caller's tensors rarely sit on whole huge
+        pages. Stops once the checkpoint is withdrawn or a receiver got the addresses (it
+        copies from wherever each tensor was then; later copies would only compete with it)."""
         for i, (spec, t) in enumerate(zip(self.specs, self.tensors)):
-            if self.closing:
-                return
+            if self.closing or self.regions_sent:
+                return  # a receiver already copies from where the tensors are: stop competing
             if t.device.type == "cpu" and spec.nbytes >= ser.HUGE_PAGE_BYTES:
                 self._copy_to_host(i)
 
@@ -983,6 +985,7 @@ class HTTPTransport(CheckpointTransport[T]):
         granted = False
         try:
             granted = self._grant_read_access(conn, deadline)
+            st.regions_sent = True
             regions = [[st.cpu(i).data_ptr(), spec.nbytes] for i, spec in enumerate(st.specs)]
             ranges = st.local_ranges
             same_host_path.send_frame(
