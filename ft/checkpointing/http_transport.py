@@ -197,6 +197,11 @@ class _Staging:
         self._range_busy = [False] * len(self.local_ranges)
         self._range_cond = threading.Condition()
 
+    def prepared(self) -> bool:
+        """True once every same-host range has its checksum (the preparation is done)."""
+        with self._range_cond:
+            return None not in self._range_crcs
+
     def range_crc(self, k: int, checksum: Callable[[int, int], int]) -> int:
         """CRC-32C of ``local_ranges[k]``, computed once (``checksum(start, end)``) by whichever
         thread asks first; a thread asking meanwhile waits for that result."""
