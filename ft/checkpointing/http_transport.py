@@ -87,6 +87,8 @@ def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
 # The same-host path checks a transfer in this many byte ranges (>= 1 MiB each): the source
 # checksums them one by one while the receiver copies (and checksums the one before).
 _LOCAL_RANGES = 16
+# The background host copy checks between pieces of this size whether to stop.
+_HOST_COPY_PIECE = 16 << 20
 
 
 def _host_copy_budget() -> int:
@@ -100,6 +102,16 @@ def _host_copy_budget() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _join_preparer(st: "_Staging") -> None:
+    """Waits for a withdrawn checkpoint's background preparation, which stops within one
+    1 MiB checksum slice or one host-copy piece: after this nothing reads the tensors."""
+    t = st.preparer
+    if t is not None and t is not threading.current_thread():
+        t.join(5.0)
+        if t.is_alive():
+            logger.warning("checkpoint step %d: preparation still running after withdrawal", st.step)
 
 
 def _raise_for_status(status: int, text: str) -> None:
@@ -196,6 +208,7 @@ class _Staging:
         self._range_crcs: List[Optional[int]] = [None] * len(self.local_ranges)
         self._range_busy = [False] * len(self.local_ranges)
         self._range_cond = threading.Condition()
+        self.preparer: Optional[threading.Thread] = None  # see HTTPTransport._prepare_same_host
 
     def prepared(self) -> bool:
         """True once every same-host range has its checksum (the preparation is done)."""
@@ -216,12 +229,15 @@ class _Staging:
             self._range_busy[k] = True
         try:
             crc = checksum(*self.local_ranges[k])
-        finally:
+        except BaseException:
             with self._range_cond:
-                self._range_busy[k] = False
+                self._range_busy[k] = False  # a waiting thread computes it instead
                 self._range_cond.notify_all()
+            raise
         with self._range_cond:
             self._range_crcs[k] = crc
+            self._range_busy[k] = False
+            self._range_cond.notify_all()
         return crc
 
     def cpu(self, i: int) -> torch.Tensor:
@@ -233,11 +249,21 @@ class _Staging:
         t = self.tensors[i]
         if t.device.type == "cpu":
             return t
-        return self._copy_to_host(i)
+        copy = self._copy_to_host(i)
+        assert copy is not None
+        return copy
 
-    def _copy_to_host(self, i: int) -> torch.Tensor:
+    def _copy_to_host(self, i: int, until_closing: bool = False) -> Optional[torch.Tensor]:
+        """Copies tensor i into fresh host memory (huge pages from 2 MiB up). With
+        ``until_closing`` (the background preparation) the copy goes in pieces and is abandoned
+        (None) once the checkpoint is closing, so that disallow_checkpoint need not wait."""
         copy = ser.allocate(self.specs[i], torch.device("cpu"))
-        copy.copy_(self.tensors[i])
+        src, dst = self.tensors[i].reshape(-1), copy.reshape(-1)
+        step = max(1, _HOST_COPY_PIECE // max(1, src.element_size()))
+        for lo in range(0, src.numel(), step):
+            if until_closing and self.closing:
+                return None
+            dst[lo : lo + step].copy_(src[lo : lo + step])
         with self._cpu_lock:
             return self._cpu.setdefault(i, copy)  # a concurrent copy may have won
 
@@ -254,7 +280,7 @@ class _Staging:
             if self.closing or self.regions_sent:
                 return  # a receiver already copies from where the tensors are: stop competing
             if t.device.type == "cpu" and spec.nbytes >= ser.HUGE_PAGE_BYTES:
-                self._copy_to_host(i)
+                self._copy_to_host(i, until_closing=True)
 
     def view(self, i: int) -> memoryview:
         return ser.memview(self.cpu(i))
@@ -429,12 +455,13 @@ class HTTPTransport(CheckpointTransport[T]):
             self._abandoned = None
             self._cond.notify_all()
         if self._local is not None:
-            threading.Thread(
+            staging.preparer = threading.Thread(
                 target=self._prepare_same_host,
                 args=(staging, staging.cpu_bytes() <= _host_copy_budget()),
                 daemon=True,
                 name="ft-ckpt-prepare",
-            ).start()
+            )
+            staging.preparer.start()
         logger.debug(
             "staged checkpoint step=%d bytes=%d tensors=%d for %s",
             step,
@@ -482,6 +509,7 @@ class HTTPTransport(CheckpointTransport[T]):
             if self._staging is st:
                 self._staging = None
             self._cond.notify_all()
+        _join_preparer(st)
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetches the checkpoint for ``step`` from the server at ``metadata`` (its URL).
@@ -634,6 +662,8 @@ class HTTPTransport(CheckpointTransport[T]):
                 t.join(max(0.0, end - time.monotonic()))
         with self._cond:
             self._staging = None
+        if st is not None:
+            _join_preparer(st)
 
     def __enter__(self) -> "HTTPTransport[T]":
         return self

@@ -168,6 +168,31 @@ def test_source_checksums_each_range_once_ahead_of_the_receiver() -> None:
         src.shutdown()
 
 
+def test_disallow_stops_and_waits_for_the_background_preparation() -> None:
+    """After disallow_checkpoint returns the caller may change its tensors: the background
+    preparation (host copy, checksums) must have stopped reading them by then, promptly."""
+
+    class Paced(HTTPTransport):
+        def _pace(self) -> None:
+            time.sleep(0.05)  # 1 MiB slices: 8 MiB take 0.4 s to checksum
+
+    state = {"w": torch.randn(2 << 20)}
+    src = Paced(TO, 4, advertise_host="127.0.0.1")
+    try:
+        src.send_checkpoint([1], 1, state, TO)
+        st = src._staging
+        assert st is not None and st.preparer is not None
+        time.sleep(0.1)
+        assert st.preparer.is_alive()  # still checksumming
+        t0 = time.monotonic()
+        src.disallow_checkpoint()
+        assert time.monotonic() - t0 < 1.0
+        assert not st.preparer.is_alive()
+        assert not st.prepared()  # it stopped early, not by finishing
+    finally:
+        src.shutdown()
+
+
 def test_corrupted_copy_is_detected_not_returned_and_the_retry_succeeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
