@@ -114,31 +114,31 @@ PYBIND11_MODULE(_C, m) {
           Py_buffer view;
         };
         std::vector<std::vector<Piece>> plan;
-        auto releaseAll = [&plan]() {
-          for (auto& range : plan) {
-            for (auto& piece : range) {
-              PyBuffer_Release(&piece.view);
+        // Every buffer taken is released on every way out (the GIL is held again by then).
+        struct ReleaseAll {
+          std::vector<std::vector<Piece>>& plan;
+          ~ReleaseAll() {
+            for (auto& range : plan) {
+              for (auto& piece : range) {
+                PyBuffer_Release(&piece.view);
+              }
             }
           }
-        };
-        try {
-          for (const auto& range : ranges) {
-            plan.emplace_back();
-            for (auto item : range.cast<py::sequence>()) {
-              auto pair = item.cast<py::sequence>();
-              if (pair.size() != 2) {
-                throw py::value_error("each piece is (remote_address, buffer)");
-              }
-              Piece piece{pair[0].cast<uint64_t>(), {}};
-              if (PyObject_GetBuffer(pair[1].ptr(), &piece.view, PyBUF_WRITABLE) != 0) {
-                throw py::error_already_set();
-              }
-              plan.back().push_back(piece);
+        } releaseAll{plan};
+        for (const auto& range : ranges) {
+          plan.emplace_back();
+          for (auto item : range.cast<py::sequence>()) {
+            auto pair = item.cast<py::sequence>();
+            if (pair.size() != 2) {
+              throw py::value_error("each piece is (remote_address, buffer)");
             }
+            Piece piece{pair[0].cast<uint64_t>(), {}};
+            plan.back().reserve(plan.back().size() + 1); // no throw between get and push
+            if (PyObject_GetBuffer(pair[1].ptr(), &piece.view, PyBUF_WRITABLE) != 0) {
+              throw py::error_already_set();
+            }
+            plan.back().push_back(piece);
           }
-        } catch (...) {
-          releaseAll();
-          throw;
         }
         std::vector<std::vector<ft::RemotePiece>> pieces;
         for (auto& range : plan) {
@@ -154,7 +154,6 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           err = ft::copyAndChecksum(static_cast<pid_t>(pid), pieces, crcs);
         }
-        releaseAll();
         return py::make_tuple(crcs, err);
       },
       py::arg("pid"),

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "checksum.hpp"
@@ -65,22 +66,27 @@ int copyAndChecksum(
     }
     rangeCrcs[k] = crc;
   };
-  // A single range gains nothing from a second thread.
-  const bool pipelined = ranges.size() > 1;
+  // A single range gains nothing from a second thread; without a thread to spare (EAGAIN
+  // under a thread limit) this one checksums each range after copying it.
+  bool pipelined = ranges.size() > 1;
   std::thread checksummer;
   if (pipelined) {
-    checksummer = std::thread([&] {
-      for (size_t k = 0;; ++k) {
-        {
-          std::unique_lock<std::mutex> lock(mu);
-          copiedCv.wait(lock, [&] { return copied > k || copyEnded; });
-          if (copied <= k) {
-            return; // range k was never completed
+    try {
+      checksummer = std::thread([&] {
+        for (size_t k = 0;; ++k) {
+          {
+            std::unique_lock<std::mutex> lock(mu);
+            copiedCv.wait(lock, [&] { return copied > k || copyEnded; });
+            if (copied <= k) {
+              return; // range k was never completed
+            }
           }
+          checksumRange(k);
         }
-        checksumRange(k);
-      }
-    });
+      });
+    } catch (const std::system_error&) {
+      pipelined = false;
+    }
   }
   int err = 0;
   size_t done = 0;

@@ -135,7 +135,7 @@ def main() -> int:
     p.add_argument("--quorum-timeout", type=float, default=60.0)
     p.add_argument("--final-wait", type=float, default=60.0,
                    help="seconds to wait at the end for every replica group to rejoin")
-    p.add_argument("--exit-linger", type=float, default=1.0,
+    p.add_argument("--exit-linger", type=_non_negative, default=1.0,
                    help="seconds to stay connected after the last step, for peers still "
                         "finishing it")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pad every step (demo pacing)")
@@ -325,6 +325,13 @@ def main() -> int:
     return 0
 
 
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _write_hash(group_id: int, rank: int, digest: str) -> None:

@@ -21,8 +21,9 @@ caller may mutate the tensors again.
 
 Same-host receivers take the path in same_host.py instead. For them, ``send_checkpoint`` also
 starts a background thread that copies CPU tensors of 2 MiB or more into huge-page memory (at
-most a quarter of the memory available; above that the tensors are served in place) and
-checksums the byte ranges that path verifies, while the healer is still finding this source.
+most a quarter of the memory available, divided by ``LOCAL_WORLD_SIZE``; above that the tensors
+are served in place) and checksums the byte ranges that path verifies, while the healer is
+still finding this source.
 """
 
 from __future__ import annotations
@@ -93,12 +94,17 @@ _HOST_COPY_PIECE = 16 << 20
 
 def _host_copy_budget() -> int:
     """Most bytes of CPU tensors a source copies into huge pages for same-host receivers: a
-    quarter of the memory available now (0 where that cannot be read)."""
+    quarter of the memory available now, shared by the ranks this host runs per group
+    (``LOCAL_WORLD_SIZE``; they may all send at once). 0 where that cannot be read."""
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 4
+                    return int(line.split()[1]) * 1024 // (4 * local_ranks)
     except (OSError, ValueError, IndexError):
         pass
     return 0
@@ -535,10 +541,16 @@ class HTTPTransport(CheckpointTransport[T]):
             else None
         )
         try:
+            fetched = None
             if session is not None:
                 fetch = {"token": self._token, "step": step, "wait": wait_s,
                          "chunks": self._num_chunks}
-                body, lease, reply = session.fetch(fetch, deadline, _MAX_HEADER + _TRAILER.size)
+                fetched = session.fetch(fetch, deadline, _MAX_HEADER + _TRAILER.size)
+                if fetched is None:
+                    session.close()
+                    session = None
+            if fetched is not None:
+                body, lease, reply = fetched
             else:
                 path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
                 body, lease = self._get_small(host, port, path, deadline, where)
@@ -1063,11 +1075,17 @@ class HTTPTransport(CheckpointTransport[T]):
     def _prepare_same_host(self, st: _Staging, copy_to_huge_pages: bool) -> None:
         """Runs on a background thread from send_checkpoint, while a healer is still finding
         this source (milliseconds): moves large CPU tensors onto huge pages (within the memory
-        budget) and checksums the same-host ranges, so that a same-host receiver's copy is the
-        fast one and its checksums are ready."""
+        budget) and, for a checkpoint of CPU tensors only, checksums the same-host ranges, so
+        that a same-host receiver's copy is the fast one and its checksums are ready. Reads
+        only CPU tensors, in pieces, and stops at the next piece once the checkpoint closes."""
         try:
             if copy_to_huge_pages:
                 st.copy_cpu_tensors_to_huge_pages()
+            if st.cpu_bytes() != st.total:
+                # Accelerator tensors are copied to the host when a receiver asks, on its
+                # serving thread: a background device copy would compete with training and
+                # could not stop mid-tensor at disallow_checkpoint.
+                return
             for k in range(len(st.local_ranges)):
                 if st.closing:
                     return
@@ -1107,6 +1125,8 @@ class HTTPTransport(CheckpointTransport[T]):
         """Bytes ``[start, end)`` of the staged tensors in slices of at most 1 MiB; raises
         _Abort as soon as the checkpoint is withdrawn (both serving paths read through it)."""
         for i, lo, hi in same_host_path.segments(st.offsets, start, end):
+            if st.withdrawn:
+                raise _Abort()
             view = st.view(i)
             for a in range(lo, hi, _SLICE):
                 if st.withdrawn:

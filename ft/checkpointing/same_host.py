@@ -57,6 +57,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 from ft import _C
 from ft.checkpointing.transport import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointFormatError,
     CheckpointTransferError,
 )
@@ -323,7 +324,9 @@ class Session:
         self, request: Dict[str, Any], deadline: float, max_bytes: int = _MAX_FRAME
     ) -> Dict[str, Any]:
         send_frame(self._sock, request)
-        reply = recv_frame(self._sock, deadline, max_bytes)
+        return self._check(recv_frame(self._sock, deadline, max_bytes))
+
+    def _check(self, reply: Any) -> Dict[str, Any]:
         if type(reply) is not dict:
             raise ValueError("reply is not an object")
         if reply.get("ok") is not True:
@@ -344,16 +347,30 @@ class Session:
             )
         if isinstance(e, ValueError):
             return CheckpointFormatError(f"{where}: bad same-host reply: {e}")
+        if isinstance(e, RuntimeError):  # the native copy could not run (e.g. out of memory)
+            return CheckpointTransferError(f"{where}: same-host copy failed: {e}")
         return e
 
     def fetch(
         self, request: Dict[str, Any], deadline: float, max_bytes: int
-    ) -> Tuple[bytes, str, Dict[str, Any]]:
+    ) -> Optional[Tuple[bytes, str, Dict[str, Any]]]:
         """Asks for the checkpoint: returns the metadata body (header + CRC-32 trailer), the
-        source's lease and the reply that ``copy`` needs. The source starts checksumming."""
+        source's lease and the reply that ``copy`` needs; None if the source predates this
+        request (use HTTP)."""
         try:
+            send_frame(self._sock, dict(request, op="fetch"))
             # the reply lists every tensor's region: it may be as large as the header
-            reply = self._call(dict(request, op="fetch"), deadline, max_bytes)
+            reply = recv_frame(self._sock, deadline, max_bytes)
+            if (
+                type(reply) is dict
+                and reply.get("ok") is not True
+                and reply.get("code") == 400
+                and "unknown op" in str(reply.get("error"))
+            ):
+                logger.info("%s: the source does not know the one-request protocol; using HTTP",
+                            self._where)
+                return None
+            reply = self._check(reply)
             body = recv_raw(self._sock, deadline, max_bytes)
         except (OSError, EOFError, ValueError) as e:  # socket.timeout is an OSError
             raise self._translate(e) from None
@@ -379,7 +396,9 @@ class Session:
             except OSError:
                 pass
             return False
-        except (OSError, EOFError, ValueError) as e:
+        except CheckpointError:
+            raise  # already says what failed (checksum mismatch, refusal...)
+        except (OSError, EOFError, ValueError, RuntimeError) as e:
             raise self._translate(e) from None
 
     def _copy(

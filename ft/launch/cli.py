@@ -110,6 +110,29 @@ def build_command(cmd: Sequence[str], no_python: bool) -> List[str]:
     return cmd
 
 
+# An activation line up to this size fits in an empty pipe (Linux: 64 KiB), so writing it never
+# blocks the supervisor, even while the standby is still importing.
+_PIPE_SAFE_BYTES = 60000
+
+
+def _drain(proc: subprocess.Popen) -> str:
+    """What an exited standby had printed (without blocking), and its pipes closed."""
+    out = ""
+    if proc.stdout is not None:
+        try:
+            os.set_blocking(proc.stdout.fileno(), False)
+            out = proc.stdout.read() or ""
+        except (OSError, ValueError, TypeError):
+            pass
+        proc.stdout.close()
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    return out
+
+
 def _fmt_num(v: Any, fmt: str, missing: str = "-") -> str:
     if v is None:
         return missing
@@ -389,8 +412,9 @@ class Supervisor:
     # -- warm standbys ----------------------------------------------------------------------------
 
     def _spawn_standby(self) -> None:
+        assert self.standby_argv is not None
         proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "ft.launch.standby"],
+            [sys.executable, "-u", "-m", "ft.launch.standby", standby.path0(self.standby_argv)],
             env=self._common_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -418,7 +442,7 @@ class Supervisor:
     def _reap_dead_standbys(self) -> None:
         for proc in [p for p in self.standbys if p.poll() is not None]:
             self.standbys.remove(proc)
-            out = proc.stdout.read() if proc.stdout is not None else ""
+            out = _drain(proc)
             self.say(f"warm standby pid {proc.pid} exited ({proc.returncode}) before it was "
                      "needed; restarts start cold from now on"
                      + (f":\n{out.strip()[-2000:]}" if out.strip() else ""))
@@ -429,16 +453,20 @@ class Supervisor:
         if self.standby_argv is None:
             return None
         self._reap_dead_standbys()
+        line = standby.activation(env, self.standby_argv)
+        if len(line.encode()) > _PIPE_SAFE_BYTES:
+            return None  # a write that may block this loop until the standby reads: go cold
         while self.standbys:
             proc = self.standbys.pop(0)
             try:
                 assert proc.stdin is not None
-                proc.stdin.write(standby.activation(env, self.standby_argv))
+                proc.stdin.write(line)
                 proc.stdin.close()
                 return proc
             except (OSError, ValueError):
                 proc.kill()  # ours and not yet reaped: it was just alive
                 proc.wait()
+                _drain(proc)
         return None
 
     def close_standbys(self) -> None:
@@ -456,8 +484,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+            _drain(proc)
         self.standbys = []
 
     def _read(self, gid: int, rp: RankProc) -> None:

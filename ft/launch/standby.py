@@ -8,7 +8,8 @@ quorum, checkpoint transfer and load. ``ft-launch`` keeps standbys ready and, wh
 be restarted, hands each of them a rank's environment and command instead of exec'ing new
 processes.
 
-Protocol: the supervisor starts ``python -m ft.launch.standby`` with a pipe on stdin. The standby
+Protocol: the supervisor starts ``python -m ft.launch.standby [DIR]`` with a pipe on stdin (DIR:
+what a cold start would put first on ``sys.path``, the script's directory). The standby
 imports :data:`PRELOAD`, prints :data:`READY`, then reads one line of JSON, ``{"env": {...}, "argv": [...]}``, where
 argv is what would follow the interpreter on a command line (``script.py args`` or
 ``-m module args``). It replaces its environment with ``env``, points stdin at /dev/null (what a
@@ -25,7 +26,7 @@ import runpy
 import sys
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["PRELOAD", "READY", "activation", "runnable_argv", "main"]
+__all__ = ["PRELOAD", "READY", "activation", "path0", "runnable_argv", "main"]
 
 # The imports that dominate a rank's start; a training script's own imports are not known here.
 # torch._dynamo is what building the first optimizer imports (1.5 s on the development machine).
@@ -47,6 +48,14 @@ def runnable_argv(command: Sequence[str]) -> Optional[List[str]]:
     if rest and rest[0].endswith(".py"):
         return rest
     return None
+
+
+def path0(argv: Sequence[str]) -> str:
+    """The first ``sys.path`` entry of a cold ``python`` start of ``argv`` (as runnable_argv
+    returns it): the script's directory, or the working directory for ``-m``."""
+    if argv and argv[0] != "-m":
+        return os.path.dirname(os.path.abspath(argv[0]))
+    return os.getcwd()
 
 
 def activation(env: Dict[str, str], argv: Sequence[str]) -> str:
@@ -71,7 +80,12 @@ def _become(env: Dict[str, str], argv: List[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def main() -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args:
+        # The directory a cold start of the future script would put first on sys.path (its
+        # own): preloaded modules resolve as they would there.
+        sys.path[0] = os.path.abspath(args[0])
     for name in PRELOAD:
         importlib.import_module(name)
     print(READY, flush=True)

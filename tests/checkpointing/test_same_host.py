@@ -399,6 +399,41 @@ def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.Monk
         assert_same(state, got)
 
 
+def test_source_without_the_fetch_request_is_healed_from_over_http() -> None:
+    """A source of an earlier ft answers the one-request protocol with 400 "unknown op": the
+    receiver uses HTTP instead of failing the heal."""
+
+    class OldSource(HTTPTransport):
+        def _serve_local(self, conn: socket.socket) -> None:
+            same_host.recv_frame(conn, time.monotonic() + 5)
+            same_host.send_frame(conn, {"ok": False, "code": 400, "error": "unknown op 'fetch'"})
+
+    state = {"w": torch.randn(1 << 18)}
+    src = OldSource(TO, 4, advertise_host="127.0.0.1")
+    try:
+        with transport() as dst:
+            src.send_checkpoint([1], 2, state, TO)
+            got = dst.recv_checkpoint(0, src.metadata(), 2, TO)
+            assert dst.last_recv_path == "http"
+            assert_same(state, got)
+    finally:
+        src.shutdown()
+
+
+def test_native_copy_failure_is_a_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_copy(pid: int, plan: Any) -> Any:
+        raise RuntimeError("std::bad_alloc")
+
+    state = {"w": torch.randn(1 << 18)}
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 3, state, TO)
+        monkeypatch.setattr(same_host, "_copy_ranges", failing_copy)
+        with pytest.raises(CheckpointTransferError, match="same-host copy failed"):
+            dst.recv_checkpoint(0, src.metadata(), 3, TO)
+        monkeypatch.undo()
+        assert_same(state, dst.recv_checkpoint(0, src.metadata(), 3, TO))
+
+
 def test_source_killed_mid_transfer_fails_within_timeout() -> None:
     # --slow paces the source's checksum loop (0.25 s per MiB): the receiver waits on it
     peer = Peer("http", "--step", "1", "--plain", "--big-mb", "16", "--slow", "0.25")

@@ -26,10 +26,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def start(cwd: str) -> subprocess.Popen:
+def start(cwd: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT, STANDBY_ONLY="yes")
     return subprocess.Popen(
-        [sys.executable, "-u", "-m", "ft.launch.standby"], cwd=cwd, env=env,
+        [sys.executable, "-u", "-m", "ft.launch.standby", *extra], cwd=cwd, env=env,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -57,11 +57,16 @@ def test_runnable_argv() -> None:
     assert standby.runnable_argv([]) is None
 
 
+def test_path0_is_what_a_cold_start_puts_first_on_sys_path(tmp_path) -> None:
+    assert standby.path0([str(tmp_path / "train.py"), "--x"]) == str(tmp_path)
+    assert standby.path0(["-m", "pkg.mod"]) == os.getcwd()
+
+
 def test_activated_standby_runs_the_script_as_a_cold_start_would(tmp_path) -> None:
     script = tmp_path / "work" / "train.py"
     script.parent.mkdir()
     script.write_text(SCRIPT)
-    proc = start(str(tmp_path))
+    proc = start(str(tmp_path), standby.path0([str(script)]))  # as ft-launch starts it
     env = {"RANK": "3", "EXIT_WITH": "7", "PATH": os.environ.get("PATH", "")}
     rc, out, err = finish(proc, standby.activation(env, [str(script), "--lr", "0.5"]))
     assert rc == 7, err  # the script's exit status
