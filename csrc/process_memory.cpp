@@ -90,7 +90,7 @@ int copyAndChecksum(
   }
   int err = 0;
   size_t done = 0;
-  for (; done < ranges.size() && err == 0; ++done) {
+  for (; done < ranges.size(); ++done) {
     for (const auto& piece : ranges[done]) {
       err = readProcessMemory(pid, piece.remoteAddress, piece.dst, piece.size);
       if (err != 0) {

@@ -463,7 +463,7 @@ class HTTPTransport(CheckpointTransport[T]):
         if self._local is not None:
             staging.preparer = threading.Thread(
                 target=self._prepare_same_host,
-                args=(staging, staging.cpu_bytes() <= _host_copy_budget()),
+                args=(staging,),
                 daemon=True,
                 name="ft-ckpt-prepare",
             )
@@ -1072,16 +1072,17 @@ class HTTPTransport(CheckpointTransport[T]):
                 self._ptracer_lock.release()
             self._release(st, lease_id, conn, used)
 
-    def _prepare_same_host(self, st: _Staging, copy_to_huge_pages: bool) -> None:
+    def _prepare_same_host(self, st: _Staging) -> None:
         """Runs on a background thread from send_checkpoint, while a healer is still finding
         this source (milliseconds): moves large CPU tensors onto huge pages (within the memory
         budget) and, for a checkpoint of CPU tensors only, checksums the same-host ranges, so
         that a same-host receiver's copy is the fast one and its checksums are ready. Reads
         only CPU tensors, in pieces, and stops at the next piece once the checkpoint closes."""
         try:
-            if copy_to_huge_pages:
+            cpu_bytes = st.cpu_bytes()
+            if cpu_bytes <= _host_copy_budget():
                 st.copy_cpu_tensors_to_huge_pages()
-            if st.cpu_bytes() != st.total:
+            if cpu_bytes != st.total:
                 # Accelerator tensors are copied to the host when a receiver asks, on its
                 # serving thread: a background device copy would compete with training and
                 # could not stop mid-tensor at disallow_checkpoint.

@@ -414,8 +414,8 @@ class Session:
             [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
             for a, b in ranges
         ]
-        # One native call copies and checksums everything with the GIL released; meanwhile the
-        # source computes its CRCs, which are waiting in the socket by the time this returns.
+        # One native call copies and checksums everything with the GIL released; the source's
+        # CRCs (usually computed before the fetch arrived) are waiting in the socket by then.
         crcs, err = _copy_ranges(self._pid, plan)
         if err:
             if not crcs and err in _NOT_PERMITTED:
@@ -424,8 +424,8 @@ class Session:
                 f"{self._where}: reading the source's memory failed on the same-host path "
                 f"({os.strerror(err)})"
             )
-        for expected in range(len(ranges)):
-            index, crc = _CRC_RECORD.unpack(recv_exact(self._sock, _CRC_RECORD.size, deadline))
+        records = recv_exact(self._sock, _CRC_RECORD.size * len(ranges), deadline)
+        for expected, (index, crc) in enumerate(_CRC_RECORD.iter_unpack(records)):
             if index != expected:
                 raise ValueError(f"checksum record {index}, expected {expected}")
             if crcs[index] != crc:

@@ -156,9 +156,9 @@ def test_source_checksums_each_range_once_ahead_of_the_receiver() -> None:
             st = src._staging
             assert st is not None and len(st.local_ranges) > 8
             end = time.monotonic() + 5
-            while None in st._range_crcs and time.monotonic() < end:
+            while not st.prepared() and time.monotonic() < end:
                 time.sleep(0.005)
-            assert None not in st._range_crcs
+            assert st.prepared()
             for _ in range(2):
                 got = dst.recv_checkpoint(0, src.metadata(), 5, TO)
                 assert dst.last_recv_path == "same-host"
