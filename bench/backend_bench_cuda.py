@@ -91,10 +91,15 @@ def main() -> int:
         vals = sorted(s[key] for s in steps)
         results["reconfigure"][key] = {"median": vals[len(vals) // 2], "max": vals[-1]}
 
-    print(f"{'size':>6} {'ft issue us':>12} {'torch issue us':>15} {'ft e2e us':>10} {'torch e2e us':>13}")
+    print(f"{'size':>6} {'ft issue us':>12} {'torch issue us':>15} {'ratio':>6} "
+          f"{'ft e2e us':>10} {'torch e2e us':>13} {'ratio':>6}")
     for name, r in results["launch"].items():
-        print(f"{name:>6} {r['ft']['issue_us_median']:12.1f} {r['torch_nccl']['issue_us_median']:15.1f} "
-              f"{r['ft']['end_to_end_us_per_op']:10.1f} {r['torch_nccl']['end_to_end_us_per_op']:13.1f}")
+        ft_r, th = r["ft"], r["torch_nccl"]
+        r["issue_ratio"] = ft_r["issue_us_median"] / th["issue_us_median"]
+        r["end_to_end_ratio"] = ft_r["end_to_end_us_per_op"] / th["end_to_end_us_per_op"]
+        print(f"{name:>6} {ft_r['issue_us_median']:12.1f} {th['issue_us_median']:15.1f} "
+              f"{r['issue_ratio']:6.2f} {ft_r['end_to_end_us_per_op']:10.1f} "
+              f"{th['end_to_end_us_per_op']:13.1f} {r['end_to_end_ratio']:6.2f}")
     print("reconfigure (ms):", json.dumps(results["reconfigure"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -8,6 +8,7 @@
 #ifdef FT_USE_NCCL
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "c10d_compat.hpp"
 #include "nccl_comm.hpp"
 #endif
 
@@ -462,11 +463,10 @@ bool symmetricOp(c10d::OpType opType) {
     case c10d::OpType::COALESCED:
     case c10d::OpType::REDUCE_SCATTER:
     case c10d::OpType::_REDUCE_SCATTER_BASE:
-    case c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED:
     case c10d::OpType::BARRIER:
       return true;
     default:
-      return false;
+      return opType == kReduceScatterTensorCoalesced;
   }
 }
 
@@ -913,7 +913,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter_tensor_coalesced(
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = reduce.op;
   return launch(
-      c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+      kReduceScatterTensorCoalesced,
       "reduce_scatter_tensor_coalesced", outputs, opts.timeout,
       [outputs, inputs, innerOpts](c10d::Backend& inner) mutable {
         return inner.reduce_scatter_tensor_coalesced(outputs, inputs, innerOpts);

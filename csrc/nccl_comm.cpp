@@ -2,6 +2,7 @@
 #ifdef FT_USE_NCCL
 
 #include "nccl_comm.hpp"
+#include "c10d_compat.hpp"
 #include "work.hpp"
 
 #include <ATen/ATen.h>
@@ -909,7 +910,7 @@ c10::intrusive_ptr<c10d::Work> NcclLane::reduce_scatter_tensor_coalesced(
   const auto dtype = ncclTypeOf(outputs.front().scalar_type(), "reduce_scatter_tensor_coalesced");
   const auto op = ncclOpOf(
       opts.reduceOp, outputs.front().scalar_type(), "reduce_scatter_tensor_coalesced");
-  OpSpec spec{c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+  OpSpec spec{kReduceScatterTensorCoalesced,
               "reduce_scatter_tensor_coalesced", inputs, outputs};
   spec.nccl = [outputs, inputs, dtype, op](ncclComm_t comm, cudaStream_t stream) {
     ncclGroupStart();

@@ -173,10 +173,23 @@ def torch_api_on_ft(rank, world_size, port, init_method=None):
         dist.barrier()
         w = dist.all_reduce(torch.ones(1), async_op=True)
         res["future"] = w.get_future().wait()[0]
-        res["completed"] = w.is_completed() and w.exception() is None
+        res["completed"] = w.is_completed() and not work_failed(w)
         return res
     finally:
         dist.destroy_process_group()
+
+
+def work_failed(w) -> bool:
+    """Whether a completed Work failed. torch 2.11's binding of Work.exception() cannot
+    convert its return value (TypeError), so there a failed Work is one whose wait() raises."""
+    try:
+        return w.exception() is not None
+    except TypeError:
+        try:
+            w.wait()
+        except Exception:
+            return True
+        return False
 
 
 def _ddp_run(pg, steps=8, seed=0):
@@ -404,7 +417,7 @@ def abort_latency(rank, world_size, port, n_ops=4):
         failed_at.append(time.monotonic() - start)
     store.set("done", "1")
     return {"pending_before": pending_before, "latency": max(failed_at),
-            "all_failed": all(w.exception() is not None for w in works),
+            "all_failed": all(work_failed(w) for w in works),
             "errored": repr(pg.errored())}
 
 

@@ -5,11 +5,12 @@
 # The GPU machine (the device tool's `run`): Python 3.12, torch 2.11.0+cu130,
 # nvcc 13.0, ninja, one H200, no package index. Run from the repository root:
 #
-#   run(command="bash tests/gpu/run_on_device.sh", timeout_s=540)
+#   run(command="bash tests/gpu/run_on_device.sh", carry=[".whl"], timeout_s=540)
 #
-# If pytest is not installed there, download its wheels on the dev machine
-# first (`pip download -d .ci/gpu-wheels pytest`) and pass
-# carry=[".ci/gpu-wheels"]; this script installs from there offline.
+# Where grpcio/protobuf/pytest there are missing or older than ft's checked-in
+# stubs need, carry cp312 wheels of them in .whl (see the device tool's README:
+# pip download --python-version 3.12 ...); they are installed into /tmp/site
+# only when the machine's own copies do not do.
 # Output: the build log tail, pytest's report and the benchmark's JSON, also
 # copied to $OUT when the device tool sets it.
 set -uo pipefail
@@ -25,29 +26,44 @@ stamp "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())"
 
-if ! "$PY" -c "import pytest" 2>/dev/null; then
-  if [ -d .ci/gpu-wheels ]; then
-    "$PY" -m pip install -q --no-index --find-links .ci/gpu-wheels pytest
-  else
-    echo "pytest is missing and no .ci/gpu-wheels was carried"; exit 2
-  fi
-fi
-
 stamp "building ft._C (NCCL path) from source"
 rm -f ft/_C*.so
 export MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export FT_NATIVE_GRPC=${FT_NATIVE_GRPC:-0}
 if ! timeout 300 "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
   tail -n 80 "$OUT/build.log"
   stamp "build failed"
   exit 1
 fi
 tail -n 3 "$OUT/build.log"
+python_deps_ok() {
+  "$PY" -c '
+import grpc, google.protobuf, pytest
+from google.protobuf import runtime_version  # protobuf >= 5.26
+from ft.coordination._proto import torchft_pb2, torchft_pb2_grpc  # the stubs accept them
+print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "pytest", pytest.__version__)
+' 2>&1 | tail -n 1
+  return "${PIPESTATUS[0]}"
+}
+# After the build: importing the stubs imports ft, which needs ft._C.
+if ! python_deps_ok; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    stamp "installing the carried wheels into /tmp/site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 2
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    python_deps_ok || { echo "the carried wheels did not help"; exit 2; }
+  else
+    echo "grpcio/protobuf/pytest missing or too old, and no .whl carried"; exit 2
+  fi
+fi
+
 "$PY" -c "import torch, ft; print('has_nccl', ft._C.has_nccl, 'nccl', ft._C.nccl_version(), 'torch nccl', torch.cuda.nccl.version())" || exit 1
 
 stamp "GPU tests"
-timeout 240 "$PY" -m pytest -v -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest.log"
+timeout 240 "$PY" -m pytest -v -s -p no:cacheprovider --durations=8 tests/gpu 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 
 stamp "CUDA benchmark"
