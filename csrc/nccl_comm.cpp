@@ -139,7 +139,43 @@ void* ptr(const at::Tensor& t) {
 } // namespace
 
 namespace {
+
+// Lane streams are never destroyed, only handed from a released lane to the
+// next one on the same device. Why: recordStream makes the caching allocator
+// remember the lane stream of every tensor an op touched, and it records an
+// event on that stream when the tensor is freed, which can be long after the
+// lane (and its generation) is gone. A destroyed stream there is a fatal CUDA
+// error ("context is destroyed") inside a tensor's destructor. A stream is
+// only reused once its previous lane has released it, so live lanes never
+// share one; the pool is bounded by the most lanes ever live at once.
 std::atomic<int> liveStreams{0};
+std::mutex streamPoolMutex;
+std::vector<std::pair<int, cudaStream_t>> freeStreams; // (device, stream)
+
+cudaStream_t acquireLaneStream(int device) {
+  {
+    std::lock_guard<std::mutex> lock(streamPoolMutex);
+    for (auto it = freeStreams.begin(); it != freeStreams.end(); ++it) {
+      if (it->first == device) {
+        cudaStream_t stream = it->second;
+        freeStreams.erase(it);
+        liveStreams.fetch_add(1);
+        return stream;
+      }
+    }
+  }
+  cudaStream_t stream = nullptr;
+  checkCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  liveStreams.fetch_add(1);
+  return stream;
+}
+
+void releaseLaneStream(int device, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(streamPoolMutex);
+  freeStreams.emplace_back(device, stream);
+  liveStreams.fetch_sub(1);
+}
+
 } // namespace
 
 int ncclLiveStreams() {
@@ -335,6 +371,9 @@ NcclLane::State::~State() {
   if (dev < 0) {
     return;
   }
+  if (stream != nullptr) {
+    releaseLaneStream(dev, stream); // not destroyed: see acquireLaneStream
+  }
   // Best effort: at process exit the driver may already be gone.
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess) {
@@ -344,11 +383,6 @@ NcclLane::State::~State() {
   (void)cudaSetDevice(dev);
   for (cudaEvent_t e : freeEvents) {
     (void)cudaEventDestroy(e);
-  }
-  if (stream != nullptr) {
-    if (cudaStreamDestroy(stream) == cudaSuccess) {
-      liveStreams.fetch_sub(1);
-    }
   }
   (void)cudaSetDevice(current);
   (void)cudaGetLastError();
@@ -554,8 +588,7 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   if (s.stream == nullptr) {
     s.device.store(device);
-    checkCuda(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    liveStreams.fetch_add(1);
+    s.stream = acquireLaneStream(device);
   }
 
   ncclUniqueId uid;

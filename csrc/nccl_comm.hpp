@@ -43,7 +43,8 @@ namespace ft {
 
 // NCCL_VERSION_CODE of the linked library (ncclGetVersion), e.g. 23007.
 int ncclLinkedVersion();
-// Lane CUDA streams created and not yet destroyed, process-wide (leak checks).
+// Lane CUDA streams held by live lanes, process-wide (leak checks). Released
+// streams are pooled, never destroyed (see acquireLaneStream).
 int ncclLiveStreams();
 
 class NcclLane : public c10d::Backend {

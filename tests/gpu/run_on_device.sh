@@ -62,9 +62,17 @@ fi
 
 "$PY" -c "import torch, ft; print('has_nccl', ft._C.has_nccl, 'nccl', ft._C.nccl_version(), 'torch nccl', torch.cuda.nccl.version())" || exit 1
 
-stamp "GPU tests"
-timeout 240 "$PY" -m pytest -v -s -p no:cacheprovider --durations=8 tests/gpu 2>&1 | tee "$OUT/pytest.log"
-rc=${PIPESTATUS[0]}
+# One pytest per file: a fatal CUDA error aborts only its own file's run, and
+# every other file still prints its report and tracebacks.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+rc=0
+for f in tests/gpu/test_*.py; do
+  stamp "GPU tests: $f"
+  timeout 150 "$PY" -m pytest -v -s -p no:cacheprovider --durations=5 --tb=short "$f" 2>&1 \
+    | tee -a "$OUT/pytest.log"
+  r=${PIPESTATUS[0]}
+  [ "$r" -ne 0 ] && rc=$r && echo "[$f exit $r]"
+done
 
 stamp "CUDA benchmark"
 timeout 90 "$PY" bench/backend_bench_cuda.py --json "$OUT/bench_cuda.json" 2>&1 | tail -n 40 || true

@@ -92,7 +92,7 @@ def test_reduce_scatter_and_tensor(pg):
 def test_broadcast_and_all_to_all(pg):
     x = sample(torch.int64, 12)
     b = x.clone()
-    dist.broadcast(b, src=0, group=pg)
+    dist.broadcast(b, group_src=0, group=pg)  # src= is a global rank: needs a registered group
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=pg)
     out2 = torch.empty_like(x)
