@@ -1,4 +1,5 @@
 #include "backend.hpp"
+#include "c10d_compat.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -8,7 +9,6 @@
 #ifdef FT_USE_NCCL
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "c10d_compat.hpp"
 #include "nccl_comm.hpp"
 #endif
 
