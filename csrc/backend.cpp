@@ -271,10 +271,13 @@ void FtBackend::configure(
   }
   timings.generation = id;
   if (old) {
-    // Aborts the old generation's NCCL communicators too (ncclCommAbort).
+    // Fails its in-flight ops and severs its sockets now. Its NCCL
+    // communicators are aborted now too if an op was in flight, else by the
+    // Reaper (see Generation::abort).
     old->abort(
         FailureKind::kAborted,
-        "superseded by reconfigure to generation " + std::to_string(id));
+        "superseded by reconfigure to generation " + std::to_string(id),
+        /*deferIdleDeviceAbort=*/true);
     reaper_.reap(std::move(old));
   }
   timings.abortMs = msSince(started);

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <system_error>
+
 namespace ft {
 
 Generation::Generation(
@@ -55,7 +57,25 @@ void Generation::innerDone(FtWork* work) {
   releaseLater(std::move(released));
 }
 
-bool Generation::abort(FailureKind kind, const std::string& message) {
+void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
+  std::vector<std::thread> helpers;
+  for (size_t i = 1; i < comms.size(); ++i) {
+    try {
+      helpers.emplace_back([comm = comms[i]] { comm->abort(); });
+    } catch (const std::system_error&) {
+      comms[i]->abort(); // no thread to spare: abort it here
+    }
+  }
+  if (!comms.empty()) {
+    comms.front()->abort();
+  }
+  for (auto& helper : helpers) {
+    helper.join();
+  }
+}
+
+bool Generation::abort(FailureKind kind, const std::string& message,
+                       bool deferIdleDeviceAbort) {
   std::vector<c10::intrusive_ptr<FtWork>> victims;
   std::vector<c10::intrusive_ptr<c10d::Backend>> deviceComms;
   {
@@ -84,8 +104,8 @@ bool Generation::abort(FailureKind kind, const std::string& message) {
   // communicator still initializing), so no more data lands in the caller's
   // tensors once abort() returns. Works failed first, so waiters are released
   // even if an abort is slow.
-  for (auto& comm : deviceComms) {
-    comm->abort();
+  if (!(deferIdleDeviceAbort && victims.empty())) {
+    abortAll(deviceComms);
   }
   return true;
 }
@@ -155,6 +175,14 @@ void Generation::releaseLanes() {
     std::lock_guard<std::mutex> lock(mutex_);
     lanes.swap(lanes_);
   }
+  // A deferred device abort happens here (idempotent where it already did).
+  std::vector<c10::intrusive_ptr<c10d::Backend>> deviceComms;
+  for (auto& lane : lanes) {
+    if (lane.nccl) {
+      deviceComms.push_back(lane.nccl);
+    }
+  }
+  abortAll(deviceComms);
   // Destroying the inner communicators joins their threads.
   lanes.clear();
 }
