@@ -80,16 +80,31 @@ def main() -> int:
             "torch_nccl": time_allreduce(torch_allreduce, x, iters),
         }
 
-    steps = []
+    # Reconfigure cost in the two cases the backend tells apart: the old generation's
+    # kernels have finished (its communicators are aborted later, by the reaper), or one
+    # is still running (ncclCommAbort before configure() returns).
     x = torch.ones(1024, device="cuda")
-    for i in range(args.reconfigures):
-        pg.configure(f"127.0.0.1:{port}/bench-r{i}", "bench", 0, 1)
-        steps.append(pg.last_reconfigure_timings())
-        dist.all_reduce(x, group=pg)
-    torch.cuda.synchronize()
-    for key in ("abort_ms", "gloo_ms", "nccl_ms", "total_ms"):
-        vals = sorted(s[key] for s in steps)
-        results["reconfigure"][key] = {"median": vals[len(vals) // 2], "max": vals[-1]}
+    sleep_cycles = int(0.05 * torch.cuda.get_device_properties(0).clock_rate * 1000)
+    for case, n in (("idle", args.reconfigures), ("op_in_flight", max(3, args.reconfigures // 4))):
+        steps = []
+        for i in range(n):
+            pg.configure(f"127.0.0.1:{port}/bench-{case}-{i}", "bench", 0, 1)
+            steps.append(pg.last_reconfigure_timings())
+            if case == "op_in_flight":
+                torch.cuda._sleep(sleep_cycles)  # keeps the next allreduce queued
+            dist.all_reduce(x, group=pg)
+            if case == "idle":
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        results["reconfigure"][case] = {
+            key: {"median": sorted(s[key] for s in steps)[len(steps) // 2],
+                  "max": max(s[key] for s in steps)}
+            for key in ("abort_ms", "gloo_ms", "nccl_ms", "total_ms")
+        }
+        t0 = time.perf_counter()
+        while pg.backend._reaper_pending() and time.perf_counter() - t0 < 120:
+            time.sleep(0.01)
+        results["reconfigure"][case]["reaper_drain_s"] = time.perf_counter() - t0
 
     print(f"{'size':>6} {'ft issue us':>12} {'torch issue us':>15} {'ratio':>6} "
           f"{'ft e2e us':>10} {'torch e2e us':>13} {'ratio':>6}")

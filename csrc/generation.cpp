@@ -4,6 +4,10 @@
 
 #include <system_error>
 
+#ifdef FT_USE_NCCL
+#include "nccl_comm.hpp"
+#endif
+
 namespace ft {
 
 Generation::Generation(
@@ -57,6 +61,22 @@ void Generation::innerDone(FtWork* work) {
   releaseLater(std::move(released));
 }
 
+namespace {
+
+// Closes the lanes to new ops; true if no kernel of theirs can still touch a
+// caller's tensor.
+bool closeIfIdle(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
+  bool idle = true;
+#ifdef FT_USE_NCCL
+  for (const auto& comm : comms) {
+    idle = static_cast<NcclLane*>(comm.get())->closeIfIdle() && idle;
+  }
+#endif
+  return idle; // a CPU-only build has no device lanes
+}
+
+} // namespace
+
 void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
   std::vector<std::thread> helpers;
   for (size_t i = 1; i < comms.size(); ++i) {
@@ -104,7 +124,7 @@ bool Generation::abort(FailureKind kind, const std::string& message,
   // communicator still initializing), so no more data lands in the caller's
   // tensors once abort() returns. Works failed first, so waiters are released
   // even if an abort is slow.
-  if (!(deferIdleDeviceAbort && victims.empty())) {
+  if (!(deferIdleDeviceAbort && closeIfIdle(deviceComms))) {
     abortAll(deviceComms);
   }
   return true;

@@ -66,7 +66,7 @@ class Generation {
   // Called once the inner op has finished (successfully or not).
   void innerDone(FtWork* work);
 
-  // With `deferIdleDeviceAbort` and no op in flight, the NCCL communicators
+  // With `deferIdleDeviceAbort` and no kernel running, the NCCL communicators
   // are aborted later by releaseLanes() (the Reaper) instead of before
   // returning: nothing runs on the device then, so nothing can still land in
   // a caller's tensor, and ncclCommAbort is slow (about 750 ms each on an H200

@@ -555,6 +555,28 @@ bool NcclLane::connected() const {
   return state_->connected.load();
 }
 
+bool NcclLane::closeIfIdle() {
+  State& s = *state_;
+  {
+    // Under commMutex: an op being enqueued finishes first, and every later
+    // one sees `aborted` and is refused.
+    std::lock_guard<std::mutex> lock(s.commMutex);
+    s.aborted.store(true);
+    if (s.comm != nullptr && !s.connected.load()) {
+      return false; // ncclCommInitRankConfig still in progress
+    }
+  }
+  s.pollCv.notify_all();
+  std::lock_guard<std::mutex> lock(s.pollMutex);
+  for (const auto& work : s.pending) {
+    if (cudaEventQuery(work->end) == cudaErrorNotReady) {
+      return false;
+    }
+  }
+  (void)cudaGetLastError();
+  return true;
+}
+
 int NcclLane::device() const {
   return state_->device.load();
 }

@@ -62,6 +62,12 @@ class NcclLane : public c10d::Backend {
   // arrive by `deadline` or the lane is aborted meanwhile.
   void connect(int device, std::chrono::steady_clock::time_point deadline);
   bool connected() const;
+  // Refuses every later op (as abort() does, without ncclCommAbort yet), then
+  // says whether nothing of this lane can still run on the device: no
+  // communicator is being created and every op's kernels have finished
+  // (checked on the ops' end events, ahead of the poller). A later abort()
+  // still calls ncclCommAbort.
+  bool closeIfIdle();
   // The device of the communicator, or -1 before connect().
   int device() const;
   void abort() override;

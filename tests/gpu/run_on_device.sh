@@ -66,7 +66,7 @@ fi
 # every other file still prints its report and tracebacks.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 rc=0
-for f in tests/gpu/test_*.py; do
+for f in ${FT_GPU_TESTS:-tests/gpu/test_*.py}; do
   stamp "GPU tests: $f"
   timeout 150 "$PY" -m pytest -v -s -p no:cacheprovider --durations=5 --tb=short "$f" 2>&1 \
     | tee -a "$OUT/pytest.log"

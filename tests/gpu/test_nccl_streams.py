@@ -13,6 +13,10 @@ def test_wait_does_not_block_cpu_and_events_order_streams():
     pg = nccl_pg(Store())
     try:
         x = torch.ones(1 << 20, device="cuda")
+        # Load every kernel used below first: CUDA loads a kernel's module on its first
+        # launch, which synchronizes the device and would block the CPU behind the sleep
+        # (seen on the H200: the first x.mul_ waited out the whole sleep).
+        dist.all_reduce(x.mul_(1) + 1, group=pg)
         torch.cuda.synchronize()
         torch.cuda._sleep(sleep_cycles(1.0))  # caller's stream busy ~1 s
         x.mul_(2)  # queued behind the sleep: the op must see 2s
