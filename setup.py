@@ -155,7 +155,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11,<2.15",
-        "grpcio>=1.60",
+        "grpcio>=1.64",
         "protobuf>=4.25",
         "numpy",
     ],

@@ -35,6 +35,36 @@ def _fix_imports(text: str) -> str:
     return re.sub(r"^import (\w+_pb2) as (\w+)$", r"from . import \1 as \2", text, flags=re.M)
 
 
+_GATE_NOTE = (
+    "# Version gate removed by tools/gen_proto.py: ft supports the floors in setup.py's\n"
+    "# install_requires, tested by tests/coordination/test_proto_compat.py.\n"
+)
+
+
+def _drop_version_gates(text: str) -> str:
+    """Removes the generated code's refusal of any grpcio/protobuf older than the generator.
+
+    Why: protoc and grpcio-tools stamp their own version as the minimum, so stubs built with
+    today's tools would refuse (at ``import ft``) the grpcio 1.84 that ships on our own GPU
+    image. What the stubs really call works from grpcio 1.64 (``_registered_method``,
+    ``add_registered_method_handlers``) and protobuf 4.25 (``builder``), and
+    test_proto_compat.py runs them on exactly those versions.
+    """
+    protobuf_gate = re.compile(
+        r"^from google\.protobuf import runtime_version as _runtime_version\n", re.M
+    )
+    protobuf_call = re.compile(r"^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\n)*?\)\n", re.M)
+    grpc_gate = re.compile(
+        r"^GRPC_GENERATED_VERSION = .*?\n(?:.*\n)*?^if _version_not_supported:\n(?:    .*\n)+", re.M
+    )
+    out = protobuf_gate.sub("", text)
+    out = protobuf_call.sub(_GATE_NOTE, out)
+    out = grpc_gate.sub(_GATE_NOTE, out)
+    if "ValidateProtobufRuntimeVersion" in out or "_version_not_supported" in out:
+        raise RuntimeError("gen_proto: the generated version gate changed shape; update _drop_version_gates")
+    return out
+
+
 def generate(out_dir: Optional[Path] = None) -> Dict[str, str]:
     """Generates the stubs and returns {file name: content} (does not write to the package)."""
     from grpc_tools import protoc  # imported lazily: only needed at build time
@@ -58,7 +88,7 @@ def generate(out_dir: Optional[Path] = None) -> Dict[str, str]:
         files = {"__init__.py": _INIT}
         for path in sorted(Path(tmp).iterdir()):
             if path.suffix in (".py", ".pyi"):
-                files[path.name] = _fix_imports(path.read_text())
+                files[path.name] = _drop_version_gates(_fix_imports(path.read_text()))
     if out_dir is not None:
         write(files, out_dir)
     return files

@@ -7,10 +7,10 @@
 #
 #   run(command="bash tests/gpu/run_on_device.sh", carry=[".whl"], timeout_s=540)
 #
-# Where grpcio/protobuf/pytest there are missing or older than ft's checked-in
-# stubs need, carry cp312 wheels of them in .whl (see the device tool's README:
+# Where grpcio/protobuf/pytest there are missing or too old for ft (setup.py's
+# floors), carry cp312 wheels of them in .whl (see the device tool's README:
 # pip download --python-version 3.12 ...); they are installed into /tmp/site
-# only when the machine's own copies do not do.
+# only when the machine's own copies do not import ft's stubs.
 # Output: the build log tail, pytest's report and the benchmark's JSON, also
 # copied to $OUT when the device tool sets it.
 set -uo pipefail
@@ -41,8 +41,7 @@ tail -n 3 "$OUT/build.log"
 python_deps_ok() {
   "$PY" -c '
 import grpc, google.protobuf, pytest
-from google.protobuf import runtime_version  # protobuf >= 5.26
-from ft.coordination._proto import torchft_pb2, torchft_pb2_grpc  # the stubs accept them
+from ft.coordination._proto import torchft_pb2, torchft_pb2_grpc
 print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "pytest", pytest.__version__)
 ' 2>&1 | tail -n 1
   return "${PIPESTATUS[0]}"

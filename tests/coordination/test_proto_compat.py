@@ -1,0 +1,60 @@
+"""ft's coordination runs on the oldest grpcio and protobuf that setup.py admits.
+
+tools/gen_proto.py removes the generated stubs' refusal of any grpcio/protobuf older than the
+generator (grpcio-tools 1.85 would refuse the grpcio 1.84 on our own GPU image). This checks
+the floors it promises instead: a child process imports ft with the floor versions first on
+sys.path and runs a real lighthouse, manager server and their clients over loopback.
+"""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proto_compat_child.py")
+# The oldest releases of the floors in setup.py (pip has no "oldest matching" switch).
+FLOORS = {"grpcio": "1.64.3", "protobuf": "4.25.3"}
+
+
+def _install_requires():
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup":
+            for kw in node.keywords:
+                if kw.arg == "install_requires":
+                    return [ast.literal_eval(e) for e in kw.value.elts]
+    raise AssertionError("setup.py has no install_requires")
+
+
+def test_floors_match_setup_py():
+    reqs = _install_requires()
+    for name, version in FLOORS.items():
+        major_minor = ".".join(version.split(".")[:2])
+        assert f"{name}>={major_minor}" in reqs, (name, reqs)
+
+
+@pytest.fixture(scope="module")
+def floor_site(tmp_path_factory):
+    target = tmp_path_factory.mktemp("floor_site")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
+           "--target", str(target)] + [f"{n}=={v}" for n, v in FLOORS.items()]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("pip did not install the floor versions within 300 s")
+    assert r.returncode == 0, f"pip could not install {FLOORS}: {r.stderr[-2000:]}"
+    return str(target)
+
+
+def test_coordination_round_trip_on_the_oldest_grpcio_and_protobuf(floor_site):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([floor_site, ROOT, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, CHILD, FLOORS["grpcio"], FLOORS["protobuf"]],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {**out, "grpcio": FLOORS["grpcio"], "protobuf": FLOORS["protobuf"], "ok": True}
