@@ -1,6 +1,7 @@
 """ft backend vs torch's ProcessGroupGloo, side by side in one run.
 
     python bench/backend_bench.py [--iters 30] [--sizes 4KiB,1MiB,16MiB,64MiB]
+    python bench/backend_bench.py --cuda [--json F]   # on a GPU machine: bench/backend_bench_cuda.py
 
 2 ranks on loopback (each a separate process). Reports, per size, the median
 allreduce latency of torch's Gloo and of ft (interleaved, same tensors) and
@@ -113,6 +114,14 @@ def run(mode: str, world: int, iters: int, sizes: list) -> list:
 
 
 def main() -> None:
+    if "--cuda" in sys.argv[1:]:
+        # The CUDA mode (ft's NCCL lanes vs torch's ProcessGroupNCCL at world 1) lives in
+        # its own module: it needs a GPU and none of the loopback worker machinery below.
+        sys.argv.remove("--cuda")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import backend_bench_cuda
+
+        sys.exit(backend_bench_cuda.main())
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sizes", default=",".join(SIZES))

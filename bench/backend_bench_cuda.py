@@ -19,8 +19,12 @@ import sys
 import time
 from datetime import timedelta
 
+import os
+
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZES = {"4KiB": 1 << 10, "1MiB": 1 << 18, "64MiB": 1 << 24}  # float32 elements
 

@@ -74,7 +74,7 @@ for f in ${FT_GPU_TESTS:-tests/gpu/test_*.py}; do
 done
 
 stamp "CUDA benchmark"
-timeout 90 "$PY" bench/backend_bench_cuda.py --json "$OUT/bench_cuda.json" 2>&1 | tail -n 40 || true
+timeout 90 "$PY" bench/backend_bench.py --cuda --json "$OUT/bench_cuda.json" 2>&1 | tail -n 40 || true
 
 stamp "done (pytest exit $rc)"
 exit "$rc"
