@@ -211,6 +211,9 @@ struct NcclLane::State {
   cudaStream_t stream = nullptr;
   std::atomic<bool> aborted{false};
   std::atomic<bool> connected{false};
+  // runOp calls between their start and their work's entry in `pending`:
+  // ops whose kernels closeIfIdle() cannot see on an end event yet.
+  std::atomic<int> launching{0};
 
   std::mutex eventMutex;
   std::vector<cudaEvent_t> freeEvents;
@@ -565,6 +568,9 @@ bool NcclLane::closeIfIdle() {
     if (s.comm != nullptr && !s.connected.load()) {
       return false; // ncclCommInitRankConfig still in progress
     }
+    if (s.launching.load() > 0) {
+      return false; // an op's kernels may be on the stream without an end event yet
+    }
   }
   s.pollCv.notify_all();
   std::lock_guard<std::mutex> lock(s.pollMutex);
@@ -722,6 +728,16 @@ static c10::intrusive_ptr<c10d::Work> runOp(
   auto laneStream = c10::cuda::getStreamFromExternal(s.stream, dev);
   auto work = c10::make_intrusive<NcclWork>(
       s.rank, spec.type, statePtr, device, spec.outputs, spec.inputs, spec.blockingWait);
+  // Until the work is in `pending` (every way out of this function).
+  struct Launching {
+    std::atomic<int>& count;
+    explicit Launching(std::atomic<int>& c) : count(c) {
+      count.fetch_add(1);
+    }
+    ~Launching() {
+      count.fetch_sub(1);
+    }
+  } launching(s.launching);
 
   checkCuda(cudaEventRecord(work->ready, caller.stream()), "cudaEventRecord");
   checkCuda(cudaStreamWaitEvent(s.stream, work->ready, 0), "cudaStreamWaitEvent");
