@@ -155,8 +155,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11,<2.15",
-        "grpcio>=1.64",
-        "protobuf>=4.25",
+        "grpcio>=1.64.0",
+        "protobuf>=4.25.0",
         "numpy",
     ],
     extras_require={"test": ["pytest", "hypothesis", "grpcio-tools", "ninja"]},

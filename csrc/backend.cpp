@@ -18,6 +18,10 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// Generations whose NCCL communicators may wait for the Reaper at once (each
+// ~750 ms of ncclCommAbort there); beyond that, configure() aborts in place.
+constexpr size_t kMaxDeferredDeviceAborts = 4;
+
 std::string messageOf(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -274,10 +278,13 @@ void FtBackend::configure(
     // Fails its in-flight ops and severs its sockets now. Its NCCL
     // communicators are aborted now too if an op was in flight, else by the
     // Reaper (see Generation::abort).
+    // Deferred aborts hold their communicators' device memory until the
+    // Reaper gets to them (one generation at a time), so a burst of
+    // reconfigures stops deferring once a few are queued.
     old->abort(
         FailureKind::kAborted,
         "superseded by reconfigure to generation " + std::to_string(id),
-        /*deferIdleDeviceAbort=*/true);
+        /*deferIdleDeviceAbort=*/reaper_.pending() < kMaxDeferredDeviceAborts);
     reaper_.reap(std::move(old));
   }
   timings.abortMs = msSince(started);

@@ -69,7 +69,11 @@ bool closeIfIdle(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
   bool idle = true;
 #ifdef FT_USE_NCCL
   for (const auto& comm : comms) {
-    idle = static_cast<NcclLane*>(comm.get())->closeIfIdle() && idle;
+    try {
+      idle = static_cast<NcclLane*>(comm.get())->closeIfIdle() && idle;
+    } catch (const std::exception&) {
+      idle = false; // unsure: abort in place
+    }
   }
 #endif
   return idle; // a CPU-only build has no device lanes
@@ -77,17 +81,29 @@ bool closeIfIdle(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
 
 } // namespace
 
-void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
+void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) noexcept {
+  auto abortOne = [](const c10::intrusive_ptr<c10d::Backend>& comm) noexcept {
+    try {
+      comm->abort();
+    } catch (const std::exception& e) {
+      // Best effort, like every abort: the communicator is unusable either way.
+      TORCH_WARN("ft: aborting a device communicator failed: ", e.what());
+    }
+  };
   std::vector<std::thread> helpers;
+  try {
+    helpers.reserve(comms.size());
+  } catch (const std::bad_alloc&) {
+  }
   for (size_t i = 1; i < comms.size(); ++i) {
     try {
-      helpers.emplace_back([comm = comms[i]] { comm->abort(); });
-    } catch (const std::system_error&) {
-      comms[i]->abort(); // no thread to spare: abort it here
+      helpers.emplace_back([&abortOne, comm = comms[i]] { abortOne(comm); });
+    } catch (...) {
+      abortOne(comms[i]); // no thread to spare: abort it here
     }
   }
   if (!comms.empty()) {
-    comms.front()->abort();
+    abortOne(comms.front());
   }
   for (auto& helper : helpers) {
     helper.join();

@@ -104,7 +104,7 @@ class Generation {
 
 // Aborts device communicators concurrently (one thread each beyond the
 // first): each ncclCommAbort waits on its own proxy threads.
-void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms);
+void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) noexcept;
 
 // Tears down old generations off the caller's path.
 class Reaper {

@@ -146,8 +146,8 @@ namespace {
 // event on that stream when the tensor is freed, which can be long after the
 // lane (and its generation) is gone. A destroyed stream there is a fatal CUDA
 // error ("context is destroyed") inside a tensor's destructor. A stream is
-// only reused once its previous lane has released it, so live lanes never
-// share one; the pool is bounded by the most lanes ever live at once.
+// only reused once its previous lane has released it and its queued work has
+// drained, so live lanes never share one or wait on each other.
 std::atomic<int> liveStreams{0};
 std::mutex streamPoolMutex;
 std::vector<std::pair<int, cudaStream_t>> freeStreams; // (device, stream)
@@ -156,12 +156,20 @@ cudaStream_t acquireLaneStream(int device) {
   {
     std::lock_guard<std::mutex> lock(streamPoolMutex);
     for (auto it = freeStreams.begin(); it != freeStreams.end(); ++it) {
-      if (it->first == device) {
-        cudaStream_t stream = it->second;
-        freeStreams.erase(it);
-        liveStreams.fetch_add(1);
-        return stream;
+      if (it->first != device) {
+        continue;
       }
+      // A stream released right after an abort may still hold the aborted
+      // lane's queued work; a new lane behind it would wait for that.
+      const cudaError_t q = cudaStreamQuery(it->second);
+      (void)cudaGetLastError();
+      if (q != cudaSuccess) {
+        continue;
+      }
+      cudaStream_t stream = it->second;
+      freeStreams.erase(it);
+      liveStreams.fetch_add(1);
+      return stream;
     }
   }
   cudaStream_t stream = nullptr;
@@ -560,27 +568,25 @@ bool NcclLane::connected() const {
 
 bool NcclLane::closeIfIdle() {
   State& s = *state_;
-  {
-    // Under commMutex: an op being enqueued finishes first, and every later
-    // one sees `aborted` and is refused.
-    std::lock_guard<std::mutex> lock(s.commMutex);
-    s.aborted.store(true);
-    if (s.comm != nullptr && !s.connected.load()) {
-      return false; // ncclCommInitRankConfig still in progress
-    }
-    if (s.launching.load() > 0) {
-      return false; // an op's kernels may be on the stream without an end event yet
-    }
+  // Under commMutex: an op being enqueued finishes first, and every later one
+  // sees `aborted` and is refused.
+  std::lock_guard<std::mutex> lock(s.commMutex);
+  s.aborted.store(true);
+  if (s.comm != nullptr && !s.connected.load()) {
+    return false; // ncclCommInitRankConfig still in progress
   }
-  s.pollCv.notify_all();
-  std::lock_guard<std::mutex> lock(s.pollMutex);
-  for (const auto& work : s.pending) {
-    if (cudaEventQuery(work->end) == cudaErrorNotReady) {
-      return false;
-    }
+  if (s.launching.load() > 0) {
+    return false; // an op may be putting work on the stream right now
   }
-  (void)cudaGetLastError();
-  return true;
+  if (s.stream == nullptr) {
+    return true; // never connected: nothing was ever enqueued
+  }
+  // The stream is this lane's alone, so it holds every kernel and copy of its
+  // ops (also those of an op that failed after enqueueing, never in `pending`).
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(s.device.load()));
+  const cudaError_t q = cudaStreamQuery(s.stream);
+  (void)cudaGetLastError(); // NotReady must not linger as the caller's last error
+  return q == cudaSuccess;
 }
 
 int NcclLane::device() const {

@@ -60,7 +60,8 @@ def _drop_version_gates(text: str) -> str:
     out = protobuf_gate.sub("", text)
     out = protobuf_call.sub(_GATE_NOTE, out)
     out = grpc_gate.sub(_GATE_NOTE, out)
-    if "ValidateProtobufRuntimeVersion" in out or "_version_not_supported" in out:
+    if any(k in out for k in ("runtime_version", "ValidateProtobufRuntimeVersion",
+                              "GRPC_GENERATED_VERSION", "_version_not_supported")):
         raise RuntimeError("gen_proto: the generated version gate changed shape; update _drop_version_gates")
     return out
 

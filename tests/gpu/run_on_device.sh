@@ -7,6 +7,8 @@
 #
 #   run(command="bash tests/gpu/run_on_device.sh", carry=[".whl"], timeout_s=540)
 #
+# FT_GPU_BUDGET_S (default 480) bounds the whole script; FT_GPU_TESTS picks test files.
+#
 # Where grpcio/protobuf/pytest there are missing or too old for ft (setup.py's
 # floors), carry cp312 wheels of them in .whl (see the device tool's README:
 # pip download --python-version 3.12 ...); they are installed into /tmp/site
@@ -21,6 +23,14 @@ OUT=${OUT:-/tmp/ft-gpu-out}
 mkdir -p "$OUT"
 t0=$(date +%s)
 stamp() { echo "[gpu +$(( $(date +%s) - t0 ))s] $*"; }
+# Every step gets at most its own cap and never more than what is left of the
+# whole budget, so the run ends (with a report) inside the device call's limit.
+BUDGET=${FT_GPU_BUDGET_S:-480}
+cap() {
+  local left=$(( BUDGET - ($(date +%s) - t0) ))
+  [ "$left" -lt 10 ] && left=10
+  echo $(( $1 < left ? $1 : left ))
+}
 
 stamp "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -32,7 +42,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export FT_NATIVE_GRPC=${FT_NATIVE_GRPC:-0}
-if ! timeout 300 "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
+if ! timeout "$(cap 240)" "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
   tail -n 80 "$OUT/build.log"
   stamp "build failed"
   exit 1
@@ -67,14 +77,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 rc=0
 for f in ${FT_GPU_TESTS:-tests/gpu/test_*.py}; do
   stamp "GPU tests: $f"
-  timeout 150 "$PY" -m pytest -v -s -p no:cacheprovider --durations=5 --tb=short "$f" 2>&1 \
+  timeout "$(cap 150)" "$PY" -m pytest -v -s -p no:cacheprovider --durations=5 --tb=short "$f" 2>&1 \
     | tee -a "$OUT/pytest.log"
   r=${PIPESTATUS[0]}
   [ "$r" -ne 0 ] && rc=$r && echo "[$f exit $r]"
 done
 
 stamp "CUDA benchmark"
-timeout 90 "$PY" bench/backend_bench.py --cuda --json "$OUT/bench_cuda.json" 2>&1 | tail -n 40 || true
+timeout "$(cap 90)" "$PY" bench/backend_bench.py --cuda --json "$OUT/bench_cuda.json" 2>&1 | tail -n 40 || true
 
 stamp "done (pytest exit $rc)"
 exit "$rc"

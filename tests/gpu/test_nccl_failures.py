@@ -65,14 +65,16 @@ def test_lazy_init_missing_peer_fails_op_at_deadline():
 def test_50_reconfigures_leak_no_memory_or_streams():
     store = Store()
     pg = nccl_pg(store, num_lanes=2)
-    x = torch.ones(1 << 16, device="cuda")
+    x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
 
     def cycle():
         pg.configure(store.addr(), "gpu-test", 0, 1)
         for k in range(pg.num_lanes):
             with ft.lane(k):
-                dist.all_reduce(x, group=pg)
-        torch.cuda.synchronize()
+                out = torch.zeros_like(x)  # only a gather that ran fills it
+                dist.all_gather_into_tensor(out, x, group=pg)
+                torch.cuda.synchronize()
+                assert torch.equal(out, x), f"lane {k}'s gather did not run"
 
     def settled():
         gc.collect()
@@ -95,7 +97,7 @@ def test_50_reconfigures_leak_no_memory_or_streams():
     free1, _ = torch.cuda.mem_get_info()
     assert torch.cuda.memory_allocated() == alloc0
     assert free0 - free1 < 256 << 20, f"device memory fell by {(free0 - free1) >> 20} MiB"
-    assert torch.equal(x, torch.ones_like(x))
+    assert torch.equal(x, torch.arange(1 << 16, device="cuda", dtype=torch.float32))
     assert all(t["nccl_ms"] > 0 for t in timings)
     med = sorted(t["total_ms"] for t in timings)[len(timings) // 2]
     print(f"reconfigure median total {med:.1f} ms; last {timings[-1]}")
