@@ -38,22 +38,9 @@ exec 9>"$CACHE/.cuda-lane.lock"
 flock 9
 
 # --- 1. venv with the CUDA torch and ft's requirements ----------------------
-# Requirements come from setup.py (install_requires + the "test" extra), so
-# this list never drifts from the package's.
-REQS=$("$BASE_PYTHON" - "$ROOT/setup.py" <<'EOF'
-import ast, sys
-tree = ast.parse(open(sys.argv[1]).read())
-reqs = []
-for node in ast.walk(tree):
-    if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup":
-        for kw in node.keywords:
-            if kw.arg == "install_requires":
-                reqs += [ast.literal_eval(e) for e in kw.value.elts]
-            elif kw.arg == "extras_require":
-                reqs += ast.literal_eval(kw.value).get("test", [])
-print("\n".join(r for r in reqs if not r.replace(" ", "").startswith("torch")))
-EOF
-)
+# Requirements come from setup.py (install_requires + the "test" extra, via
+# tools/requirements.py), so this list never drifts from the package's.
+REQS=$("$BASE_PYTHON" "$ROOT/tools/requirements.py" --extra test --without torch)
 WANT="$TORCH_SPEC $(echo $REQS) setuptools wheel"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.ft-requirements" 2>/dev/null)" != "$WANT" ]; then
   stamp "creating $VENV ($WANT)"

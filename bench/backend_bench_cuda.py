@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from datetime import timedelta
-
-import os
 
 import torch
 import torch.distributed as dist

@@ -276,11 +276,9 @@ void FtBackend::configure(
   timings.generation = id;
   if (old) {
     // Fails its in-flight ops and severs its sockets now. Its NCCL
-    // communicators are aborted now too if an op was in flight, else by the
-    // Reaper (see Generation::abort).
-    // Deferred aborts hold their communicators' device memory until the
-    // Reaper gets to them (one generation at a time), so a burst of
-    // reconfigures stops deferring once a few are queued.
+    // communicators are aborted by the Reaper if none of their kernels still
+    // runs (see Generation::abort), unless a few generations already wait
+    // there: each holds its communicators' device memory until then.
     old->abort(
         FailureKind::kAborted,
         "superseded by reconfigure to generation " + std::to_string(id),

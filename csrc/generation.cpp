@@ -2,8 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <system_error>
-
 #ifdef FT_USE_NCCL
 #include "nccl_comm.hpp"
 #endif
@@ -79,6 +77,17 @@ bool closeIfIdle(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
   return idle; // a CPU-only build has no device lanes
 }
 
+// The lanes' NCCL communicators (none in a CPU-only build).
+std::vector<c10::intrusive_ptr<c10d::Backend>> deviceCommsOf(const std::vector<Lane>& lanes) {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> comms;
+  for (const auto& lane : lanes) {
+    if (lane.nccl) {
+      comms.push_back(lane.nccl);
+    }
+  }
+  return comms;
+}
+
 } // namespace
 
 void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) noexcept {
@@ -91,10 +100,6 @@ void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) noexc
     }
   };
   std::vector<std::thread> helpers;
-  try {
-    helpers.reserve(comms.size());
-  } catch (const std::bad_alloc&) {
-  }
   for (size_t i = 1; i < comms.size(); ++i) {
     try {
       helpers.emplace_back([&abortOne, comm = comms[i]] { abortOne(comm); });
@@ -124,11 +129,7 @@ bool Generation::abort(FailureKind kind, const std::string& message,
     for (auto& entry : inflight_) {
       victims.push_back(entry.second);
     }
-    for (auto& lane : lanes_) {
-      if (lane.nccl) {
-        deviceComms.push_back(lane.nccl);
-      }
-    }
+    deviceComms = deviceCommsOf(lanes_);
   }
   // Cut the wires first: a stuck inner op then fails promptly, and no more
   // bytes can arrive for a receive that was posted into a caller's tensor.
@@ -138,8 +139,9 @@ bool Generation::abort(FailureKind kind, const std::string& message,
   }
   // Then stop the device side: ncclCommAbort ends the lanes' kernels (also a
   // communicator still initializing), so no more data lands in the caller's
-  // tensors once abort() returns. Works failed first, so waiters are released
-  // even if an abort is slow.
+  // tensors once abort() returns; where none can (idle lanes, and the caller
+  // allows it) that waits for the Reaper. Works failed first, so waiters are
+  // released even if an abort is slow.
   if (!(deferIdleDeviceAbort && closeIfIdle(deviceComms))) {
     abortAll(deviceComms);
   }
@@ -212,13 +214,7 @@ void Generation::releaseLanes() {
     lanes.swap(lanes_);
   }
   // A deferred device abort happens here (idempotent where it already did).
-  std::vector<c10::intrusive_ptr<c10d::Backend>> deviceComms;
-  for (auto& lane : lanes) {
-    if (lane.nccl) {
-      deviceComms.push_back(lane.nccl);
-    }
-  }
-  abortAll(deviceComms);
+  abortAll(deviceCommsOf(lanes));
   // Destroying the inner communicators joins their threads.
   lanes.clear();
 }

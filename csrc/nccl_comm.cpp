@@ -219,8 +219,8 @@ struct NcclLane::State {
   cudaStream_t stream = nullptr;
   std::atomic<bool> aborted{false};
   std::atomic<bool> connected{false};
-  // runOp calls between their start and their work's entry in `pending`:
-  // ops whose kernels closeIfIdle() cannot see on an end event yet.
+  // runOp calls in progress: ops that may still be putting work on `stream`
+  // after closeIfIdle() looked at it.
   std::atomic<int> launching{0};
 
   std::mutex eventMutex;
@@ -734,7 +734,7 @@ static c10::intrusive_ptr<c10d::Work> runOp(
   auto laneStream = c10::cuda::getStreamFromExternal(s.stream, dev);
   auto work = c10::make_intrusive<NcclWork>(
       s.rank, spec.type, statePtr, device, spec.outputs, spec.inputs, spec.blockingWait);
-  // Until the work is in `pending` (every way out of this function).
+  // Counted until this function returns, whichever way (see closeIfIdle).
   struct Launching {
     std::atomic<int>& count;
     explicit Launching(std::atomic<int>& c) : count(c) {
