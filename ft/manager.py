@@ -1,4 +1,4 @@
-"""The Manager: ft's per-step fault-tolerance protocol, on every rank (SPEC section 6).
+"""The Manager: ft's per-step fault-tolerance protocol, on every rank (docs/design.md, "The step protocol").
 
 One training step::
 
@@ -61,6 +61,7 @@ from ft.coordination import (
     QuorumResult,
 )
 from ft.coordination.manager_server import LocalManagerClient
+from ft.coordination.quorum import Participation, participation
 
 __all__ = ["Manager", "WorldSizeMode"]
 
@@ -281,8 +282,7 @@ class Manager:
         self._errored: Optional[Exception] = None
         self._healing = False
         self._pending_state_dict: Optional[Dict[str, Any]] = None
-        self._participating_rank: Optional[int] = None
-        self._participating_world_size: int = 0
+        self._participation = Participation(rank=None, contributors=0, commit_size=0)
         self._quorum_future: Optional[_ConcurrentFuture] = None
         self._user_state_dicts: Dict[str, Callable[[], Any]] = {}
         self._load_state_dict_fns: Dict[str, Callable[[Any], None]] = {}
@@ -395,6 +395,9 @@ class Manager:
         )
 
     def _teardown(self, wait: bool) -> None:
+        if self._manager is not None:
+            # Before the subscription ends: a dropped subscription reads as this replica's death.
+            self._manager.leave()
         if self._subscription is not None:
             self._subscription.close(timeout=2.0 if wait else 0.5)
             self._subscription = None
@@ -584,20 +587,15 @@ class Manager:
         )
         t_quorum = time.monotonic() - t0
 
-        if self._use_async_quorum and allow_heal and self._init_sync and quorum.max_step == 0:
-            # init_sync at step 0: everyone but the primary heals, and healing replicas sit out.
-            rank, size = (None if quorum.heal else 0), 1
-        elif self._use_async_quorum or not allow_heal:
-            # Healing replicas (behind max_step) sit out this step.
-            rank, size = quorum.max_replica_rank, quorum.max_world_size
-        else:
-            # Everyone heals before the step, so everyone takes part.
-            rank, size = quorum.replica_rank, quorum.replica_world_size
-        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
-            size = min(size, self._min_replica_size)
-            if rank is not None and rank >= self._min_replica_size:
-                rank = None
-        self._participating_rank, self._participating_world_size = rank, size
+        plan = participation(
+            quorum,
+            use_async_quorum=self._use_async_quorum,
+            allow_heal=allow_heal,
+            init_sync=self._init_sync,
+            spares_above=(self._min_replica_size
+                          if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES else None),
+        )
+        self._participation = plan
 
         reconfigure = quorum.quorum_id != self._quorum_id
         with self._quorum_lock:
@@ -608,7 +606,8 @@ class Manager:
             f"{'new' if reconfigure else 'same'} quorum in {t_quorum * 1000:.1f} ms",
             replica_rank=quorum.replica_rank,
             replica_world_size=quorum.replica_world_size,
-            participants=size,
+            participants=plan.contributors,
+            commit_size=plan.commit_size,
             max_step=quorum.max_step,
             heal=quorum.heal,
             commit_failures=quorum.commit_failures,
@@ -768,7 +767,7 @@ class Manager:
     # ---------------------------------------------------------------- commit
 
     def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
-        """The group-wide decision to commit this step (see SPEC section 6, step 3).
+        """The group-wide decision to commit this step (docs/design.md, "The step protocol", step 3).
 
         Raises:
             RuntimeError: ``max_retries`` consecutive failed commits were exceeded.
@@ -779,7 +778,7 @@ class Manager:
             self._apply_pending_state_dict()
             self._healing = False
 
-        enough_replicas = self.num_participants() >= self._min_replica_size
+        enough_replicas = self._participation.enough(self._min_replica_size)
         local_should_commit = enough_replicas and self._errored is None
         t = _to_timedelta(timeout) if timeout is not None else self._timeout
         should_commit = self._client.should_commit(
@@ -833,17 +832,17 @@ class Manager:
         """This replica's rank among the participants of this step, or None."""
         if self._quorum_future is not None:
             self.wait_quorum()
-        return self._participating_rank
+        return self._participation.rank
 
     def num_participants(self) -> int:
         """The number of replicas that take part in this step."""
         if self._quorum_future is not None:
             self.wait_quorum()
-        return self._participating_world_size
+        return self._participation.contributors
 
     def is_participating(self) -> bool:
         """Whether this replica's data counts in this step (healing replicas and spares don't)."""
-        if self._participating_rank is None:
+        if self._participation.rank is None:
             return False
         if self._healing:
             return False

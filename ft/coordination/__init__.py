@@ -3,10 +3,10 @@
 Names and signatures follow torchft 0.2.0's ``torchft.coordination``. This package depends only
 on grpcio, protobuf and the standard library (no torch).
 
-* :class:`LighthouseServer` / :class:`LighthouseClient`: the job-wide quorum service (SPEC 4),
+* :class:`LighthouseServer` / :class:`LighthouseClient`: the job-wide quorum service (docs/design.md, "Roles"),
   with an HTTP dashboard, ``/metrics``, and failure notifications
   (:meth:`LighthouseClient.subscribe_failures`, see :mod:`ft.coordination.clients`).
-* :class:`ManagerServer` / :class:`ManagerClient`: one per replica group (SPEC 5).
+* :class:`ManagerServer` / :class:`ManagerClient`: one per replica group (docs/design.md, "Roles").
 * :class:`Quorum`, :class:`QuorumMember`, :class:`QuorumResult`: plain data classes.
 * :mod:`ft.coordination.quorum`: the pure algorithms behind both servers.
 """

@@ -240,9 +240,13 @@ class LighthouseClient(_Client):
         timeout: Timeout = _dt.timedelta(seconds=5),
         *,
         wait_for_ready: bool = True,
+        leaving: bool = False,
     ) -> None:
+        """One heartbeat. ``leaving=True`` says the replica shuts down cleanly (an ft
+        extension; a torchft lighthouse ignores it and times the replica out instead)."""
         self._call(
-            "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout, wait_for_ready
+            "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id, leaving=leaving),
+            timeout, wait_for_ready,
         )
 
     def subscribe_failures(

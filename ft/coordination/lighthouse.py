@@ -110,6 +110,9 @@ class _LighthouseState:
         self.lock = threading.Lock()
         self.participants: Dict[str, Tuple[float, QuorumMember]] = {}
         self.heartbeats: Dict[str, float] = {}
+        # Replicas that said they are leaving (clean shutdown) -> when: never announced as
+        # failed, and their late heartbeats are ignored until forgotten like the dead.
+        self.left: Dict[str, float] = {}
         self.last_member: Dict[str, QuorumMember] = {}  # latest info per replica (dashboard, kill)
         self.waiters: Set[_Waiter] = set()
         self.prev: Optional[Quorum] = None
@@ -160,6 +163,7 @@ class _LighthouseState:
             if self.closed:
                 raise _Unavailable("lighthouse is shutting down")
             now = time.monotonic()
+            self.left.pop(rid, None)  # asking for a quorum again: it is back
             self.heartbeats[rid] = now
             self.last_member[rid] = member
             joined = self.participants[rid][0] if rid in self.participants else now
@@ -216,11 +220,26 @@ class _LighthouseState:
         # INFO: a clean shutdown looks the same; the failure notice below is the warning.
         logger.info("replica %s dropped its failure subscription: treated as dead", replica_id)
 
-    def heartbeat(self, replica_id: str) -> None:
+    def heartbeat(self, replica_id: str, leaving: bool = False) -> None:
         with self.lock:
             if self.closed:
                 raise _Unavailable("lighthouse is shutting down")
-            self.heartbeats[replica_id] = time.monotonic()
+            now = time.monotonic()
+            if leaving:
+                self._leave_locked(replica_id, now)
+            elif replica_id not in self.left:
+                self.heartbeats[replica_id] = now
+
+    def _leave_locked(self, replica_id: str, now: float) -> None:
+        """``replica_id`` shuts down cleanly: it stops counting as healthy at once (the next
+        quorum goes on without it, and it no longer counts toward the split-brain guard), but
+        members of its quorum get no failure notification: a peer that leaves after its last
+        step must not abort the others' tail of that step's collectives."""
+        self.left[replica_id] = now
+        self.heartbeats.pop(replica_id, None)
+        self.participants.pop(replica_id, None)
+        logger.info("replica %s left", replica_id)
+        self.ticker_wakeup.set()
 
     def next_expiry_in(self) -> float:
         """Seconds until the earliest heartbeat deadline of a current quorum member not yet
@@ -323,6 +342,8 @@ class _LighthouseState:
         timeout = self.opts.heartbeat_timeout_s
         for m in self.prev.participants:
             key = (self.prev.quorum_id, m.replica_id)
+            if m.replica_id in self.left:
+                continue
             last = self.heartbeats.get(m.replica_id)
             age = None if last is None else now - last
             if key in self.notified or (age is not None and age < timeout):
@@ -347,6 +368,10 @@ class _LighthouseState:
     def _forget_dead_locked(self, now: float) -> None:
         limit = self.opts.heartbeat_timeout_s + self.dead_grace_s
         waiting = {w.replica_id for w in self.waiters}
+        for rid, when in list(self.left.items()):
+            if now - when > limit:
+                del self.left[rid]
+                self.last_member.pop(rid, None)
         for rid, last in list(self.heartbeats.items()):
             if now - last > limit and rid not in waiting:
                 del self.heartbeats[rid]
@@ -550,7 +575,7 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
         _rpc.server_deadline(call, "Heartbeat")
         _rpc.check_name(call, "replica_id", request.replica_id)
         try:
-            state.heartbeat(request.replica_id)
+            state.heartbeat(request.replica_id, leaving=request.leaving)
         except _Unavailable as e:
             call.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         call.reply_serialized(_HEARTBEAT_OK)

@@ -1,4 +1,4 @@
-"""ManagerServer: one per replica group, in group rank 0's process (SPEC section 5).
+"""ManagerServer: one per replica group, in group rank 0's process (docs/design.md, "Roles").
 
 * Quorum: waits until all ``world_size`` local ranks asked, sends one request to the lighthouse
   (a member whose step is the group's step), and answers every rank with its own
@@ -245,6 +245,7 @@ class ManagerServer:
         self._host = _rpc.advertised_host(bind_host, hostname)
 
         self._stop = threading.Event()
+        self._left = False
         self._heartbeater = threading.Thread(
             target=self._heartbeat_loop, name="ft-manager-heartbeat", daemon=True
         )
@@ -466,8 +467,25 @@ class ManagerServer:
         """``http://host:port`` of this server."""
         return f"http://{_rpc.join_hostport(self._host, self._port)}"
 
+    def leave(self, timeout: float = 1.0) -> None:
+        """Stops heartbeating and tells the lighthouse that this replica leaves cleanly, so
+        that its peers are not sent a failure notification (they may still be finishing the
+        last step's collectives with it). Best effort, bounded by ``timeout``: a lighthouse that
+        cannot be reached times the replica out as usual."""
+        if self._left:
+            return
+        self._left = True
+        self._stop.set()
+        self._heartbeater.join(timeout=5)
+        try:
+            self._lighthouse.heartbeat(self._replica_id, timeout=timeout, wait_for_ready=False,
+                                       leaving=True)
+        except (TimeoutError, CoordinationError) as e:
+            logger.info("replica %s: could not tell the lighthouse it leaves: %s",
+                        self._replica_id, e)
+
     def shutdown(self, grace: float = 0.5) -> None:
-        if self._stop.is_set():
+        if self._closed:
             return
         self._stop.set()
         with self._cond:

@@ -1,13 +1,16 @@
 """Pure coordination algorithms: data in, data out. No I/O, no clocks, no threads.
 
-* :func:`quorum_compute` is the lighthouse rule (SPEC section 4): given the participants, the
+* :func:`quorum_compute` is the lighthouse rule (docs/design.md, "The quorum rule"): given the participants, the
   heartbeats, the previous quorum and the options, is a quorum ready now, with whom, and why (or
   why not).
 * :func:`next_quorum_id` decides whether a quorum is a new one (membership change or commit
   failures).
-* :func:`compute_quorum_result` is a ManagerServer's per-rank answer (SPEC section 5): replica
+* :func:`compute_quorum_result` is a ManagerServer's per-rank answer (docs/design.md, "The quorum rule"): replica
   rank, max step, the primary's store address, and the heal assignment (round-robin over the
   up-to-date members, offset by the group rank).
+* :func:`participation` is a replica's own reading of its answer: whether its gradients count
+  this step, how many replicas the average divides by, and how many count toward
+  ``min_replica_size``.
 * :func:`merge_group_requests` folds the Quorum requests of all local ranks of one replica group
   into the one member that the ManagerServer sends to the lighthouse.
 
@@ -31,6 +34,8 @@ __all__ = [
     "next_quorum_id",
     "compute_quorum_result",
     "merge_group_requests",
+    "Participation",
+    "participation",
 ]
 
 
@@ -119,7 +124,7 @@ def quorum_compute(
     prev: Optional[Quorum],
     opts: LighthouseOptions,
 ) -> QuorumDecision:
-    """The lighthouse quorum rule of SPEC section 4.
+    """The lighthouse quorum rule (docs/design.md, "The quorum rule").
 
     Args:
         now: current time.
@@ -240,7 +245,7 @@ def compute_quorum_result(
     group_rank: int,
     init_sync: bool = True,
 ) -> QuorumResult:
-    """A rank's answer to Quorum (SPEC section 5).
+    """A rank's answer to Quorum (docs/design.md, "The quorum rule").
 
     Raises:
         ValueError: ``replica_id`` is not in ``participants`` or ``participants`` is empty.
@@ -296,6 +301,66 @@ def compute_quorum_result(
             dst for dst, src in assignment.items() if src == replica_rank
         )
     return result
+
+
+@dataclass(frozen=True)
+class Participation:
+    """Who takes part in one step, as one replica reads its :class:`QuorumResult`."""
+
+    rank: Optional[int]
+    """This replica's rank among the contributors; None when its gradients do not count
+    (it heals during the step, or it is a spare)."""
+    contributors: int
+    """How many replicas' gradients enter the step's average: the allreduce divisor and what
+    ``Manager.num_participants()`` reports."""
+    commit_size: int
+    """How many replicas hold the committed state once the step commits: the count checked
+    against ``min_replica_size``. It differs from ``contributors`` only at step 0 under
+    ``init_sync`` with an async quorum, where every replica but the primary heals to the
+    primary's state during the step and so ends it holding the same state."""
+
+    def enough(self, min_replica_size: int) -> bool:
+        """Whether the step may commit under ``min_replica_size``."""
+        return self.commit_size >= min_replica_size
+
+
+def participation(
+    result: QuorumResult,
+    *,
+    use_async_quorum: bool,
+    allow_heal: bool,
+    init_sync: bool,
+    spares_above: Optional[int] = None,
+) -> Participation:
+    """The participation rule (docs/design.md, "Who takes part in a step").
+
+    * Sync quorum with healing: every replica heals before the forward pass, so all of the
+      quorum contributes and commits.
+    * Async quorum, or no healing: the replicas at the quorum's max step take part. A replica
+      behind it heals while the step runs and sits the step out (it counts in neither number).
+    * Async quorum with ``init_sync`` at step 0: every replica is at the max step, but all but
+      the primary heal to the primary's initial state during the step. Their gradients were
+      computed on state that the heal replaces, so only the primary contributes; all of them
+      end the step with the same state, so all count toward ``min_replica_size``. (Counting
+      only the primary there would keep a ``min_replica_size >= 2`` job at step 0 forever.)
+    * ``spares_above=k`` (``WorldSizeMode.FIXED_WITH_SPARES``): at most k replicas take part;
+      ranks k and above are spares.
+    """
+    if not use_async_quorum and allow_heal:
+        rank: Optional[int] = result.replica_rank
+        contributors = commit_size = result.replica_world_size
+    elif use_async_quorum and allow_heal and init_sync and result.max_step == 0:
+        rank = None if result.heal else 0
+        contributors, commit_size = 1, result.max_world_size
+    else:
+        rank = result.max_replica_rank
+        contributors = commit_size = result.max_world_size
+    if spares_above is not None:
+        contributors = min(contributors, spares_above)
+        commit_size = min(commit_size, spares_above)
+        if rank is not None and rank >= spares_above:
+            rank = None
+    return Participation(rank=rank, contributors=contributors, commit_size=commit_size)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Integration tests of the lighthouse over real gRPC on loopback (SPEC section 4)."""
+"""Integration tests of the lighthouse over real gRPC on loopback (docs/design.md, "The quorum rule")."""
 
 import os
 import threading
@@ -279,6 +279,60 @@ def test_subscription_deadline_is_not_a_death(lighthouse_factory, heartbeater):
         time.sleep(0.3)
         assert got == []
         assert form(c, "b").quorum_id > 0
+    finally:
+        sub.close()
+
+
+def test_clean_leave_is_not_announced_as_failure(lighthouse_factory, heartbeater):
+    """A replica that says it leaves (Heartbeat with leaving=True, as ManagerServer.leave
+    sends at a clean shutdown) and then drops its subscription is not announced as failed,
+    and the next quorum forms without it at once. Its stale heartbeats do not revive it."""
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=300, join_timeout_ms=10000)
+    c = client(lh)
+    heartbeater(c, "a")
+    stop_b = heartbeater(c, "b")
+    got = []
+    sub = c.subscribe_failures(lambda n: got.append(n))
+    try:
+        assert sub.wait_subscribed(5)
+        q = form(c, "a", "b")
+        b_stream = threading.Thread(
+            target=lambda: list(c.failures(timeout=0.4, subscriber="b/0")), daemon=True)
+        b_stream.start()
+        time.sleep(0.1)
+        stop_b.set()
+        time.sleep(0.06)
+        c.heartbeat("b", timeout=1.0, leaving=True)
+        c.heartbeat("b", timeout=1.0)  # a late, stale heartbeat
+        t0 = time.monotonic()
+        q2 = c.quorum("a", 5.0)  # not held back by the join timeout waiting for b
+        assert ids(q2) == ["a"] and q2.quorum_id != q.quorum_id
+        assert time.monotonic() - t0 < 1.0
+        b_stream.join(5)
+        time.sleep(0.5)  # past b's heartbeat timeout
+        assert got == [], [n.error_message for n in got]
+    finally:
+        sub.close()
+
+
+def test_dropped_subscription_without_leave_is_a_failure(lighthouse_factory, heartbeater):
+    """The counterpart of the clean leave: the same stream ended early without a leave is
+    announced (the kill -9 case)."""
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=5000, join_timeout_ms=10000)
+    c = client(lh)
+    heartbeater(c, "a")
+    heartbeater(c, "b")
+    got = []
+    arrived = threading.Event()
+    sub = c.subscribe_failures(lambda n: (got.append(n), arrived.set()))
+    try:
+        assert sub.wait_subscribed(5)
+        form(c, "a", "b")
+        b_sub = c.subscribe_failures(lambda n: None, subscriber="b/0")
+        assert b_sub.wait_subscribed(5)
+        b_sub.close()
+        assert arrived.wait(3), "a dropped subscription was not announced"
+        assert got[0].replica_id == "b"
     finally:
         sub.close()
 

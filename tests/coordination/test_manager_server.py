@@ -1,4 +1,4 @@
-"""Integration tests of ManagerServer / ManagerClient over real gRPC on loopback (SPEC 5)."""
+"""Integration tests of ManagerServer / ManagerClient over real gRPC on loopback (docs/design.md, "Roles")."""
 
 import os
 import signal

@@ -42,7 +42,7 @@ def test_generated_grpc_module_uses_relative_import():
     assert "\nimport torchft_pb2" not in text
 
 
-# torchft's wire layout (SPEC section 3): message -> {field: (number, type name or label)}.
+# torchft's wire layout: message -> {field: (number, type name or label)}.
 WIRE = {
     "QuorumMember": {"replica_id": 1, "address": 2, "store_address": 3, "step": 4, "world_size": 5,
                      "shrink_only": 6, "data": 7, "commit_failures": 8},

@@ -1,4 +1,4 @@
-"""Table tests of the pure algorithms in ft.coordination.quorum (SPEC sections 4 and 5)."""
+"""Table tests of the pure algorithms in ft.coordination.quorum (docs/design.md, "The quorum rule", "Who takes part in a step")."""
 
 import pytest
 
@@ -10,6 +10,7 @@ from ft.coordination.quorum import (
     compute_quorum_result,
     merge_group_requests,
     next_quorum_id,
+    participation,
     quorum_compute,
 )
 
@@ -214,3 +215,54 @@ def test_merge_group_requests(name, reqs, ws, expected):
 def test_merge_group_requests_needs_every_rank():
     with pytest.raises(ValueError, match="0..1"):
         merge_group_requests({0: GroupRequest(0, 1)}, 2)
+
+
+# (name, member steps, init_sync, async quorum, allow_heal, spares_above,
+#  expected (rank, contributors, commit_size) per member, in replica order)
+PARTICIPATION_CASES = [
+    ("async, init_sync, step 0: primary contributes, all commit", [0, 0], True, True, True, None,
+     [(0, 1, 2), (None, 1, 2)]),
+    ("async, init_sync, step 0, 3 groups", [0, 0, 0], True, True, True, None,
+     [(0, 1, 3), (None, 1, 3), (None, 1, 3)]),
+    ("async, no init_sync, step 0: everyone", [0, 0, 0], False, True, True, None,
+     [(0, 3, 3), (1, 3, 3), (2, 3, 3)]),
+    ("sync, init_sync, step 0: all heal first, all take part", [0, 0], True, False, True, None,
+     [(0, 2, 2), (1, 2, 2)]),
+    ("async, one behind sits out", [5, 3, 5], True, True, True, None,
+     [(0, 2, 2), (None, 2, 2), (1, 2, 2)]),
+    ("sync, one behind heals first", [5, 3, 5], True, False, True, None,
+     [(0, 3, 3), (1, 3, 3), (2, 3, 3)]),
+    ("no heal allowed, step 0: max-step members", [0, 0], True, False, False, None,
+     [(0, 2, 2), (1, 2, 2)]),
+    ("no heal allowed, one behind", [2, 1], True, True, False, None,
+     [(0, 1, 1), (None, 1, 1)]),
+    ("spares: 3 up to date, 2 take part", [4, 4, 4], True, True, True, 2,
+     [(0, 2, 2), (1, 2, 2), (None, 2, 2)]),
+    ("spares at step 0 with init_sync", [0, 0, 0], True, True, True, 2,
+     [(0, 1, 2), (None, 1, 2), (None, 1, 2)]),
+]
+
+
+@pytest.mark.parametrize("name,steps,init_sync,async_q,allow_heal,spares,expected",
+                         PARTICIPATION_CASES, ids=[c[0] for c in PARTICIPATION_CASES])
+def test_participation(name, steps, init_sync, async_q, allow_heal, spares, expected):
+    a = _answers(steps, 0, init_sync)
+    got = []
+    for i in range(len(steps)):
+        p = participation(a[f"r{i}"], use_async_quorum=async_q, allow_heal=allow_heal,
+                          init_sync=init_sync, spares_above=spares)
+        got.append((p.rank, p.contributors, p.commit_size))
+    assert got == expected
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("async_q", [False, True])
+@pytest.mark.parametrize("init_sync", [False, True])
+def test_participation_step0_commits_when_quorum_is_large_enough(groups, async_q, init_sync):
+    """At step 0 every member of the quorum counts toward min_replica_size, in every mode: a
+    job whose quorum holds min_replica_size replicas can always commit its first step."""
+    a = _answers([0] * groups, 0, init_sync)
+    for r in a.values():
+        p = participation(r, use_async_quorum=async_q, allow_heal=True, init_sync=init_sync)
+        assert p.enough(groups) and not p.enough(groups + 1)
+        assert p.contributors >= 1

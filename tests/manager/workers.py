@@ -143,7 +143,7 @@ def train(
         history.append({
             "step": step,
             "committed": manager.current_step() == step + 1,
-            "participants": manager._participating_world_size,
+            "participants": manager.num_participants(),
             "errored": None if err is None else f"{type(err).__name__}: {err}",
             "pre_hash": pre_hash,
             "injected": injected,
@@ -169,3 +169,91 @@ def train(
     }
     manager.shutdown(wait=False)
     return result
+
+
+def default_config_combos(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    *,
+    combos: List[Dict[str, Any]],
+    target_step: int = 3,
+    attempts_without_quorum_size: int = 3,
+    combo_timeout: float = 30.0,
+) -> Dict[str, Any]:
+    """One replica group (rank == group) runs torchft's plain loop under each configuration.
+
+    For combo i the test sets ``lh/{i}`` to a fresh lighthouse's address; this group builds a
+    Manager with the combo's ``use_async_quorum``, ``init_sync`` and ``min_replica_size`` and
+    runs ``start_quorum`` → ``allreduce(grad).wait()`` → ``should_commit`` until it has
+    committed ``target_step`` steps (or, when ``min_replica_size`` exceeds the number of
+    groups, for ``attempts_without_quorum_size`` attempts). It reports the final step, each
+    attempt's wall time, and its model and optimizer state, then sets ``done/{i}/{rank}``.
+    """
+    import ft
+    from ft.checkpointing import HTTPTransport
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    test_store = connect_store(store_port)
+    out: Dict[str, Any] = {}
+    for i, combo in enumerate(combos):
+        test_store.wait([f"lh/{i}"], timedelta(seconds=60))
+        lh_addr = test_store.get(f"lh/{i}").decode()
+        # Without init_sync, torchft expects identical initial weights from the user's seed;
+        # with it, every group starts different and the heal must make them equal.
+        torch.manual_seed(7 + (rank if combo["init_sync"] else 0))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        to = timedelta(seconds=10)
+        manager = ft.Manager(
+            pg=ft.ProcessGroupGloo(timeout=to),
+            load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                        optim.load_state_dict(sd["optim"])),
+            state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+            min_replica_size=combo["min_replica_size"],
+            use_async_quorum=combo["use_async_quorum"],
+            init_sync=combo["init_sync"],
+            timeout=to, quorum_timeout=to, connect_timeout=to,
+            rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
+            lighthouse_addr=lh_addr, replica_id=f"c{i}g{rank}", hostname="127.0.0.1",
+            checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0,
+                                               advertise_host="127.0.0.1"),
+        )
+        # Every group heartbeats before any asks for a quorum, so the first quorum holds all.
+        test_store.set(f"ready/{i}/{rank}", "1")
+        test_store.wait([f"ready/{i}/{g}" for g in range(world_size)], timedelta(seconds=60))
+        reachable = combo["min_replica_size"] <= world_size
+        attempts: List[float] = []
+        trace: List[Any] = []
+        deadline = time.monotonic() + combo_timeout
+        while time.monotonic() < deadline:
+            if reachable and manager.current_step() >= target_step:
+                break
+            if not reachable and len(attempts) >= attempts_without_quorum_size:
+                break
+            t0 = time.monotonic()
+            manager.start_quorum()
+            optim.zero_grad()
+            gen = torch.Generator().manual_seed(1000 * manager.current_step() + rank)
+            loss = model(torch.randn(4, 8, generator=gen)).square().mean()
+            loss.backward()
+            works = [manager.allreduce(p.grad) for p in model.parameters()]
+            for w in works:
+                w.wait()
+            committed = manager.should_commit()
+            if committed:
+                optim.step()
+            attempts.append(time.monotonic() - t0)
+            trace.append((manager.quorum_id(), manager.num_participants(),
+                          manager.is_participating(), committed))
+        out[combo["name"]] = {
+            "step": manager.current_step(),
+            "attempts": attempts,
+            "trace": trace,
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": optim.state_dict(),
+        }
+        manager.shutdown(wait=False)
+        test_store.set(f"done/{i}/{rank}", "1")
+    return out

@@ -52,10 +52,12 @@ class LighthouseQuorumResponse(_message.Message):
     def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id",)
+    __slots__ = ("replica_id", "leaving")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, replica_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class LighthouseHeartbeatResponse(_message.Message):
     __slots__ = ()
