@@ -16,7 +16,8 @@ namespace py = pybind11;
 namespace {
 
 // Builds torch's own ProcessGroupGloo through its Python binding (torch ships
-// no Gloo headers). Called from configure(), on the configuring thread; the
+// no Gloo headers), by way of ft.process_group._new_gloo. Called from
+// configure(), on the configuring thread; the
 // binding releases the GIL while it waits for peers.
 c10::intrusive_ptr<c10d::Backend> makeGloo(
     const c10::intrusive_ptr<c10d::Store>& store,
@@ -24,12 +25,13 @@ c10::intrusive_ptr<c10d::Backend> makeGloo(
     int size,
     std::chrono::milliseconds timeout) {
   py::gil_scoped_acquire gil;
-  py::object cls =
-      py::module_::import("torch.distributed").attr("ProcessGroupGloo");
+  // ft.process_group._new_gloo binds Gloo to the replica's advertised address.
+  py::object factory =
+      py::module_::import("ft.process_group").attr("_new_gloo");
   // Gloo's own timeout is a backstop: ft's watchdog fires first.
   const auto innerTimeout = timeout + std::max(
       std::chrono::milliseconds(1000), timeout / 10);
-  py::object pg = cls(store, rank, size, innerTimeout);
+  py::object pg = factory(store, rank, size, innerTimeout);
   auto backend = pg.cast<c10::intrusive_ptr<c10d::Backend>>();
   pg = py::object(); // drop the Python wrapper while we hold the GIL
   return backend;

@@ -61,7 +61,9 @@ from ft.coordination import (
     QuorumResult,
 )
 from ft.coordination.manager_server import LocalManagerClient
+from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
+from ft.utils import net
 
 __all__ = ["Manager", "WorldSizeMode"]
 
@@ -217,12 +219,17 @@ class Manager:
         lighthouse_addr: default env ``TORCHFT_LIGHTHOUSE``.
         replica_id: the group's name; the Manager appends ``":" + uuid4`` (new on every start).
         port: the ManagerServer's port (default env ``TORCHFT_MANAGER_PORT`` or any).
-        hostname: the host name peers use to reach this group's ManagerServer.
+        hostname: the host peers use to reach this replica (its ManagerServer, checkpoint
+            server, store and Gloo). Default: ``FT_ADVERTISE_HOST``, else the address of
+            the interface that routes to the lighthouse (docs/multihost.md, "Addresses").
         heartbeat_interval: ManagerServer heartbeats to the lighthouse.
         checkpoint_transport: default ``HTTPTransport(timeout=timeout, num_chunks=0)``.
         init_sync: heal every replica from one primary at step 0 (identical initial state).
         max_retries: raise RuntimeError after this many consecutive failed commits.
-        quorum_retries: extra lighthouse attempts per quorum (env ``TORCHFT_QUORUM_RETRIES``).
+        quorum_retries: at most this many extra lighthouse attempts per quorum (env
+            ``TORCHFT_QUORUM_RETRIES``); None (default): a lost lighthouse connection is
+            retried until ``quorum_timeout``, so a lighthouse outage or a partition shorter
+            than that ends no process.
     """
 
     def __init__(
@@ -243,12 +250,12 @@ class Manager:
         lighthouse_addr: Optional[str] = None,
         replica_id: Optional[str] = None,
         port: Optional[int] = None,
-        hostname: str = socket.gethostname(),
+        hostname: Optional[str] = None,
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
         checkpoint_transport: Optional[CheckpointTransport[Dict[str, T]]] = None,
         init_sync: bool = True,
         max_retries: Optional[int] = None,
-        quorum_retries: int = 0,
+        quorum_retries: Optional[int] = None,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
@@ -263,7 +270,9 @@ class Manager:
         self._connect_timeout = _env_timeout(
             CONNECT_TIMEOUT_SEC_ENV, _to_timedelta(connect_timeout)
         )
-        quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
+        env_retries = os.environ.get(QUORUM_RETRIES_ENV)
+        if env_retries:
+            quorum_retries = int(env_retries)
 
         self._rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
         self._world_size = int(
@@ -327,10 +336,18 @@ class Manager:
         store_addr: Optional[str],
         store_port: Optional[int],
         port: Optional[int],
-        hostname: str,
+        hostname: Optional[str],
         heartbeat_interval: timedelta,
-        quorum_retries: int,
+        quorum_retries: Optional[int],
     ) -> None:
+        lighthouse_host, _ = split_hostport(self._lighthouse_addr)
+        if hostname is None:
+            hostname = net.advertise_host(toward=lighthouse_host)
+        net.check_reachable_advertisement(hostname, lighthouse_host, f"replica {self._replica_id!r}")
+        if not os.environ.get(net.ADVERTISE_ENV):
+            # The checkpoint transport, the store address and Gloo advertise the same host.
+            net.set_process_advertise_host(hostname)
+        self._advertise_host = hostname
         store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
         if store_port is None:
             env_port = os.environ.get("MASTER_PORT")
@@ -368,8 +385,11 @@ class Manager:
                 replica_id=self._replica_id,
                 lighthouse_addr=self._lighthouse_addr,
                 hostname=hostname,
-                bind=f"[::]:{port}",
-                store_addr=f"{store_addr}:{self._store_port}",
+                bind=f"{net.bind_host_for(hostname)}:{port}",
+                # Other groups dial the primary's store: a loopback MASTER_ADDR is advertised
+                # as this replica's host (the store server listens on every interface).
+                store_addr=join_hostport(
+                    hostname if net.is_loopback(store_addr) else store_addr, self._store_port),
                 world_size=self._world_size,
                 heartbeat_interval=heartbeat_interval,
                 connect_timeout=self._connect_timeout,

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, PrefixStore, TCPStore
 
 from ft import _C
+from ft.utils import net
 
 __all__ = [
     "ProcessGroup",
@@ -305,3 +306,20 @@ def _release_before_interpreter_exit() -> None:
     # references ops still hold, here, with the GIL.
     _C._shutdown_all(timedelta(seconds=5))
     _C._drain_releaser(True)
+
+
+def _new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """torch's ProcessGroupGloo for one lane of the ft backend (called from C++).
+
+    Gloo listens on, and tells its peers, the replica's advertised address
+    (:func:`ft.utils.net.chosen_advertise_host`): by default Gloo resolves the host name, which on
+    many machines is 127.0.0.1, and peers on other hosts could never connect. An explicit
+    ``GLOO_SOCKET_IFNAME`` still wins.
+    """
+    host = net.chosen_advertise_host()
+    if host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
+    return dist.ProcessGroupGloo(store, rank, size, opts)

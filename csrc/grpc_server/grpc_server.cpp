@@ -169,6 +169,11 @@ class Server {
     builder.SetMaxReceiveMessageSize(maxMessageBytes);
     builder.SetMaxSendMessageSize(maxMessageBytes);
     builder.AddChannelArgument("grpc.so_reuseport", 0);
+    // Accept clients' keepalive pings every few seconds (ft's clients ping every 5 s so that a
+    // partition ends their calls); the default policy answers them with GOAWAY.
+    builder.AddChannelArgument("grpc.keepalive_permit_without_calls", 1);
+    builder.AddChannelArgument("grpc.http2.min_recv_ping_interval_without_data_ms", 2500);
+    builder.AddChannelArgument("grpc.http2.max_ping_strikes", 0);
     if (keepaliveMs > 0) {
       // Ping idle connections, so that the call of a peer that stopped answering ends.
       builder.AddChannelArgument("grpc.keepalive_time_ms", keepaliveMs);

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hmac
 import http.client
-import ipaddress
 import logging
 import os
 import socket
@@ -49,6 +48,7 @@ import torch
 from ft import _C
 from ft.checkpointing import same_host as same_host_path
 from ft.checkpointing import serialization as ser
+from ft.utils import net
 from ft.checkpointing.transport import (
     CheckpointAuthError,
     CheckpointCorruptError,
@@ -66,7 +66,7 @@ __all__ = ["HTTPTransport", "default_advertise_host", "plan_chunks"]
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "FT_CHECKPOINT_TOKEN"
-ADVERTISE_ENV = "FT_ADVERTISE_HOST"
+ADVERTISE_ENV = net.ADVERTISE_ENV
 SAME_HOST_ENV = "FT_CHECKPOINT_SAME_HOST"
 _PREFIX = "/ft/v1/checkpoint/"
 _SLICE = 1 << 20  # bytes per read/crc/write step
@@ -129,46 +129,12 @@ def _raise_for_status(status: int, text: str) -> None:
     raise CheckpointTransferError(text)
 
 
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def default_advertise_host(bind_host: Optional[str] = None) -> str:
-    """The address peers should use to reach this host.
-
-    ``FT_ADVERTISE_HOST`` if set; else a specific ``bind_host``; else a non-loopback address
-    of this host's name; else the address of the interface holding the default route; else
-    the host name itself.
-    """
-    env = os.environ.get(ADVERTISE_ENV)
-    if env:
-        return env
-    if bind_host not in (None, "", "0.0.0.0", "::"):
+    """The address peers should use to reach this host: a specific ``bind_host`` if given,
+    else the process's advertised host (:func:`ft.utils.net.advertise_host`)."""
+    if bind_host not in (None, "", "0.0.0.0", "::") and not os.environ.get(ADVERTISE_ENV):
         return bind_host  # type: ignore[return-value]
-    name = socket.gethostname()
-    try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        addrs = [info[4][0] for info in infos]
-    except OSError:
-        addrs = []
-    good = [a for a in addrs if not _is_loopback(a)]
-    if good:
-        good.sort(key=lambda a: ":" in a)  # prefer IPv4
-        return good[0]
-    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))  # UDP connect sends nothing; it only picks a route
-                addr = s.getsockname()[0]
-            if not _is_loopback(addr) and not ipaddress.ip_address(addr).is_unspecified:
-                return addr
-        except OSError:
-            pass
-    logger.warning("no non-loopback address found; advertising %s", name)
-    return name
+    return net.advertise_host()
 
 
 def _bracket(host: str) -> str:
@@ -410,7 +376,10 @@ class HTTPTransport(CheckpointTransport[T]):
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._server = _Server((bind_host, port), self._handler_class(), family)
         self._port = self._server.server_address[1]
-        self._advertise = advertise_host or default_advertise_host(bind_host)
+        # None: resolved at every metadata() call, so the host the Manager picks at its start
+        # (the interface that routes to the lighthouse) applies to a transport built before it.
+        self._advertise = advertise_host or (
+            bind_host if bind_host not in ("", "0.0.0.0", "::") else None)
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -437,7 +406,8 @@ class HTTPTransport(CheckpointTransport[T]):
     def metadata(self) -> str:
         """``http://host:port``, plus ``#<name>`` of the same-host endpoint when it serves one
         (a URL fragment: HTTP clients never send it)."""
-        url = f"http://{_bracket(self._advertise)}:{self._port}"
+        host = self._advertise or default_advertise_host()
+        url = f"http://{_bracket(host)}:{self._port}"
         return f"{url}#{self._local.name}" if self._local is not None else url
 
     def address(self) -> str:

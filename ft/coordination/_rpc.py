@@ -23,6 +23,9 @@ MAX_RANK = 1 << 20
 # A deadline further away than this is treated as "no deadline" (gRPC reports ~9.2e18 s).
 NO_DEADLINE_S = 1e9
 
+# Client keepalive period; servers accept pings twice as often.
+KEEPALIVE_TIME_MS = 5000
+
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -31,13 +34,34 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),
+    # Notice a dead peer within ~10 s even while a call waits with nothing to send (a partition
+    # sends no RST): ping every 5 s, give up on the connection 5 s after an unanswered ping.
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # Accept the clients' keepalive pings (the default policy answers pings more often than
+    # every 5 minutes with GOAWAY "too_many_pings").
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+# Failures of the connection rather than of the request: a refused, reset or dropped connection
+# (UNAVAILABLE), or a stream torn down mid-call (CANCELLED by the transport, UNKNOWN "Stream
+# removed"). Clients retry these until their deadline (docs/design.md, "Network faults").
+TRANSIENT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+})
 
 
 class CoordinationError(RuntimeError):

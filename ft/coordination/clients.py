@@ -47,6 +47,8 @@ from ._proto import torchft_pb2 as pb
 from ._proto import torchft_pb2_grpc as pb_grpc
 from ._rpc import CoordinationError, Timeout
 from .quorum import Quorum, QuorumResult
+from ..utils.deadline import Deadline
+from ..utils.retry import retry_until
 
 logger = logging.getLogger("ft.coordination")
 
@@ -57,6 +59,11 @@ __all__ = [
     "FailureSubscription",
     "CoordinationError",
 ]
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failure that a later attempt may not meet: the connection, not the request."""
+    return isinstance(exc, CoordinationError) and exc.code in _rpc.TRANSIENT_CODES
 
 
 def _required(t: Optional[Timeout], what: str) -> float:
@@ -76,25 +83,45 @@ class _Client:
         self._stub = self._stub_cls(self._channel)
         self._connected = False
 
-    def _call(self, method: str, request, timeout: Timeout, wait_for_ready: bool = True):
+    def _call(
+        self,
+        method: str,
+        request,
+        timeout: Timeout,
+        wait_for_ready: bool = True,
+        *,
+        retries: Optional[int] = None,
+        on_retry: Optional[Callable[[int, BaseException, float], None]] = None,
+    ):
+        """One RPC, retried with backoff on a transient failure (a refused, reset or dropped
+        connection: UNAVAILABLE) until ``timeout`` runs out, or ``retries`` retries (0: no
+        retry). A network blip or a restarting server is not fatal while time remains; the
+        last failure is raised when it does run out."""
         t = _required(timeout, method)
         if t <= 0:
             raise TimeoutError(f"{method}: timeout must be > 0, got {t}")
-        if wait_for_ready and not self._connected:
-            # Bound the connection phase by connect_timeout as well as by the call's timeout.
-            connect = min(self._connect_timeout, t)
+        deadline = Deadline.after(t)
+
+        def attempt(remaining: float):
+            if wait_for_ready and not self._connected:
+                # Bound the connection phase by connect_timeout as well as by the deadline.
+                connect = min(self._connect_timeout, remaining)
+                try:
+                    _rpc.wait_ready(self._channel, self._addr, connect)
+                except TimeoutError as e:
+                    raise TimeoutError(f"{method}: {e}") from None
             try:
-                _rpc.wait_ready(self._channel, self._addr, connect)
-            except TimeoutError as e:
-                raise TimeoutError(f"{method}: {e}") from None
-        try:
-            resp = getattr(self._stub, method)(request, timeout=t, wait_for_ready=wait_for_ready)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._connected = False
-            raise _rpc.translate(e, method) from None
-        self._connected = True
-        return resp
+                resp = getattr(self._stub, method)(
+                    request, timeout=remaining, wait_for_ready=wait_for_ready)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._connected = False
+                raise _rpc.translate(e, method) from None
+            self._connected = True
+            return resp
+
+        return retry_until(attempt, deadline, retries=retries, retry_on=_transient,
+                           on_retry=on_retry)
 
     def close(self) -> None:
         self._channel.close()
@@ -217,8 +244,11 @@ class LighthouseClient(_Client):
         commit_failures: int = 0,
         *,
         wait_for_ready: bool = True,
+        retries: Optional[int] = None,
+        on_retry: Optional[Callable[[int, BaseException, float], None]] = None,
     ) -> Quorum:
-        """Joins the next quorum and blocks until it is issued (or ``timeout``)."""
+        """Joins the next quorum and blocks until it is issued (or ``timeout``). A lost
+        connection is retried until ``timeout`` (or ``retries`` times)."""
         member = pb.QuorumMember(
             replica_id=replica_id,
             address=address,
@@ -230,7 +260,8 @@ class LighthouseClient(_Client):
             commit_failures=commit_failures,
         )
         resp = self._call(
-            "Quorum", pb.LighthouseQuorumRequest(requester=member), timeout, wait_for_ready
+            "Quorum", pb.LighthouseQuorumRequest(requester=member), timeout, wait_for_ready,
+            retries=retries, on_retry=on_retry,
         )
         return _rpc.quorum_from_pb(resp.quorum)
 
@@ -353,5 +384,6 @@ class ManagerClient(_Client):
         return self._call("ShouldCommit", req, timeout).should_commit
 
     def kill(self, msg: str, timeout: Timeout = _dt.timedelta(seconds=5)) -> None:
-        """Asks the ManagerServer's process to exit with a non-zero status."""
-        self._call("Kill", pb.KillRequest(msg=msg), timeout)
+        """Asks the ManagerServer's process to exit with a non-zero status (never retried: a
+        kill that may have landed is not sent twice)."""
+        self._call("Kill", pb.KillRequest(msg=msg), timeout, retries=0)

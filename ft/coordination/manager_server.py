@@ -3,8 +3,8 @@
 * Quorum: waits until all ``world_size`` local ranks asked, sends one request to the lighthouse
   (a member whose step is the group's step), and answers every rank with its own
   :class:`~ft.coordination.quorum.QuorumResult` (heal source/destinations, store address, ...).
-  Lighthouse failures are retried ``quorum_retries`` times with backoff inside the callers'
-  deadline; the final failure is sent to every waiting rank (never left to hang). A rank whose
+  A lost lighthouse connection is retried with backoff until the callers' deadline (or
+  ``quorum_retries`` times, when set); the final failure is sent to every waiting rank (never left to hang). A rank whose
   deadline passes before the others arrive gets DEADLINE_EXCEEDED naming the missing ranks.
 * ShouldCommit: an AND vote over the group's ranks, answered to all once every rank voted. A vote
   whose step disagrees with the round's (the first vote's) step is rejected with
@@ -30,7 +30,6 @@ import grpc
 from google.protobuf.message import Message
 
 from . import _rpc
-from ..utils.retry import retry_until
 from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from .clients import LighthouseClient, _result_to_pb
@@ -47,14 +46,6 @@ logger = logging.getLogger("ft.manager_server")
 
 __all__ = ["ManagerServer", "LocalManagerClient"]
 
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 @dataclass
@@ -189,7 +180,8 @@ class ManagerServer:
         world_size: number of local ranks that join each quorum and vote.
         heartbeat_interval: period of heartbeats to the lighthouse (timedelta or seconds).
         connect_timeout: bound on connecting to the lighthouse (timedelta or seconds).
-        quorum_retries: extra lighthouse attempts per quorum round.
+        quorum_retries: at most this many extra lighthouse attempts per quorum round; None
+            (default): retry a lost connection until the round's deadline.
         transport: gRPC server, see :class:`~ft.coordination.rpc_server.RpcServer`: "auto"
             (the native server where it is built), "native" or "grpcio".
     """
@@ -204,14 +196,14 @@ class ManagerServer:
         world_size: int,
         heartbeat_interval: Timeout,
         connect_timeout: Timeout,
-        quorum_retries: int = 0,
+        quorum_retries: Optional[int] = None,
         transport: str = "auto",
     ) -> None:
         if not replica_id:
             raise ValueError("replica_id must not be empty")
         if world_size < 1 or world_size > _rpc.MAX_RANK:
             raise ValueError(f"world_size must be in [1, {_rpc.MAX_RANK}], got {world_size}")
-        if quorum_retries < 0:
+        if quorum_retries is not None and quorum_retries < 0:
             raise ValueError(f"quorum_retries must be >= 0, got {quorum_retries}")
         self._replica_id = replica_id
         self._lighthouse_addr = lighthouse_addr
@@ -412,13 +404,24 @@ class ManagerServer:
         step, shrink_only, init_sync, commit_failures = merge_group_requests(
             rnd.requests, self._world_size
         )
-        attempts = [0]
+        attempts = [1]
 
-        def attempt(remaining: float) -> Quorum:
+        def on_retry(i: int, exc: BaseException, delay: float) -> None:
             attempts[0] += 1
             # Taken before sending, so it never postdates the lighthouse's record of it.
-            self._last_quorum_sent = time.monotonic()
-            return self._lighthouse.quorum(
+            self._last_quorum_sent = time.monotonic() + delay
+            logger.warning("replica %s: lighthouse quorum attempt %d failed (%s); retrying in "
+                           "%.2fs (until the quorum deadline, %.1fs from now)",
+                           self._replica_id, i + 1, exc, delay, deadline - time.monotonic())
+
+        quorum = None
+        error = None
+        self._last_quorum_sent = time.monotonic()
+        try:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the quorum deadline passed before the lighthouse was asked")
+            quorum = self._lighthouse.quorum(
                 self._replica_id,
                 timeout=remaining,
                 address=self.address(),
@@ -428,20 +431,7 @@ class ManagerServer:
                 shrink_only=shrink_only,
                 commit_failures=commit_failures,
                 wait_for_ready=False,
-            )
-
-        def on_retry(i: int, exc: BaseException, delay: float) -> None:
-            logger.warning("replica %s: lighthouse quorum attempt %d failed (%s); retrying in %.2fs",
-                           self._replica_id, i + 1, exc, delay)
-
-        quorum = None
-        error = None
-        try:
-            quorum = retry_until(
-                attempt,
-                deadline,
                 retries=self._quorum_retries,
-                retry_on=lambda e: isinstance(e, CoordinationError) and e.code in _RETRYABLE,
                 on_retry=on_retry,
             )
         except TimeoutError as e:
@@ -449,8 +439,9 @@ class ManagerServer:
                      f"replica {self._replica_id}: lighthouse quorum timed out after "
                      f"{attempts[0]} attempt(s): {e}")
         except CoordinationError as e:
-            code = e.code if e.code in _RETRYABLE else grpc.StatusCode.UNAVAILABLE
-            error = (code, f"replica {self._replica_id}: lighthouse quorum failed after "
+            # ABORTED, not the lighthouse's own code: this server already retried it, and a
+            # transient code would make every rank's client retry the whole round again.
+            error = (grpc.StatusCode.ABORTED, f"replica {self._replica_id}: lighthouse quorum failed after "
                            f"{attempts[0]} attempt(s): {e}")
         except Exception as e:  # pragma: no cover - defensive
             error = (grpc.StatusCode.INTERNAL, f"lighthouse quorum failed: {e!r}")

@@ -6,7 +6,7 @@ Use it instead of writing another retry loop::
 
     value = retry_until(
         lambda remaining: call(timeout=remaining),
-        deadline=time.monotonic() + 5.0,
+        deadline=Deadline.after(5.0),
         retries=3,                               # None: until the deadline
         retry_on=lambda exc: isinstance(exc, ConnectionError),
     )
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, Union
+
+from .deadline import Deadline
 
 T = TypeVar("T")
 
@@ -37,7 +39,7 @@ def backoff_delays(initial: float = 0.05, maximum: float = 1.0, multiplier: floa
 
 def retry_until(
     fn: Callable[[float], T],
-    deadline: float,
+    deadline: Union[Deadline, float],
     *,
     retries: Optional[int] = None,
     retry_on: Callable[[BaseException], bool] = lambda exc: isinstance(exc, Exception),
@@ -51,7 +53,8 @@ def retry_until(
 
     Args:
         fn: the attempt; gets the time left (> 0) before ``deadline``.
-        deadline: absolute time on ``clock`` (``time.monotonic`` by default).
+        deadline: a :class:`~ft.utils.deadline.Deadline`, or an absolute time on ``clock``
+            (``time.monotonic`` by default).
         retries: number of retries after the first attempt; ``None`` = until the deadline.
         retry_on: predicate deciding whether an exception is worth retrying.
         on_retry: called as ``on_retry(attempt, exc, delay)`` before each backoff sleep.
@@ -60,6 +63,8 @@ def retry_until(
         The last exception of ``fn``; ``TimeoutError`` if the deadline passed before the first
         attempt.
     """
+    if isinstance(deadline, Deadline):
+        deadline = deadline.at
     attempt = 0
     delays = backoff_delays(initial_backoff, max_backoff)
     while True:

@@ -181,7 +181,7 @@ def test_lighthouse_restart_training_resumes() -> None:
     keys = ["step/0/0", "step/1/0"]
     try:
         with Workers(TARGET, 2, store, lh_addr=f"127.0.0.1:{port}", ports=ports, wait_ready=2,
-                     quorum_retries=100, quorum_timeout=30.0, step_sleep=0.05) as w:
+                     quorum_timeout=30.0, step_sleep=0.05) as w:
             wait_progress(store, keys, 3, 90, w)
             lh.shutdown()
             time.sleep(0.5)

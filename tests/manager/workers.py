@@ -50,7 +50,7 @@ def train(
     wait_ready: int = 0,
     inject_abort: Optional[List[int]] = None,
     corrupt_sends: int = 0,
-    quorum_retries: int = 0,
+    quorum_retries: Optional[int] = None,
     min_replica_size: int = 1,
     max_steps_total: int = 1000,
 ) -> Dict[str, Any]:
