@@ -1,0 +1,119 @@
+"""Simulated hosts for multi-host tests: Linux network namespaces on a private bridge.
+
+``Hosts(["lh", "a", "b"])`` makes one namespace per host plus a switch namespace holding the
+bridge, and gives host i the address ``10.213.77.(10+i)/24`` on that bridge. The subnet exists
+only inside these namespaces: the test machine's own namespace gets no interface on it. Each
+host has its own loopback. Faults are injected on the switch side of a host's link
+(``partition``: the link goes down; ``restore``: up again), so the host's own processes see a
+silent network, not an interface that vanished. ``close()`` (also on ``__exit__``, whatever the
+test did) kills every process started here, by pid, and deletes every namespace.
+
+Needs root and ``ip`` (iproute2); :func:`unavailable_reason` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+from typing import Dict, List, Optional
+
+SUBNET = "10.213.77"
+
+
+def unavailable_reason() -> Optional[str]:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 ('ip') is not installed"
+    probe = f"ftprobe{uuid.uuid4().hex[:6]}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return None
+
+
+def _ip(*args: str, ns: Optional[str] = None) -> None:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + ["ip", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+class Hosts:
+    def __init__(self, names: List[str]) -> None:
+        self.tag = uuid.uuid4().hex[:6]
+        self.switch = f"ftsw{self.tag}"
+        self.ns: Dict[str, str] = {}
+        self.addr: Dict[str, str] = {}
+        self._switch_port: Dict[str, str] = {}
+        self.procs: List[subprocess.Popen] = []
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
+            _ip("link", "set", "br0", "up", ns=self.switch)
+            for i, name in enumerate(names):
+                self._add_host(i, name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_host(self, i: int, name: str) -> None:
+        ns = f"ft{self.tag}{name}"
+        _ip("netns", "add", ns)
+        self.ns[name] = ns
+        # Create the pair in the host namespace, then move one end into the switch.
+        host_end, sw_end = f"eth{i}", f"p{i}"
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", sw_end, ns=ns)
+        _ip("link", "set", sw_end, "netns", self.switch, ns=ns)
+        _ip("link", "set", sw_end, "master", "br0", ns=self.switch)
+        _ip("link", "set", sw_end, "up", ns=self.switch)
+        addr = f"{SUBNET}.{10 + i}"
+        _ip("addr", "add", f"{addr}/24", "dev", host_end, ns=ns)
+        _ip("link", "set", host_end, "up", ns=ns)
+        _ip("link", "set", "lo", "up", ns=ns)
+        self.addr[name] = addr
+        self._switch_port[name] = sw_end
+
+    def partition(self, name: str) -> None:
+        """Cuts ``name`` off the network (its switch port goes down)."""
+        _ip("link", "set", self._switch_port[name], "down", ns=self.switch)
+
+    def restore(self, name: str) -> None:
+        _ip("link", "set", self._switch_port[name], "up", ns=self.switch)
+
+    def popen(self, name: str, argv: List[str], log_path: str,
+              env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+        """Starts ``argv`` on host ``name``; reaped by :meth:`close`."""
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.ns[name], *argv], env=full_env,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for ns in [*self.ns.values(), self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        self.ns.clear()
+
+    def __enter__(self) -> "Hosts":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
