@@ -19,6 +19,13 @@ if ! pkg-config --exists grpc++ 2>/dev/null && [ "$(id -u)" = 0 ] && command -v 
     > .venv/apt-grpc.log 2>&1 \
     || echo "setup: libgrpc++-dev not installed (see .venv/apt-grpc.log); the lighthouse will use grpcio"
 fi
+# iptables for the multi-host tests' packet-loss fault (they skip that case without it).
+if ! command -v iptables >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { timeout 600 apt-get install -y -qq iptables iproute2 \
+    || { timeout 300 apt-get update -qq && timeout 600 apt-get install -y -qq iptables iproute2; }; } \
+    > .venv/apt-iptables.log 2>&1 \
+    || echo "setup: iptables not installed (see .venv/apt-iptables.log); the packet-loss test will skip"
+fi
 .venv/bin/python setup.py build_ext --inplace > .venv/build.log 2>&1 \
   || { tail -50 .venv/build.log >&2; echo "setup: build failed (log: .venv/build.log)" >&2; exit 1; }
 .venv/bin/python -c "import ft, ft.coordination.rpc_server as r; print('ft ready: torch', __import__('torch').__version__, '| NCCL:', ft._C.has_nccl, '| native gRPC server:', r.native_available())"

@@ -85,6 +85,13 @@ class Hosts:
     def restore(self, name: str) -> None:
         _ip("link", "set", self._switch_port[name], "up", ns=self.switch)
 
+    def run(self, name: str, argv: List[str]) -> None:
+        """Runs a short command (``iptables``, ``tc``) on host ``name``; raises if it fails."""
+        r = subprocess.run(["ip", "netns", "exec", self.ns[name], *argv], capture_output=True,
+                           text=True, timeout=10)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} on {name}: {r.stderr.strip()}")
+
     def popen(self, name: str, argv: List[str], log_path: str,
               env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
         """Starts ``argv`` on host ``name``; reaped by :meth:`close`."""

@@ -1,140 +1,101 @@
-"""Multi-host fault tests: a lighthouse and two replica groups on three simulated hosts
-(network namespaces on a private bridge, tests/multihost/netns.py), with faults injected by
-taking a host's link down.
+"""Multi-host fault tests: a lighthouse and replica groups on simulated hosts (network
+namespaces on a private bridge, tests/multihost/netns.py). Faults are real: a host's link goes
+down on the switch side, a process gets kill -9, iptables drops packets at random.
 
-What a user on many machines needs: a lighthouse outage or a partition shorter than
-``quorum_timeout`` ends no process, training resumes by itself, the cut-off group rejoins and
-heals without a restart, and every group ends with bitwise identical model and optimizer state.
-Nothing but the lighthouse address is configured: the advertised addresses come from the route
-to the lighthouse.
+Each scenario asserts what a user on many machines needs: no process exits, survivors stall for
+a bounded time, a cut-off group rejoins and heals without a restart, and every group ends with
+bitwise identical model and optimizer state. Nothing is configured but the lighthouse address:
+every advertised address comes from the route to the lighthouse. The stall bounds here are
+loose limits for a loaded 2-core machine; bench/netfault_bench.py measures the real numbers.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
 import time
-from typing import Dict, List
 
-import torch
+import pytest
 
-from tests.procs import REPO
+from tests.multihost.job import Job, assert_identical, iptables_available
 
-LH_PORT = 29510
-QUORUM_TIMEOUT_S = 30.0
-LIGHTHOUSE_OUTAGE_S = 6.0
-PARTITION_S = 8.0
+LIGHTHOUSE_OUTAGE_S = 10.0
+PARTITION_S = 15.0
+SLACK_S = 5.0  # scheduling and reconnect slack on a loaded machine
 
 
-class Group:
-    def __init__(self, hosts, name: str, tmp: str, lighthouse: str, seed: int) -> None:
-        self.name = name
-        self.progress = os.path.join(tmp, f"{name}.progress")
-        self.result = os.path.join(tmp, f"{name}.pt")
-        self.log = os.path.join(tmp, f"{name}.log")
-        self.stop_file = os.path.join(tmp, "stop")
-        cfg = {"name": name, "seed": seed, "lighthouse": lighthouse, "timeout": 5.0,
-               "quorum_timeout": QUORUM_TIMEOUT_S, "progress": self.progress,
-               "stop_file": self.stop_file, "result": self.result, "step_sleep": 0.05}
-        self.proc = hosts.popen(name, [sys.executable, "-m", "tests.multihost.worker",
-                                       json.dumps(cfg)], self.log,
-                                env={"PYTHONPATH": REPO, "FT_ADVERTISE_HOST": ""})
+def test_lighthouse_partition_and_restart_end_no_process(hosts_factory):
+    job = Job(hosts_factory, groups=2)
+    job.wait_steps({"a": 3, "b": 3}, timeout=120)
+    pids = {g.name: g.pids() for g in job.groups}
 
-    def lines(self) -> List[List[str]]:
-        if not os.path.exists(self.progress):
-            return []
-        with open(self.progress) as f:
-            return [ln.split() for ln in f.read().splitlines() if ln.strip()]
-
-    def step(self) -> int:
-        lines = self.lines()
-        return int(lines[-1][0]) if lines else -1
-
-    def pids(self) -> set:
-        return {ln[1] for ln in self.lines()}
-
-    def tail(self) -> str:
-        try:
-            with open(self.log) as f:
-                return f.read()[-4000:]
-        except OSError:
-            return ""
-
-
-def wait_steps(groups: List[Group], at_least: Dict[str, int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for g in groups:
-            code = g.proc.poll()
-            assert code is None or (code == 0 and os.path.exists(g.result)), \
-                f"group {g.name} exited with {code}:\n{g.tail()}"
-        if all(g.step() >= at_least[g.name] for g in groups):
-            return
-        time.sleep(0.1)
-    logs = "\n".join(f"--- {g.name} (step {g.step()})\n{g.tail()}" for g in groups)
-    raise AssertionError(f"no progress to {at_least} within {timeout}s\n{logs}")
-
-
-def assert_identical(results: List[dict]) -> None:
-    ref = results[0]
-    for other in results[1:]:
-        assert other["step"] == ref["step"]
-        for k, v in ref["model"].items():
-            assert torch.equal(v, other["model"][k]), f"model {k} differs"
-        assert other["optim"]["param_groups"] == ref["optim"]["param_groups"]
-        for pid, st in ref["optim"]["state"].items():
-            for k, v in st.items():
-                ov = other["optim"]["state"][pid][k]
-                assert torch.equal(v, ov) if torch.is_tensor(v) else v == ov, (pid, k)
-
-
-def test_lighthouse_outage_and_group_partition_end_no_process_and_end_identical(hosts_factory):
-    hosts = hosts_factory(["lh", "a", "b"])
-    tmp = tempfile.mkdtemp(prefix="ft-multihost-")
-    lighthouse = f"http://{hosts.addr['lh']}:{LH_PORT}"
-    lh_log = os.path.join(tmp, "lighthouse.log")
-    lh = hosts.popen("lh", [sys.executable, "-m", "ft.coordination.cli",
-                            "--bind", f"{hosts.addr['lh']}:{LH_PORT}", "--min_replicas", "1",
-                            "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000",
-                            "--http_bind", ""], lh_log, env={"PYTHONPATH": REPO})
-    groups = [Group(hosts, "a", tmp, lighthouse, seed=1), Group(hosts, "b", tmp, lighthouse, seed=2)]
-    a, b = groups
-    wait_steps(groups, {"a": 3, "b": 3}, timeout=120)
-
-    # 1. The lighthouse is unreachable for less than quorum_timeout: nobody exits, and
-    #    training resumes by itself once it is back.
-    hosts.partition("lh")
+    # The lighthouse is unreachable for 10 s (< quorum_timeout): everyone waits, nobody exits.
+    t0 = time.time()
+    job.hosts.partition("lh")
     time.sleep(LIGHTHOUSE_OUTAGE_S)
-    hosts.restore("lh")
-    assert lh.poll() is None
-    back = {g.name: g.step() + 3 for g in groups}
-    wait_steps(groups, back, timeout=QUORUM_TIMEOUT_S + 30)
+    job.hosts.restore("lh")
+    job.advance(3, timeout=job.quorum_timeout)
+    for g in job.groups:
+        pause = g.longest_stall(t0, time.time())
+        assert pause <= LIGHTHOUSE_OUTAGE_S + 2 + SLACK_S, (g.name, pause)
 
-    # 2. Group b is cut off from everyone: a trains on alone; b rejoins and heals when the
-    #    network returns, in the same process.
-    b_pid_before = b.pids()
-    hosts.partition("b")
-    t_cut = time.monotonic()
-    a_at_cut = a.step()
-    wait_steps([a], {"a": a_at_cut + 3}, timeout=PARTITION_S + 10)
-    time.sleep(max(0.0, PARTITION_S - (time.monotonic() - t_cut)))
-    hosts.restore("b")
-    a_now = a.step()
-    wait_steps(groups, {"a": a_now + 3, "b": a_now + 1}, timeout=QUORUM_TIMEOUT_S + 30)
-    assert b.pids() == b_pid_before, "b was restarted instead of rejoining"
+    # The lighthouse process dies and a new one starts on the same address.
+    job.kill_lighthouse()
+    time.sleep(2.0)
+    job.start_lighthouse()
+    job.advance(3, timeout=job.quorum_timeout)
 
-    # 3. Stop together and compare every group's full state.
-    target = max(g.step() for g in groups) + 3
-    with open(os.path.join(tmp, "stop"), "w") as f:
-        f.write(str(target))
-    for g in groups:
-        try:
-            code = g.proc.wait(timeout=60)
-        except Exception:
-            raise AssertionError(f"{g.name} did not stop:\n{g.tail()}") from None
-        assert code == 0, f"{g.name} exited with {code}:\n{g.tail()}"
-    results = [torch.load(g.result, weights_only=False) for g in groups]
-    assert results[0]["step"] == target
-    assert_identical(results)
+    assert {g.name: g.pids() for g in job.groups} == pids, "a group was restarted"
+    assert_identical(job.stop_and_collect())
+    job.cleanup()
+
+
+def test_group_partition_rejoins_without_restart(hosts_factory):
+    job = Job(hosts_factory, groups=3)
+    job.wait_steps({"a": 3, "b": 3, "c": 3}, timeout=120)
+    c = job.group("c")
+    c_pids = c.pids()
+
+    # c is cut off from everyone for 15 s: a and b drop it and train on.
+    t_cut = time.time()
+    at_cut = job.group("a").step()
+    job.hosts.partition("c")
+    time.sleep(PARTITION_S)
+    t_back = time.time()
+    job.hosts.restore("c")
+    for name in ("a", "b"):
+        g = job.group(name)
+        assert g.step() >= at_cut + 3, f"{name} did not train on while c was cut off"
+        stall = g.longest_stall(t_cut, t_back)
+        assert stall <= job.heartbeat_timeout_s + job.op_timeout + SLACK_S, (name, stall)
+
+    # c rejoins and heals in the same process, and commits with the others again.
+    job.advance(3, timeout=job.quorum_timeout)
+    assert c.pids() == c_pids, "c was restarted instead of rejoining"
+    assert c.first_commit_after(t_back, above=0) is not None
+    assert_identical(job.stop_and_collect())
+    job.cleanup()
+
+
+def test_killed_group_restarts_and_heals(hosts_factory):
+    job = Job(hosts_factory, groups=2)
+    job.wait_steps({"a": 3, "b": 3}, timeout=120)
+    b = job.group("b")
+    t_kill = time.time()
+    b.kill()
+    job.wait_steps({"a": job.group("a").step() + 3}, timeout=30, allow_dead=("b",))
+    stall = job.group("a").longest_stall(t_kill, time.time())
+    assert stall <= job.heartbeat_timeout_s + SLACK_S, stall
+    b.start()
+    job.advance(3, timeout=120)
+    assert len(b.pids()) == 2
+    assert_identical(job.stop_and_collect())
+    job.cleanup()
+
+
+@pytest.mark.skipif(not iptables_available(), reason="iptables is not installed")
+def test_packet_loss_on_one_link_finishes_identical(hosts_factory):
+    job = Job(hosts_factory, groups=2)
+    job.wait_steps({"a": 3, "b": 3}, timeout=120)
+    job.drop_packets("b", 0.02)
+    job.advance(10, timeout=120)
+    assert_identical(job.stop_and_collect())
+    job.cleanup()

@@ -1,0 +1,204 @@
+"""A training job on simulated hosts: one lighthouse host and one host per replica group.
+
+Shared by tests/multihost and bench/netfault_bench.py. Every group runs
+``tests.multihost.worker`` (one rank per group); the job reads each group's progress file to
+measure steps, stalls and restarts, and compares final states bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from tests.multihost.netns import Hosts
+from tests.procs import REPO
+
+LH_PORT = 29510
+
+
+class Group:
+    """One replica group's process (restartable) and its progress file."""
+
+    def __init__(self, job: "Job", name: str, seed: int) -> None:
+        self.job = job
+        self.name = name
+        self.seed = seed
+        self.progress = os.path.join(job.tmp, f"{name}.progress")
+        self.result = os.path.join(job.tmp, f"{name}.pt")
+        self.proc: Optional[subprocess.Popen] = None
+        self.starts = 0
+
+    @property
+    def log(self) -> str:
+        return os.path.join(self.job.tmp, f"{self.name}.{self.starts}.log")
+
+    def start(self) -> None:
+        self.starts += 1
+        cfg = {"name": self.name, "seed": self.seed, "lighthouse": self.job.lighthouse,
+               "timeout": self.job.op_timeout, "quorum_timeout": self.job.quorum_timeout,
+               "progress": self.progress, "stop_file": self.job.stop_file,
+               "result": self.result, "step_sleep": self.job.step_sleep}
+        self.proc = self.job.hosts.popen(
+            self.name, [sys.executable, "-m", "tests.multihost.worker", json.dumps(cfg)],
+            self.log, env={"PYTHONPATH": REPO})
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def records(self) -> List[tuple]:
+        """(committed step, pid, wall time) per iteration, in order."""
+        if not os.path.exists(self.progress):
+            return []
+        with open(self.progress) as f:
+            out = []
+            for ln in f.read().splitlines():
+                parts = ln.split()
+                if len(parts) == 3:
+                    out.append((int(parts[0]), parts[1], float(parts[2])))
+            return out
+
+    def step(self) -> int:
+        recs = self.records()
+        return recs[-1][0] if recs else -1
+
+    def pids(self) -> set:
+        return {r[1] for r in self.records()}
+
+    def tail(self) -> str:
+        try:
+            with open(self.log) as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def longest_stall(self, since: float, until: float) -> float:
+        """Longest wall-clock gap between commits (step changes) within [since, until]."""
+        times = [since]
+        last_step = None
+        for step, _, t in self.records():
+            if since <= t <= until and step != last_step:
+                times.append(t)
+            last_step = step
+        times.append(until)
+        return max(b - a for a, b in zip(times, times[1:]))
+
+    def first_commit_after(self, t0: float, above: int) -> Optional[float]:
+        for step, _, t in self.records():
+            if t >= t0 and step > above:
+                return t
+        return None
+
+
+class Job:
+    """``Job(hosts_factory, groups=2)``: a lighthouse on host "lh", groups "a", "b", ..."""
+
+    def __init__(self, make_hosts, groups: int = 2, quorum_timeout: float = 30.0,
+                 op_timeout: float = 5.0, heartbeat_timeout_ms: int = 2000,
+                 step_sleep: float = 0.05) -> None:
+        names = [chr(ord("a") + i) for i in range(groups)]
+        self.hosts: Hosts = make_hosts(["lh", *names])
+        self.tmp = tempfile.mkdtemp(prefix="ft-multihost-")
+        self.quorum_timeout = quorum_timeout
+        self.op_timeout = op_timeout
+        self.heartbeat_timeout_s = heartbeat_timeout_ms / 1000
+        self.step_sleep = step_sleep
+        self.stop_file = os.path.join(self.tmp, "stop")
+        self.lighthouse = f"http://{self.hosts.addr['lh']}:{LH_PORT}"
+        self._lh_args = ["--bind", f"{self.hosts.addr['lh']}:{LH_PORT}", "--min_replicas", "1",
+                         "--join_timeout_ms", "1000",
+                         "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--http_bind", ""]
+        self.lh: Optional[subprocess.Popen] = None
+        self.lh_starts = 0
+        self.start_lighthouse()
+        self.groups = [Group(self, n, seed=i + 1) for i, n in enumerate(names)]
+        for g in self.groups:
+            g.start()
+
+    def start_lighthouse(self) -> None:
+        self.lh_starts += 1
+        self.lh = self.hosts.popen(
+            "lh", [sys.executable, "-m", "ft.coordination.cli", *self._lh_args],
+            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"), env={"PYTHONPATH": REPO})
+
+    def kill_lighthouse(self) -> None:
+        assert self.lh is not None
+        os.kill(self.lh.pid, signal.SIGKILL)
+        self.lh.wait(10)
+
+    def group(self, name: str) -> Group:
+        return next(g for g in self.groups if g.name == name)
+
+    def check_alive(self, allow_dead: tuple = ()) -> None:
+        for g in self.groups:
+            code = g.proc.poll() if g.proc is not None else None
+            if g.name in allow_dead or code is None:
+                continue
+            assert code == 0 and os.path.exists(self.stop_file), \
+                f"group {g.name} exited with {code}:\n{g.tail()}"
+
+    def wait_steps(self, at_least: Dict[str, int], timeout: float, allow_dead: tuple = ()) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive(allow_dead)
+            if all(self.group(n).step() >= s for n, s in at_least.items()):
+                return
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {g.name} (step {g.step()})\n{g.tail()}" for g in self.groups)
+        raise AssertionError(f"no progress to {at_least} within {timeout}s\n{logs}")
+
+    def advance(self, steps: int, timeout: float) -> None:
+        """Waits until every group has committed ``steps`` more steps than the furthest now."""
+        top = max(g.step() for g in self.groups)
+        self.wait_steps({g.name: top + steps for g in self.groups}, timeout)
+
+    def drop_packets(self, name: str, probability: float) -> None:
+        """Drops each packet in and out of host ``name`` with ``probability`` (iptables)."""
+        for chain in ("INPUT", "OUTPUT"):
+            self.hosts.run(name, ["iptables", "-A", chain, "-m", "statistic", "--mode", "random",
+                                  "--probability", str(probability), "-j", "DROP"])
+
+    def stop_and_collect(self, extra_steps: int = 3, timeout: float = 60.0) -> List[dict]:
+        target = max(g.step() for g in self.groups) + extra_steps
+        with open(self.stop_file, "w") as f:
+            f.write(str(target))
+        for g in self.groups:
+            try:
+                code = g.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{g.name} did not stop:\n{g.tail()}") from None
+            assert code == 0, f"{g.name} exited with {code}:\n{g.tail()}"
+        results = [torch.load(g.result, weights_only=False) for g in self.groups]
+        assert [r["step"] for r in results] == [target] * len(results)
+        return results
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def iptables_available() -> bool:
+    return shutil.which("iptables") is not None
+
+
+def assert_identical(results: List[dict]) -> None:
+    """Every group's model and optimizer state is bitwise identical."""
+    ref = results[0]
+    for i, other in enumerate(results[1:], start=1):
+        assert other["step"] == ref["step"]
+        for k, v in ref["model"].items():
+            assert torch.equal(v, other["model"][k]), f"group {i}: model {k} differs"
+        assert other["optim"]["param_groups"] == ref["optim"]["param_groups"]
+        for pid, st in ref["optim"]["state"].items():
+            for k, v in st.items():
+                ov = other["optim"]["state"][pid][k]
+                assert torch.equal(v, ov) if torch.is_tensor(v) else v == ov, (i, pid, k)
