@@ -63,6 +63,7 @@ from ft.coordination import (
 from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
+from ft.progress_watch import ProgressWatch
 from ft.utils import net
 
 __all__ = ["Manager", "WorldSizeMode"]
@@ -304,6 +305,11 @@ class Manager:
         self._subscription = None
         self._lighthouse_client: Optional[LighthouseClient] = None
         self._peer_clients: Dict[str, ManagerClient] = {}
+        self._watch = ProgressWatch(
+            self._quorum_timeout.total_seconds(),
+            lambda: (f"replica {self._replica_id} step={self._step} quorum_id={self._quorum_id} "
+                     f"members={sorted(self._quorum_replica_ids)}"),
+        )
 
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
@@ -415,6 +421,7 @@ class Manager:
         )
 
     def _teardown(self, wait: bool) -> None:
+        self._watch.close()
         if self._manager is not None:
             # Before the subscription ends: a dropped subscription reads as this replica's death.
             self._manager.leave()
@@ -503,6 +510,7 @@ class Manager:
         self._report_error(e, abort=True)
 
     def _report_error(self, e: Exception, abort: bool) -> None:
+        self._watch.error(e)
         if self._errored is None:
             # Keep the first error: later ones (e.g. collectives refused after the abort it
             # caused) are consequences, and the first names the root cause.
@@ -596,7 +604,17 @@ class Manager:
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         t0 = time.monotonic()
-        quorum: QuorumResult = self._client._quorum(
+        self._watch.phase("quorum", f"lighthouse {self._lighthouse_addr} (through the group's "
+                                    f"ManagerServer)")
+        try:
+            quorum = self._quorum_call(shrink_only, quorum_timeout)
+        except BaseException as e:
+            self._watch.error(e)
+            raise
+        self._async_quorum_after(quorum, t0, allow_heal)
+
+    def _quorum_call(self, shrink_only: bool, quorum_timeout: timedelta) -> QuorumResult:
+        return self._client._quorum(
             group_rank=self._rank,
             step=self._step,
             checkpoint_metadata=self._checkpoint_transport.metadata(),
@@ -605,6 +623,8 @@ class Manager:
             init_sync=self._init_sync,
             commit_failures=self._commit_failures,
         )
+
+    def _async_quorum_after(self, quorum: QuorumResult, t0: float, allow_heal: bool) -> None:
         t_quorum = time.monotonic() - t0
 
         plan = participation(
@@ -634,6 +654,8 @@ class Manager:
         )
         if reconfigure:
             store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._rank}"
+            self._watch.phase("configure", f"store {quorum.store_address} with replicas "
+                                           f"{quorum.replica_ids}")
             t1 = time.monotonic()
             try:
                 self._pg.configure(
@@ -652,6 +674,7 @@ class Manager:
             self._log.info("configure", f"process group configured in "
                            f"{(time.monotonic() - t1) * 1000:.1f} ms", store=store_prefixed_addr)
 
+        self._watch.phase("step", f"collectives with {quorum.replica_ids}")
         if not allow_heal:
             return
         try:
@@ -676,6 +699,8 @@ class Manager:
                 t2 = time.monotonic()
                 src = quorum.recover_src_replica_rank
                 assert src is not None
+                self._watch.phase("heal", f"replica rank {src} at "
+                                          f"{quorum.recover_src_manager_address}")
                 primary = self._peer_client(quorum.recover_src_manager_address)
                 metadata = primary._checkpoint_metadata(self._rank, timeout=self._timeout)
                 self._log.info("heal_recv", f"fetching the checkpoint from replica rank {src} "
@@ -694,6 +719,7 @@ class Manager:
                 if missing:
                     raise ValueError(f"received checkpoint lacks state for keys {sorted(missing)}")
                 self._pending_state_dict = state
+                self._watch.phase("step", f"collectives with {quorum.replica_ids}")
                 self.load_state_dict(state["torchft"])
                 self._step = quorum.max_step
                 path = getattr(self._checkpoint_transport, "last_recv_path", None)
@@ -798,6 +824,7 @@ class Manager:
             self._apply_pending_state_dict()
             self._healing = False
 
+        self._watch.phase("should_commit", "the group's vote at its ManagerServer")
         enough_replicas = self._participation.enough(self._min_replica_size)
         local_should_commit = enough_replicas and self._errored is None
         t = _to_timedelta(timeout) if timeout is not None else self._timeout
@@ -808,6 +835,7 @@ class Manager:
         self._checkpoint_transport.disallow_checkpoint()
 
         if should_commit:
+            self._watch.committed()
             self._step += 1
             self._batches_committed += self.num_participants()
             self._commit_failures = 0

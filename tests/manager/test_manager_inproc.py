@@ -3,6 +3,7 @@ Manager per thread (cheap), plus the wrappers (DDP, Optimizer, DistributedSample
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from typing import Any, List
@@ -359,3 +360,28 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
     finally:
         shutdown(ms)
         lh.shutdown()
+
+
+def test_stalled_replica_says_what_it_waits_for(caplog: pytest.LogCaptureFixture) -> None:
+    """A replica that commits nothing for longer than quorum_timeout logs, at the default
+    level (WARNING), the phase it waits in, the address it waits on and the last error."""
+    server = lighthouse(min_replicas=1)
+    addr = server.address()
+    m = make_manager(addr, "g0", use_async_quorum=False, quorum_timeout=timedelta(seconds=1.0))
+    try:
+        m.start_quorum()
+        assert m.should_commit()
+        server.shutdown()  # the lighthouse is gone for good
+        caplog.set_level(logging.WARNING, logger="ft.manager")
+        with pytest.raises((TimeoutError, RuntimeError)):
+            m.start_quorum()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(
+                "no step committed" in r.getMessage() for r in caplog.records):
+            time.sleep(0.05)
+        msgs = [r.getMessage() for r in caplog.records if "no step committed" in r.getMessage()]
+        assert msgs, "no stall warning at the default level"
+        assert "waiting in quorum" in msgs[-1] and addr in msgs[-1], msgs[-1]
+        assert "last error: " in msgs[-1] and "last error: none" not in msgs[-1], msgs[-1]
+    finally:
+        m.shutdown(wait=False)
