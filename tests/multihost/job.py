@@ -28,10 +28,11 @@ LH_PORT = 29510
 class Group:
     """One replica group's process (restartable) and its progress file."""
 
-    def __init__(self, job: "Job", name: str, seed: int) -> None:
+    def __init__(self, job: "Job", name: str, seed: int, ranks: int = 1) -> None:
         self.job = job
         self.name = name
         self.seed = seed
+        self.ranks = ranks
         self.progress = os.path.join(job.tmp, f"{name}.progress")
         self.result = os.path.join(job.tmp, f"{name}.pt")
         self.proc: Optional[subprocess.Popen] = None
@@ -47,20 +48,31 @@ class Group:
                "timeout": self.job.op_timeout, "quorum_timeout": self.job.quorum_timeout,
                "progress": self.progress, "stop_file": self.job.stop_file,
                "result": self.result, "step_sleep": self.job.step_sleep}
-        self.proc = self.job.hosts.popen(
-            self.name, [sys.executable, "-m", "tests.multihost.worker", json.dumps(cfg)],
-            self.log, env={"PYTHONPATH": REPO})
+        worker = ["-m", "tests.multihost.worker", json.dumps(cfg)]
+        if self.job.torchrun:
+            # One torchrun per group, as for a real run: it restarts the whole group when a
+            # rank dies, and its c10d rendezvous store is the group's store.
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                    "--nproc-per-node", str(self.ranks), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "127.0.0.1:29400", "--max-restarts", "3",
+                    "--local-addr", self.job.hosts.addr[self.name],
+                    "--monitor-interval", "0.2", *worker]
+        else:
+            argv = [sys.executable, *worker]
+        self.proc = self.job.hosts.popen(self.name, argv, self.log,
+                                         env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
 
     def kill(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
-    def records(self) -> List[tuple]:
-        """(committed step, pid, wall time) per iteration, in order."""
-        if not os.path.exists(self.progress):
+    def records(self, rank: int = 0) -> List[tuple]:
+        """(committed step, pid, wall time) per iteration of ``rank``, in order."""
+        path = f"{self.progress}.{rank}"
+        if not os.path.exists(path):
             return []
-        with open(self.progress) as f:
+        with open(path) as f:
             out = []
             for ln in f.read().splitlines():
                 parts = ln.split()
@@ -69,11 +81,18 @@ class Group:
             return out
 
     def step(self) -> int:
-        recs = self.records()
-        return recs[-1][0] if recs else -1
+        """The group's committed step: its slowest rank's."""
+        steps = []
+        for r in range(self.ranks):
+            recs = self.records(r)
+            steps.append(recs[-1][0] if recs else -1)
+        return min(steps)
 
     def pids(self) -> set:
-        return {r[1] for r in self.records()}
+        return {rec[1] for r in range(self.ranks) for rec in self.records(r)}
+
+    def last_pid(self, rank: int) -> int:
+        return int(self.records(rank)[-1][1])
 
     def tail(self) -> str:
         try:
@@ -105,8 +124,10 @@ class Job:
 
     def __init__(self, make_hosts, groups: int = 2, quorum_timeout: float = 30.0,
                  op_timeout: float = 5.0, heartbeat_timeout_ms: int = 2000,
-                 step_sleep: float = 0.05) -> None:
+                 step_sleep: float = 0.05, ranks_per_group: int = 1,
+                 torchrun: bool = False) -> None:
         names = [chr(ord("a") + i) for i in range(groups)]
+        self.torchrun = torchrun
         self.hosts: Hosts = make_hosts(["lh", *names])
         self.tmp = tempfile.mkdtemp(prefix="ft-multihost-")
         self.quorum_timeout = quorum_timeout
@@ -121,7 +142,8 @@ class Job:
         self.lh: Optional[subprocess.Popen] = None
         self.lh_starts = 0
         self.start_lighthouse()
-        self.groups = [Group(self, n, seed=i + 1) for i, n in enumerate(names)]
+        self.groups = [Group(self, n, seed=i + 1, ranks=ranks_per_group)
+                       for i, n in enumerate(names)]
         for g in self.groups:
             g.start()
 
@@ -168,7 +190,8 @@ class Job:
             self.hosts.run(name, ["iptables", "-A", chain, "-m", "statistic", "--mode", "random",
                                   "--probability", str(probability), "-j", "DROP"])
 
-    def stop_and_collect(self, extra_steps: int = 3, timeout: float = 60.0) -> List[dict]:
+    def stop_and_collect(self, extra_steps: int = 3, timeout: float = 60.0) -> List[List[dict]]:
+        """Stops every group at one step; returns ``results[group][rank]``."""
         target = max(g.step() for g in self.groups) + extra_steps
         with open(self.stop_file, "w") as f:
             f.write(str(target))
@@ -178,8 +201,9 @@ class Job:
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{g.name} did not stop:\n{g.tail()}") from None
             assert code == 0, f"{g.name} exited with {code}:\n{g.tail()}"
-        results = [torch.load(g.result, weights_only=False) for g in self.groups]
-        assert [r["step"] for r in results] == [target] * len(results)
+        results = [[torch.load(f"{g.result}.{r}", weights_only=False) for r in range(g.ranks)]
+                   for g in self.groups]
+        assert {x["step"] for rs in results for x in rs} == {target}
         return results
 
     def cleanup(self) -> None:
@@ -190,8 +214,13 @@ def iptables_available() -> bool:
     return shutil.which("iptables") is not None
 
 
-def assert_identical(results: List[dict]) -> None:
-    """Every group's model and optimizer state is bitwise identical."""
+def assert_identical(results: List[List[dict]]) -> None:
+    """Every group's model and optimizer state is bitwise identical, rank by rank."""
+    for rank in range(len(results[0])):
+        _assert_identical([rs[rank] for rs in results])
+
+
+def _assert_identical(results: List[dict]) -> None:
     ref = results[0]
     for i, other in enumerate(results[1:], start=1):
         assert other["step"] == ref["step"]

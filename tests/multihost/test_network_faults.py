@@ -11,6 +11,8 @@ loose limits for a loaded 2-core machine; bench/netfault_bench.py measures the r
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -97,5 +99,26 @@ def test_packet_loss_on_one_link_finishes_identical(hosts_factory):
     job.wait_steps({"a": 3, "b": 3}, timeout=120)
     job.drop_packets("b", 0.02)
     job.advance(10, timeout=120)
+    assert_identical(job.stop_and_collect())
+    job.cleanup()
+
+
+def test_torchrun_restarts_a_group_after_a_rank_dies_and_it_heals(hosts_factory):
+    """The launcher for real runs: one ``torchrun --rdzv-backend c10d --max-restarts K`` per
+    replica group, two groups of two ranks on two hosts. kill -9 of one rank: torchrun
+    restarts that group's ranks, they heal from the other group, and both groups' ranks end
+    bitwise identical rank by rank."""
+    job = Job(hosts_factory, groups=2, ranks_per_group=2, torchrun=True)
+    job.wait_steps({"a": 3, "b": 3}, timeout=180)
+    b = job.group("b")
+    before = b.pids()
+    os.kill(b.last_pid(1), signal.SIGKILL)
+    # torchrun replaces both of b's ranks (new pids) and they catch up with a.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(b.pids() - before) < 2:
+        job.check_alive()
+        time.sleep(0.2)
+    assert len(b.pids() - before) == 2, f"torchrun did not restart b's ranks:\n{b.tail()}"
+    job.advance(3, timeout=120)
     assert_identical(job.stop_and_collect())
     job.cleanup()

@@ -1,11 +1,13 @@
-"""One replica group (one rank) training on a simulated host, for tests/multihost.
+"""One rank of a replica group training on a simulated host, for tests/multihost.
 
-Run as ``python -m tests.multihost.worker '<json config>'`` inside a host's namespace. It
-talks to the test only through files, since the test's own namespace is not on the test
-subnet: it appends ``"{step} {pid}"`` to ``progress`` after every iteration, stops once its
-committed step reaches the number in ``stop_file``, and saves its final model and optimizer
-state to ``result``. It sets no address at all: everything it advertises comes from the
-route to the lighthouse.
+Run as ``python -m tests.multihost.worker '<json config>'`` inside a host's namespace, alone
+(one rank per group) or under torchrun (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` /
+``MASTER_PORT`` from torchrun; each group rank trains its own shard, as under FSDP). It talks
+to the test only through files, since the test's own namespace is not on the test subnet: it
+appends ``"{step} {pid} {time}"`` to ``{progress}.{rank}`` after every iteration, stops once
+its committed step reaches the number in ``stop_file``, and saves its final model and
+optimizer state to ``{result}.{rank}``. It sets no address at all: everything it advertises
+comes from the route to the lighthouse.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main(cfg: dict) -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
-    torch.manual_seed(cfg["seed"])
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    rank = int(os.environ["RANK"]) if torchrun else 0
+    torch.manual_seed(cfg["seed"] * 100 + rank)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     to = timedelta(seconds=cfg["timeout"])
@@ -40,12 +44,12 @@ def main(cfg: dict) -> None:
         connect_timeout=timedelta(seconds=cfg["quorum_timeout"]),
         lighthouse_addr=cfg["lighthouse"],
         replica_id=cfg["name"],
-        rank=0,
-        world_size=1,
+        rank=None if torchrun else 0,
+        world_size=None if torchrun else 1,
     )
     ddp = ft.DistributedDataParallel(manager, model)
     opt = ft.Optimizer(manager, optim)
-    with open(cfg["progress"], "a") as progress:
+    with open(f"{cfg['progress']}.{rank}", "a") as progress:
         while True:
             stop_at = None
             if os.path.exists(cfg["stop_file"]):
@@ -55,7 +59,7 @@ def main(cfg: dict) -> None:
             if stop_at is not None and step >= stop_at:
                 break
             opt.zero_grad()
-            gen = torch.Generator().manual_seed(step * 1000 + cfg["seed"])
+            gen = torch.Generator().manual_seed(step * 1000 + cfg["seed"] * 10 + rank)
             x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
@@ -63,7 +67,7 @@ def main(cfg: dict) -> None:
             progress.flush()
             time.sleep(cfg["step_sleep"])
     torch.save({"step": manager.current_step(), "model": model.state_dict(),
-                "optim": optim.state_dict()}, cfg["result"])
+                "optim": optim.state_dict()}, f"{cfg['result']}.{rank}")
     manager.shutdown(wait=False)
 
 
