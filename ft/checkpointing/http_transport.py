@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "FT_CHECKPOINT_TOKEN"
 ADVERTISE_ENV = net.ADVERTISE_ENV
+PORT_ENV = "FT_CHECKPOINT_PORT"
 SAME_HOST_ENV = "FT_CHECKPOINT_SAME_HOST"
 _PREFIX = "/ft/v1/checkpoint/"
 _SLICE = 1 << 20  # bytes per read/crc/write step
@@ -339,7 +340,8 @@ class HTTPTransport(CheckpointTransport[T]):
         advertise_host: host put in ``metadata()`` (default: env ``FT_ADVERTISE_HOST`` or
             :func:`default_advertise_host`).
         bind_host: interface to listen on (default: all, IPv4 and IPv6 where available).
-        port: port to listen on (default: any free port).
+        port: port to listen on (default: env ``FT_CHECKPOINT_PORT``, else any free port; pin
+            it where a firewall must open it).
         device: where received tensors are placed (default CPU).
         same_host: serve and use the same-host path (see ``same_host.py``): a receiver on the
             source's host copies the tensors straight from the source process instead of
@@ -354,10 +356,12 @@ class HTTPTransport(CheckpointTransport[T]):
         token: Optional[str] = None,
         advertise_host: Optional[str] = None,
         bind_host: Optional[str] = None,
-        port: int = 0,
+        port: Optional[int] = None,
         device: Optional[torch.device] = None,
         same_host: Optional[bool] = None,
     ) -> None:
+        if port is None:
+            port = int(os.environ.get(PORT_ENV) or 0)
         self._timeout = timeout
         self._num_chunks = max(1, int(num_chunks))
         if token is None:

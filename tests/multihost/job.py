@@ -68,7 +68,7 @@ class Group:
         self.proc.wait(10)
 
     def records(self, rank: int = 0) -> List[tuple]:
-        """(committed step, pid, wall time) per iteration of ``rank``, in order."""
+        """(committed step, pid, wall time, participants) per iteration of ``rank``."""
         path = f"{self.progress}.{rank}"
         if not os.path.exists(path):
             return []
@@ -76,8 +76,8 @@ class Group:
             out = []
             for ln in f.read().splitlines():
                 parts = ln.split()
-                if len(parts) == 3:
-                    out.append((int(parts[0]), parts[1], float(parts[2])))
+                if len(parts) == 4:
+                    out.append((int(parts[0]), parts[1], float(parts[2]), int(parts[3])))
             return out
 
     def step(self) -> int:
@@ -105,15 +105,34 @@ class Group:
         """Longest wall-clock gap between commits (step changes) within [since, until]."""
         times = [since]
         last_step = None
-        for step, _, t in self.records():
+        for step, _, t, _ in self.records():
             if since <= t <= until and step != last_step:
                 times.append(t)
             last_step = step
         times.append(until)
         return max(b - a for a, b in zip(times, times[1:]))
 
+    def goodput(self, since: float, until: float, batch: int = 8) -> float:
+        """Committed samples per second across the job in [since, until], from this group's
+        view: each commit counts ``participants * batch`` samples."""
+        samples, last_step = 0, None
+        for step, _, t, n in self.records():
+            if since <= t <= until and last_step is not None and step > last_step:
+                samples += n * batch
+            last_step = step
+        return samples / max(until - since, 1e-9)
+
+    def uncommitted(self, since: float, until: float) -> int:
+        """Iterations in [since, until] that committed nothing (steps lost to the fault)."""
+        lost, last_step = 0, None
+        for step, _, t, _ in self.records():
+            if since <= t <= until and last_step is not None and step == last_step:
+                lost += 1
+            last_step = step
+        return lost
+
     def first_commit_after(self, t0: float, above: int) -> Optional[float]:
-        for step, _, t in self.records():
+        for step, _, t, _ in self.records():
             if t >= t0 and step > above:
                 return t
         return None

@@ -4,7 +4,7 @@ Run as ``python -m tests.multihost.worker '<json config>'`` inside a host's name
 (one rank per group) or under torchrun (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` /
 ``MASTER_PORT`` from torchrun; each group rank trains its own shard, as under FSDP). It talks
 to the test only through files, since the test's own namespace is not on the test subnet: it
-appends ``"{step} {pid} {time}"`` to ``{progress}.{rank}`` after every iteration, stops once
+appends ``"{step} {pid} {time} {participants}"`` to ``{progress}.{rank}`` after every iteration, stops once
 its committed step reaches the number in ``stop_file``, and saves its final model and
 optimizer state to ``{result}.{rank}``. It sets no address at all: everything it advertises
 comes from the route to the lighthouse.
@@ -63,7 +63,8 @@ def main(cfg: dict) -> None:
             x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
-            progress.write(f"{manager.current_step()} {os.getpid()} {time.time():.3f}\n")
+            progress.write(f"{manager.current_step()} {os.getpid()} {time.time():.3f} "
+                           f"{manager.num_participants()}\n")
             progress.flush()
             time.sleep(cfg["step_sleep"])
     torch.save({"step": manager.current_step(), "model": model.state_dict(),
