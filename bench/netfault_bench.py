@@ -15,8 +15,9 @@ Per scenario:
   cut-off group's first committed step;
 - steps lost: survivor iterations that committed nothing, from the fault to 3 steps after it;
 - goodput: committed samples per second (participants x batch per commit) from the fault's
-  start to 3 steps after its end, relative to the fault-free rate of the same job;
-- step ratio (packet loss): median step time under loss / fault-free.
+  start to 3 steps after its end, relative to the fault-free rate of the same job (not for the
+  lighthouse outage, where that window is mostly the pause itself);
+- step ratio (packet loss): mean (and median) step time under loss / fault-free.
 
 The soak kills or partitions a random non-first group every 20 s for --soak-s seconds.
 """
@@ -46,14 +47,14 @@ def fault_free_rate(job: Job, steps: int = 20) -> float:
     return job.groups[0].goodput(t0, time.time())
 
 
-def median_step(job: Job, since: float, until: float) -> float:
+def step_times(job: Job, since: float, until: float) -> list:
     times = []
     last = None
     for step, _, t, _ in job.groups[0].records():
         if since <= t <= until and last is not None and step > last[0]:
             times.append(t - last[1])
         last = (step, t)
-    return statistics.median(times)
+    return times
 
 
 def scenario(name: str, groups: int, fault) -> dict:
@@ -101,10 +102,11 @@ def lighthouse_outage(seconds: float):
         t1 = time.time()
         a = job.groups[0]
         first = a.first_commit_after(t_back, above=a.step() - 3)
+        # No goodput here: over a window that is mostly outage it only restates the pause.
         return {"stall": max(g.longest_stall(t0, t1) for g in job.groups),
                 "restore_to_commit": (first - t_back) if first else None,
                 "lost": max(g.uncommitted(t0, t1) for g in job.groups),
-                "rate": a.goodput(t0, t1)}
+                "exits": sum(g.proc.poll() is not None for g in job.groups)}
     return run
 
 
@@ -134,7 +136,9 @@ def packet_loss(p: float, steps: int = 20):
         job.drop_packets(job.groups[-1].name, p)
         job.advance(steps, timeout=300)
         t1 = time.time()
-        return {"step_ratio": median_step(job, t0, t1) / median_step(job, t_before, t0),
+        before, during = step_times(job, t_before, t0), step_times(job, t0, t1)
+        return {"step_ratio": statistics.mean(during) / statistics.mean(before),
+                "median_ratio": statistics.median(during) / statistics.median(before),
                 "rate": job.groups[0].goodput(t0, t1)}
     return run
 
@@ -187,7 +191,9 @@ def main() -> None:
         fields = []
         for k, fmt in (("stall", "survivors' stall {:.2f} s"),
                        ("restore_to_commit", "restore -> first commit {:.2f} s"),
-                       ("lost", "steps lost {}"), ("step_ratio", "step time x{:.2f}"),
+                       ("lost", "steps lost {}"), ("exits", "processes exited {}"),
+                       ("step_ratio", "mean step time x{:.2f}"),
+                       ("median_ratio", "median x{:.2f}"),
                        ("faults", "{}"), ("goodput", "goodput {:.0%}")):
             if r.get(k) is not None:
                 fields.append(fmt.format(r[k]))
