@@ -59,8 +59,11 @@ class Group:
                     "--monitor-interval", "0.2", *worker]
         else:
             argv = [sys.executable, *worker]
+        # FT_ADVERTISE_HOST cleared: the test process may carry a loopback one (other tests
+        # set it), and these workers must find their address by the route to the lighthouse.
         self.proc = self.job.hosts.popen(self.name, argv, self.log,
-                                         env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+                                         env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
+                                              "FT_ADVERTISE_HOST": ""})
 
     def kill(self) -> None:
         assert self.proc is not None
