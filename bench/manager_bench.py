@@ -1,4 +1,4 @@
-"""Manager benchmark (issue 5): per-step overhead, recovery latency, survivors' stall.
+"""Manager benchmark: per-step overhead, recovery latency, survivors' stall.
 
     PYTHONPATH=. .venv/bin/python bench/manager_bench.py [--groups 2] [--steps 30]
 
