@@ -319,11 +319,9 @@ class Manager:
             raise ValueError(f"lighthouse_addr is required (or set {LIGHTHOUSE_ENV})")
         self._lighthouse_addr = lighthouse_addr
 
-        self._checkpoint_transport: CheckpointTransport[Dict[str, Any]] = (
-            checkpoint_transport
-            if checkpoint_transport is not None
-            else HTTPTransport(timeout=self._timeout, num_chunks=0)
-        )
+        # The default transport is made once the advertised host is known (_setup_group), so
+        # that it listens on that interface only.
+        self._checkpoint_transport: Optional[CheckpointTransport[Dict[str, Any]]] = checkpoint_transport
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-async-quorum")
 
         try:
@@ -354,6 +352,10 @@ class Manager:
             # The checkpoint transport, the store address and Gloo advertise the same host.
             net.set_process_advertise_host(hostname)
         self._advertise_host = hostname
+        if self._checkpoint_transport is None:
+            self._checkpoint_transport = HTTPTransport(
+                timeout=self._timeout, num_chunks=0, advertise_host=hostname,
+                bind_host=net.bind_host_for(hostname).strip("[]"))
         store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
         if store_port is None:
             env_port = os.environ.get("MASTER_PORT")
@@ -432,7 +434,8 @@ class Manager:
             self._lighthouse_client.close()
             self._lighthouse_client = None
         try:
-            self._checkpoint_transport.shutdown(wait=wait)
+            if self._checkpoint_transport is not None:
+                self._checkpoint_transport.shutdown(wait=wait)
         except Exception:  # noqa: BLE001
             logger.exception("checkpoint transport shutdown failed")
         if self._manager is not None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import datetime as _dt
 import socket
 import time
-from typing import Optional, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Tuple, Union
 
 import grpc
 
 from .quorum import Quorum, QuorumMember
 from ._proto import torchft_pb2 as pb
+
+if TYPE_CHECKING:
+    from ..utils.tls import TLSConfig
 
 Timeout = Union[_dt.timedelta, float, int]
 
@@ -119,7 +122,10 @@ def advertised_host(bind_host: str, hostname: Optional[str] = None) -> str:
     return bind_host.strip("[]")
 
 
-def make_channel(addr: str) -> grpc.Channel:
+def make_channel(addr: str, tls: Optional["TLSConfig"] = None) -> grpc.Channel:
+    if tls is not None:
+        return grpc.secure_channel(grpc_target(addr), tls.grpc_channel_credentials(),
+                                   options=CHANNEL_OPTIONS + tls.grpc_channel_options())
     return grpc.insecure_channel(grpc_target(addr), options=CHANNEL_OPTIONS)
 
 

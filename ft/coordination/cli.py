@@ -2,8 +2,12 @@
 
 Example::
 
-    ft-lighthouse --bind [::]:29510 --min_replicas 2 --join_timeout_ms 60000 \
-        --quorum_tick_ms 100 --heartbeat_timeout_ms 5000
+    FT_JOB_SECRET_FILE=/etc/ft/secret ft-lighthouse --min_replicas 2 \
+        --join_timeout_ms 60000 --quorum_tick_ms 100 --heartbeat_timeout_ms 5000
+
+By default it listens on this host's advertised address (``FT_ADVERTISE_HOST``, else the
+address its name resolves to), port 29510, dashboard on 29511. Beyond loopback it refuses to
+start without a job secret unless ``--insecure`` is given (docs/security.md).
 
 Every flag is accepted in underscore and dash spelling (``--min_replicas`` / ``--min-replicas``).
 SIGTERM and SIGINT shut the server down cleanly (exit status 0).
@@ -27,6 +31,10 @@ from .lighthouse import (
     DEFAULT_QUORUM_TICK_MS,
     LighthouseServer,
 )
+from ..utils import net
+from ..utils.auth import SECRET_FILE_ENV, InsecureServerError, resolve_secret
+
+DEFAULT_PORT = 29510
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
@@ -42,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="ft lighthouse: decides which replica groups form each step's quorum.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _flag(p, "bind", default="[::]:29510", help="gRPC address to listen on")
+    _flag(p, "bind", default=None,
+          help="gRPC address to listen on (default: this host's advertised address, port 29510; "
+               "'[::]:29510' listens on every interface)")
     _flag(p, "min_replicas", type=int, required=True,
           help="fewest replica groups in a quorum (fast path excepted)")
     _flag(p, "join_timeout_ms", type=int, default=DEFAULT_JOIN_TIMEOUT_MS,
@@ -54,7 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "http_bind", default=None,
           help="dashboard address (default: gRPC host, gRPC port + 1; '' disables)")
     _flag(p, "auth_token", default=None,
-          help="token required by mutating dashboard endpoints (default: env FT_AUTH_TOKEN)")
+          help="an extra dashboard credential for operators (default: env FT_AUTH_TOKEN); the "
+               "job secret is always accepted")
+    _flag(p, "secret_file", default=None,
+          help="file holding the job secret (default: env FT_JOB_SECRET_FILE, then FT_JOB_SECRET); "
+               "with it every call must be signed (docs/security.md)")
+    _flag(p, "insecure", action="store_true", default=False,
+          help="serve beyond loopback without a job secret (anyone who reaches the ports can "
+               "join or stop the job); logged as a warning at every start")
     _flag(p, "dead_grace_ms", type=int, default=DEFAULT_DEAD_GRACE_MS,
           help="dead replicas leave the dashboard this long after their heartbeat expired")
     _flag(p, "quorum_id_file", default=None,
@@ -74,6 +91,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.bind is None:
+        args.bind = _rpc.join_hostport(net.bind_host_for(net.advertise_host()).strip("[]"),
+                                       DEFAULT_PORT)
+    if args.secret_file:
+        os.environ[SECRET_FILE_ENV] = args.secret_file  # read by LighthouseServer, never logged
     http_bind = args.http_bind
     if http_bind is None:
         host, port = _rpc.split_hostport(args.bind)
@@ -89,7 +111,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    server = LighthouseServer(
+    try:
+        secret = resolve_secret()
+    except ValueError as e:
+        print(f"ft-lighthouse: {e}", file=sys.stderr)
+        return 2
+    try:
+        server = _start(args, http_bind, secret)
+    except InsecureServerError as e:
+        print(f"ft-lighthouse: {e}", file=sys.stderr)
+        return 2
+    # One machine-readable line for scripts and tests.
+    print(f"ft-lighthouse ready grpc={server.address()} dashboard={server.dashboard_address()}",
+          flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.shutdown()
+    return 0
+
+
+def _start(args, http_bind: str, secret) -> LighthouseServer:
+    return LighthouseServer(
         bind=args.bind,
         min_replicas=args.min_replicas,
         join_timeout_ms=args.join_timeout_ms,
@@ -101,16 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         quorum_id_file=args.quorum_id_file,
         hostname=args.hostname,
         transport=args.transport,
+        secret=secret,
+        insecure=args.insecure or None,
     )
-    # One machine-readable line for scripts and tests.
-    print(f"ft-lighthouse ready grpc={server.address()} dashboard={server.dashboard_address()}",
-          flush=True)
-    try:
-        while not stop.wait(1.0):
-            pass
-    finally:
-        server.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

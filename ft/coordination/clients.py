@@ -14,6 +14,7 @@ ft.Manager subscribes) ties the stream to its replica's liveness, so a process k
 receive them::
 
     client = LighthouseClient("http://lighthouse:29510", connect_timeout=timedelta(seconds=10))
+    # secret=... / tls=... (default: FT_JOB_SECRET_FILE / FT_JOB_SECRET and FT_TLS_*)
 
     # 1. callback on a background thread, resubscribing by itself until closed
     sub = client.subscribe_failures(lambda n: pg.abort())   # n: FailureNotification
@@ -38,16 +39,17 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import grpc
 
 from . import _rpc
 from ._proto import torchft_pb2 as pb
-from ._proto import torchft_pb2_grpc as pb_grpc
 from ._rpc import CoordinationError, Timeout
 from .quorum import Quorum, QuorumResult
+from ..utils.auth import GRPC_METADATA_KEY, GRPC_PURPOSE, SecretLike, Signer, resolve_secret
 from ..utils.deadline import Deadline
+from ..utils.tls import TLSConfig, resolve_tls
 from ..utils.retry import retry_until
 
 logger = logging.getLogger("ft.coordination")
@@ -73,15 +75,46 @@ def _required(t: Optional[Timeout], what: str) -> float:
     return s
 
 
-class _Client:
-    _stub_cls = None
+def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
+    """method name -> (full path, response class, streams) for one service of the proto."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    return {m.name: (f"/{desc.full_name}/{m.name}", getattr(pb, m.output_type.name),
+                     m.server_streaming) for m in desc.methods}
 
-    def __init__(self, addr: str, connect_timeout: Timeout) -> None:
+
+class _Client:
+    """A channel to one server. With a job secret, every request carries its signature
+    (ft.utils.auth): the client serializes the request once, signs those bytes, and sends them."""
+
+    _service = ""
+
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: Timeout,
+        *,
+        secret: SecretLike = None,
+        tls: Optional[TLSConfig] = None,
+    ) -> None:
         self._addr = addr
         self._connect_timeout = _required(connect_timeout, "connect_timeout")
-        self._channel = _rpc.make_channel(addr)
-        self._stub = self._stub_cls(self._channel)
+        secret = resolve_secret(secret)
+        self._signer = Signer(secret, GRPC_PURPOSE) if secret is not None else None
+        self._channel = _rpc.make_channel(addr, resolve_tls(tls))
+        self._calls = {}
+        for name, (path, response, streams) in _service_methods(self._service).items():
+            make = self._channel.unary_stream if streams else self._channel.unary_unary
+            self._calls[name] = (path, make(path, request_serializer=None,
+                                            response_deserializer=response.FromString))
         self._connected = False
+
+    def _invoke(self, method: str, request, **kwargs):
+        """Sends ``request`` (signed when there is a secret); returns what the stub returns."""
+        path, call = self._calls[method]
+        data = request.SerializeToString()
+        if self._signer is not None:
+            kwargs["metadata"] = ((GRPC_METADATA_KEY, self._signer.sign(path, data)),)
+        return call(data, **kwargs)
 
     def _call(
         self,
@@ -111,8 +144,8 @@ class _Client:
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
             try:
-                resp = getattr(self._stub, method)(
-                    request, timeout=remaining, wait_for_ready=wait_for_ready)
+                resp = self._invoke(method, request, timeout=remaining,
+                                    wait_for_ready=wait_for_ready)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._connected = False
@@ -179,7 +212,8 @@ class FailureSubscription:
         delays = backoff_delays(0.05, 1.0)
         while not self._closed.is_set():
             try:
-                call = self._client._stub.SubscribeFailures(
+                call = self._client._invoke(
+                    "SubscribeFailures",
                     pb.SubscribeFailuresRequest(subscriber=self._subscriber),
                     timeout=self._stream_timeout,
                     wait_for_ready=True,
@@ -229,7 +263,7 @@ class FailureSubscription:
 class LighthouseClient(_Client):
     """Client of ``LighthouseService``. ``addr``: ``"http://host:port"`` or ``"host:port"``."""
 
-    _stub_cls = pb_grpc.LighthouseServiceStub
+    _service = "LighthouseService"
 
     def quorum(
         self,
@@ -291,7 +325,8 @@ class LighthouseClient(_Client):
 
     def failures(self, timeout: Timeout, subscriber: str = "") -> Iterator[FailureNotification]:
         """Yields failure notifications from one stream until ``timeout`` (then returns)."""
-        call = self._stub.SubscribeFailures(
+        call = self._invoke(
+            "SubscribeFailures",
             pb.SubscribeFailuresRequest(subscriber=subscriber),
             timeout=_required(timeout, "failures"),
             wait_for_ready=True,
@@ -351,7 +386,7 @@ def _result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
 class ManagerClient(_Client):
     """Client of a replica group's ``ManagerService`` (torchft-compatible names)."""
 
-    _stub_cls = pb_grpc.ManagerServiceStub
+    _service = "ManagerService"
 
     def _quorum(
         self,

@@ -34,6 +34,8 @@ from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from .clients import LighthouseClient, _result_to_pb
 from .rpc_server import Call, Method, RpcServer
+from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
+from ..utils.tls import TLSConfig, resolve_tls
 from .quorum import (
     GroupRequest,
     Quorum,
@@ -184,6 +186,11 @@ class ManagerServer:
             (default): retry a lost connection until the round's deadline.
         transport: gRPC server, see :class:`~ft.coordination.rpc_server.RpcServer`: "auto"
             (the native server where it is built), "native" or "grpcio".
+        secret: the job secret (ft.utils.auth; default: ``FT_JOB_SECRET_FILE`` /
+            ``FT_JOB_SECRET``): calls to this server must be signed with it, and its calls to
+            the lighthouse are.
+        tls: TLS for this server and its lighthouse client (ft.utils.tls; default ``FT_TLS_*``).
+        insecure: allow serving beyond loopback without a secret (default: ``FT_INSECURE``).
     """
 
     def __init__(
@@ -198,6 +205,10 @@ class ManagerServer:
         connect_timeout: Timeout,
         quorum_retries: Optional[int] = None,
         transport: str = "auto",
+        *,
+        secret: SecretLike = None,
+        tls: Optional[TLSConfig] = None,
+        insecure: Optional[bool] = None,
     ) -> None:
         if not replica_id:
             raise ValueError("replica_id must not be empty")
@@ -220,15 +231,21 @@ class ManagerServer:
         self._checkpoint_metadata: Dict[int, str] = {}
         # time.monotonic() of the last Quorum request to the lighthouse (also a heartbeat).
         self._last_quorum_sent = float("-inf")
-        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout)
+        secret = resolve_secret(secret)
+        tls = resolve_tls(tls)
+        check_exposure(_rpc.split_hostport(bind)[0], secret, insecure,
+                       f"the manager server of replica {replica_id}")
+        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout, secret=secret, tls=tls)
 
         # Quorum and ShouldCommit calls wait for the group's ranks: each holds a pool thread.
         workers = 64 + 4 * min(world_size, 1024)
         self._pool = futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="ft-manager-server")
         try:
-            self._server = RpcServer(bind, _methods(self, self._pool, workers),
-                                     transport=transport, max_workers=workers)
+            self._server = RpcServer(
+                bind, _methods(self, self._pool, workers), transport=transport,
+                max_workers=workers, tls=tls,
+                verifier=Verifier(secret, GRPC_PURPOSE) if secret is not None else None)
         except OSError as e:
             self._pool.shutdown(wait=False)
             raise OSError(f"manager server could not bind {bind!r}: {e}") from None

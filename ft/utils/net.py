@@ -148,10 +148,20 @@ def check_reachable_advertisement(host: str, peer: str, what: str) -> None:
 
 
 def bind_host_for(host: str) -> str:
-    """Where a server that advertises ``host`` listens: that address when it is a literal IP
-    (nothing else on the machine's other interfaces can reach it), else every interface."""
+    """Where a server that advertises ``host`` listens: that address (a name is resolved to its
+    first address), so nothing on the machine's other interfaces can reach it; every interface
+    only when the name does not resolve."""
+    host = host.strip("[]")
     try:
-        ip = ipaddress.ip_address(host.strip("[]"))
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        return "[::]"
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return "[::]"
+        addrs = [info[4][0] for info in infos]
+        chosen = next((a for a in addrs if not is_loopback(a)), addrs[0] if addrs else None)
+        if chosen is None:
+            return "[::]"
+        ip = ipaddress.ip_address(chosen.split("%")[0])
     return f"[{ip}]" if ip.version == 6 else str(ip)

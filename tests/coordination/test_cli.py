@@ -27,7 +27,7 @@ def test_flag_spellings_parse_the_same():
     b = p.parse_args(["--min-replicas", "3", "--join-timeout-ms", "10", "--quorum-tick-ms", "5",
                       "--heartbeat-timeout-ms", "7", "--http-bind", ""])
     assert vars(a) == vars(b)
-    assert a.min_replicas == 3 and a.join_timeout_ms == 10 and a.bind == "[::]:29510"
+    assert a.min_replicas == 3 and a.join_timeout_ms == 10 and a.bind is None and not a.insecure
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

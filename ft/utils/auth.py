@@ -1,0 +1,288 @@
+"""The job secret, and what it signs (stdlib only).
+
+One secret authenticates a job: every gRPC call to the lighthouse and to ManagerServers, every
+checkpoint request and every checkpoint a source serves, the same-host heal socket, and the
+dashboard's actions. Nothing that knows only an address can take part (docs/security.md).
+
+Where the secret comes from, in order: an explicit ``secret=`` argument; the file named by
+``FT_JOB_SECRET_FILE``; ``FT_JOB_SECRET``. It is kept in memory only, never logged (its
+``repr`` hides it), and never sent: requests carry an HMAC over what they say, bound to a time
+and a nonce, so a captured request cannot be replayed and nothing a peer receives lets it speak
+for the job.
+
+Request signature (gRPC metadata ``ft-auth``, HTTP ``Authorization: FT-HMAC <token>``)::
+
+    token = "v1.<unix ms>.<nonce: 32 hex>.<hex HMAC-SHA256(k, "v1\\n<what>\\n<ms>\\n<nonce>\\n" + body)>"
+
+where ``k`` is a key derived from the secret for one purpose (gRPC, checkpoint requests,
+checkpoint content), ``what`` names the request (the gRPC method, or the HTTP path and query),
+and ``body`` is the serialized request. A verifier accepts a token once, within
+``FT_AUTH_MAX_SKEW_S`` (default 120 s) of its own clock.
+
+Serving without a secret is allowed on loopback only; elsewhere it needs ``insecure=True`` (or
+``FT_INSECURE=1``), and every start logs a warning that says what that gives up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets as _secrets
+import stat
+import threading
+import time
+from collections import deque
+from typing import Deque, Dict, Optional, Tuple, Union
+
+from .net import is_loopback
+
+logger = logging.getLogger("ft.auth")
+
+__all__ = [
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
+    "INSECURE_ENV",
+    "GRPC_METADATA_KEY",
+    "HTTP_SCHEME",
+    "GRPC_PURPOSE",
+    "CHECKPOINT_REQUEST_PURPOSE",
+    "CHECKPOINT_CONTENT_PURPOSE",
+    "SAME_HOST_PURPOSE",
+    "SecretLike",
+    "AuthError",
+    "InsecureServerError",
+    "JobSecret",
+    "Signer",
+    "Verifier",
+    "resolve_secret",
+    "resolve_insecure",
+    "check_exposure",
+]
+
+SECRET_ENV = "FT_JOB_SECRET"
+SECRET_FILE_ENV = "FT_JOB_SECRET_FILE"
+INSECURE_ENV = "FT_INSECURE"
+MAX_SKEW_ENV = "FT_AUTH_MAX_SKEW_S"
+GRPC_METADATA_KEY = "ft-auth"
+HTTP_SCHEME = "FT-HMAC"
+
+# What a key is for (JobSecret.key): a signature made for one cannot pass for another.
+GRPC_PURPOSE = "grpc"                      # requests to the lighthouse and ManagerServers
+CHECKPOINT_REQUEST_PURPOSE = "ckpt-request"  # a healer's requests to a checkpoint source
+CHECKPOINT_CONTENT_PURPOSE = "ckpt-content"  # a source's metadata and range checksums
+SAME_HOST_PURPOSE = "same-host"            # requests on the same-host heal socket
+
+# Shorter secrets are refused: 16 bytes is the least that a brute force cannot reach.
+MIN_SECRET_BYTES = 16
+# Clocks of the hosts of one job agree to within this (NTP keeps them far closer); a token
+# older or newer than this is refused, and nonces are remembered for as long.
+DEFAULT_MAX_SKEW_S = 120.0
+# A verifier remembers at most this many nonces; beyond it the oldest are forgotten early and
+# tokens as old as they are refused (only signed requests add nonces, so only a member of the
+# job, sending 10k requests a second for minutes, could reach it).
+MAX_REMEMBERED_NONCES = 1 << 21
+_VERSION = "v1"
+
+
+class AuthError(PermissionError):
+    """A request without a valid signature, or content whose signature does not match."""
+
+
+class InsecureServerError(ValueError):
+    """A server would listen beyond loopback with no secret, and insecure mode was not asked for."""
+
+
+class JobSecret:
+    """The job's shared secret. Its bytes never appear in a repr, a log line or a pickle."""
+
+    __slots__ = ("_secret", "_keys", "source")
+
+    def __init__(self, secret: Union[str, bytes], source: str = "argument") -> None:
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        raw = raw.strip()
+        if len(raw) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"the job secret from {source} is {len(raw)} bytes; at least {MIN_SECRET_BYTES} "
+                f"are required (make one with: python -m ft.utils.auth)"
+            )
+        self._secret = raw
+        self._keys: Dict[str, bytes] = {}
+        self.source = source
+
+    @classmethod
+    def generate(cls) -> "JobSecret":
+        return cls(_secrets.token_hex(32), source="generated")
+
+    def key(self, purpose: str) -> bytes:
+        """A key for one purpose, so that a signature for one use is worthless for another."""
+        k = self._keys.get(purpose)
+        if k is None:
+            k = hmac.new(self._secret, b"ft-key\n" + purpose.encode(), hashlib.sha256).digest()
+            self._keys[purpose] = k
+        return k
+
+    def export(self) -> str:
+        """The secret as text, to hand to a child process (environment or file), never to a log."""
+        return self._secret.decode("utf-8", "surrogateescape")
+
+    def __repr__(self) -> str:
+        return f"JobSecret(<hidden>, from {self.source})"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        raise TypeError("a JobSecret is not picklable: pass it through FT_JOB_SECRET_FILE instead")
+
+
+SecretLike = Union[None, str, bytes, JobSecret]
+
+
+def _read_secret_file(path: str) -> JobSecret:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as e:
+        raise ValueError(f"{SECRET_FILE_ENV}={path!r}: cannot read the job secret: {e.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("the job secret file %s can be read by other users (mode %o); chmod 600 it",
+                       path, stat.S_IMODE(st.st_mode))
+    return JobSecret(data, source=f"{SECRET_FILE_ENV}={path}")
+
+
+def resolve_secret(secret: SecretLike = None) -> Optional[JobSecret]:
+    """``secret`` if given, else the one the environment names, else None (no authentication)."""
+    if isinstance(secret, JobSecret):
+        return secret
+    if secret:
+        return JobSecret(secret)
+    path = os.environ.get(SECRET_FILE_ENV)
+    if path:
+        return _read_secret_file(path)
+    env = os.environ.get(SECRET_ENV)
+    if env:
+        return JobSecret(env, source=SECRET_ENV)
+    return None
+
+
+def resolve_insecure(insecure: Optional[bool] = None) -> bool:
+    if insecure is not None:
+        return bool(insecure)
+    return os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def check_exposure(host: str, secret: Optional[JobSecret], insecure: Optional[bool], what: str) -> None:
+    """Refuses to serve ``what`` beyond loopback without a secret, unless insecure mode is on.
+
+    ``host`` is the address the server binds ("" / "::" / "0.0.0.0" mean every interface).
+    Insecure mode logs a warning at every start, naming what it gives up.
+    """
+    if secret is not None or is_loopback(host):
+        return
+    where = host or "every interface"
+    if resolve_insecure(insecure):
+        logger.warning(
+            "%s serves on %s WITHOUT AUTHENTICATION (insecure mode): anyone who can reach it can "
+            "join or stop the job, stop its groups, and read or replace its weights. Set %s or %s "
+            "to authenticate (docs/security.md).", what, where, SECRET_FILE_ENV, SECRET_ENV)
+        return
+    raise InsecureServerError(
+        f"{what}: refusing to serve on {where} without a job secret: anyone who can reach it could "
+        f"join or stop the job and read or replace its weights. Set {SECRET_FILE_ENV} (a file "
+        f"holding the secret) or {SECRET_ENV}, or bind a loopback address, or pass insecure=True "
+        f"(--insecure, {INSECURE_ENV}=1) to accept that (docs/security.md)."
+    )
+
+
+def _max_skew_s() -> float:
+    try:
+        return float(os.environ.get(MAX_SKEW_ENV, DEFAULT_MAX_SKEW_S))
+    except ValueError:
+        return DEFAULT_MAX_SKEW_S
+
+
+def _mac(key: bytes, what: str, ms: str, nonce: str, body: bytes) -> str:
+    h = hmac.new(key, f"{_VERSION}\n{what}\n{ms}\n{nonce}\n".encode(), hashlib.sha256)
+    if body:
+        h.update(body)
+    return h.hexdigest()
+
+
+class Signer:
+    """Makes request tokens for one purpose. Thread-safe."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: JobSecret, purpose: str) -> None:
+        self._key = secret.key(purpose)
+
+    def sign(self, what: str, body: bytes = b"") -> str:
+        ms = str(int(time.time() * 1000))
+        nonce = _secrets.token_hex(16)
+        return f"{_VERSION}.{ms}.{nonce}.{_mac(self._key, what, ms, nonce, body)}"
+
+    def mac(self, *parts: bytes) -> bytes:
+        """A plain HMAC over ``parts`` (for content a verifier checks with :meth:`Verifier.check_mac`)."""
+        h = hmac.new(self._key, digestmod=hashlib.sha256)
+        for p in parts:
+            h.update(len(p).to_bytes(8, "little"))
+            h.update(p)
+        return h.digest()
+
+
+class Verifier:
+    """Checks request tokens for one purpose: signature, age, and that no nonce is used twice.
+
+    Contract: :meth:`verify` raises :class:`AuthError` with a reason that names the problem
+    (missing, malformed, expired, replayed, bad signature) and never the secret; it accepts a
+    given token at most once. Thread-safe; O(1) amortized.
+    """
+
+    def __init__(self, secret: JobSecret, purpose: str, max_skew_s: Optional[float] = None) -> None:
+        self._signer = Signer(secret, purpose)
+        self._key = secret.key(purpose)
+        self._skew_ms = int((max_skew_s if max_skew_s is not None else _max_skew_s()) * 1000)
+        self._lock = threading.Lock()
+        self._seen: Dict[str, int] = {}
+        self._order: Deque[Tuple[int, str]] = deque()
+        self._forgotten_before_ms = 0
+
+    def verify(self, what: str, body: bytes, token: Optional[str]) -> None:
+        if not token:
+            raise AuthError("no signature (the caller has no job secret)")
+        parts = token.split(".")
+        if len(parts) != 4 or parts[0] != _VERSION or not parts[1].isdigit() or len(parts[2]) != 32:
+            raise AuthError("malformed signature")
+        _, ms, nonce, mac = parts
+        expected = _mac(self._key, what, ms, nonce, body)
+        if not hmac.compare_digest(expected, mac):
+            raise AuthError("bad signature (a different job secret, or an altered request)")
+        t = int(ms)
+        now = int(time.time() * 1000)
+        if abs(now - t) > self._skew_ms:
+            raise AuthError(f"signature is {abs(now - t) / 1000:.1f}s off this host's clock "
+                            f"(more than {self._skew_ms / 1000:.0f}s: expired, or clocks disagree)")
+        with self._lock:
+            self._prune(now)
+            if nonce in self._seen or t < self._forgotten_before_ms:
+                raise AuthError("replayed request (this signature was already used)")
+            self._seen[nonce] = t
+            self._order.append((t, nonce))
+
+    def _prune(self, now: int) -> None:
+        cutoff = now - self._skew_ms
+        order, seen = self._order, self._seen
+        while order and (order[0][0] < cutoff or len(order) > MAX_REMEMBERED_NONCES):
+            t, nonce = order.popleft()
+            seen.pop(nonce, None)
+            if t >= cutoff:  # forgotten early: refuse anything as old from now on
+                self._forgotten_before_ms = max(self._forgotten_before_ms, t + 1)
+
+    def check_mac(self, mac: bytes, *parts: bytes) -> bool:
+        return hmac.compare_digest(self._signer.mac(*parts), mac)
+
+
+if __name__ == "__main__":  # python -m ft.utils.auth > secret; chmod 600 secret
+    print(JobSecret.generate().export())
