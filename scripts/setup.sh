@@ -26,6 +26,14 @@ if ! command -v iptables >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     > .venv/apt-iptables.log 2>&1 \
     || echo "setup: iptables not installed (see .venv/apt-iptables.log); the packet-loss test will skip"
 fi
+# Headless Chromium for the dashboard's browser tests: rendering, and the CSRF attack from a
+# page of another origin (tests/security; they skip without it).
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { timeout 900 apt-get install -y -qq chromium chromium-driver \
+    || { timeout 300 apt-get update -qq && timeout 900 apt-get install -y -qq chromium chromium-driver; }; } \
+    > .venv/apt-chromium.log 2>&1 \
+    || echo "setup: chromium not installed (see .venv/apt-chromium.log); the browser tests will skip"
+fi
 .venv/bin/python setup.py build_ext --inplace > .venv/build.log 2>&1 \
   || { tail -50 .venv/build.log >&2; echo "setup: build failed (log: .venv/build.log)" >&2; exit 1; }
 .venv/bin/python -c "import ft, ft.coordination.rpc_server as r; print('ft ready: torch', __import__('torch').__version__, '| NCCL:', ft._C.has_nccl, '| native gRPC server:', r.native_available())"

@@ -24,13 +24,25 @@
 // - Every call is finished exactly once (gRPC requires it): by Python, or with CANCELLED here.
 // - Server.shutdown(grace) stops accepting calls, cancels those still open after `grace`
 //   seconds, and returns once every call is done.
+// - The server accepts its TCP connections itself (see Listener) and keeps accepting after any
+//   accept error, e.g. when the process ran out of file descriptors.
 
+#include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <pybind11/pybind11.h>
 
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -38,6 +50,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -73,10 +87,15 @@ constexpr size_t kMaxQueuedWrites = 1024;
 class CallState {
  public:
   CallState(CallReactor* reactor, std::string method,
-            std::chrono::system_clock::time_point deadline)
-      : reactor_(reactor), method_(std::move(method)), deadline_(deadline) {}
+            std::chrono::system_clock::time_point deadline, std::string auth)
+      : reactor_(reactor),
+        method_(std::move(method)),
+        deadline_(deadline),
+        auth_(std::move(auth)) {}
 
   const std::string& method() const { return method_; }
+  // The client's "ft-auth" metadata (the first one; "" when absent), read once at the start.
+  const std::string& auth() const { return auth_; }
 
   // Seconds until the caller's deadline (huge when it set none; negative once passed).
   double timeRemaining() const {
@@ -120,6 +139,7 @@ class CallState {
   CallReactor* reactor_;  // valid until onDone
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
+  const std::string auth_;
   std::deque<grpc::ByteBuffer> queued_;
   grpc::ByteBuffer inFlight_;  // the message gRPC is writing; untouched while writing_
   bool writing_ = false;
@@ -159,16 +179,304 @@ class Service : public grpc::CallbackGenericService {
   Server* server_;
 };
 
+// The server's listening sockets, and a thread that accepts connections on them and hands them
+// to gRPC (ServerBuilder's external connection acceptor: from there on a connection is served
+// exactly as one gRPC accepted itself: same handshake and its deadline, same transport).
+//
+// Why not gRPC's own listener: up to at least gRPC 1.51 (Debian 12's), its TCP server stops
+// accepting for good after one accept4() error other than EAGAIN/EINTR: it logs "Failed accept4:
+// Too many open files" and never re-arms the listening socket. The port stays bound and the
+// process alive, but every later client times out. Anyone who can reach the port can trigger
+// that by opening a few hundred idle connections until the process runs out of descriptors,
+// and so cut the lighthouse off from every replica for good. Here an accept error leaves the
+// pending connections queued in the kernel, and accepting resumes kRetryAfterErrorMs later,
+// for as long as it takes. Cost: one poll() wake-up per burst of new connections; nothing per
+// request (calls on an established connection never come here).
+class Listener {
+ public:
+  // While accept() fails (e.g. EMFILE, ENFILE, ENOBUFS, ENOMEM), retry this often: the
+  // listening socket stays readable meanwhile, so waiting on it would spin.
+  static constexpr int kRetryAfterErrorMs = 100;
+
+  Listener() = default;
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  ~Listener() {
+    stop();
+    for (int fd : fds_) ::close(fd);
+  }
+
+  // Parses "host:port" / "[v6]:port"; false for anything else.
+  static bool splitHostPort(const std::string& address, std::string* host, std::string* port) {
+    std::string h, p;
+    if (!address.empty() && address[0] == '[') {
+      size_t close = address.find(']');
+      if (close == std::string::npos || close + 1 >= address.size() || address[close + 1] != ':')
+        return false;
+      h = address.substr(1, close - 1);
+      p = address.substr(close + 2);
+    } else {
+      size_t colon = address.rfind(':');
+      if (colon == std::string::npos) return false;
+      h = address.substr(0, colon);
+      p = address.substr(colon + 1);
+      if (h.find(':') != std::string::npos) return false;  // unbracketed IPv6
+    }
+    if (p.empty() || p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoi(p) > 65535)
+      return false;
+    *host = h;
+    *port = p;
+    return true;
+  }
+
+  // Binds and listens as gRPC would: a wildcard host ("", "::", "0.0.0.0") is one dual-stack
+  // socket (or IPv4 alone where there is no IPv6), a name every address it resolves to, on one
+  // port (port 0 picks it). Throws std::runtime_error when nothing could be bound.
+  void bind(const std::string& address, const std::string& host, const std::string& port) {
+    std::string firstError;
+    auto note = [&](const char* what) {
+      if (firstError.empty()) firstError = std::string(what) + ": " + std::strerror(errno);
+    };
+    int chosenPort = std::stoi(port);
+    if (host.empty() || host == "::" || host == "0.0.0.0" || host == "*") {
+      sockaddr_in6 any6{};
+      any6.sin6_family = AF_INET6;
+      any6.sin6_addr = in6addr_any;
+      any6.sin6_port = htons(static_cast<uint16_t>(chosenPort));
+      bool dualStack = false;
+      if (listenOn(reinterpret_cast<sockaddr*>(&any6), sizeof(any6), &chosenPort, &dualStack,
+                   note) &&
+          dualStack)
+        return finishBind(address, firstError);
+      sockaddr_in any4{};
+      any4.sin_family = AF_INET;
+      any4.sin_addr.s_addr = htonl(INADDR_ANY);
+      any4.sin_port = htons(static_cast<uint16_t>(chosenPort));
+      listenOn(reinterpret_cast<sockaddr*>(&any4), sizeof(any4), &chosenPort, nullptr, note);
+      return finishBind(address, firstError);
+    }
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
+    if (rc != 0) {
+      throw std::runtime_error("gRPC server could not bind " + address + ": " +
+                               ::gai_strerror(rc));
+    }
+    std::vector<std::string> seen;
+    for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+      std::string key(reinterpret_cast<const char*>(ai->ai_addr), ai->ai_addrlen);
+      if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+      seen.push_back(key);
+      sockaddr_storage addr{};
+      std::memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
+      setPort(reinterpret_cast<sockaddr*>(&addr), chosenPort);
+      listenOn(reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen, &chosenPort, nullptr, note);
+    }
+    ::freeaddrinfo(found);
+    finishBind(address, firstError);
+  }
+
+  int port() const { return port_; }
+
+  // Hands every connection accepted from now on to `acceptor` (gRPC's, of a started server).
+  void start(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor) {
+    acceptor_ = std::move(acceptor);
+    if (::pipe(wake_) != 0) throw std::runtime_error("gRPC server: pipe() failed");
+    for (int fd : wake_) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    thread_ = std::thread([this] { run(); });
+  }
+
+  // Stops accepting and joins the thread; connections already handed over are gRPC's. Must run
+  // before the gRPC server shuts down: its acceptor refuses, and leaks, later connections.
+  void stop() {
+    if (thread_.joinable()) {
+      char byte = 0;
+      while (::write(wake_[1], &byte, 1) < 0 && errno == EINTR) {
+      }
+      thread_.join();
+    }
+    for (int& fd : wake_) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+    for (int fd : fds_) ::close(fd);
+    fds_.clear();
+  }
+
+ private:
+  static void setPort(sockaddr* addr, int port) {
+    if (addr->sa_family == AF_INET6)
+      reinterpret_cast<sockaddr_in6*>(addr)->sin6_port = htons(static_cast<uint16_t>(port));
+    else if (addr->sa_family == AF_INET)
+      reinterpret_cast<sockaddr_in*>(addr)->sin_port = htons(static_cast<uint16_t>(port));
+  }
+
+  // One listening socket on `addr`. On success with port 0, *port becomes the one picked.
+  template <typename Note>
+  bool listenOn(sockaddr* addr, socklen_t len, int* port, bool* dualStack, Note note) {
+    setPort(addr, *port);
+    int fd = ::socket(addr->sa_family, SOCK_STREAM, 0);
+    if (fd < 0) {
+      note("socket");
+      return false;
+    }
+    ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    int one = 1, zero = 0;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // inherited by connections
+    if (dualStack != nullptr) {
+      *dualStack = ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero)) == 0;
+    }
+    if (::bind(fd, addr, len) != 0) {
+      note("bind");
+      ::close(fd);
+      return false;
+    }
+    // The kernel caps the backlog at net.core.somaxconn, which is what gRPC's listener asks for.
+    if (::listen(fd, 65535) != 0) {
+      note("listen");
+      ::close(fd);
+      return false;
+    }
+    if (*port == 0) {
+      sockaddr_storage bound{};
+      socklen_t boundLen = sizeof(bound);
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &boundLen) == 0) {
+        *port = bound.ss_family == AF_INET6
+                    ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                    : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+      }
+    }
+    fds_.push_back(fd);
+    port_ = *port;
+    return true;
+  }
+
+  void finishBind(const std::string& address, const std::string& firstError) {
+    if (fds_.empty() || port_ == 0) {
+      for (int fd : fds_) ::close(fd);
+      fds_.clear();
+      throw std::runtime_error("gRPC server could not bind " + address +
+                               (firstError.empty() ? "" : ": " + firstError));
+    }
+  }
+
+  // Accepts until stop(). Never gives up on a listening socket: an error is either about the
+  // one connection (it is gone: go on) or about this process (wait, then try again).
+  void run() {
+    std::vector<pollfd> polled;
+    for (int fd : fds_) polled.push_back(pollfd{fd, POLLIN, 0});
+    polled.push_back(pollfd{wake_[0], POLLIN, 0});
+    bool backingOff = false;
+    int lastError = 0;
+    while (true) {
+      // While backing off, only the wake-up pipe is watched (the listeners are readable).
+      for (size_t i = 0; i + 1 < polled.size(); ++i) polled[i].events = backingOff ? 0 : POLLIN;
+      for (auto& p : polled) p.revents = 0;
+      int n = ::poll(polled.data(), polled.size(), backingOff ? kRetryAfterErrorMs : -1);
+      if (n < 0 && errno != EINTR) {
+        // Not expected (EFAULT/EINVAL/ENOMEM): do not spin on it.
+        std::this_thread::sleep_for(std::chrono::milliseconds(kRetryAfterErrorMs));
+        continue;
+      }
+      if (polled.back().revents != 0) return;  // stop()
+      bool failed = false;
+      for (size_t i = 0; i + 1 < polled.size(); ++i) {
+        if (!backingOff && polled[i].revents == 0) continue;
+        int err = acceptAll(polled[i].fd);
+        if (err != 0) {
+          failed = true;
+          if (err != lastError) {
+            gpr_log(GPR_ERROR,
+                    "ft gRPC server: accept failed (%s); pending connections wait, retrying "
+                    "every %d ms",
+                    std::strerror(err), kRetryAfterErrorMs);
+            lastError = err;
+          }
+        }
+      }
+      if (!failed && lastError != 0) {
+        gpr_log(GPR_INFO, "ft gRPC server: accepting connections again");
+        lastError = 0;
+      }
+      backingOff = failed;
+    }
+  }
+
+  // Accepts every pending connection of `listenFd`. 0 once none is left; else the errno that
+  // stopped it (running out of descriptors, or anything unexpected).
+  int acceptAll(int listenFd) {
+    while (true) {
+#ifdef __linux__
+      int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+#else
+      int fd = ::accept(listenFd, nullptr, nullptr);
+      if (fd >= 0) {
+        ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+      }
+#endif
+      if (fd < 0) {
+        int err = errno;
+        if (err == EAGAIN || err == EWOULDBLOCK) return 0;
+        if (err == EINTR || err == ECONNABORTED || err == EPROTO || err == EPERM ||
+            err == ENETDOWN || err == ENOPROTOOPT || err == EHOSTDOWN || err == EHOSTUNREACH ||
+            err == ENETUNREACH || err == EOPNOTSUPP) {
+          continue;  // that connection failed (Linux reports its network errors here); next
+        }
+        // Out of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM) or unexpected: the connection
+        // stays queued, and the caller retries after a pause.
+        return err;
+      }
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters params;
+      params.listener_fd = listenFd;
+      params.fd = fd;
+      acceptor_->HandleNewConnection(&params);  // gRPC owns (and closes) fd from here
+    }
+  }
+
+  std::vector<int> fds_;
+  int port_ = 0;
+  int wake_[2] = {-1, -1};
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
+  std::thread thread_;
+};
+
 class Server {
  public:
   Server(const std::string& address, py::function handler, int maxMessageBytes, int keepaliveMs)
       : handler_(std::move(handler)), service_(this) {
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+    std::string host, port;
+    // A Unix socket ("unix:/path", "unix-abstract:name") is left to gRPC's own listener.
+    const bool ownListener = address.compare(0, 5, "unix:") != 0 &&
+                             address.compare(0, 14, "unix-abstract:") != 0;
+    if (ownListener && !Listener::splitHostPort(address, &host, &port)) {
+      throw std::runtime_error("gRPC server could not bind " + address +
+                               ": not host:port or [ipv6]:port");
+    }
+    std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
+    if (ownListener) {
+      // host:port: accepted by Listener, which survives accept errors (see there).
+      {
+        py::gil_scoped_release nogil;  // resolving a name may take a while
+        listener_.bind(address, host, port);
+      }
+      acceptor = builder.experimental().AddExternalConnectionAcceptor(
+          grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+          grpc::InsecureServerCredentials());
+    } else {
+      builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+      builder.AddChannelArgument("grpc.so_reuseport", 0);
+    }
     builder.RegisterCallbackGenericService(&service_);
     builder.SetMaxReceiveMessageSize(maxMessageBytes);
     builder.SetMaxSendMessageSize(maxMessageBytes);
-    builder.AddChannelArgument("grpc.so_reuseport", 0);
     // Accept clients' keepalive pings every few seconds (ft's clients ping every 5 s so that a
     // partition ends their calls); the default policy answers them with GOAWAY.
     builder.AddChannelArgument("grpc.keepalive_permit_without_calls", 1);
@@ -182,6 +490,10 @@ class Server {
     {
       py::gil_scoped_release nogil;
       server_ = builder.BuildAndStart();
+    }
+    if (server_ && ownListener) {
+      port_ = listener_.port();
+      listener_.start(std::move(acceptor));
     }
     if (!server_ || port_ == 0) {
       throw std::runtime_error("gRPC server could not bind " + address);
@@ -202,6 +514,7 @@ class Server {
       py::gil_scoped_release nogil;  // reactions still running need the GIL to finish
       auto deadline = std::chrono::system_clock::now() +
                       std::chrono::microseconds(static_cast<int64_t>(graceSeconds * 1e6));
+      listener_.stop();  // first: no connection may reach gRPC's acceptor once it shuts down
       server->Shutdown(deadline);  // returns once every call's OnDone has run
       server.reset();
     }
@@ -216,6 +529,7 @@ class Server {
   Service service_;
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
+  Listener listener_;  // after server_: destroyed (stopped) before it
 };
 
 // --- CallState ---------------------------------------------------------------------------
@@ -330,9 +644,19 @@ void CallState::onDone() {
 
 // --- CallReactor -------------------------------------------------------------------------
 
+// The value of the client's first "ft-auth" metadata entry, "" when it sent none. Equal keys of
+// a multimap keep their arrival order, so lower_bound is the first one sent.
+std::string authMetadata(const grpc::GenericCallbackServerContext* ctx) {
+  const auto& md = ctx->client_metadata();
+  auto it = md.lower_bound(grpc::string_ref("ft-auth"));
+  if (it == md.end() || it->first != grpc::string_ref("ft-auth")) return std::string();
+  return std::string(it->second.data(), it->second.size());
+}
+
 CallReactor::CallReactor(grpc::GenericCallbackServerContext* ctx, Server* server)
     : server_(server),
-      state_(std::make_shared<CallState>(this, ctx->method(), ctx->deadline())) {
+      state_(std::make_shared<CallState>(this, ctx->method(), ctx->deadline(),
+                                         authMetadata(ctx))) {
   StartRead(&request_);
 }
 
@@ -414,6 +738,15 @@ PYBIND11_MODULE(_grpc_server, m) {
 
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
+      .def_property_readonly("auth",
+                             [](const CallState& c) {
+                               // gRPC admits only printable ASCII in such values; never raise.
+                               const std::string& a = c.auth();
+                               PyObject* s = PyUnicode_DecodeUTF8(
+                                   a.data(), static_cast<Py_ssize_t>(a.size()), "replace");
+                               if (s == nullptr) throw py::error_already_set();
+                               return py::reinterpret_steal<py::str>(s);
+                             })
       .def_property(
           "on_cancel",
           [](CallState& c) { return c.peekOnCancel(); },

@@ -1,6 +1,7 @@
 """HTTPTransport: a healthy replica serves its state dict over HTTP; recovering replicas pull it.
 
-Wire protocol (all requests carry ``Authorization: Bearer <token>`` when a token is set)::
+Wire protocol (with a job secret, every request carries ``Authorization: FT-HMAC <signature>``
+of the address it dials, its path and its query, see ft.utils.auth)::
 
     GET /ft/v1/checkpoint/{step}/meta?chunks=N&wait=S
         -> 200, body = header JSON (serialization.encode_header) + CRC32 (4 bytes, big endian)
@@ -9,8 +10,17 @@ Wire protocol (all requests carry ``Authorization: Bearer <token>`` when a token
     GET /ft/v1/checkpoint/{step}/data?staging=ID&lease=L&start=A&end=B
         -> 200, body = bytes [A, B) of the concatenated tensor bytes + CRC-32C of those bytes
 
-    403: wrong or missing token. 404: step not staged. 409: the source failed to
+    403: missing, wrong or replayed signature. 404: step not staged. 409: the source failed to
     produce the step (abandon_checkpoint). 410: withdrawn. 503: shutting down.
+
+With a job secret the source also signs what it serves, bound to the request it answers
+(HMAC-SHA256 with the secret's checkpoint-content key): the metadata answer carries
+``X-FT-Content-MAC: hex(MAC("meta", request signature, header))``, and each data range's
+trailer is its CRC-32C followed by ``MAC("data", request signature, start, end, CRC)``. The
+receiver checks the metadata MAC before it parses a byte of the header, and each range's MAC
+with its CRC before anything is returned; a source that does not know the secret cannot make
+either, so a replica never loads weights that a job member did not serve. Signing covers the
+checksums, not the bytes again: the bytes are read once, for the CRC.
 
 The sender keeps references to the tensors (no serialization at ``send_checkpoint``) and reads
 them only while answering requests; the CRC is computed over exactly the bytes it writes, so
@@ -33,13 +43,14 @@ import http.client
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as futures_wait
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -49,6 +60,20 @@ from ft import _C
 from ft.checkpointing import same_host as same_host_path
 from ft.checkpointing import serialization as ser
 from ft.utils import net
+from ft.utils.tls import TLSConfig, resolve_tls
+from ft.utils.http_server import BoundedHTTPServer, BoundedRequestHandler
+from ft.utils.auth import (
+    CHECKPOINT_CONTENT_PURPOSE,
+    CHECKPOINT_REQUEST_PURPOSE,
+    HTTP_SCHEME,
+    AuthError,
+    JobSecret,
+    SecretLike,
+    Signer,
+    Verifier,
+    check_exposure,
+    resolve_secret,
+)
 from ft.checkpointing.transport import (
     CheckpointAuthError,
     CheckpointCorruptError,
@@ -70,11 +95,28 @@ ADVERTISE_ENV = net.ADVERTISE_ENV
 PORT_ENV = "FT_CHECKPOINT_PORT"
 SAME_HOST_ENV = "FT_CHECKPOINT_SAME_HOST"
 _PREFIX = "/ft/v1/checkpoint/"
+# A signed source's MAC of its metadata answer (response header, hex) and of each range (the
+# range trailer's last bytes): HMAC-SHA256.
+_CONTENT_MAC_HEADER = "X-FT-Content-MAC"
+_MAC_SIZE = 32
+
+
+def _range_bytes(start: int, end: int) -> bytes:
+    return struct.pack(">QQ", start, end)
 _SLICE = 1 << 20  # bytes per read/crc/write step
 _MIN_CHUNK = 1 << 20  # don't split transfers into chunks smaller than this
 _MAX_CHUNKS = same_host_path.MAX_RANGES
 _MAX_HEADER = 1 << 30
 _TRAILER = struct.Struct(">I")
+# A connection must deliver its request line and headers this long after connecting (a
+# receiver sends them at once); then the transfer is bounded by ``timeout`` only, never by this.
+# Long enough for a receiver on a loaded host, short enough that idle sockets are not hoarded.
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+# Most connections open at once. A receiver opens at most _MAX_CHUNKS (256) data connections
+# at a time, after its metadata request has ended, so one receiver at the widest split fits
+# (usual receivers open one to a few). It bounds the threads and descriptors that anyone who
+# reaches the port can take to a quarter of the common 1024 open-file limit.
+DEFAULT_MAX_CONNECTIONS = 256
 
 
 def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
@@ -274,59 +316,41 @@ class _Abort(Exception):
     pass
 
 
-class _Server(HTTPServer):
-    """HTTPServer with tracked per-request threads and sockets, so shutdown is bounded."""
+class _Server(BoundedHTTPServer):
+    """The checkpoint server: a thread per connection, capped and idle-bounded (see
+    ft.utils.http_server), with tracked threads and sockets so that shutdown is bounded."""
 
-    allow_reuse_address = True
-    request_queue_size = 128
+    def __init__(
+        self, addr: Tuple[str, int], handler: Any, family: int,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        ssl_context: Optional[ssl.SSLContext] = None,
+    ) -> None:
+        self._ssl_context = ssl_context
+        super().__init__(addr, handler, family=family, idle_timeout_s=idle_timeout_s,
+                         max_connections=max_connections, name="ft-ckpt-http")
 
-    def __init__(self, addr: Tuple[str, int], handler: Any, family: int) -> None:
-        self.address_family = family
-        self.threads: Set[threading.Thread] = set()
-        self.sockets: Set[socket.socket] = set()
-        self.track_lock = threading.Lock()
-        super().__init__(addr, handler)
+    def get_request(self) -> Tuple[socket.socket, Any]:
+        conn, addr = super().get_request()
+        if self._ssl_context is not None:
+            # No handshake here (it would block the accepting thread on a slow client): the
+            # connection's own thread does it with its first read, under the idle bound. The
+            # TLS socket is the one tracked, so idle and shutdown bounds apply to it.
+            conn = self._ssl_context.wrap_socket(conn, server_side=True,
+                                                 do_handshake_on_connect=False)
+        return conn, addr
 
-    def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6:
-            try:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            except OSError:
-                pass
-        # skip HTTPServer.server_bind's getfqdn(): it can block on DNS
-        if self.allow_reuse_address:
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind(self.server_address)
-        self.server_address = self.socket.getsockname()
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        t = threading.Thread(
-            target=self._run, args=(request, client_address), daemon=True, name="ft-ckpt-http"
-        )
-        with self.track_lock:
-            self.threads.add(t)
-            self.sockets.add(request)
-        t.start()
+class _TLSConnection(http.client.HTTPSConnection):
+    """HTTPS to a checkpoint source, verified against the job's CA (and ``server_name``)."""
 
-    def _run(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:  # noqa: BLE001 - a broken client must not kill the server
-            logger.debug("checkpoint request from %s failed", client_address, exc_info=True)
-        finally:
-            self.shutdown_request(request)
-            with self.track_lock:
-                self.sockets.discard(request)
-                self.threads.discard(threading.current_thread())
+    def __init__(self, host: str, port: int, tls: TLSConfig, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout, context=tls.client_context())
+        self._expected_name = tls.server_name or host
 
-    def kill_connections(self) -> None:
-        with self.track_lock:
-            socks = list(self.sockets)
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self._expected_name)
 
 
 class HTTPTransport(CheckpointTransport[T]):
@@ -335,11 +359,18 @@ class HTTPTransport(CheckpointTransport[T]):
     Args:
         timeout: default bound for transfers and for waits inside the server.
         num_chunks: parallel connections (byte ranges) a receiver uses; 0 or 1: one.
-        token: shared secret every request must carry (default: env ``FT_CHECKPOINT_TOKEN``);
-            ``None`` and no env: no authentication.
+        token: the job secret under its older name (default: env ``FT_CHECKPOINT_TOKEN``);
+            prefer ``secret``.
+        secret: the job secret (ft.utils.auth; default: ``FT_JOB_SECRET_FILE`` /
+            ``FT_JOB_SECRET``): requests are signed with it and refused without it, and what
+            the source serves is signed and checked with it. None anywhere: no authentication.
+        insecure: allow serving beyond loopback without a secret (default: ``FT_INSECURE``).
+        tls: serve over TLS and verify TLS sources (ft.utils.tls; default: ``FT_TLS_*``).
+            :meth:`metadata` then says ``https://``.
         advertise_host: host put in ``metadata()`` (default: env ``FT_ADVERTISE_HOST`` or
             :func:`default_advertise_host`).
-        bind_host: interface to listen on (default: all, IPv4 and IPv6 where available).
+        bind_host: interface to listen on (default: the advertised host's address; ``"::"``:
+            every interface).
         port: port to listen on (default: env ``FT_CHECKPOINT_PORT``, else any free port; pin
             it where a firewall must open it).
         device: where received tensors are placed (default CPU).
@@ -347,6 +378,11 @@ class HTTPTransport(CheckpointTransport[T]):
             source's host copies the tensors straight from the source process instead of
             through loopback TCP, falling back to HTTP where the kernel does not allow it.
             Default: on, unless env ``FT_CHECKPOINT_SAME_HOST=0``.
+        idle_timeout_s: a connection must deliver its request line and headers this long after
+            connecting, or it is closed (default :data:`DEFAULT_IDLE_TIMEOUT_S`). Transfers
+            under way are bounded by ``timeout`` only, never by this.
+        max_connections: most connections the server holds open at once; more are answered
+            503 and closed at once (default :data:`DEFAULT_MAX_CONNECTIONS`).
     """
 
     def __init__(
@@ -359,14 +395,27 @@ class HTTPTransport(CheckpointTransport[T]):
         port: Optional[int] = None,
         device: Optional[torch.device] = None,
         same_host: Optional[bool] = None,
+        *,
+        secret: SecretLike = None,
+        insecure: Optional[bool] = None,
+        tls: Optional[TLSConfig] = None,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         if port is None:
             port = int(os.environ.get(PORT_ENV) or 0)
         self._timeout = timeout
         self._num_chunks = max(1, int(num_chunks))
-        if token is None:
-            token = os.environ.get(TOKEN_ENV) or None
-        self._token = token
+        if secret is None:
+            secret = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._secret: Optional[JobSecret] = resolve_secret(secret)
+        if self._secret is not None:
+            self._request_signer: Optional[Signer] = Signer(self._secret, CHECKPOINT_REQUEST_PURPOSE)
+            self._request_verifier: Optional[Verifier] = Verifier(
+                self._secret, CHECKPOINT_REQUEST_PURPOSE)
+            self._content_signer: Optional[Signer] = Signer(self._secret, CHECKPOINT_CONTENT_PURPOSE)
+        else:
+            self._request_signer = self._request_verifier = self._content_signer = None
         self._device = torch.device("cpu") if device is None else torch.device(device)
         self._cond = threading.Condition()
         self._staging: Optional[_Staging] = None
@@ -376,9 +425,18 @@ class HTTPTransport(CheckpointTransport[T]):
         self._closed = False
 
         if bind_host is None:
+            # The advertised interface only: nothing on the machine's other networks can reach
+            # the model's bytes.
+            bind_host = net.bind_host_for(advertise_host or net.advertise_host()).strip("[]")
+        if bind_host in ("", "::", "0.0.0.0"):
             bind_host = "::" if socket.has_dualstack_ipv6() else "0.0.0.0"
+        check_exposure(bind_host, self._secret, insecure, "the checkpoint server")
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._server = _Server((bind_host, port), self._handler_class(), family)
+        self._tls = resolve_tls(tls)
+        self._tls_server = self._tls.server_context() if self._tls and self._tls.can_serve else None
+        self._server = _Server((bind_host, port), self._handler_class(), family,
+                               idle_timeout_s=idle_timeout_s, max_connections=max_connections,
+                               ssl_context=self._tls_server)
         self._port = self._server.server_address[1]
         # None: resolved at every metadata() call, so the host the Manager picks at its start
         # (the interface that routes to the lighthouse) applies to a transport built before it.
@@ -411,7 +469,7 @@ class HTTPTransport(CheckpointTransport[T]):
         """``http://host:port``, plus ``#<name>`` of the same-host endpoint when it serves one
         (a URL fragment: HTTP clients never send it)."""
         host = self._advertise or default_advertise_host()
-        url = f"http://{_bracket(host)}:{self._port}"
+        url = f"{'https' if self._tls_server else 'http'}://{_bracket(host)}:{self._port}"
         return f"{url}#{self._local.name}" if self._local is not None else url
 
     def address(self) -> str:
@@ -502,9 +560,14 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         deadline = time.monotonic() + timeout.total_seconds()
         url = urlsplit(metadata)
-        if url.scheme != "http" or not url.hostname or not url.port:
+        if url.scheme not in ("http", "https") or not url.hostname or not url.port:
             raise CheckpointError(f"bad checkpoint address {metadata!r} (want http://host:port)")
         host, port = url.hostname, url.port
+        secure = url.scheme == "https"
+        if secure and (self._tls is None or not self._tls.ca_file):
+            raise CheckpointError(
+                f"{metadata}: the source serves TLS, and this replica has no CA to verify it "
+                f"with (set FT_TLS_CA_FILE, or pass tls=TLSConfig(ca_file=...))")
         where = f"checkpoint step {step} from rank {src_rank} at {metadata}"
 
         remaining = deadline - time.monotonic()
@@ -517,7 +580,7 @@ class HTTPTransport(CheckpointTransport[T]):
         try:
             fetched = None
             if session is not None:
-                fetch = {"token": self._token, "step": step, "wait": wait_s,
+                fetch = {"token": self._secret.export() if self._secret else None, "step": step, "wait": wait_s,
                          "chunks": self._num_chunks}
                 fetched = session.fetch(fetch, deadline, _MAX_HEADER + _TRAILER.size)
                 if fetched is None:
@@ -527,7 +590,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 body, lease, reply = fetched
             else:
                 path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
-                body, lease = self._get_small(host, port, path, deadline, where)
+                body, lease = self._get_small(host, port, path, deadline, where, secure=secure)
             tree, specs, staging, lease = self._parse_meta(body, lease, step, where)
             tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
             offsets = [0]
@@ -561,6 +624,7 @@ class HTTPTransport(CheckpointTransport[T]):
                         deadline,
                         stop,
                         where,
+                        secure=secure,
                     )
                     for a, b in ranges
                 ]
@@ -659,21 +723,26 @@ class HTTPTransport(CheckpointTransport[T]):
 
     # ------------------------------------------------------------------ client side
 
-    def _headers(self) -> Dict[str, str]:
-        h = {"Connection": "close"}
-        if self._token:
-            h["Authorization"] = f"Bearer {self._token}"
-        return h
-
     def _open(
-        self, host: str, port: int, path: str, deadline: float, where: str
-    ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
+        self, host: str, port: int, path: str, deadline: float, where: str, secure: bool = False
+    ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket, bytes]:
+        """Sends a (signed) GET; returns the connection, the response, its socket, and the
+        request's signature (b"" without a secret), which the source's MACs are bound to."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CheckpointTransferError(f"{where}: timed out")
-        conn = http.client.HTTPConnection(host, port, timeout=remaining)
+        headers = {"Connection": "close"}
+        signature = b""
+        if self._request_signer is not None:
+            # Bound to the address dialled: a non-member that received it could not use it at
+            # any real source.
+            token = self._request_signer.sign(f"GET {_bracket(host)}:{port}{path}")
+            headers["Authorization"] = f"{HTTP_SCHEME} {token}"
+            signature = token.encode()
+        conn = (_TLSConnection(host, port, self._tls, remaining) if secure
+                else http.client.HTTPConnection(host, port, timeout=remaining))
         try:
-            conn.request("GET", path, headers=self._headers())
+            conn.request("GET", path, headers=headers)
             sock = conn.sock  # HTTPConnection drops it once a 'close' response arrives
             resp = conn.getresponse()
         except (socket.timeout, TimeoutError):
@@ -691,18 +760,19 @@ class HTTPTransport(CheckpointTransport[T]):
                 msg = ""
             conn.close()
             _raise_for_status(resp.status, f"{where}: HTTP {resp.status} {resp.reason}: {msg}")
-        return conn, resp, sock
+        return conn, resp, sock, signature
 
     def _get_small(
-        self, host: str, port: int, path: str, deadline: float, where: str
+        self, host: str, port: int, path: str, deadline: float, where: str, secure: bool = False
     ) -> Tuple[bytes, str]:
-        conn, resp, sock = self._open(host, port, path, deadline, where)
+        conn, resp, sock, signature = self._open(host, port, path, deadline, where, secure)
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             length = int(resp.getheader("Content-Length") or -1)
             if not 0 <= length <= _MAX_HEADER:
                 raise CheckpointFormatError(f"{where}: bad metadata length {length}")
             body = resp.read()
+            self._check_content_mac(resp.getheader(_CONTENT_MAC_HEADER, ""), signature, body, where)
             return body, resp.getheader("X-FT-Lease", "")
         except (socket.timeout, TimeoutError):
             raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
@@ -728,12 +798,14 @@ class HTTPTransport(CheckpointTransport[T]):
         deadline: float,
         stop: threading.Event,
         where: str,
+        secure: bool = False,
     ) -> None:
-        conn, resp, sock = self._open(host, port, path, deadline, where)
+        conn, resp, sock, signature = self._open(host, port, path, deadline, where, secure)
         got = 0
+        mac_size = _MAC_SIZE if self._content_signer is not None else 0
         try:
             length = resp.getheader("Content-Length")
-            if length is None or int(length) != end - start + _TRAILER.size:
+            if length is None or int(length) != end - start + _TRAILER.size + mac_size:
                 raise CheckpointTransferError(f"{where}: bad Content-Length {length!r}")
             crc = 0
             for i, lo, hi in same_host_path.segments(offsets, start, end):
@@ -744,9 +816,15 @@ class HTTPTransport(CheckpointTransport[T]):
                     self._read_exact(sock, resp, dst, deadline)
                     crc = ser.crc32c(dst, crc)
                     got += len(dst)
-            trailer = bytearray(_TRAILER.size)
+            trailer = bytearray(_TRAILER.size + mac_size)
             self._read_exact(sock, resp, memoryview(trailer), deadline)
-            if _TRAILER.unpack(trailer)[0] != crc:
+            if mac_size and not self._content_signer_checks(
+                    bytes(trailer[_TRAILER.size:]), b"data", signature, _range_bytes(start, end),
+                    bytes(trailer[:_TRAILER.size])):
+                raise CheckpointAuthError(
+                    f"{where}: bytes [{start}, {end}) are not signed with the job secret: the "
+                    f"source is not a member of this job; data discarded")
+            if _TRAILER.unpack(trailer[:_TRAILER.size])[0] != crc:
                 raise CheckpointCorruptError(
                     f"{where}: checksum mismatch in bytes [{start}, {end}); data discarded"
                 )
@@ -764,6 +842,23 @@ class HTTPTransport(CheckpointTransport[T]):
         finally:
             resp.close()
             conn.close()
+
+    def _content_signer_checks(self, mac: bytes, *parts: bytes) -> bool:
+        return hmac.compare_digest(self._content_signer.mac(*parts), mac)
+
+    def _check_content_mac(self, mac_hex: str, signature: bytes, body: bytes, where: str) -> None:
+        """Refuses a metadata answer that a job member did not sign for this very request."""
+        if self._content_signer is None:
+            return
+        try:
+            mac = bytes.fromhex(mac_hex)
+        except ValueError:
+            mac = b""
+        if not self._content_signer_checks(mac, b"meta", signature, body):
+            raise CheckpointAuthError(
+                f"{where}: the metadata is not signed with the job secret "
+                f"({'no signature' if not mac_hex else 'wrong signature'}): the source is not a "
+                f"member of this job; nothing was loaded")
 
     @staticmethod
     def _read_exact(
@@ -788,7 +883,7 @@ class HTTPTransport(CheckpointTransport[T]):
     def _handler_class(self) -> type:
         transport = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(BoundedRequestHandler):
             protocol_version = "HTTP/1.1"
             timeout = self._timeout.total_seconds()  # socket timeout for every read/write
             server_version = "ft-checkpoint/1"
@@ -811,9 +906,28 @@ class HTTPTransport(CheckpointTransport[T]):
 
         return Handler
 
-    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+    def _dialled_address(self) -> str:
+        """``host:port`` as receivers dial it (from :meth:`metadata`), as they sign it."""
+        url = urlsplit(self.metadata())
+        return f"{_bracket(url.hostname or '')}:{url.port}"
+
+    def _verify_request(self, h: BaseHTTPRequestHandler) -> bytes:
+        """Refuses (403) a request not signed with the job secret, or signed before (a replay);
+        returns its signature, which what this source answers is bound to."""
+        if self._request_verifier is None:
+            return b""
         auth = h.headers.get("Authorization", "")
-        self._check_token(auth[len("Bearer "):] if auth.startswith("Bearer ") else None)
+        scheme, _, token = auth.partition(" ")
+        try:
+            self._request_verifier.verify(
+                f"GET {self._dialled_address()}{h.path}", b"",
+                token.strip() if scheme == HTTP_SCHEME else None)
+        except AuthError as e:
+            raise _HTTPError(403, f"refused: {e}; this source requires the job secret") from None
+        return token.strip().encode()
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        signature = self._verify_request(h)
         url = urlsplit(h.path)
         if not url.path.startswith(_PREFIX):
             raise _HTTPError(404, f"unknown path {url.path[:100]!r}")
@@ -826,9 +940,9 @@ class HTTPTransport(CheckpointTransport[T]):
             raise _HTTPError(400, f"bad step {parts[0][:40]!r}") from None
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if parts[1] == "meta":
-            self._serve_meta(h, step, q)
+            self._serve_meta(h, step, q, signature)
         elif parts[1] == "data":
-            self._serve_data(h, step, q)
+            self._serve_data(h, step, q, signature)
         else:
             raise _HTTPError(404, f"unknown path {url.path[:100]!r}")
 
@@ -843,7 +957,9 @@ class HTTPTransport(CheckpointTransport[T]):
         except ValueError:
             raise _HTTPError(400, f"bad parameter {key}={q[key][:40]!r}") from None
 
-    def _serve_meta(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
+    def _serve_meta(
+        self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str], signature: bytes
+    ) -> None:
         _, body, lease = self._meta(
             step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1)
         )
@@ -851,6 +967,8 @@ class HTTPTransport(CheckpointTransport[T]):
         h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(body)))
         h.send_header("X-FT-Lease", lease)
+        if self._content_signer is not None:
+            h.send_header(_CONTENT_MAC_HEADER, self._content_signer.mac(b"meta", signature, body).hex())
         h.send_header("Connection", "close")
         h.end_headers()
         h.wfile.write(body)
@@ -923,7 +1041,9 @@ class HTTPTransport(CheckpointTransport[T]):
                     del st.leases[lease_id]
             self._cond.notify_all()
 
-    def _serve_data(self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str]) -> None:
+    def _serve_data(
+        self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str], signature: bytes
+    ) -> None:
         lease_id = q.get("lease", "")
         start = self._num(q, "start", int)
         end = self._num(q, "end", int)
@@ -936,14 +1056,19 @@ class HTTPTransport(CheckpointTransport[T]):
         try:
             h.send_response(200)
             h.send_header("Content-Type", "application/octet-stream")
-            h.send_header("Content-Length", str(end - start + _TRAILER.size))
+            signer = self._content_signer
+            h.send_header("Content-Length",
+                          str(end - start + _TRAILER.size + (_MAC_SIZE if signer else 0)))
             h.send_header("Connection", "close")
             h.end_headers()
             crc = 0
             for piece in self._source_slices(st, start, end):
                 crc = ser.crc32c(piece, crc)
                 h.wfile.write(piece)
-            h.wfile.write(_TRAILER.pack(crc))
+            trailer = _TRAILER.pack(crc)
+            if signer is not None:
+                trailer += signer.mac(b"data", signature, _range_bytes(start, end), trailer)
+            h.wfile.write(trailer)
             used = 1
         except _Abort:
             logger.debug("checkpoint transfer cut off (withdrawn)")
@@ -992,10 +1117,10 @@ class HTTPTransport(CheckpointTransport[T]):
             self._cond.notify_all()
 
     def _check_token(self, presented: Any) -> None:
-        """Refuses (403) a request of either path that lacks the shared token."""
-        if self._token is not None and (
+        """Refuses (403) a same-host request that lacks the job secret."""
+        if self._secret is not None and (
             type(presented) is not str
-            or not hmac.compare_digest(presented.encode(), self._token.encode())
+            or not hmac.compare_digest(presented.encode(), self._secret.export().encode())
         ):
             raise _HTTPError(403, "missing or wrong checkpoint token")
 

@@ -5,11 +5,13 @@ heartbeat_timeout_ms=None)`` serves ``torchft.LighthouseService`` over gRPC (Quo
 Heartbeat, and the ft extension ``SubscribeFailures``) and, on a second port, an HTTP dashboard:
 
 * ``GET /``            self-contained, self-refreshing HTML page;
-* ``GET /api/status``  the same information as JSON;
-* ``GET /metrics``     Prometheus text format;
-* ``POST /api/kill``   ``{"replica_id": ..., "msg": ...}``: forwards Kill to that group's
-  ManagerServer. Needs ``Authorization: Bearer <token>`` when an auth token is configured
-  (``auth_token=`` or env ``FT_AUTH_TOKEN``).
+* ``GET /api/status``  the same information as JSON (with the managers' addresses, so it
+  needs ``Authorization: Bearer <job secret or auth token>`` when either is configured);
+* ``GET /metrics``     Prometheus text format (no addresses);
+* ``POST /api/kill``   JSON ``{"replica_id": ..., "msg": ...}``: forwards Kill to that group's
+  ManagerServer. Needs the header ``X-FT-Request: 1`` and, when configured, the credential.
+
+Who may use which endpoint, and the connection limits: see ``_make_http_handler``.
 
 Quorum ids never repeat across restarts: the counter starts from the wall clock in microseconds
 (a restarted lighthouse starts above every id the previous one can have issued, since issuing
@@ -35,15 +37,18 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, Optional, Set, Tuple
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import urlparse, urlsplit
 
 import grpc
 
 from . import _rpc
 from ._proto import torchft_pb2 as pb
 from .rpc_server import Call, Method, RpcServer
+from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
+from ..utils.tls import TLSConfig, resolve_tls
+from ..utils.http_server import BoundedHTTPServer, BoundedRequestHandler
+from ..utils.net import is_loopback
 from .quorum import (
     LighthouseOptions,
     Quorum,
@@ -598,33 +603,170 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
     }
 
 
+# --- dashboard (HTTP) ----------------------------------------------------------------------
+
+# Most dashboard connections open at once. A browser holds at most 6 connections to one host
+# and the page polls once a second, so 64 serve about ten open pages plus a metrics scraper;
+# more are refused at once. It bounds the threads and descriptors that anyone who reaches the
+# port can take (the lighthouse's gRPC side needs its descriptors).
+DASHBOARD_MAX_CONNECTIONS = 64
+# A dashboard connection must deliver its whole request this long after connecting (or after
+# its previous answer), or it is closed. The page polls every second, so its own connection
+# never idles this long, and browsers reopen a closed idle connection on their own.
+DASHBOARD_IDLE_TIMEOUT_S = 10.0
+# Socket timeout of each read and write once a request is in (a client that stops reading).
+_DASHBOARD_IO_TIMEOUT_S = 30.0
+_MAX_BODY = 64 * 1024
+# Header the dashboard's page sends with every action. A page of another origin cannot send a
+# custom header without a CORS preflight, which this server never approves (no OPTIONS).
+CSRF_HEADER = "X-FT-Request"
+
+
+def _hostname(hostport: str) -> str:
+    """The host of a ``Host`` header value (brackets and port removed, lower case)."""
+    try:
+        return urlsplit("//" + hostport.strip()).hostname or ""
+    except ValueError:
+        return ""
+
+
+def _hide_addresses(st: dict) -> None:
+    """Removes every manager and store address from a status document, in place."""
+    q = st.get("quorum")
+    for m in q["members"] if q else ():
+        m["address"] = ""
+        m["store_address"] = ""
+    for r in st["replicas"]:
+        r["address"] = ""
+
+
 def _make_http_handler(lh: "LighthouseServer"):
     page_cache: Dict[str, bytes] = {}
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(BoundedRequestHandler):
+        """The dashboard's endpoints, and who may use them.
+
+        Open to anyone who reaches the port: ``/`` (the page), ``/healthz``, and ``/metrics``
+        (counts, ages and replica ids, never an address).
+
+        ``GET /api/status`` lists every manager's and store's address, so:
+
+        * with a credential configured (the job secret, or the older ``auth_token`` /
+          ``FT_AUTH_TOKEN``; either is accepted) it needs ``Authorization: Bearer <credential>``
+          and answers 401, with no status, without it;
+        * with none, it is open when the dashboard listens on loopback only (whoever reaches
+          it is on this host already); listening elsewhere, it answers with every address
+          removed (``config.addresses_hidden``), as anyone on the network could read it.
+
+        Actions (every POST; the one there is, ``/api/kill``) are refused with 403 and the
+        reason unless the request carries ``X-FT-Request: 1`` (a page of another origin
+        cannot send a custom header without a CORS preflight, which this server never
+        approves) and, if it has an ``Origin``, that origin is this dashboard's own (``http``
+        or ``https`` on the request's ``Host``; a reverse proxy must pass ``Host`` through).
+        Their parameters come from a JSON object sent as ``Content-Type: application/json``
+        only. With a credential configured they need it too (401). Over plain HTTP the
+        credential crosses the network as sent: reach a remote dashboard through an SSH tunnel
+        or a TLS proxy.
+
+        With no credential and a loopback listener, ``/api/`` requests must also name a
+        loopback ``Host`` (an IP literal or ``localhost``), or get 403: a site whose name an
+        attacker points at 127.0.0.1 (DNS rebinding) is same-origin to the browser, but its
+        requests name that site.
+
+        Every connection is bounded (ft.utils.http_server): idle ones are closed after the
+        idle timeout, which also covers reading a POST's body, and beyond the connection
+        cap new ones are refused at once.
+        """
+
         server_version = "ft-lighthouse"
         protocol_version = "HTTP/1.1"
+        timeout = _DASHBOARD_IO_TIMEOUT_S
+        hold_idle_deadline = True  # released by do_GET at once, by do_POST after the body
 
         def log_message(self, fmt, *args):  # quiet
             logger.debug("http: " + fmt, *args)
 
-        def _send(self, code: int, body: bytes, ctype: str) -> None:
+        def _send(self, code: int, body: bytes, ctype: str,
+                  headers: Tuple[Tuple[str, str], ...] = ()) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
             self.send_header("X-Content-Type-Options", "nosniff")
+            # Never inside another site's frame (a click there must not land on "kill").
+            self.send_header("X-Frame-Options", "DENY")
+            self.send_header("Content-Security-Policy", "frame-ancestors 'none'")
+            for k, v in headers:
+                self.send_header(k, v)
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _json(self, code: int, obj) -> None:
-            self._send(code, json.dumps(obj).encode(), "application/json")
+        def _json(self, code: int, obj, headers: Tuple[Tuple[str, str], ...] = ()) -> None:
+            self._send(code, json.dumps(obj).encode(), "application/json", headers)
+
+        # --- who is asking ---------------------------------------------------------------
+
+        def _credential(self) -> Optional[bool]:
+            """None when no credential is configured; else whether the request presents one."""
+            expected: List[bytes] = []
+            secret = getattr(lh, "_secret", None)
+            if secret is not None:
+                expected.append(secret.export().encode("utf-8", "surrogateescape"))
+            token = getattr(lh, "_auth_token", None)
+            if token:
+                expected.append(token.encode("utf-8", "surrogateescape"))
+            if not expected:
+                return None
+            scheme, _, got = self.headers.get("Authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer":
+                got = self.headers.get("X-FT-Token", "")
+            try:
+                presented = got.strip().encode("latin-1")  # the header's bytes as sent
+            except UnicodeEncodeError:
+                return False
+            ok = False
+            for e in expected:  # compare with each: the time taken reveals nothing
+                ok |= hmac.compare_digest(presented, e)
+            return ok and bool(presented)
+
+        def _loopback_only(self) -> bool:
+            return is_loopback(str(self.server.server_address[0]))
+
+        def _rebinding(self) -> bool:
+            """True for an /api/ request that a DNS-rebinding page could have made (see above)."""
+            if self._credential() is not None or not self._loopback_only():
+                return False
+            return not is_loopback(_hostname(self.headers.get("Host", "")))
+
+        def _csrf_refusal(self) -> Optional[str]:
+            """Why a state-changing request may come from another site's page (None: it cannot)."""
+            if self.headers.get(CSRF_HEADER, "").strip() != "1":
+                return (f"refused: the request lacks the header {CSRF_HEADER}: 1 that the "
+                        f"dashboard's page sends (a page of another site cannot send it)")
+            origin = self.headers.get("Origin")
+            if origin is not None:
+                host = self.headers.get("Host", "").strip().lower()
+                if not host or origin.strip().lower() not in (f"http://{host}", f"https://{host}"):
+                    return (f"refused: the request comes from a page of another origin "
+                            f"({origin[:200]!r}), not from this dashboard's")
+            return None
+
+        def _unauthorized(self) -> None:
+            self._json(401, {"error": "missing or wrong credential: send Authorization: Bearer "
+                                      "<job secret or auth token>", "auth_required": True},
+                       (("WWW-Authenticate", 'Bearer realm="ft-lighthouse"'),))
+
+        # --- GET -------------------------------------------------------------------------
 
         def do_HEAD(self):
             self.do_GET()
 
         def do_GET(self):
+            if not self.request_read():
+                return
             path = urlparse(self.path).path
             if path in ("/", "/index.html"):
                 if "page" not in page_cache:
@@ -633,66 +775,95 @@ def _make_http_handler(lh: "LighthouseServer"):
                     page_cache["page"] = page_html().encode()
                 self._send(200, page_cache["page"], "text/html; charset=utf-8")
             elif path == "/api/status":
-                st = lh._state.status()
-                st["config"]["auth_required"] = lh._auth_token is not None
-                self._json(200, st)
-            elif path == "/metrics":
+                self._status()
+            elif path == "/metrics":  # ids and numbers only: render_metrics lists no address
                 self._send(200, render_metrics(lh._state.status()).encode(),
                            "text/plain; version=0.0.4; charset=utf-8")
             elif path == "/healthz":
                 self._send(200, b"ok\n", "text/plain")
             else:
-                self._json(404, {"error": f"no such page: {path}"})
+                self._json(404, {"error": f"no such page: {path[:200]}"})
 
-        def _authorized(self) -> bool:
-            token = lh._auth_token
-            if token is None:
-                return True
-            got = self.headers.get("Authorization", "")
-            if got.startswith("Bearer "):
-                got = got[len("Bearer "):]
-            else:
-                got = self.headers.get("X-FT-Token", "")
-            return hmac.compare_digest(got.encode(), token.encode())
+        def _status(self) -> None:
+            if self._rebinding():
+                self._json(403, {"error": "refused: the Host header does not name this host "
+                                          "(only a loopback Host is served here)"})
+                return
+            cred = self._credential()
+            if cred is False:
+                self._unauthorized()
+                return
+            st = lh._state.status()
+            hidden = cred is None and not self._loopback_only()
+            if hidden:
+                _hide_addresses(st)
+            st["config"]["auth_required"] = cred is not None
+            st["config"]["addresses_hidden"] = hidden
+            self._json(200, st)
+
+        # --- POST ------------------------------------------------------------------------
 
         def do_POST(self):
-            parsed = urlparse(self.path)
+            self.close_connection = True  # one action per connection: no leftovers to parse
+            path = urlparse(self.path).path
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
                 length = -1
-            if length < 0 or length > 64 * 1024:
-                self._json(413, {"error": "request body too large"})
+            if length < 0 or length > _MAX_BODY or "Transfer-Encoding" in self.headers:
+                self._json(413, {"error": f"the body must have a Content-Length of at most "
+                                          f"{_MAX_BODY} bytes"})
                 return
             body = self.rfile.read(length) if length else b""
-            if not self._authorized():
-                self._json(401, {"error": "missing or wrong auth token"})
+            if len(body) != length or not self.request_read():
+                return  # the client left, or took longer than the idle timeout to send it
+            why = self._csrf_refusal()
+            if why is None and self._rebinding():
+                why = ("refused: the Host header does not name this host (only a loopback Host "
+                       "is served here)")
+            if why is not None:
+                logger.warning("dashboard: %s %s from %s %s", self.command, path[:200],
+                               self.client_address[0], why)
+                self._json(403, {"error": why})
                 return
-            if parsed.path != "/api/kill":
-                self._json(404, {"error": f"no such endpoint: {parsed.path}"})
+            cred = self._credential()
+            if cred is False:
+                self._unauthorized()
+                return
+            if path != "/api/kill":
+                self._json(404, {"error": f"no such endpoint: {path[:200]}"})
+                return
+            if self.headers.get_content_type() != "application/json":
+                self._json(415, {"error": "parameters must be a JSON object sent as "
+                                          "Content-Type: application/json"})
                 return
             try:
-                args = json.loads(body) if body else {}
+                args = json.loads(body)
                 if not isinstance(args, dict):
-                    raise ValueError("body must be a JSON object")
+                    raise ValueError("the body must be a JSON object")
             except ValueError as e:
                 self._json(400, {"error": f"bad JSON: {e}"})
                 return
-            qs = parse_qs(parsed.query)
-            rid = args.get("replica_id") or (qs.get("replica_id") or [""])[0]
-            msg = str(args.get("msg") or "killed from the lighthouse dashboard")
+            rid = args.get("replica_id")
+            msg = args.get("msg") or "killed from the lighthouse dashboard"
             if not isinstance(rid, str) or not rid:
-                self._json(400, {"error": "replica_id is required"})
+                self._json(400, {"error": "replica_id (a non-empty string) is required"})
+                return
+            if not isinstance(msg, str):
+                self._json(400, {"error": "msg must be a string"})
                 return
             code, result = lh._kill(rid, msg)
+            if code >= 500 and cred is None and not self._loopback_only():
+                # The failure's text can name the manager's address, hidden here (see above).
+                result = {"error": f"kill of {rid} failed; the lighthouse's log has the details"}
             self._json(code, result)
 
     return Handler
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class _HTTPServer(BoundedHTTPServer):
+    """The dashboard's server: a thread per connection, capped and idle-bounded
+    (ft.utils.http_server)."""
 
 
 class LighthouseServer:
@@ -706,7 +877,8 @@ class LighthouseServer:
         heartbeat_timeout_ms: a replica is dead after this long without a heartbeat.
         http_bind: dashboard address; default: the gRPC host with an ephemeral port. ``""``
             disables the dashboard.
-        auth_token: required by mutating dashboard endpoints; default env ``FT_AUTH_TOKEN``.
+        auth_token: a dashboard credential (for its actions and ``/api/status``), accepted
+            besides the job secret; default env ``FT_AUTH_TOKEN``.
         dead_grace_ms: dead replicas leave the dashboard this long after their heartbeat expired.
         quorum_id_file: optional file persisting the last quorum id (see module docstring).
         hostname: host name to advertise in :meth:`address` (default: derived from ``bind``).
@@ -714,6 +886,17 @@ class LighthouseServer:
         transport: gRPC server: ``"auto"`` (the native C++ one when built), ``"native"``,
             ``"grpcio"`` (see ft.coordination.rpc_server). Env ``FT_LIGHTHOUSE_TRANSPORT``
             overrides ``"auto"``.
+        secret: the job secret (ft.utils.auth; default: ``FT_JOB_SECRET_FILE`` /
+            ``FT_JOB_SECRET``). With it, every gRPC call must be signed with it, and the
+            dashboard's status and actions need it as a bearer credential.
+        tls: serve gRPC over TLS (ft.utils.tls; default: ``FT_TLS_*``).
+        insecure: allow serving beyond loopback without a secret (default: ``FT_INSECURE``);
+            without it such a start raises :class:`ft.utils.auth.InsecureServerError`.
+        dashboard_idle_timeout_s: a dashboard connection that has not sent its whole request
+            this long after connecting (or after its previous answer) is closed (default
+            :data:`DASHBOARD_IDLE_TIMEOUT_S`).
+        dashboard_max_connections: most dashboard connections open at once; more are refused
+            at once (default :data:`DASHBOARD_MAX_CONNECTIONS`).
     """
 
     def __init__(
@@ -731,6 +914,11 @@ class LighthouseServer:
         hostname: Optional[str] = None,
         max_workers: int = 1024,
         transport: str = "auto",
+        secret: SecretLike = None,
+        tls: Optional[TLSConfig] = None,
+        insecure: Optional[bool] = None,
+        dashboard_idle_timeout_s: float = DASHBOARD_IDLE_TIMEOUT_S,
+        dashboard_max_connections: int = DASHBOARD_MAX_CONNECTIONS,
     ) -> None:
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
@@ -751,6 +939,10 @@ class LighthouseServer:
         if auth_token is None:
             auth_token = os.environ.get("FT_AUTH_TOKEN") or None
         self._auth_token = auth_token
+        self._secret = resolve_secret(secret)
+        self._tls = tls = resolve_tls(tls)
+        bind_host, _ = _rpc.split_hostport(bind)
+        check_exposure(bind_host, self._secret, insecure, "the lighthouse")
         opts = LighthouseOptions(
             min_replicas=min_replicas,
             join_timeout_s=join_timeout_ms / 1000,
@@ -763,9 +955,10 @@ class LighthouseServer:
             # Ping idle connections so that a stalled waiter's call ends.
             keepalive_ms=max(1000, heartbeat_timeout_ms),
             transport=transport, max_workers=max_workers,
+            verifier=Verifier(self._secret, GRPC_PURPOSE) if self._secret is not None else None,
+            tls=tls,
         )
         self._port = self._server.port
-        bind_host, _ = _rpc.split_hostport(bind)
         self._host = _rpc.advertised_host(bind_host, hostname)
 
         self._http: Optional[_HTTPServer] = None
@@ -773,8 +966,10 @@ class LighthouseServer:
         if http_bind is None:
             http_bind = _rpc.join_hostport(bind_host or "::", 0)
         if http_bind:
+            check_exposure(_rpc.split_hostport(http_bind)[0], self._secret, insecure,
+                           "the lighthouse dashboard")
             try:
-                self._start_http(http_bind)
+                self._start_http(http_bind, dashboard_idle_timeout_s, dashboard_max_connections)
             except OSError:
                 self._server.shutdown(0)
                 raise
@@ -790,17 +985,17 @@ class LighthouseServer:
             quorum_tick_ms, heartbeat_timeout_ms, self._state.quorum_id,
         )
 
-    def _start_http(self, http_bind: str) -> None:
+    def _start_http(self, http_bind: str, idle_timeout_s: float, max_connections: int) -> None:
         host, port = _rpc.split_hostport(http_bind)
         host = host.strip("[]")
         if host in ("", "*"):
             host = "::"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        class Server(_HTTPServer):
-            address_family = family
-
-        self._http = Server((host, port), _make_http_handler(self))
+        self._http = _HTTPServer(
+            (host, port), _make_http_handler(self), family=family,
+            idle_timeout_s=idle_timeout_s, max_connections=max_connections,
+            name="ft-lighthouse-http",
+        )
         self._http_thread = threading.Thread(
             target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
             name="ft-lighthouse-http", daemon=True,
@@ -847,7 +1042,8 @@ class LighthouseServer:
             return 409, {"error": f"replica {replica_id!r} has no manager address"}
         from .clients import ManagerClient
 
-        client = ManagerClient(member.address, connect_timeout=_dt.timedelta(seconds=2))
+        client = ManagerClient(member.address, connect_timeout=_dt.timedelta(seconds=2),
+                               secret=self._secret, tls=self._tls)
         try:
             client.kill(msg, timeout=_dt.timedelta(seconds=5))
         except Exception as e:  # the process may die before answering
@@ -887,7 +1083,8 @@ class LighthouseServer:
         self._server.shutdown(grace)
         if self._http is not None:
             self._http.shutdown()
-            self._http.server_close()
+            self._http.server_close()  # also ends every open dashboard connection
+            self._http.join_threads(2.0)
         self._ticker.join(timeout=5)
         logger.info("lighthouse %s stopped", self.address())
 

@@ -26,12 +26,16 @@ import threading
 import weakref
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Dict, NoReturn, Optional, Type
+from typing import TYPE_CHECKING, Callable, Dict, NoReturn, Optional, Type
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from . import _rpc
+from ..utils.auth import GRPC_METADATA_KEY, AuthError, Verifier
+
+if TYPE_CHECKING:
+    from ..utils.tls import TLSConfig
 
 logger = logging.getLogger("ft.rpc")
 
@@ -79,6 +83,10 @@ class Call:
 
     def time_remaining(self) -> float:
         """Seconds until the caller's deadline (inf when it set none)."""
+        raise NotImplementedError
+
+    def auth_token(self) -> str:
+        """The caller's request signature (metadata ``ft-auth``; "" when it sent none)."""
         raise NotImplementedError
 
     def is_active(self) -> bool:
@@ -130,6 +138,10 @@ class _NativeCall(Call):
         r = self._c.time_remaining()
         return _NO_DEADLINE if r > _rpc.NO_DEADLINE_S else r
 
+    def auth_token(self) -> str:
+        # Read once by the C++ server when the call started: no metadata walk here.
+        return self._c.auth
+
     def is_active(self) -> bool:
         return self._c.is_active()
 
@@ -160,6 +172,11 @@ class _GrpcioCall(Call):
 
     def __init__(self, method: str, context: grpc.ServicerContext) -> None:
         self.method = method
+        self._auth = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == GRPC_METADATA_KEY:
+                self._auth = value if isinstance(value, str) else ""
+                break
         self._on_cancel: Optional[Callable[[], None]] = None
         self._cancelled = False
         self._ctx = context
@@ -174,6 +191,9 @@ class _GrpcioCall(Call):
     def time_remaining(self) -> float:
         r = self._ctx.time_remaining()
         return _NO_DEADLINE if r is None or r > _rpc.NO_DEADLINE_S else r
+
+    def auth_token(self) -> str:
+        return self._auth
 
     def is_active(self) -> bool:
         return not self._finished and self._ctx.is_active()
@@ -260,7 +280,9 @@ class RpcServer:
     Contract: handlers run on the server's threads, one call per request, and must not block
     for long (answer later instead). A request that does not parse gets INVALID_ARGUMENT, an
     unknown method UNIMPLEMENTED, an exception in a handler INTERNAL; the server goes on.
-    Requests over ``_rpc.MAX_MESSAGE_BYTES`` get RESOURCE_EXHAUSTED from gRPC itself.
+    Requests over ``_rpc.MAX_MESSAGE_BYTES`` get RESOURCE_EXHAUSTED from gRPC itself. With a
+    ``verifier``, a request whose signature does not verify (ft.utils.auth) gets UNAUTHENTICATED
+    before it is parsed, and no handler sees it.
 
     Args:
         bind: ``host:port``; port 0 picks a free one (see :attr:`port`).
@@ -269,6 +291,8 @@ class RpcServer:
             answering end (0: gRPC's default).
         transport: ``"auto"`` (native when built), ``"native"`` or ``"grpcio"``.
         max_workers: grpcio only: most calls open at once.
+        verifier: checks every request's signature (None: no authentication).
+        tls: serve TLS with these credentials (grpcio only; see ft.utils.tls).
     """
 
     def __init__(
@@ -279,6 +303,8 @@ class RpcServer:
         keepalive_ms: int = 0,
         transport: str = "auto",
         max_workers: int = 1024,
+        verifier: Optional[Verifier] = None,
+        tls: Optional["TLSConfig"] = None,
     ) -> None:
         if transport not in ("auto", "native", "grpcio"):
             raise ValueError(f"transport must be 'auto', 'native' or 'grpcio', got {transport!r}")
@@ -288,8 +314,13 @@ class RpcServer:
                 "on a machine with gRPC C++ (e.g. apt-get install libgrpc++-dev), or use "
                 "transport='grpcio'"
             )
+        if tls is not None and transport == "native":
+            raise ValueError("the native gRPC server does not serve TLS; use transport='grpcio'")
         self._methods = methods
-        self.transport = "native" if transport != "grpcio" and _native is not None else "grpcio"
+        self._verifier = verifier
+        # TLS is served by grpcio only: "auto" falls back to it.
+        self.transport = ("native" if transport != "grpcio" and _native is not None and tls is None
+                          else "grpcio")
         target = _rpc.grpc_target(bind)
         if self.transport == "native":
             try:
@@ -313,7 +344,10 @@ class RpcServer:
                 maximum_concurrent_rpcs=max_workers,
             )
             self._server.add_generic_rpc_handlers((_GrpcioHandler(self),))
-            self.port = self._server.add_insecure_port(target)
+            if tls is not None:
+                self.port = self._server.add_secure_port(target, tls.grpc_server_credentials())
+            else:
+                self.port = self._server.add_insecure_port(target)
             if self.port == 0:
                 raise OSError(f"gRPC server could not bind {bind!r}")
             self._server.start()
@@ -324,6 +358,14 @@ class RpcServer:
         if method is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
             return
+        if self._verifier is not None:
+            try:
+                self._verifier.verify(call.method, data, call.auth_token())
+            except AuthError as e:
+                call.finish(grpc.StatusCode.UNAUTHENTICATED,
+                            f"{call.method}: refused: {e}; this server requires the job secret "
+                            f"(FT_JOB_SECRET_FILE / FT_JOB_SECRET)")
+                return
         try:
             request = method.request_type.FromString(data)
         except (DecodeError, ValueError) as e:

@@ -17,6 +17,9 @@ from datetime import timedelta
 from typing import Any, Dict, List
 
 import pytest
+
+from ft.utils import net
+from ft.utils.auth import InsecureServerError
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,12 +78,12 @@ def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
 
 def test_round_trip_separate_process_multi_dst_and_token(payload_path: str) -> None:
     peer = Peer(
-        "http", "--step", "7", "--token", "s3cret", "--chunks", "3", "--payload", payload_path
+        "http", "--step", "7", "--token", "s3cret-s3cret-s3cret-s3cret", "--chunks", "3", "--payload", payload_path
     )
     receivers: List[HTTPTransport] = []
     try:
         url = peer.expect("ready")["url"]
-        receivers = [transport(token="s3cret", num_chunks=n) for n in (1, 3)]
+        receivers = [transport(token="s3cret-s3cret-s3cret-s3cret", num_chunks=n) for n in (1, 3)]
         runs = [
             run_in_thread(lambda r=r: r.recv_checkpoint(0, url, 7, TO)) for r in receivers
         ]
@@ -93,7 +96,7 @@ def test_round_trip_separate_process_multi_dst_and_token(payload_path: str) -> N
         check_payload(receivers[0].recv_checkpoint(0, url, 7, TO))
 
         # wrong token, no token -> 403 -> clear error
-        with transport(token="wrong") as bad, transport(token=None) as none:
+        with transport(token="wrong-wrong-wrong-wrong") as bad, transport(token=None) as none:
             with pytest.raises(CheckpointAuthError, match="403"):
                 bad.recv_checkpoint(0, url, 7, TO)
             with pytest.raises(CheckpointAuthError, match="403"):
@@ -294,13 +297,13 @@ def test_timeout_against_a_silent_server() -> None:
 
 
 def test_token_and_advertise_host_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FT_CHECKPOINT_TOKEN", "envtok")
+    monkeypatch.setenv("FT_CHECKPOINT_TOKEN", "envtok-envtok-envtok")
     monkeypatch.setenv("FT_ADVERTISE_HOST", "127.0.0.1")
     with HTTPTransport(TO, 2) as src, HTTPTransport(TO, 2) as dst:
         assert src.metadata().startswith("http://127.0.0.1:")
         src.send_checkpoint([1], 1, {"a": 1}, TO)
         assert dst.recv_checkpoint(0, src.metadata(), 1, TO) == {"a": 1}
-        with transport(token="other") as bad:
+        with transport(token="other-other-other-other") as bad:
             with pytest.raises(CheckpointAuthError):
                 bad.recv_checkpoint(0, src.metadata(), 1, TO)
 
@@ -310,8 +313,14 @@ def test_default_advertise_host(monkeypatch: pytest.MonkeyPatch) -> None:
     host = default_advertise_host()
     assert host and host not in ("0.0.0.0", "::")
     assert default_advertise_host("127.0.0.1") == "127.0.0.1"
-    # the default is something this host can actually be reached at
-    with HTTPTransport(TO, 1) as src, transport() as dst:
+    # the default is something this host can actually be reached at; beyond loopback it
+    # serves only with a job secret (or in insecure mode)
+    if not net.is_loopback(host):
+        with pytest.raises(InsecureServerError, match="FT_JOB_SECRET"):
+            HTTPTransport(TO, 1)
+    secret = "default-host-secret-0123456789"
+    with HTTPTransport(TO, 1, secret=secret) as src, transport(token=secret) as dst:
+        assert src.metadata().startswith(f"http://{host}:")
         src.send_checkpoint([1], 1, {"a": 2}, TO)
         assert dst.recv_checkpoint(0, src.metadata(), 1, TO) == {"a": 2}
 

@@ -62,16 +62,16 @@ def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
 def test_round_trip_from_another_process_is_bitwise_and_skips_the_socket(
     payload_path: str,
 ) -> None:
-    peer = Peer("http", "--step", "4", "--token", "tok", "--payload", payload_path)
+    peer = Peer("http", "--step", "4", "--token", "tok-tok-tok-tok-tok-tok", "--payload", payload_path)
     try:
         url = peer.expect("ready")["url"]
-        with transport(token="tok") as rx:
+        with transport(token="tok-tok-tok-tok-tok-tok") as rx:
             got = rx.recv_checkpoint(0, url, 4, TO)
             assert rx.last_recv_path == "same-host"
             check_payload(got)
             again = rx.recv_checkpoint(0, url, 4, TO)  # the source serves it again
             assert_same(got, again)
-        with transport(token="tok", same_host=False) as rx:
+        with transport(token="tok-tok-tok-tok-tok-tok", same_host=False) as rx:
             assert_same(got, rx.recv_checkpoint(0, url, 4, TO))
             assert rx.last_recv_path == "http"
     finally:
@@ -323,13 +323,13 @@ def _raw_request(name: str, request: Any) -> Any:
 
 def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
     state = {"w": torch.randn(1 << 18)}
-    with transport(token="right") as src, transport(token="right") as dst:
+    with transport(token="right-right-right-right") as src, transport(token="right-right-right-right") as dst:
         src.send_checkpoint([1], 6, state, TO)
         assert src._local is not None
         name = src._local.name
-        good = {"op": "fetch", "token": "right", "step": 6, "wait": 0.0, "chunks": 1}
+        good = {"op": "fetch", "token": "right-right-right-right", "step": 6, "wait": 0.0, "chunks": 1}
         cases = [
-            (dict(good, token="wrong"), 403, "token"),
+            (dict(good, token="wrong-wrong-wrong-wrong"), 403, "token"),
             (dict(good, token=None), 403, "token"),
             (dict(good, step=7), 404, "step 7"),
             (dict(good, step=5), 404, "step 5"),
@@ -347,7 +347,7 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
             assert reply["ok"] is False and reply["code"] == code, (request, reply)
             assert words in reply["error"], (request, reply)
         # a refusal surfaces as the matching CheckpointError on a real receiver
-        with transport(token="wrong") as bad:
+        with transport(token="wrong-wrong-wrong-wrong") as bad:
             with pytest.raises(CheckpointAuthError):
                 bad.recv_checkpoint(0, src.metadata(), 6, TO)
         got = dst.recv_checkpoint(0, src.metadata(), 6, TO)

@@ -55,6 +55,8 @@ def test_page_status_and_metrics(lighthouse_factory):
     assert st["quorum"]["members"][0]["world_size"] == 4
     assert "issued" in st["next_quorum"]["reason"] or "waiting" in st["next_quorum"]["reason"]
     assert st["config"]["auth_required"] is False
+    assert st["config"]["addresses_hidden"] is False  # loopback: addresses shown
+    assert st["quorum"]["members"][0]["address"] == "http://127.0.0.1:9000"
     code, ctype, metrics = http(base + "/metrics")
     assert code == 200 and ctype.startswith("text/plain")
     assert f"ft_lighthouse_quorum_id {q.quorum_id}\n" in metrics
@@ -64,6 +66,11 @@ def test_page_status_and_metrics(lighthouse_factory):
     for line in metrics.splitlines():  # Prometheus text syntax
         assert line.startswith("#") or re.match(r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$', line), line
     assert http(base + "/nope")[0] == 404
+    assert "127.0.0.1:9000" not in metrics  # /metrics is open: it lists no address
+
+
+# What the dashboard's own page sends with an action (dashboard/index.html).
+ACTION = {"Content-Type": "application/json", "X-FT-Request": "1"}
 
 
 def test_kill_requires_token(lighthouse_factory, children, monkeypatch):
@@ -77,13 +84,26 @@ def test_kill_requires_token(lighthouse_factory, children, monkeypatch):
 
     ManagerClient(child.address(), 5.0)._quorum(0, 0, "", False, 5.0)
     body = json.dumps({"replica_id": "victim"}).encode()
-    assert http(base + "/api/kill", body)[0] == 401
-    assert http(base + "/api/kill", body, {"Authorization": "Bearer wrong"})[0] == 401
-    assert json.loads(http(base + "/api/status")[2])["config"]["auth_required"] is True
-    ok = {"Authorization": "Bearer s3cret"}
+    assert http(base + "/api/kill", body, ACTION)[0] == 401
+    assert http(base + "/api/kill", body, {**ACTION, "Authorization": "Bearer wrong"})[0] == 401
+    assert http(base + "/api/kill", body, {**ACTION, "Authorization": "Bearer "})[0] == 401
+    # The status lists the managers' addresses: it needs the token too.
+    code, _, out = http(base + "/api/status")
+    assert code == 401 and json.loads(out)["auth_required"] is True and "127.0.0.1" not in out
+    ok = {**ACTION, "Authorization": "Bearer s3cret"}
+    st = json.loads(http(base + "/api/status", headers={"Authorization": "Bearer s3cret"})[2])
+    assert st["config"]["auth_required"] is True
     assert http(base + "/api/kill", json.dumps({"replica_id": "ghost"}).encode(), ok)[0] == 404
     assert http(base + "/api/kill", b"{not json", ok)[0] == 400
     assert http(base + "/api/kill", b"{}", ok)[0] == 400
+    assert http(base + "/api/kill", b"[]", ok)[0] == 400
+    # The token does not stand in for the request header, nor a form body for JSON.
+    assert http(base + "/api/kill", body, {"Content-Type": "application/json",
+                                          "Authorization": "Bearer s3cret"})[0] == 403
+    assert http(base + "/api/kill", body, {**ok, "Content-Type": "text/plain"})[0] == 415
+    assert http(base + "/api/kill?replica_id=victim", b"", {**ok, "Content-Type": "text/plain"})[0] == 415
+    assert http(base + "/api/kill?replica_id=victim", b"{}", ok)[0] == 400
+    assert child.proc.poll() is None
     code, _, out = http(base + "/api/kill", body, ok)
     assert code == 200, out
     assert child.wait(10) == 1
@@ -96,7 +116,16 @@ def test_kill_without_token_configured(lighthouse_factory, children, monkeypatch
     from ft.coordination import ManagerClient
 
     ManagerClient(child.address(), 5.0)._quorum(0, 0, "", False, 5.0)
-    code, _, out = http(lh.dashboard_address() + "/api/kill", json.dumps({"replica_id": "victim2"}).encode())
+    url, body = lh.dashboard_address() + "/api/kill", json.dumps({"replica_id": "victim2"}).encode()
+    # Even with no token configured, an action needs the header a cross-site page cannot send
+    # and, when the browser names an origin, this dashboard's own.
+    code, _, out = http(url, body, {"Content-Type": "application/json"})
+    assert code == 403 and "X-FT-Request" in json.loads(out)["error"], out
+    code, _, out = http(url, body, {**ACTION, "Origin": "http://evil.example"})
+    assert code == 403 and "origin" in json.loads(out)["error"], out
+    assert child.proc.poll() is None
+    origin = lh.dashboard_address()  # http://127.0.0.1:PORT: what urllib sends as Host
+    code, _, out = http(url, body, {**ACTION, "Origin": origin})
     assert code == 200, out
     assert child.wait(10) == 1
 
@@ -246,3 +275,32 @@ def test_dashboard_renders_members_in_chromium(lighthouse_factory, webdriver, tm
     w, h, rows = png_pixels(png)
     assert w >= 800 and h >= 600
     assert count_swatches(rows, ALIVE_RGB) == 3, "screenshot should show one green swatch per member"
+
+
+def test_dashboard_page_signs_in_and_kills_in_chromium(lighthouse_factory, children, webdriver, monkeypatch):
+    """The page's own kill (header, JSON body, credential) passes the checks that stop a
+    cross-site page (tests/security), and it asks for the credential that /api/status needs."""
+    monkeypatch.setenv("FT_AUTH_TOKEN", "page-token-0123456789")
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=20000)
+    child = children("manager", "victim", lh.address(), "1")
+    from ft.coordination import ManagerClient
+
+    ManagerClient(child.address(), 5.0)._quorum(0, 0, "", False, 5.0)
+    webdriver.s("POST", "/url", {"url": lh.dashboard_address() + "/"})
+    deadline = time.monotonic() + 15
+    while not webdriver.run("return !!document.querySelector('#error .signin')"):
+        assert time.monotonic() < deadline, "the page never asked for the credential"
+        time.sleep(0.1)
+    assert webdriver.run("return document.querySelectorAll('#members tr.member').length") == 0
+    # What signIn() stores from its prompt.
+    webdriver.run("sessionStorage.setItem('ft-token', 'page-token-0123456789')")
+    while webdriver.run("return document.querySelectorAll('#members tr.member').length") != 1:
+        assert time.monotonic() < deadline, "members never rendered after signing in"
+        time.sleep(0.1)
+    webdriver.run("window.confirm = () => true; window.alert = (m) => { window.lastAlert = m; };"
+                  "document.querySelector('button.kill').click();")
+    while not webdriver.run("return window.lastAlert || ''"):
+        assert time.monotonic() < deadline, "the kill never answered"
+        time.sleep(0.1)
+    assert webdriver.run("return window.lastAlert") == "killed victim"
+    assert child.wait(10) == 1

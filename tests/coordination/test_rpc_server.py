@@ -239,3 +239,26 @@ def test_on_cancel_set_after_the_caller_left_is_called_at_once(serve):
         calls[0].on_cancel = lambda: told.append(True)
         assert told == [True]
         assert not calls[0].write(pb.FailureNotification())  # over: writes refused
+
+
+@pytest.mark.skipif(not rpc_server.native_available(),
+                    reason="native gRPC server not built (no gRPC C++)")
+def test_native_call_exposes_the_ft_auth_metadata():
+    seen = []
+
+    def heartbeat(req, call):
+        seen.append(call.auth_token())
+        call.reply(pb.LighthouseHeartbeatResponse())
+
+    s = RpcServer("127.0.0.1:0", {SVC + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat)},
+                  transport="native")
+    try:
+        channel, stub = stub_for(s)
+        with channel:
+            req = pb.LighthouseHeartbeatRequest(replica_id="a")
+            stub["Heartbeat"](req, timeout=5, metadata=(("ft-auth", "x"),))
+            stub["Heartbeat"](req, timeout=5)
+            stub["Heartbeat"](req, timeout=5, metadata=(("ft-auth", "first"), ("ft-auth", "second")))
+        assert seen == ["x", "", "first"]
+    finally:
+        s.shutdown(0.1)

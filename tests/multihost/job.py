@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ft.utils.auth import JobSecret
 from tests.multihost.netns import Hosts
 from tests.procs import REPO
 
@@ -62,7 +63,7 @@ class Group:
         # FT_ADVERTISE_HOST cleared: the test process may carry a loopback one (other tests
         # set it), and these workers must find their address by the route to the lighthouse.
         self.proc = self.job.hosts.popen(self.name, argv, self.log,
-                                         env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
+                                         env={**self.job.env, "OMP_NUM_THREADS": "1",
                                               "FT_ADVERTISE_HOST": ""})
 
     def kill(self) -> None:
@@ -157,6 +158,14 @@ class Job:
         self.heartbeat_timeout_s = heartbeat_timeout_ms / 1000
         self.step_sleep = step_sleep
         self.stop_file = os.path.join(self.tmp, "stop")
+        # The job secret, as a deployment hands it out: a file only its owner reads. Every
+        # server here listens on a test-subnet address, where ft refuses to serve without one.
+        secret_file = os.path.join(self.tmp, "job-secret")
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(JobSecret.generate().export())
+        self.env = {"PYTHONPATH": REPO, "FT_JOB_SECRET_FILE": secret_file,
+                    "FT_JOB_SECRET": ""}
         self.lighthouse = f"http://{self.hosts.addr['lh']}:{LH_PORT}"
         self._lh_args = ["--bind", f"{self.hosts.addr['lh']}:{LH_PORT}", "--min_replicas", "1",
                          "--join_timeout_ms", "1000",
@@ -173,7 +182,7 @@ class Job:
         self.lh_starts += 1
         self.lh = self.hosts.popen(
             "lh", [sys.executable, "-m", "ft.coordination.cli", *self._lh_args],
-            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"), env={"PYTHONPATH": REPO})
+            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"), env=self.env)
 
     def kill_lighthouse(self) -> None:
         assert self.lh is not None

@@ -2,6 +2,9 @@
 
 The page polls ``/api/status`` every second and renders the current quorum, why the next one
 is or is not ready, heartbeat ages (dead members marked), and a kill button per member.
+Its kill requests carry the header ``X-FT-Request: 1`` and a JSON body, without which the
+lighthouse refuses them (a page of another site cannot send that header). Where the dashboard
+needs a credential, the page asks for it once and keeps it in the tab's sessionStorage.
 """
 
 from pathlib import Path
