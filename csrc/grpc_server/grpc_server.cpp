@@ -188,7 +188,8 @@ class Service : public grpc::CallbackGenericService {
 // Too many open files" and never re-arms the listening socket. The port stays bound and the
 // process alive, but every later client times out. Anyone who can reach the port can trigger
 // that by opening a few hundred idle connections until the process runs out of descriptors,
-// and so cut the lighthouse off from every replica for good. Here an accept error leaves the
+// and so cut the lighthouse off from every replica for good (a connection cap would not help:
+// any failed accept, whatever its cause, ends that listener). Here an accept error leaves the
 // pending connections queued in the kernel, and accepting resumes kRetryAfterErrorMs later,
 // for as long as it takes. Cost: one poll() wake-up per burst of new connections; nothing per
 // request (calls on an established connection never come here).
@@ -201,10 +202,7 @@ class Listener {
   Listener() = default;
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
-  ~Listener() {
-    stop();
-    for (int fd : fds_) ::close(fd);
-  }
+  ~Listener() { stop(); }
 
   // Parses "host:port" / "[v6]:port"; false for anything else.
   static bool splitHostPort(const std::string& address, std::string* host, std::string* port) {

@@ -66,6 +66,7 @@ from ft.utils.auth import (
     CHECKPOINT_CONTENT_PURPOSE,
     CHECKPOINT_REQUEST_PURPOSE,
     HTTP_SCHEME,
+    SAME_HOST_PURPOSE,
     AuthError,
     JobSecret,
     SecretLike,
@@ -106,7 +107,7 @@ def _range_bytes(start: int, end: int) -> bytes:
 _SLICE = 1 << 20  # bytes per read/crc/write step
 _MIN_CHUNK = 1 << 20  # don't split transfers into chunks smaller than this
 _MAX_CHUNKS = same_host_path.MAX_RANGES
-_MAX_HEADER = 1 << 30
+_MAX_HEADER = ser.MAX_HEADER_BYTES  # metadata a receiver accepts, checked before reading it
 _TRAILER = struct.Struct(">I")
 # A connection must deliver its request line and headers this long after connecting (a
 # receiver sends them at once); then the transfer is bounded by ``timeout`` only, never by this.
@@ -184,12 +185,30 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+# A receiver asks for all its ranges at once, right after the metadata: once a checkpoint is
+# withdrawn, a lease that has been used but has no range in flight for this long is not waited
+# for (its receiver stalled or went away).
+_LEASE_GRACE_S = 1.0
+
+
 class _Lease:
-    __slots__ = ("remaining", "deadline")
+    """The data ranges one metadata answer entitles its receiver to.
+
+    ``touched`` is None until a data transfer claims the lease (only a /meta answer holds
+    it), then the time of its last claim or release; ``active`` counts its transfers in flight.
+    """
+
+    __slots__ = ("remaining", "deadline", "active", "touched")
 
     def __init__(self, remaining: int, deadline: float) -> None:
         self.remaining = remaining
         self.deadline = deadline
+        self.active = 0
+        self.touched: Optional[float] = None
+
+    def idle(self, now: float) -> bool:
+        """Nothing reads for it now: never started, or no range in flight for a grace period."""
+        return self.active == 0 and (self.touched is None or now - self.touched >= _LEASE_GRACE_S)
 
 
 class _Staging:
@@ -210,6 +229,12 @@ class _Staging:
         self.header = ser.encode_header(
             tree, self.specs, step=step, staging=self.id, total_bytes=self.total
         )
+        if len(self.header) > ser.MAX_HEADER_BYTES:
+            # refused here, clearly, rather than by every receiver
+            raise ValueError(
+                f"the checkpoint's metadata takes {len(self.header)} bytes ({len(self.specs)} "
+                f"tensors); receivers accept at most {ser.MAX_HEADER_BYTES}: keep fewer tensors "
+                f"or smaller non-tensor values in the state dict")
         self.closing = False  # no new transfers; started ones may finish
         self.regions_sent = False  # a same-host receiver has the tensors' addresses
         self.withdrawn = False  # nothing may read the tensors any more
@@ -303,6 +328,36 @@ class _Staging:
     def prune(self, now: float) -> None:
         for k in [k for k, lease in self.leases.items() if lease.deadline <= now]:
             del self.leases[k]
+
+    def drop_idle_leases(self, now: float) -> None:
+        """Forgets the leases nothing reads for (see _Lease.idle): once closing, their
+        receivers get 410 and nobody waits for them."""
+        for k in [k for k, lease in self.leases.items() if lease.idle(now)]:
+            del self.leases[k]
+
+
+class _Cutoff:
+    """Shuts a client connection's socket down at ``deadline`` unless cancelled first: a
+    peer that answers each read just within the socket timeout cannot stretch a request past
+    its deadline."""
+
+    def __init__(self, conn: http.client.HTTPConnection, deadline: float) -> None:
+        self._conn = conn
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self) -> None:
+        sock = self._conn.sock
+        if sock is not None:
+            try:
+                # the plain socket's shutdown (for TLS too): the reader sees the connection end
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 class _HTTPError(Exception):
@@ -455,6 +510,10 @@ class HTTPTransport(CheckpointTransport[T]):
         self._same_host = bool(same_host) and same_host_path.supported()
         self._local: Optional[same_host_path.LocalEndpoint] = None
         self._ptracer_lock = threading.Lock()
+        # same-host requests are signed (never the secret itself): see same_host.py
+        self._local_signer = Signer(self._secret, SAME_HOST_PURPOSE) if self._secret else None
+        self._local_verifier = (
+            Verifier(self._secret, SAME_HOST_PURPOSE) if self._secret else None)
         if self._same_host:
             try:
                 self._local = same_host_path.LocalEndpoint(self._serve_local)
@@ -518,8 +577,11 @@ class HTTPTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         """Withdraws the staged checkpoint.
 
-        New requests get 410 at once. Transfers that already started get up to ``timeout`` to
-        finish; then they are cut off. When this returns, no server thread reads the tensors.
+        New requests get 410 at once, and so do receivers that got the metadata but have not
+        started reading data (their leases are dropped, not waited for). Transfers that already
+        started, and the other ranges of their receivers (asked for at the same moment), get
+        up to ``timeout`` to finish; then they are cut off. When this returns, no server thread
+        reads the tensors.
         """
         with self._cond:
             st = self._staging
@@ -530,9 +592,10 @@ class HTTPTransport(CheckpointTransport[T]):
             while True:
                 now = time.monotonic()
                 st.prune(now)
+                st.drop_idle_leases(now)
                 if (not st.leases and st.active == 0) or now >= deadline:
                     break
-                self._cond.wait(min(deadline - now, 0.1))
+                self._cond.wait(min(deadline - now, 0.05))
             st.withdrawn = True
             conns = set(st.conns)
             if st.active:
@@ -580,18 +643,31 @@ class HTTPTransport(CheckpointTransport[T]):
         try:
             fetched = None
             if session is not None:
-                fetch = {"token": self._secret.export() if self._secret else None, "step": step, "wait": wait_s,
-                         "chunks": self._num_chunks}
-                fetched = session.fetch(fetch, deadline, _MAX_HEADER + _TRAILER.size)
+                fetch = {"step": step, "wait": wait_s, "chunks": self._num_chunks}
+                if self._local_signer is not None:
+                    fetch["auth"] = self._local_signer.sign(
+                        same_host_path.request_what(url.fragment),
+                        same_host_path.request_body(step, wait_s, self._num_chunks))
+                # The source answers once the step is staged (within wait_s); no answer by half
+                # the time kept back after that means it is stuck: HTTP gets the rest.
+                reply_deadline = deadline - (deadline - time.monotonic() - wait_s) / 2
+                fetched = session.fetch(fetch, deadline, _MAX_HEADER + _TRAILER.size,
+                                        reply_deadline)
                 if fetched is None:
                     session.close()
                     session = None
+                    remaining = deadline - time.monotonic()
+                    wait_s = max(0.0, remaining - min(1.0, remaining / 4))
             if fetched is not None:
                 body, lease, reply = fetched
             else:
                 path = f"{_PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
                 body, lease = self._get_small(host, port, path, deadline, where, secure=secure)
+            if time.monotonic() >= deadline:
+                raise CheckpointTransferError(f"{where}: timed out before parsing the metadata")
             tree, specs, staging, lease = self._parse_meta(body, lease, step, where)
+            if time.monotonic() >= deadline:
+                raise CheckpointTransferError(f"{where}: timed out parsing the metadata")
             tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
             offsets = [0]
             views = []
@@ -741,25 +817,33 @@ class HTTPTransport(CheckpointTransport[T]):
             signature = token.encode()
         conn = (_TLSConnection(host, port, self._tls, remaining) if secure
                 else http.client.HTTPConnection(host, port, timeout=remaining))
+        # the socket timeout bounds each read; this bounds them all (a source that trickles
+        # its status line and headers a byte at a time cannot stretch them past the deadline)
+        cutoff = _Cutoff(conn, deadline)
         try:
-            conn.request("GET", path, headers=headers)
-            sock = conn.sock  # HTTPConnection drops it once a 'close' response arrives
-            resp = conn.getresponse()
-        except (socket.timeout, TimeoutError):
-            conn.close()
-            raise CheckpointTransferError(f"{where}: timed out") from None
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
-            raise CheckpointTransferError(
-                f"{where}: request failed ({type(e).__name__}: {e})"
-            ) from None
-        if resp.status != 200:
             try:
-                msg = resp.read(4096).decode("utf-8", "replace").strip()
-            except (OSError, http.client.HTTPException):
-                msg = ""
-            conn.close()
-            _raise_for_status(resp.status, f"{where}: HTTP {resp.status} {resp.reason}: {msg}")
+                conn.request("GET", path, headers=headers)
+                sock = conn.sock  # HTTPConnection drops it once a 'close' response arrives
+                resp = conn.getresponse()
+            except (socket.timeout, TimeoutError):
+                conn.close()
+                raise CheckpointTransferError(f"{where}: timed out") from None
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if time.monotonic() >= deadline:
+                    raise CheckpointTransferError(f"{where}: timed out") from None
+                raise CheckpointTransferError(
+                    f"{where}: request failed ({type(e).__name__}: {e})"
+                ) from None
+            if resp.status != 200:
+                try:
+                    msg = resp.read(4096).decode("utf-8", "replace").strip()
+                except (OSError, http.client.HTTPException):
+                    msg = ""
+                conn.close()
+                _raise_for_status(resp.status, f"{where}: HTTP {resp.status} {resp.reason}: {msg}")
+        finally:
+            cutoff.cancel()
         return conn, resp, sock, signature
 
     def _get_small(
@@ -767,18 +851,26 @@ class HTTPTransport(CheckpointTransport[T]):
     ) -> Tuple[bytes, str]:
         conn, resp, sock, signature = self._open(host, port, path, deadline, where, secure)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            length = int(resp.getheader("Content-Length") or -1)
+            declared = resp.getheader("Content-Length")
+            if declared is None:
+                raise CheckpointFormatError(
+                    f"{where}: the source sent metadata without a Content-Length; refused")
+            length = int(declared)
             if not 0 <= length <= _MAX_HEADER:
-                raise CheckpointFormatError(f"{where}: bad metadata length {length}")
-            body = resp.read()
+                # refused before a byte of it is read
+                raise CheckpointFormatError(
+                    f"{where}: the source declares {length} bytes of metadata; at most "
+                    f"{_MAX_HEADER} are accepted (ft.checkpointing.serialization.MAX_HEADER_BYTES)")
+            body = self._read_body(sock, resp, length, deadline)
             self._check_content_mac(resp.getheader(_CONTENT_MAC_HEADER, ""), signature, body, where)
             return body, resp.getheader("X-FT-Lease", "")
         except (socket.timeout, TimeoutError):
             raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
         except ValueError:
             raise CheckpointFormatError(f"{where}: bad metadata length") from None
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, http.client.HTTPException, EOFError) as e:
+            if time.monotonic() >= deadline:
+                raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
             raise CheckpointTransferError(
                 f"{where}: peer vanished while sending metadata ({type(e).__name__}: {e})"
             ) from None
@@ -859,6 +951,24 @@ class HTTPTransport(CheckpointTransport[T]):
                 f"{where}: the metadata is not signed with the job secret "
                 f"({'no signature' if not mac_hex else 'wrong signature'}): the source is not a "
                 f"member of this job; nothing was loaded")
+
+    @staticmethod
+    def _read_body(
+        sock: socket.socket, resp: http.client.HTTPResponse, length: int, deadline: float
+    ) -> bytes:
+        """Reads a ``length``-byte body, one socket read at a time, each bounded by the time
+        left: a source that sends slowly cannot hold the receiver past its deadline."""
+        body = bytearray()
+        while len(body) < length:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError()
+            sock.settimeout(remaining)
+            piece = resp.read1(min(_SLICE, length - len(body)))
+            if not piece:
+                raise EOFError("connection closed by peer")
+            body += piece
+        return bytes(body)
 
     @staticmethod
     def _read_exact(
@@ -1020,8 +1130,12 @@ class HTTPTransport(CheckpointTransport[T]):
             raise _HTTPError(503, "checkpoint server is shutting down")
         if st is None or st.step != step or st.id != staging_id or st.withdrawn:
             raise _HTTPError(410, f"checkpoint for step {step} is no longer served")
-        if st.closing and lease_id not in st.leases:
+        lease = st.leases.get(lease_id)
+        if st.closing and lease is None:
             raise _HTTPError(410, f"checkpoint for step {step} was withdrawn")
+        if lease is not None:
+            lease.active += 1
+            lease.touched = time.monotonic()
         st.active += 1
         st.conns.add(conn)
         return st
@@ -1036,6 +1150,8 @@ class HTTPTransport(CheckpointTransport[T]):
             st.conns.discard(conn)
             lease = st.leases.get(lease_id)
             if lease is not None:
+                lease.active = max(0, lease.active - 1)
+                lease.touched = time.monotonic()
                 lease.remaining -= used or 0
                 if lease.remaining <= 0 or used is None:
                     del st.leases[lease_id]
@@ -1085,12 +1201,14 @@ class HTTPTransport(CheckpointTransport[T]):
         lease = ""
         try:
             try:
-                req = same_host_path.recv_frame(conn, deadline)
-            except EOFError:
-                return  # connected and left: nothing asked
+                # a receiver sends its request as it connects: an idle socket is not kept
+                req = same_host_path.recv_frame(
+                    conn, min(deadline, time.monotonic() + same_host_path.REQUEST_TIMEOUT_S))
+            except (EOFError, OSError):  # TimeoutError too
+                return  # connected and left, or idled: nothing asked
             if type(req) is not dict:
                 raise _HTTPError(400, "request is not an object")
-            self._check_token(req.get("token"))
+            self._check_local_auth(req)
             op = req.get("op")
             if op != "fetch":
                 raise _HTTPError(400, f"unknown op {op!r:.40}")
@@ -1116,13 +1234,21 @@ class HTTPTransport(CheckpointTransport[T]):
                 st.leases.pop(lease_id, None)
             self._cond.notify_all()
 
-    def _check_token(self, presented: Any) -> None:
-        """Refuses (403) a same-host request that lacks the job secret."""
-        if self._secret is not None and (
-            type(presented) is not str
-            or not hmac.compare_digest(presented.encode(), self._secret.export().encode())
-        ):
-            raise _HTTPError(403, "missing or wrong checkpoint token")
+    def _check_local_auth(self, req: Dict[str, Any]) -> None:
+        """Refuses (403) a same-host request not signed with the job secret for this endpoint,
+        or signed before (a replay). Nothing is granted before this passes."""
+        if self._local_verifier is None:
+            return
+        token = req.get("auth")
+        try:
+            self._local_verifier.verify(
+                same_host_path.request_what(self._local.name if self._local else ""),
+                same_host_path.request_body(req.get("step"), req.get("wait"), req.get("chunks")),
+                token if type(token) is str else None)
+        except AuthError as e:
+            raise _HTTPError(
+                403, f"refused: {e}; this source requires a signature made with the job secret"
+            ) from None
 
     def _serve_local_data(
         self, conn: socket.socket, st: _Staging, lease_id: str, body: bytes, deadline: float
@@ -1206,11 +1332,12 @@ class HTTPTransport(CheckpointTransport[T]):
         """Under Yama ptrace_scope 1, names the receiver as this process's ptracer for the
         transfer (one receiver at a time: the setting holds one pid). True if granted (the
         caller revokes it and releases the lock). Without the grant the receiver's first read
-        fails and it falls back to HTTP, so a busy lock or an invisible pid only costs speed."""
+        fails and it falls back to HTTP, so a busy lock or an invisible pid only costs speed.
+        Reached only by a request of this uid that passed ``_check_local_auth``."""
         if not same_host_path.ptracer_needed():
             return False
-        pid = same_host_path.peer_pid(conn)
-        if pid <= 0 or not self._ptracer_lock.acquire(
+        pid, uid, _ = same_host_path.peer_creds(conn)
+        if pid <= 0 or uid != os.geteuid() or not self._ptracer_lock.acquire(
             timeout=max(0.0, min(2.0, deadline - time.monotonic()))
         ):
             return False

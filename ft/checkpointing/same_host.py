@@ -16,10 +16,20 @@ tensors are and the CRCs, while the receiver allocates and copies. Anything that
 unusable before a byte is copied (another host, another pid namespace, the kernel refusing
 ``process_vm_readv``) makes the receiver use HTTP; failures after that are transfer failures.
 
+Who may ask: the source accepts connections only from processes of its own uid (the socket's
+peer credentials, checked before a byte is read; others are closed at once), and, where the job
+has a secret, only requests signed with it (``auth``: ``Signer(secret, "same-host")`` over
+``fetch <endpoint name>`` and the JSON ``[step, wait, chunks]``, see ft.utils.auth); the secret
+itself never crosses the socket. Only such a request names its pid as this process's ptracer
+(Yama ptrace_scope 1). A connection must send its request within REQUEST_TIMEOUT_S, and at most
+MAX_CONNECTIONS are open at once (more are closed at once), so idle sockets cannot hoard the
+endpoint. A receiver that is refused (closed without a reply), cannot connect in
+CONNECT_TIMEOUT_S, or gets no reply in time uses HTTP instead.
+
 Protocol (frames are a 4-byte big-endian length plus UTF-8 JSON of at most 1 MiB; raw frames
 the same length prefix plus bytes)::
 
-    receiver -> source  {"op": "fetch", "token", "step", "wait", "chunks"}
+    receiver -> source  {"op": "fetch", "auth", "step", "wait", "chunks"}
     source -> receiver  {"ok": true, "lease": "...", "regions": [[address, nbytes], ...],
                          "ranges": [[a, b], ...]}
                         then a raw frame: the header and its CRC-32, exactly the body of HTTP's
@@ -78,6 +88,11 @@ _FRAME = struct.Struct(">I")
 _CRC_RECORD = struct.Struct(">II")
 _MAX_FRAME = 1 << 20
 MAX_CONNECTIONS = 256  # open same-host connections per source (each holds a thread)
+# A receiver sends its request right after connecting: a connection silent for longer is closed.
+REQUEST_TIMEOUT_S = 2.0
+# The source's accept loop answers at once; a connect that blocks this long (a full backlog)
+# means the endpoint is swamped, and the receiver uses HTTP.
+CONNECT_TIMEOUT_S = 1.0
 DONE = b"D"
 FALLBACK = b"F"
 # errnos of a kernel (or sandbox) that will not let this receiver read the source: use HTTP
@@ -177,10 +192,36 @@ def send_crc(sock: socket.socket, index: int, crc: int) -> None:
     sock.sendall(_CRC_RECORD.pack(index, crc))
 
 
+def peer_creds(sock: socket.socket) -> Tuple[int, int, int]:
+    """The connected peer's (pid, uid, gid) as the kernel recorded them at connect (pid 0 if
+    it is not visible in this pid namespace)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
+
+
 def peer_pid(sock: socket.socket) -> int:
     """The connected peer's pid in this process's pid namespace (0 if it is not visible)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
+    return peer_creds(sock)[0]
+
+
+def same_user(sock: socket.socket) -> bool:
+    """True if the peer runs as this process's effective uid (False if that cannot be told)."""
+    try:
+        return peer_creds(sock)[1] == os.geteuid()
+    except OSError:
+        return False
+
+
+def request_body(step: Any, wait: Any, chunks: Any) -> bytes:
+    """What a fetch request's signature covers besides the endpoint's name."""
+    return json.dumps([step, wait, chunks], separators=(",", ":")).encode("utf-8")
+
+
+def request_what(name: str) -> str:
+    """The signed name of a fetch from endpoint ``name`` (a signature for one source is
+    worthless at another)."""
+    return f"fetch {name}"
 
 
 # ----------------------------------------------------------------------------- source side
@@ -189,8 +230,10 @@ def peer_pid(sock: socket.socket) -> int:
 class LocalEndpoint:
     """An abstract Unix socket that hands each connection to ``handle`` on its own thread.
 
-    Contract: ``handle(conn)`` owns the connection until it returns (the endpoint closes it
-    afterwards). ``close()`` may be called from any thread, more than once; it stops accepting,
+    Contract: only connections from this process's uid reach ``handle``, at most
+    MAX_CONNECTIONS at once (others are closed at once, unread). ``handle(conn)`` owns the
+    connection until it returns (the endpoint closes it afterwards); it bounds its own reads
+    (see REQUEST_TIMEOUT_S). ``close()`` may be called from any thread, more than once; it stops accepting,
     shuts down open connections and joins the threads within ``join_timeout`` seconds.
     """
 
@@ -204,6 +247,8 @@ class LocalEndpoint:
         self._conns: Set[socket.socket] = set()
         self._threads: Set[threading.Thread] = set()
         self._closed = False
+        self._last_warning = -1e9
+        self._refused = 0
         self._acceptor = threading.Thread(
             target=self._accept_loop, daemon=True, name="ft-ckpt-local-accept"
         )
@@ -220,14 +265,20 @@ class LocalEndpoint:
                 logger.warning("same-host checkpoint endpoint: accept failed (%s)", e)
                 time.sleep(0.05)
                 continue
+            if not same_user(conn):
+                # Another user's process: closed before a byte is read. It could not read this
+                # process's memory anyway, and must not learn where the tensors are.
+                self._warn("refused a connection from another user")
+                conn.close()
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
                 if len(self._conns) >= MAX_CONNECTIONS:
                     # each connection holds a thread until it is done or times out: bound them
-                    logger.warning("same-host checkpoint endpoint: %d connections open; "
-                                   "refusing another", len(self._conns))
+                    # (the receiver refused here uses HTTP)
+                    self._warn(f"{len(self._conns)} connections open; refused another")
                     conn.close()
                     continue
                 t = threading.Thread(
@@ -236,6 +287,16 @@ class LocalEndpoint:
                 self._conns.add(conn)
                 self._threads.add(t)
             t.start()
+
+    def _warn(self, what: str) -> None:
+        """Logs a refusal, at most once per 10 s (a flood must not flood the log too)."""
+        now = time.monotonic()
+        self._refused += 1
+        if now - self._last_warning >= 10.0:
+            logger.warning("same-host checkpoint endpoint: %s (%d refusal(s) since the last "
+                           "warning; receivers use HTTP meanwhile)", what, self._refused)
+            self._last_warning = now
+            self._refused = 0
 
     def _run(self, conn: socket.socket) -> None:
         try:
@@ -304,16 +365,23 @@ class Session:
         except OSError:
             return None
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            # a connect that blocks (the endpoint's backlog is full) is not waited out
+            sock.settimeout(max(0.001, min(CONNECT_TIMEOUT_S, deadline - time.monotonic())))
             sock.connect("\0" + name)
-            pid = peer_pid(sock)
+            pid, uid, _ = peer_creds(sock)
         except OSError as e:
             sock.close()
-            logger.debug("%s: no same-host path (%s)", where, e)
+            logger.info("%s: no same-host path (%s); using HTTP", where, e)
             return None
         if pid <= 0:
             sock.close()
             logger.debug("%s: source is in another pid namespace; using HTTP", where)
+            return None
+        if uid != os.geteuid():
+            # not this user's process: it could not be read, and is not trusted to say where
+            sock.close()
+            logger.info("%s: the same-host source runs as uid %d, not %d; using HTTP",
+                        where, uid, os.geteuid())
             return None
         return cls(sock, pid, where, raise_for_status)
 
@@ -352,15 +420,38 @@ class Session:
         return e
 
     def fetch(
-        self, request: Dict[str, Any], deadline: float, max_bytes: int
+        self,
+        request: Dict[str, Any],
+        deadline: float,
+        max_bytes: int,
+        reply_deadline: Optional[float] = None,
     ) -> Optional[Tuple[bytes, str, Dict[str, Any]]]:
         """Asks for the checkpoint: returns the metadata body (header + CRC-32 trailer), the
-        source's lease and the reply that ``copy`` needs; None if the source predates this
-        request (use HTTP)."""
+        source's lease and the reply that ``copy`` needs. None (use HTTP) if the source
+        predates this request, closed the connection unanswered (it refuses other users, and
+        connections beyond MAX_CONNECTIONS), or sent no reply by ``reply_deadline`` (default
+        ``deadline``): nothing was copied yet, and HTTP does not depend on this socket."""
         try:
             send_frame(self._sock, dict(request, op="fetch"))
+        except OSError as e:
+            logger.info("%s: the same-host source refused the connection (%s); using HTTP",
+                        self._where, e)
+            return None
+        try:
             # the reply lists every tensor's region: it may be as large as the header
-            reply = recv_frame(self._sock, deadline, max_bytes)
+            reply = recv_frame(
+                self._sock, deadline if reply_deadline is None else min(deadline, reply_deadline),
+                max_bytes)
+        except (EOFError, ConnectionError) as e:
+            logger.info("%s: the same-host source closed the connection unanswered (%s: busy, "
+                        "or refusing this user); using HTTP", self._where, type(e).__name__)
+            return None
+        except TimeoutError:  # socket.timeout too
+            logger.info("%s: no same-host reply in time; using HTTP", self._where)
+            return None
+        except (OSError, ValueError) as e:
+            raise self._translate(e) from None
+        try:
             if (
                 type(reply) is dict
                 and reply.get("ok") is not True

@@ -46,6 +46,7 @@ from ft.checkpointing.transport import CheckpointFormatError
 
 __all__ = [
     "FORMAT",
+    "MAX_HEADER_BYTES",
     "TensorSpec",
     "flatten",
     "unflatten",
@@ -63,6 +64,12 @@ __all__ = [
 # peers of different versions fail with "unknown format", not with a checksum mismatch.
 FORMAT = "ft-ckpt-v2"
 MAX_DEPTH = 256
+# Largest header a receiver reads and a source stages. A tensor's spec and its place in the tree
+# take ~130-250 bytes of JSON, so this holds ~250k tensors: a 70B dense model with Adam state
+# (~3k tensors) needs ~1 MB, an unfused MoE with 100k+ expert tensors some 25 MB. The bound is
+# what keeps a hostile or broken source from making a receiver read and parse without end
+# (JSON parses at ~20-150 MB/s on one core: a full header is ~0.5-3 s of a heal's deadline).
+MAX_HEADER_BYTES = 64 << 20
 
 _QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 _DTYPES: Dict[str, torch.dtype] = {}

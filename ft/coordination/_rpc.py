@@ -140,9 +140,12 @@ def translate(err: grpc.RpcError, method: str) -> BaseException:
 
 def wait_ready(channel: grpc.Channel, addr: str, timeout: float) -> None:
     """Blocks until the channel is connected, or raises TimeoutError."""
+    ready = grpc.channel_ready_future(channel)
     try:
-        grpc.channel_ready_future(channel).result(timeout=max(timeout, 0.0))
+        ready.result(timeout=max(timeout, 0.0))
     except grpc.FutureTimeoutError:
+        # Stop its polling thread now: it would otherwise outlive a channel closed meanwhile.
+        ready.cancel()
         raise TimeoutError(f"could not connect to {addr} within {timeout:.3f}s") from None
 
 

@@ -31,6 +31,7 @@ from ft.checkpointing import (  # noqa: E402
     same_host,
 )
 from ft.checkpointing import serialization as ser  # noqa: E402
+from ft.utils.auth import SAME_HOST_PURPOSE, JobSecret, Signer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not same_host.supported(), reason="Linux only")
 
@@ -273,8 +274,7 @@ def test_receiver_gone_after_metadata_does_not_hold_up_disallow() -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
             s.connect("\0" + src._local.name)
-            same_host.send_frame(s, {"op": "fetch", "token": None, "step": 2, "wait": 0.0,
-                                     "chunks": 4})
+            same_host.send_frame(s, {"op": "fetch", "step": 2, "wait": 0.0, "chunks": 4})
             assert same_host.recv_frame(s, time.monotonic() + 5)["ok"] is True
             same_host.recv_raw(s, time.monotonic() + 5, 1 << 20)
             st = src._staging
@@ -327,22 +327,40 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
         src.send_checkpoint([1], 6, state, TO)
         assert src._local is not None
         name = src._local.name
-        good = {"op": "fetch", "token": "right-right-right-right", "step": 6, "wait": 0.0, "chunks": 1}
+        right = Signer(JobSecret("right-right-right-right"), SAME_HOST_PURPOSE)
+        wrong = Signer(JobSecret("wrong-wrong-wrong-wrong"), SAME_HOST_PURPOSE)
+
+        def signed(signer: Signer = right, what: str = "", **fields: Any) -> Dict[str, Any]:
+            req = dict({"op": "fetch", "step": 6, "wait": 0.0, "chunks": 1}, **fields)
+            req["auth"] = signer.sign(
+                what or same_host.request_what(name),
+                same_host.request_body(req["step"], req["wait"], req["chunks"]))
+            return req
+
+        used = signed(step=7)
         cases = [
-            (dict(good, token="wrong-wrong-wrong-wrong"), 403, "token"),
-            (dict(good, token=None), 403, "token"),
-            (dict(good, step=7), 404, "step 7"),
-            (dict(good, step=5), 404, "step 5"),
-            (dict(good, step="6"), 400, "bad step"),
-            (dict(good, wait="forever"), 400, "bad step, wait"),
-            (dict(good, chunks=None), 400, "chunks"),
-            (["not", "an", "object"], 400, "not an object"),
-            (dict(good, op="steal"), 400, "unknown op"),
-            (dict(good, op="data"), 400, "unknown op"),
-            (struct.pack(">I", 5) + b"{{{{{", 400, "not JSON"),
-            (struct.pack(">I", 1 << 30), 400, "exceeds"),
+            (lambda: dict(signed(), auth=None), 403, "no signature"),
+            # the secret itself is never accepted in place of a signature
+            (lambda: dict(signed(), auth=None, token="right-right-right-right"), 403, "no signature"),
+            (lambda: signed(wrong), 403, "bad signature"),
+            (lambda: signed(what=same_host.request_what("ft-ckpt-" + "0" * 32)), 403,
+             "bad signature"),
+            (lambda: dict(signed(), step=7), 403, "bad signature"),  # altered after signing
+            (lambda: used, 404, "step 7"),
+            (lambda: used, 403, "replayed"),
+            (lambda: signed(step=7), 404, "step 7"),
+            (lambda: signed(step=5), 404, "step 5"),
+            (lambda: signed(step="6"), 400, "bad step"),
+            (lambda: signed(wait="forever"), 400, "bad step, wait"),
+            (lambda: signed(chunks=None), 400, "chunks"),
+            (lambda: ["not", "an", "object"], 400, "not an object"),
+            (lambda: signed(op="steal"), 400, "unknown op"),
+            (lambda: signed(op="data"), 400, "unknown op"),
+            (lambda: struct.pack(">I", 5) + b"{{{{{", 400, "not JSON"),
+            (lambda: struct.pack(">I", 1 << 30), 400, "exceeds"),
         ]
-        for request, code, words in cases:
+        for make, code, words in cases:
+            request = make()
             reply = _raw_request(name, request)
             assert reply["ok"] is False and reply["code"] == code, (request, reply)
             assert words in reply["error"], (request, reply)
@@ -362,7 +380,7 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
             time.sleep(0.01)
         assert st.active == 0 and not st.conns
         src.disallow_checkpoint()
-        reply = _raw_request(name, good)
+        reply = _raw_request(name, signed())
         assert reply["ok"] is False and reply["code"] == 410, reply
 
 

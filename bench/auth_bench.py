@@ -1,0 +1,160 @@
+"""What authentication costs: every measurement with the job secret off and on, in one run.
+
+    PYTHONPATH=. .venv/bin/python bench/auth_bench.py [--groups 2 8 32] [--rounds 30] [--trials 3]
+        [--only quorum|step|heal]
+
+Baseline: the same code with no secret, measured alternately with it (off, on, off, on, ...),
+so that drift on the machine falls on both sides. Reported: medians of the per-trial medians
+and their ratio (on / off). Target: at most 1.03 for each.
+
+1. quorum: the round of bench/quorum_bench.py (lighthouse in its own process, one process per
+   group), ``LighthouseClient.quorum`` direct and through a ManagerServer (full stack).
+2. step: the ft loop of bench/manager_bench.py (Manager + ft DDP + async quorum, 2 groups,
+   16 MiB MLP): median step time.
+3. heal: HTTPTransport, source and receiver in this process on loopback, HTTP path (the
+   same-host path is off), a --heal-mb MiB state: median transfer time. With the secret the
+   source signs the metadata and each range's checksum; the bytes are read once either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Callable, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+SECRET = "auth-bench-secret-0123456789abcdef0123"
+
+
+def set_auth(on: bool) -> None:
+    """Every process started after this (and every server made here) sees the secret or not."""
+    os.environ.pop("FT_JOB_SECRET_FILE", None)
+    if on:
+        os.environ["FT_JOB_SECRET"] = SECRET
+    else:
+        os.environ.pop("FT_JOB_SECRET", None)
+
+
+def alternate(measure: Callable[[], Dict[str, float]], trials: int) -> Dict[str, Dict[str, List[float]]]:
+    """Runs ``measure`` with the secret off and on, alternately, ``trials`` times each."""
+    out: Dict[str, Dict[str, List[float]]] = {"off": {}, "on": {}}
+    for _ in range(trials):
+        for mode in ("off", "on"):
+            set_auth(mode == "on")
+            for k, v in measure().items():
+                out[mode].setdefault(k, []).append(v)
+    set_auth(False)
+    return out
+
+
+def report(title: str, res: Dict[str, Dict[str, List[float]]], unit: str = "ms") -> None:
+    for key in res["off"]:
+        off, on = statistics.median(res["off"][key]), statistics.median(res["on"][key])
+        print(f"  {title:<28} {key:<12} off {off:9.3f} {unit}   on {on:9.3f} {unit}   "
+              f"ratio {on / off:6.3f}", flush=True)
+
+
+def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) -> None:
+    import quorum_bench
+
+    print(f"quorum round ({rounds} rounds per trial, {trials} trials, {transport} lighthouse)")
+    for n in groups:
+        def measure() -> Dict[str, float]:
+            r = quorum_bench.bench_rounds(n, rounds, transport)
+            return {"lighthouse": r["lighthouse_median_ms"], "full stack": r["full_median_ms"]}
+
+        report(f"{n} groups", alternate(measure, trials))
+
+
+def bench_step(trials: int, steps: int) -> None:
+    import argparse as _argparse
+
+    import manager_bench
+    from ft.coordination import LighthouseServer
+
+    args = _argparse.Namespace(groups=2, steps=steps, warmup=5, trials=1, hb_ms=1000)
+    tmp = tempfile.mkdtemp(prefix="ft-auth-bench-")
+    counter = [0]
+
+    def measure() -> Dict[str, float]:
+        counter[0] += 1
+        lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.groups, http_bind="",
+                              join_timeout_ms=5000, quorum_tick_ms=100, heartbeat_timeout_ms=1000)
+        names = [f"ft{counter[0]}-{g}" for g in range(args.groups)]
+        procs = [manager_bench.spawn(args, tmp, g, "ft", manager_bench.free_port(), args.steps,
+                                     names[g], lh.address()) for g in range(args.groups)]
+        try:
+            manager_bench.wait_all(procs, 300)
+        finally:
+            manager_bench.reap(procs)
+            lh.shutdown()
+        return {"step": manager_bench.median_step(tmp, names, args.warmup) * 1000}
+
+    print(f"training step (2 groups x 1 rank, 16 MiB MLP, {steps} steps per trial, {trials} trials)")
+    report("ft Manager + ft DDP", alternate(measure, trials))
+
+
+def bench_heal(mb: int, reps: int, trials: int) -> None:
+    import torch
+
+    from ft.checkpointing import HTTPTransport
+
+    n = mb * (1 << 20) // 4 // 8
+    state = {f"p{i}": torch.randn(n) for i in range(8)}
+    to = timedelta(seconds=60)
+
+    def measure() -> Dict[str, float]:
+        kw = dict(advertise_host="127.0.0.1", bind_host="127.0.0.1", same_host=False)
+        with HTTPTransport(to, 4, **kw) as src, HTTPTransport(to, 4, **kw) as rx:
+            src.send_checkpoint([1], 1, state, to)
+            rx.recv_checkpoint(0, src.metadata(), 1, to)  # warm-up
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                rx.recv_checkpoint(0, src.metadata(), 1, to)
+                times.append(time.perf_counter() - t0)
+            src.disallow_checkpoint()
+        return {"transfer": statistics.median(times) * 1000}
+
+    print(f"heal transfer (HTTP path, 4 connections, {mb} MiB, {reps} reps per trial, {trials} trials)")
+    res = alternate(measure, trials)
+    report("HTTPTransport", res)
+    off, on = (statistics.median(res[m]["transfer"]) / 1000 for m in ("off", "on"))
+    print(f"  {'':<28} {'throughput':<12} off {mb / off:7.0f} MiB/s   on {mb / on:7.0f} MiB/s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--heal-mb", type=int, default=128)
+    p.add_argument("--heal-reps", type=int, default=5)
+    p.add_argument("--transport", default=None, choices=["native", "grpcio"])
+    p.add_argument("--only", choices=["quorum", "step", "heal"], default=None)
+    a = p.parse_args()
+    if a.transport is None:
+        from ft.coordination.rpc_server import native_available
+
+        a.transport = "native" if native_available() else "grpcio"
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; secret off vs on, "
+          "alternating")
+    if a.only in (None, "quorum"):
+        bench_quorum(a.groups, a.rounds, a.trials, a.transport)
+    if a.only in (None, "step"):
+        bench_step(a.trials, a.steps)
+    if a.only in (None, "heal"):
+        bench_heal(a.heal_mb, a.heal_reps, a.trials)
+
+
+if __name__ == "__main__":
+    main()
