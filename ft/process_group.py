@@ -26,9 +26,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import threading
 from datetime import timedelta
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from torch.distributed import ProcessGroup, PrefixStore, TCPStore
 
 from ft import _C
 from ft.utils import net
+from ft.utils.deadline import Deadline
 
 __all__ = [
     "ProcessGroup",
@@ -108,6 +110,89 @@ def _to_timedelta(timeout) -> timedelta:
     raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
 
 
+def _lock_timeout(deadline: Deadline) -> float:
+    left = deadline.remaining()
+    return -1 if left == float("inf") else left
+
+
+def _socket_links() -> Dict[int, str]:
+    """This process's socket descriptors: fd -> "socket:[inode]" (empty where /proc is not)."""
+    out: Dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
+def _shut_new_connections(before: Dict[int, str], port: int) -> int:
+    """Shuts down the TCP connections to ``port`` that this process opened since ``before``
+    (a snapshot of _socket_links); returns how many."""
+    known = set(before.values())
+    cut = 0
+    for fd, link in _socket_links().items():
+        if link in known:
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            with socket.socket(fileno=dup) as s:
+                peer = s.getpeername()
+                if s.type == socket.SOCK_STREAM and isinstance(peer, tuple) and peer[1] == port:
+                    s.shutdown(socket.SHUT_RDWR)  # the descriptor's owner sees the end at once
+                    cut += 1
+        except OSError:
+            pass  # not connected (yet), or not a socket any more
+    return cut
+
+
+def _connect_store(host: str, port: int, deadline: Deadline) -> TCPStore:
+    """A client of the TCPStore at ``host:port`` by ``deadline``, or TimeoutError then.
+
+    TCPStore's own timeout does not bound its constructor: it retries a refused connection
+    with a backoff that overshoots the timeout (7.5 s for 4 s, measured), and it waits for the
+    server's answer to its first request without any limit (a server that accepts and stays
+    silent holds it forever). So the constructor runs on a helper thread (it releases the GIL
+    while it waits); at the deadline the connections it opened to the store are shut down,
+    which ends that wait at once, and the helper thread ends on its own (a store it makes
+    too late is dropped).
+    """
+    before = _socket_links()
+    box: Dict[str, object] = {}
+    done = threading.Event()
+    left = deadline.remaining()
+
+    def connect() -> None:
+        try:
+            box["store"] = TCPStore(
+                host, port, is_master=False,
+                timeout=timedelta(seconds=max(0.001, min(left, 365 * 86400.0))),
+                wait_for_workers=False,
+            )
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, daemon=True, name="ft-store-connect").start()
+    if deadline.wait_event(done):
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["store"]  # type: ignore[return-value]
+    _shut_new_connections(before, port)
+    box.clear()
+    raise TimeoutError("timed out: nothing there answered as a store (refused, silent or unreachable)")
+
+
 class ProcessGroupFt(ProcessGroup):
     """A reconfigurable torch ProcessGroup backed by ft's C++ backend.
 
@@ -162,14 +247,18 @@ class ProcessGroupFt(ProcessGroup):
         """Aborts the current generation and connects a new one.
 
         store_addr is "host:port/prefix"; the prefix must be fresh for every
-        call (the Manager puts the quorum id in it).
+        call (the Manager puts the quorum id in it). Reaching the store is
+        bounded by the group's timeout, from the start of the call: an
+        unreachable or silent store fails it with DistStoreError then, and
+        the group stays usable.
         """
+        deadline = Deadline.after(self._timeout)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} is out of range for world_size {world_size}")
         host, port, prefix = parse_store_addr(store_addr)
-        store = self._client_store(host, port)
+        store = self._client_store(host, port, deadline)
         self._replica_id = replica_id
         self._quorum_id = quorum_id
         try:
@@ -179,22 +268,22 @@ class ProcessGroupFt(ProcessGroup):
             self._drop_store(host, port)
             raise
 
-    def _client_store(self, host: str, port: int) -> TCPStore:
-        with self._store_lock:
+    def _client_store(self, host: str, port: int, deadline: Deadline) -> TCPStore:
+        what = (f"ft: cannot reach the store at {host}:{port} within "
+                f"{self._timeout.total_seconds():.1f}s")
+        if not self._store_lock.acquire(timeout=_lock_timeout(deadline)):
+            raise dist.DistStoreError(f"{what}: another configure() held the store")
+        try:
             if self._store_key != (host, port) or self._store is None:
                 self._store = None
                 try:
-                    self._store = TCPStore(
-                        host, port, is_master=False, timeout=self._timeout,
-                        wait_for_workers=False,
-                    )
+                    self._store = _connect_store(host, port, deadline)
                 except Exception as e:  # names the address; the group stays usable
-                    raise dist.DistStoreError(
-                        f"ft: cannot reach the store at {host}:{port} within "
-                        f"{self._timeout.total_seconds():.1f}s: {e}"
-                    ) from e
+                    raise dist.DistStoreError(f"{what}: {e}") from e
                 self._store_key = (host, port)
             return self._store
+        finally:
+            self._store_lock.release()
 
     def _drop_store(self, host: str, port: int) -> None:
         with self._store_lock:
