@@ -461,9 +461,13 @@ class HTTPTransport(CheckpointTransport[T]):
             port = int(os.environ.get(PORT_ENV) or 0)
         self._timeout = timeout
         self._num_chunks = max(1, int(num_chunks))
+        # explicit secret, explicit token, the job secret's settings, then the older
+        # FT_CHECKPOINT_TOKEN (so a leftover token never shadows the job secret)
         if secret is None:
-            secret = token if token is not None else os.environ.get(TOKEN_ENV) or None
+            secret = token
         self._secret: Optional[JobSecret] = resolve_secret(secret)
+        if self._secret is None and os.environ.get(TOKEN_ENV):
+            self._secret = JobSecret(os.environ[TOKEN_ENV], source=TOKEN_ENV)
         if self._secret is not None:
             self._request_signer: Optional[Signer] = Signer(self._secret, CHECKPOINT_REQUEST_PURPOSE)
             self._request_verifier: Optional[Verifier] = Verifier(

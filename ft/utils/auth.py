@@ -105,7 +105,7 @@ class JobSecret:
         if len(raw) < MIN_SECRET_BYTES:
             raise ValueError(
                 f"the job secret from {source} is {len(raw)} bytes; at least {MIN_SECRET_BYTES} "
-                f"are required (make one with: python -m ft.utils.auth)"
+                f"are required (make one with: python -m ft.utils.new_secret)"
             )
         self._secret = raw
         self._keys: Dict[str, bytes] = {}
@@ -283,6 +283,3 @@ class Verifier:
     def check_mac(self, mac: bytes, *parts: bytes) -> bool:
         return hmac.compare_digest(self._signer.mac(*parts), mac)
 
-
-if __name__ == "__main__":  # python -m ft.utils.auth > secret; chmod 600 secret
-    print(JobSecret.generate().export())
