@@ -15,9 +15,12 @@ Errors
     Everything that goes wrong inside a step (a failed collective, a failed heal, a failed
     ``pg.configure``, an error the user reports) is *reported*, never raised: the Manager
     records it (:meth:`errored`), later allreduces of the step become no-ops, and the step is not
-    committed. Reporting an error also aborts the process group, so that peers waiting in a
-    collective for this replica fail at once instead of waiting out the op timeout; the next
-    quorum then has ``commit_failures > 0`` and gets a new quorum id, which rebuilds the group.
+    committed. A communication failure (a collective that cannot be issued, a failed heal or
+    ``pg.configure``) also aborts the process group, so that peers waiting in a collective for
+    this replica fail at once instead of waiting out the op timeout; the next quorum then has
+    ``commit_failures > 0`` and gets a new quorum id, which rebuilds the group. An error the
+    user reports with :meth:`Manager.report_error` (e.g. a NaN loss) only marks the step as
+    failed, as in torchft: the process group stays usable.
     Quorum failures (e.g. a missing local rank, :class:`TimeoutError`) are raised by
     :meth:`start_quorum` (sync) or :meth:`wait_quorum` (async), as in torchft.
 
@@ -65,6 +68,7 @@ from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
 from ft.progress_watch import ProgressWatch
 from ft.utils import net
+from ft.utils.deadline import to_seconds
 
 __all__ = ["Manager", "WorldSizeMode"]
 
@@ -115,6 +119,45 @@ def _completed_future(value: Any) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futures.Future:
+    """A future with ``fut``'s outcome, or a :class:`TimeoutError` if ``fut`` has not completed
+    ``timeout`` from now (``fut`` itself is left alone)."""
+    if fut.done():
+        return fut
+    devices = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+               if torch.cuda.is_available() else None)
+    out: torch.futures.Future = torch.futures.Future(devices=devices)
+    lock = threading.Lock()
+    settled = [False]
+
+    def settle(set_outcome: Callable[[], None]) -> None:
+        with lock:
+            if settled[0]:
+                return
+            settled[0] = True
+        set_outcome()
+
+    def expire() -> None:
+        settle(lambda: out.set_exception(
+            TimeoutError(f"future not completed within {timeout.total_seconds():g}s")))
+
+    timer = threading.Timer(max(0.0, to_seconds(timeout) or 0.0), expire)
+    timer.daemon = True
+    timer.start()
+
+    def done(f: torch.futures.Future) -> None:
+        timer.cancel()
+        try:
+            value = f.value()
+        except Exception as e:  # noqa: BLE001 - passed on
+            settle(lambda: out.set_exception(e))
+            return
+        settle(lambda: out.set_result(value))
+
+    fut.add_done_callback(done)
+    return out
 
 
 class _DummyWork(dist.Work):
@@ -508,9 +551,13 @@ class Manager:
     # ---------------------------------------------------------------- errors
 
     def report_error(self, e: Exception) -> None:
-        """Marks the current step as failed (it will not commit) and aborts the process group,
-        so that peers blocked in a collective with this replica fail fast."""
-        self._report_error(e, abort=True)
+        """Marks the current step as failed: :meth:`should_commit` returns False for it (on
+        every replica of the quorum), and later allreduces of the step are no-ops.
+
+        As in torchft, this does not abort the process group (users call it to skip a bad
+        step, e.g. a NaN loss). Communication failures the Manager detects itself do abort it.
+        """
+        self._report_error(e, abort=False)
 
     def _report_error(self, e: Exception, abort: bool) -> None:
         self._watch.error(e)
@@ -534,9 +581,11 @@ class Manager:
     ) -> torch.futures.Future:
         """Returns a future that never fails: on error, reports it and yields ``default``.
 
-        ``timeout`` is accepted for torchft compatibility; futures of the process group have
-        their deadline enforced by the backend itself.
+        If ``fut`` has not completed within ``timeout`` (default: the Manager's ``timeout``),
+        the returned future completes with ``default`` then, and a :class:`TimeoutError` is
+        reported (the step will not commit), as in torchft.
         """
+        t = _to_timedelta(timeout) if timeout is not None else self._timeout
 
         def callback(f: torch.futures.Future) -> Any:
             try:
@@ -545,7 +594,7 @@ class Manager:
                 self._report_error(e, abort=False)
                 return default
 
-        return fut.then(callback)
+        return _future_within(fut, t).then(callback)
 
     # ---------------------------------------------------------------- failure notifications
 

@@ -8,6 +8,7 @@ receivers can find it.
 
 from __future__ import annotations
 
+import urllib.error
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Generic, List, TypeVar
@@ -36,12 +37,40 @@ class CheckpointCorruptError(CheckpointError):
     """The bytes that arrived do not match the checksum the sender computed."""
 
 
-class CheckpointNotAvailableError(CheckpointError):
-    """The source does not (or no longer) serve the requested step."""
+class CheckpointNotAvailableError(CheckpointError, urllib.error.HTTPError):
+    """The source does not (or no longer) serve the requested step.
+
+    Also a :class:`urllib.error.HTTPError` (so an :class:`OSError`): code that catches what
+    torchft's HTTP transport raises for a refused request (it fetches with ``urlopen``) catches
+    this too. ``code`` is the HTTP status of the refusal (404 when not from HTTP).
+    """
+
+    def __init__(self, message: str = "", code: int = 404, url: str = "") -> None:
+        urllib.error.HTTPError.__init__(self, url, code, message, None, None)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
 
-class CheckpointTransferError(CheckpointError):
-    """The peer vanished, the connection broke, or the transfer ran past its timeout."""
+class CheckpointTransferError(CheckpointError, urllib.error.URLError):
+    """The peer vanished, the connection broke, or the transfer ran past its timeout.
+
+    Also a :class:`urllib.error.URLError` (so an :class:`OSError`): code that catches what
+    torchft's HTTP transport raises when its ``urlopen`` fails catches this too.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        urllib.error.URLError.__init__(self, message)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class CheckpointAuthError(CheckpointError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import socket
 import time
 from typing import TYPE_CHECKING, Optional, Tuple, Union
@@ -188,6 +189,22 @@ def check_rank(context: grpc.ServicerContext, what: str, value: int, world_size:
 # --- conversions -------------------------------------------------------------------------
 
 
+def _data_to_wire(data: object) -> str:
+    """QuorumMember.data → the proto's JSON string ("" for None)."""
+    return "" if data is None else json.dumps(data)
+
+
+def _data_from_wire(text: str) -> object:
+    """The proto's JSON string → QuorumMember.data (None for ""; the lighthouse refuses
+    requests whose data is not JSON, so a string that is not JSON stays as it is)."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
     return pb.QuorumMember(
         replica_id=m.replica_id,
@@ -196,7 +213,7 @@ def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
         step=m.step,
         world_size=m.world_size,
         shrink_only=m.shrink_only,
-        data=m.data,
+        data=_data_to_wire(m.data),
         commit_failures=m.commit_failures,
     )
 
@@ -209,7 +226,7 @@ def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
         step=m.step,
         world_size=m.world_size,
         shrink_only=m.shrink_only,
-        data=m.data,
+        data=_data_from_wire(m.data),
         commit_failures=m.commit_failures,
     )
 

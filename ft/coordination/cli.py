@@ -9,6 +9,9 @@ By default it listens on this host's advertised address (``FT_ADVERTISE_HOST``, 
 address its name resolves to), port 29510, dashboard on 29511. Beyond loopback it refuses to
 start without a job secret unless ``--insecure`` is given (docs/security.md).
 
+Defaults: ``--join_timeout_ms 60000`` (60 s; ``LighthouseServer(...)`` built in Python
+defaults to 100 ms, as torchft's), ``--quorum_tick_ms 100``, ``--heartbeat_timeout_ms 5000``.
+
 Every flag is accepted in underscore and dash spelling (``--min_replicas`` / ``--min-replicas``).
 SIGTERM and SIGINT shut the server down cleanly (exit status 0).
 """
@@ -27,7 +30,7 @@ from . import _rpc
 from .lighthouse import (
     DEFAULT_DEAD_GRACE_MS,
     DEFAULT_HEARTBEAT_TIMEOUT_MS,
-    DEFAULT_JOIN_TIMEOUT_MS,
+    CLI_DEFAULT_JOIN_TIMEOUT_MS,
     DEFAULT_QUORUM_TICK_MS,
     LighthouseServer,
 )
@@ -55,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                "'[::]:29510' listens on every interface)")
     _flag(p, "min_replicas", type=int, required=True,
           help="fewest replica groups in a quorum (fast path excepted)")
-    _flag(p, "join_timeout_ms", type=int, default=DEFAULT_JOIN_TIMEOUT_MS,
-          help="how long to wait for heartbeating replicas to join a quorum")
+    _flag(p, "join_timeout_ms", type=int, default=CLI_DEFAULT_JOIN_TIMEOUT_MS,
+          help="how long to wait for heartbeating replicas to join a quorum (the command's "
+               "default; LighthouseServer(...) in Python defaults to 100 ms, as torchft's)")
     _flag(p, "quorum_tick_ms", type=int, default=DEFAULT_QUORUM_TICK_MS,
           help="period of quorum evaluation and failure detection")
     _flag(p, "heartbeat_timeout_ms", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_MS,

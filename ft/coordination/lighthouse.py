@@ -61,7 +61,10 @@ logger = logging.getLogger("ft.lighthouse")
 
 __all__ = ["LighthouseServer"]
 
-DEFAULT_JOIN_TIMEOUT_MS = 60_000
+# LighthouseServer(...) defaults: torchft's Python API (join 100 ms, tick 100 ms, heartbeat 5 s).
+DEFAULT_JOIN_TIMEOUT_MS = 100
+# The ft-lighthouse command's default join timeout (as torchft's lighthouse command).
+CLI_DEFAULT_JOIN_TIMEOUT_MS = 60_000
 DEFAULT_QUORUM_TICK_MS = 100
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
 DEFAULT_DEAD_GRACE_MS = 30_000
@@ -872,9 +875,12 @@ class LighthouseServer:
     Args:
         bind: gRPC address, e.g. ``"[::]:29510"``; port 0 picks a free port.
         min_replicas: fewest replica groups in a (non fast-path) quorum.
-        join_timeout_ms: how long the earliest participant waits for heartbeating stragglers.
-        quorum_tick_ms: period of the quorum evaluation and failure detection.
-        heartbeat_timeout_ms: a replica is dead after this long without a heartbeat.
+        join_timeout_ms: how long the earliest participant waits for heartbeating stragglers
+            (default 100 ms, torchft's ``LighthouseServer`` default; the ``ft-lighthouse``
+            command defaults to 60,000 ms instead).
+        quorum_tick_ms: period of the quorum evaluation and failure detection (default 100).
+        heartbeat_timeout_ms: a replica is dead after this long without a heartbeat (default
+            5,000).
         http_bind: dashboard address; default: the gRPC host with an ephemeral port. ``""``
             disables the dashboard.
         auth_token: a dashboard credential (for its actions and ``/api/status``), accepted

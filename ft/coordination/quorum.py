@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = [
     "QuorumMember",
@@ -49,7 +49,9 @@ class QuorumMember:
     step: int = 0
     world_size: int = 0
     shrink_only: bool = False
-    data: str = ""  # opaque user JSON
+    # The user data the replica sent with its request, decoded (``None``: none sent). It
+    # crosses the wire as a JSON string (proto ``data``); ft.coordination._rpc converts.
+    data: Optional[Any] = field(default=None, hash=False)
     commit_failures: int = 0
 
 

@@ -340,7 +340,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             except RuntimeError:
                 raise
             except Exception as e:  # noqa: BLE001 - reported: the step will not commit
-                m.report_error(e)
+                # This replica skips the step's collectives: abort the group so that its
+                # peers fail at once instead of waiting out the timeout.
+                m._report_error(e, abort=True)
                 ok = False
             if ok and m.errored() is None:
                 # Step copies of the owned state and parameters: the originals stay untouched

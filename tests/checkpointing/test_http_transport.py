@@ -296,6 +296,33 @@ def test_timeout_against_a_silent_server() -> None:
         silent.close()
 
 
+def test_errors_are_also_what_torchft_callers_catch() -> None:
+    """torchft's HTTP transport fetches with urlopen, so its callers catch urllib's errors
+    (or OSError): ft's errors are those too, and still ft's own."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    with transport() as src, transport() as dst:
+        with pytest.raises(urllib.error.URLError) as e:
+            dst.recv_checkpoint(0, f"http://127.0.0.1:{port}", 1, timedelta(seconds=2))
+        assert isinstance(e.value, CheckpointTransferError)
+        assert isinstance(e.value, CheckpointError) and isinstance(e.value, OSError)
+        assert str(e.value) and "urlopen error" not in str(e.value)
+
+        src.send_checkpoint([1], 5, {"a": torch.ones(3)}, TO)
+        with pytest.raises(urllib.error.HTTPError) as h:
+            dst.recv_checkpoint(0, src.metadata(), 10, timedelta(seconds=1))  # a missing step
+        assert isinstance(h.value, CheckpointNotAvailableError)
+        assert isinstance(h.value, CheckpointError) and isinstance(h.value, urllib.error.URLError)
+        assert h.value.code in (404, 409, 410) and "step 10" in str(h.value)
+    # the constructors keep their one-message form, and pickling (to another process) works
+    import pickle
+
+    for err in (CheckpointTransferError("x"), CheckpointNotAvailableError("y")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+
+
 def test_token_and_advertise_host_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FT_CHECKPOINT_TOKEN", "envtok-envtok-envtok")
     monkeypatch.setenv("FT_ADVERTISE_HOST", "127.0.0.1")

@@ -1,5 +1,6 @@
 """Integration tests of the lighthouse over real gRPC on loopback (docs/design.md, "The quorum rule")."""
 
+import json
 import os
 import threading
 import time
@@ -89,6 +90,53 @@ def test_join_timeout_waits_for_heartbeating_straggler(lighthouse_factory, heart
     t0 = time.monotonic()
     assert ids(client(lh2).quorum("a", 5.0)) == ["a"]
     assert time.monotonic() - t0 < 1.0
+
+
+def test_python_defaults_are_torchfts_and_the_cli_keeps_its_own(heartbeater):
+    from ft.coordination.cli import build_parser
+
+    lh = LighthouseServer("127.0.0.1:0", 1, http_bind="")  # torchft's defaults: 100/100/5000 ms
+    try:
+        opts = lh._state.opts
+        assert (opts.join_timeout_s, lh._state.tick_s, opts.heartbeat_timeout_s) == (0.1, 0.1, 5.0)
+        # a heartbeating straggler delays a quorum by the 100 ms join timeout, not 60 s
+        c = client(lh)
+        heartbeater(c, "straggler")
+        wait_for(lambda: any(r["replica_id"] == "straggler" for r in lh.status()["replicas"]))
+        t0 = time.monotonic()
+        qa, _ = parallel([lambda: c.quorum("a", 10.0), lambda: c.quorum("b", 10.0)])
+        assert ids(qa) == ["a", "b"]
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        lh.shutdown()
+    a = build_parser().parse_args(["--min_replicas", "1"])
+    assert (a.join_timeout_ms, a.quorum_tick_ms, a.heartbeat_timeout_ms) == (60_000, 100, 5000)
+
+
+def test_member_data_comes_back_as_a_dict(lighthouse_factory):
+    lh = lighthouse_factory(min_replicas=3, join_timeout_ms=5000)
+    c = client(lh)
+    data = {"k": 1, "nested": {"s": "v", "l": [1, 2.5, None]}}
+    qs = parallel([lambda: c.quorum("a", 10.0, data=data),
+                   lambda: c.quorum("b", 10.0, data={}),
+                   lambda: c.quorum("c", 10.0)])
+    for q in qs:
+        by_id = {p.replica_id: p.data for p in q.participants}
+        assert by_id == {"a": data, "b": {}, "c": None}
+        assert isinstance(by_id["a"], dict)
+    # on the wire it stays a JSON string (the proto's type, and what torchft's peers expect)
+    from ft.coordination import _rpc
+    from ft.coordination.quorum import QuorumMember
+
+    wire = _rpc.member_to_pb(QuorumMember(replica_id="a", data=data))
+    assert isinstance(wire.data, str) and json.loads(wire.data) == data
+    assert _rpc.member_to_pb(QuorumMember(replica_id="c")).data == ""
+    assert _rpc.member_from_pb(wire).data == data
+    # members stay hashable (quorum code may put them in sets)
+    hash(_rpc.member_from_pb(wire))
+    # the dashboard still renders a quorum whose members carry data
+    st = lh.status()
+    assert sorted(r["replica_id"] for r in st["replicas"]) == ["a", "b", "c"]
 
 
 def test_heartbeat_expiry_drops_member(lighthouse_factory, heartbeater):

@@ -115,7 +115,8 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
         if (cfg.get("fail_at") == manager.current_step() and rank == cfg.get("fail_rank", 0)
                 and not injected):
             injected.append(manager.current_step())
-            manager.report_error(RuntimeError("injected allreduce failure"))
+            # a communication failure (the Manager aborts the group), not a user-reported one
+            manager._report_error(RuntimeError("injected allreduce failure"), abort=True)
         lanes.add(_C.get_current_lane())
         return real_allreduce(t, should_quantize=should_quantize, reduce_op=reduce_op)
 

@@ -141,11 +141,12 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
         def step(i: int, m: ft.Manager, op: Any, err: bool) -> Any:
             m.start_quorum()
             t = torch.full((2,), float(i + 1))
-            if err and i == 1:
-                m.report_error(RuntimeError("boom"))
             w = m.allreduce(t, reduce_op=op)
             assert w.wait() is True
             fut_val = w.get_future().wait()
+            if err:
+                m.report_error(RuntimeError("boom"))
+                assert m.allreduce(torch.ones(1)).wait() is True  # a no-op now
             return t.tolist(), fut_val is t, m.is_participating(), m.should_commit()
 
         # step 0, async + init_sync: g1 heals (contributes zeros, not a participant)
@@ -157,10 +158,10 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
         out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.SUM, False)
                                  for i, m in enumerate(ms)]))
         assert [o[0] for o in out] == [[3.0, 3.0]] * 2 and all(o[3] for o in out)
-        # a reported error: that replica's allreduce is a no-op, and nobody commits
+        # a reported error (after the allreduce, e.g. a NaN loss): the step does not commit
         out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, True)
                                  for i, m in enumerate(ms)], timeout=30))
-        assert out[1][0] == [2.0, 2.0]  # untouched
+        assert [o[0] for o in out] == [[1.5, 1.5]] * 2
         assert [o[3] for o in out] == [False, False]
         assert ms[1].errored() is not None and ms[0].errored() is not None
         # recovers on the next step
@@ -191,6 +192,74 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
             assert all(o[2] for o in out)
             results[wire] = out[0][0]
         assert not torch.equal(results[True], results[torch.float8_e4m3fn])  # really fp8
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
+def test_wrap_future_honours_its_timeout(lh: Any) -> None:
+    import threading
+
+    m = make_manager(lh.address(), "g0", use_async_quorum=False)
+    try:
+        # completes in time: its value, nothing reported
+        ok: torch.futures.Future = torch.futures.Future()
+        wrapped_ok = m.wrap_future(ok, default=-1, timeout=timedelta(seconds=5))
+        ok.set_result(7)
+        assert wrapped_ok.wait() == 7 and m.errored() is None
+
+        # never completes: the default after the timeout, and a reported TimeoutError
+        never: torch.futures.Future = torch.futures.Future()
+        done = threading.Event()
+        t0 = time.monotonic()
+        wrapped = m.wrap_future(never, default=42, timeout=timedelta(seconds=0.3))
+        wrapped.add_done_callback(lambda f: done.set())
+        assert done.wait(0.8 - (time.monotonic() - t0)), "still pending after 0.8s"
+        assert time.monotonic() - t0 >= 0.25
+        assert wrapped.value() == 42
+        assert isinstance(m.errored(), TimeoutError)
+        never.set_result(1)  # a late completion changes nothing
+        assert wrapped.value() == 42
+
+        # fails: the default, and the failure reported
+        m.start_quorum()
+        bad: torch.futures.Future = torch.futures.Future()
+        wrapped_bad = m.wrap_future(bad, default=0)
+        bad.set_exception(RuntimeError("nope"))
+        assert wrapped_bad.wait() == 0 and "nope" in str(m.errored())
+        assert m.should_commit() is False
+    finally:
+        m.shutdown()
+
+
+def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
+    lh = lighthouse(min_replicas=2)
+    ms = managers(lh, 2, use_async_quorum=False)
+    try:
+        def step(i: int, m: ft.Manager, err: bool) -> Any:
+            m.start_quorum()
+            t = torch.full((2,), float(i + 1))
+            m.allreduce(t).wait()
+            if err and i == 1:
+                m.report_error(RuntimeError("NaN loss"))  # skip this step
+            # the process group is not aborted: a collective on it still works this step
+            raw = torch.full((1,), float(i + 1))
+            m._pg.allreduce([raw]).wait()
+            return t.tolist(), raw.item(), m._pg.errored(), m.should_commit()
+
+        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        assert all(o[3] for o in out)
+        out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
+        assert [o[0] for o in out] == [[1.5, 1.5]] * 2
+        assert [o[1] for o in out] == [3.0, 3.0]
+        assert [o[2] for o in out] == [None, None]
+        # should_commit is the vote of each replica group, as in torchft: only g1 skips the step
+        assert [o[3] for o in out] == [True, False]
+        assert ms[0].errored() is None and isinstance(ms[1].errored(), RuntimeError)
+        # the next step commits (g1 heals from g0 first)
+        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        assert [o[3] for o in out] == [True, True]
+        assert [m.current_step() for m in ms] == [3, 3]
     finally:
         shutdown(ms)
         lh.shutdown()
