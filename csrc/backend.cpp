@@ -174,7 +174,7 @@ void shutdownAllBackends(std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   std::lock_guard<std::mutex> lock(liveBackendsMutex);
   for (FtBackend* backend : liveBackends) {
-    backend->shutdown();
+    backend->shutdownForExit();
   }
   for (FtBackend* backend : liveBackends) {
     backend->waitReaperIdle(deadline);
@@ -269,7 +269,7 @@ void FtBackend::configure(
   uint64_t id = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!shutdown_, "ft: configure() after shutdown()");
+    TORCH_CHECK(!exiting_, "ft: configure() while the process exits");
     old = std::move(generation_);
     id = nextGenerationId_++;
   }
@@ -318,7 +318,7 @@ void FtBackend::configure(
   bool published = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!shutdown_ && abortEpoch_.load() == epoch) {
+    if (!exiting_ && abortEpoch_.load() == epoch) {
       generation_ = generation;
 #ifdef C10D_BACKEND_HAS_RECONFIGURE
       rank_ = rank;
@@ -389,11 +389,18 @@ void FtBackend::abort() {
   }
 }
 
+void FtBackend::shutdownForExit() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    exiting_ = true;
+  }
+  shutdown();
+}
+
 void FtBackend::shutdown() {
   std::shared_ptr<Generation> last;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    shutdown_ = true;
     last = std::move(generation_);
   }
   abortEpoch_.fetch_add(1);

@@ -67,7 +67,13 @@ class FtBackend : public c10d::Backend {
   // Blocks until every peer has connected or the timeout passes.
   void configure(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
   void abort() override;
+  // Ends the current generation: its ops fail, its communicators are reaped.
+  // A later configure() builds a new one (torchft's groups reconfigure after
+  // shutdown()); a configure() it races with discards what it built.
   void shutdown() override;
+  // shutdown(), and no configure() ever again: the process is exiting
+  // (shutdownAllBackends), so nothing new may start under the interpreter.
+  void shutdownForExit();
   // The current generation's sticky failure, if any. "Not configured" is not
   // an error.
   std::optional<Failure> errored() const;
@@ -227,7 +233,7 @@ class FtBackend : public c10d::Backend {
   // Bumped by abort(); a configure() that was building when abort() came in
   // discards what it built.
   std::atomic<uint64_t> abortEpoch_{0};
-  bool shutdown_ = false;
+  bool exiting_ = false;  // set by shutdownForExit(): configure() refuses
 
   Reaper reaper_;
   // Last member: destroyed first, so the sweep never sees a dead backend.

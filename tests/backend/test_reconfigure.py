@@ -64,3 +64,14 @@ def test_200_reconfigures_leak_no_threads_fds_or_memory():
         assert a["threads"] <= b["threads"] + 2, r
         assert a["fds"] <= b["fds"] + 4, r
         assert a["rss_kb"] - b["rss_kb"] < 20 * 1024, r  # < 20 MiB over 200 generations
+
+
+def test_configure_after_shutdown_builds_a_new_generation():
+    # torchft's process groups reconfigure after shutdown(); ft's do too.
+    with Workers("tests.backend.workers:configure_after_shutdown", 2) as w:
+        results = w.join(timeout=60)
+    for t, after_shutdown, u, errored in results:
+        assert torch.equal(t, torch.full((3,), 2.0))
+        assert after_shutdown is not None  # ops between shutdown and configure fail
+        assert torch.equal(u, torch.full((3,), 3.0))
+        assert errored is None

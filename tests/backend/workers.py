@@ -531,3 +531,20 @@ def mismatched_sizes(rank, world_size, port):
     except Exception as e:
         res["dtype_error"] = f"{type(e).__name__}: {e}"
     return res
+
+
+def configure_after_shutdown(rank, world_size, port):
+    """configure → allreduce → shutdown → (ops fail) → configure again → allreduce."""
+    pg = ft_group(rank, world_size, port, prefix="before")
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    pg.shutdown()
+    after_shutdown = None
+    try:
+        dist.all_reduce(torch.ones(3), group=pg)
+    except Exception as e:  # noqa: BLE001
+        after_shutdown = type(e).__name__
+    pg.configure(f"{ADDR}:{port}/after", "test", rank, world_size)
+    u = torch.full((3,), float(rank + 1))
+    dist.all_reduce(u, group=pg)
+    return t, after_shutdown, u, pg.errored()
