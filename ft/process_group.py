@@ -38,6 +38,7 @@ from torch.distributed import ProcessGroup, PrefixStore, TCPStore
 from ft import _C
 from ft.utils import net
 from ft.utils.deadline import Deadline
+from ft.utils.retry import retry_until
 
 __all__ = [
     "ProcessGroup",
@@ -145,7 +146,12 @@ def _shut_new_connections(before: Dict[int, str], port: int) -> int:
         except OSError:
             continue
         try:
-            with socket.socket(fileno=dup) as s:
+            s = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)  # not a socket any more (the number was reused)
+            continue
+        try:
+            with s:
                 peer = s.getpeername()
                 if s.type == socket.SOCK_STREAM and isinstance(peer, tuple) and peer[1] == port:
                     s.shutdown(socket.SHUT_RDWR)  # the descriptor's owner sees the end at once
@@ -155,42 +161,74 @@ def _shut_new_connections(before: Dict[int, str], port: int) -> int:
     return cut
 
 
+def _probe(host: str, port: int, deadline: Deadline) -> None:
+    """Returns once ``host:port`` accepts a TCP connection, retrying refusals with backoff;
+    raises the last failure when the deadline does not leave time for another try."""
+
+    def connect(remaining: float) -> None:
+        socket.create_connection((host, port), timeout=remaining).close()
+
+    retry_until(connect, deadline,
+                retry_on=lambda e: isinstance(e, OSError) and not isinstance(e, TimeoutError))
+
+
+# (thread, port, sockets before it) of store connects abandoned at their deadline: joined at exit
+_stray_connects: List[Tuple[threading.Thread, int, Dict[int, str]]] = []
+
+
 def _connect_store(host: str, port: int, deadline: Deadline) -> TCPStore:
-    """A client of the TCPStore at ``host:port`` by ``deadline``, or TimeoutError then.
+    """A client of the TCPStore at ``host:port`` by ``deadline``, or an OSError by then.
 
     TCPStore's own timeout does not bound its constructor: it retries a refused connection
     with a backoff that overshoots the timeout (7.5 s for 4 s, measured), and it waits for the
     server's answer to its first request without any limit (a server that accepts and stays
-    silent holds it forever). So the constructor runs on a helper thread (it releases the GIL
-    while it waits); at the deadline the connections it opened to the store are shut down,
-    which ends that wait at once, and the helper thread ends on its own (a store it makes
-    too late is dropped).
+    silent holds it forever). So: this process first connects itself, retrying refusals within
+    the deadline; then the constructor runs on a helper thread (it releases the GIL while it
+    waits), with a timeout that ends just before the deadline. At the deadline the
+    connections it opened to the store are shut down, which ends its wait for the answer,
+    and, its own timeout being over, it raises instead of trying again.
     """
+    _probe(host, port, deadline)
     before = _socket_links()
     box: Dict[str, object] = {}
     done = threading.Event()
     left = deadline.remaining()
+    store_timeout = max(0.001, min(left - min(0.1, left * 0.05), 365 * 86400.0))
 
     def connect() -> None:
         try:
-            box["store"] = TCPStore(
-                host, port, is_master=False,
-                timeout=timedelta(seconds=max(0.001, min(left, 365 * 86400.0))),
-                wait_for_workers=False,
-            )
+            box["store"] = TCPStore(host, port, is_master=False,
+                                   timeout=timedelta(seconds=store_timeout),
+                                   wait_for_workers=False)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
             done.set()
 
-    threading.Thread(target=connect, daemon=True, name="ft-store-connect").start()
+    helper = threading.Thread(target=connect, daemon=True, name="ft-store-connect")
+    helper.start()
     if deadline.wait_event(done):
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
         return box["store"]  # type: ignore[return-value]
     _shut_new_connections(before, port)
+    # It ends at once, its own timeout being over (a store made too late is dropped, and
+    # closed, with it); kept to be joined at exit in case it does not.
+    _stray_connects[:] = [c for c in _stray_connects if c[0].is_alive()]
+    _stray_connects.append((helper, port, before))
     box.clear()
-    raise TimeoutError("timed out: nothing there answered as a store (refused, silent or unreachable)")
+    raise TimeoutError("timed out: the store there never answered")
+
+
+@atexit.register
+def _join_stray_connects() -> None:
+    # A helper still inside TCPStore's constructor when the interpreter finalizes would be
+    # killed mid-C++ (std::terminate): end and join it while the interpreter is whole.
+    end = Deadline.after(5.0)
+    for thread, port, before in _stray_connects:
+        while thread.is_alive() and not end.expired:
+            _shut_new_connections(before, port)
+            thread.join(0.05)
 
 
 class ProcessGroupFt(ProcessGroup):
@@ -261,12 +299,15 @@ class ProcessGroupFt(ProcessGroup):
         store = self._client_store(host, port, deadline)
         self._replica_id = replica_id
         self._quorum_id = quorum_id
+        _configuring.deadline = deadline  # bounds the lanes' connects (see _new_gloo)
         try:
             self._backend.configure(PrefixStore(f"{prefix}/ft", store), rank, world_size)
         except Exception:
             # The store server may be gone; connect afresh next time.
             self._drop_store(host, port)
             raise
+        finally:
+            _configuring.deadline = None
 
     def _client_store(self, host: str, port: int, deadline: Deadline) -> TCPStore:
         what = (f"ft: cannot reach the store at {host}:{port} within "
@@ -404,11 +445,30 @@ def _new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> di
     (:func:`ft.utils.net.chosen_advertise_host`): by default Gloo resolves the host name, which on
     many machines is 127.0.0.1, and peers on other hosts could never connect. An explicit
     ``GLOO_SOCKET_IFNAME`` still wins.
+
+    Gloo's timeout bounds both its connect and, later, its ops. Called from a configure(), the
+    connect gets only what is left of that call's deadline, and the ops ``timeout`` after it.
     """
+    deadline: Optional[Deadline] = getattr(_configuring, "deadline", None)
+    connect_timeout = timeout
+    if deadline is not None:
+        left = deadline.remaining()
+        if left <= 0:
+            raise TimeoutError("configure()'s deadline passed before this lane could connect")
+        connect_timeout = min(timeout, timedelta(seconds=left))
     host = net.chosen_advertise_host()
     if host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
+        pg = dist.ProcessGroupGloo(store, rank, size, connect_timeout)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = connect_timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
+        pg = dist.ProcessGroupGloo(store, rank, size, opts)
+    if connect_timeout != timeout:
+        pg.set_timeout(timeout)  # the ops' bound (its connections and contexts too)
+    return pg
+
+
+# The deadline of the configure() running on this thread (None outside one): _new_gloo runs
+# inside it, called back from C++ on the same thread.
+_configuring = threading.local()

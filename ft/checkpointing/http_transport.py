@@ -169,7 +169,7 @@ def _raise_for_status(status: int, text: str) -> None:
     if status in (401, 403):
         raise CheckpointAuthError(text)
     if status in (404, 409, 410):
-        raise CheckpointNotAvailableError(text)
+        raise CheckpointNotAvailableError(text, code=status)
     raise CheckpointTransferError(text)
 
 
@@ -868,6 +868,8 @@ class HTTPTransport(CheckpointTransport[T]):
             body = self._read_body(sock, resp, length, deadline)
             self._check_content_mac(resp.getheader(_CONTENT_MAC_HEADER, ""), signature, body, where)
             return body, resp.getheader("X-FT-Lease", "")
+        except CheckpointError:
+            raise  # already says what failed (some are OSErrors too: keep them as they are)
         except (socket.timeout, TimeoutError):
             raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
         except ValueError:
@@ -926,6 +928,8 @@ class HTTPTransport(CheckpointTransport[T]):
                 )
         except _Abort:
             raise CheckpointTransferError(f"{where}: cancelled") from None
+        except CheckpointError:
+            raise  # already says what failed (some are OSErrors too: keep them as they are)
         except (socket.timeout, TimeoutError):
             raise CheckpointTransferError(
                 f"{where}: timed out after {got} of {end - start} bytes of range [{start}, {end})"

@@ -90,8 +90,8 @@ _MAX_FRAME = 1 << 20
 MAX_CONNECTIONS = 256  # open same-host connections per source (each holds a thread)
 # A receiver sends its request right after connecting: a connection silent for longer is closed.
 REQUEST_TIMEOUT_S = 2.0
-# The source's accept loop answers at once; a connect that blocks this long (a full backlog)
-# means the endpoint is swamped, and the receiver uses HTTP.
+# Most a receiver's connect may take. A full listen backlog (the endpoint swamped) fails it at
+# once (EAGAIN), and the receiver uses HTTP; this bounds whatever else could hold it.
 CONNECT_TIMEOUT_S = 1.0
 DONE = b"D"
 FALLBACK = b"F"
@@ -233,8 +233,9 @@ class LocalEndpoint:
     Contract: only connections from this process's uid reach ``handle``, at most
     MAX_CONNECTIONS at once (others are closed at once, unread). ``handle(conn)`` owns the
     connection until it returns (the endpoint closes it afterwards); it bounds its own reads
-    (see REQUEST_TIMEOUT_S). ``close()`` may be called from any thread, more than once; it stops accepting,
-    shuts down open connections and joins the threads within ``join_timeout`` seconds.
+    (see REQUEST_TIMEOUT_S). ``close()`` may be called from any thread, more than once; it
+    stops accepting, shuts down open connections and joins the threads within
+    ``join_timeout`` seconds.
     """
 
     def __init__(self, handle: Callable[[socket.socket], None]) -> None:
@@ -365,7 +366,7 @@ class Session:
         except OSError:
             return None
         try:
-            # a connect that blocks (the endpoint's backlog is full) is not waited out
+            # a full backlog (the endpoint swamped) fails at once: use HTTP, do not wait
             sock.settimeout(max(0.001, min(CONNECT_TIMEOUT_S, deadline - time.monotonic())))
             sock.connect("\0" + name)
             pid, uid, _ = peer_creds(sock)
@@ -407,6 +408,8 @@ class Session:
 
     def _translate(self, e: BaseException) -> BaseException:
         where = self._where
+        if isinstance(e, CheckpointError):
+            return e  # a refusal already mapped (some CheckpointErrors are OSErrors too)
         if isinstance(e, (socket.timeout, TimeoutError)):
             return CheckpointTransferError(f"{where}: timed out (same-host path)")
         if isinstance(e, (OSError, EOFError)):

@@ -341,7 +341,8 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
         cases = [
             (lambda: dict(signed(), auth=None), 403, "no signature"),
             # the secret itself is never accepted in place of a signature
-            (lambda: dict(signed(), auth=None, token="right-right-right-right"), 403, "no signature"),
+            (lambda: dict(signed(), auth=None, token="right-right-right-right"), 403,
+             "no signature"),
             (lambda: signed(wrong), 403, "bad signature"),
             (lambda: signed(what=same_host.request_what("ft-ckpt-" + "0" * 32)), 403,
              "bad signature"),

@@ -63,12 +63,28 @@ def wait_until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-de
     return True
 
 
+def _connect_many(name: str, n: int, into: List[socket.socket], within: float) -> None:
+    """Opens ``n`` idle connections to the abstract socket ``name`` (appended to ``into``, which
+    the caller closes), waiting out moments when the listen backlog is full."""
+    end = time.monotonic() + within
+    target = len(into) + n
+    while len(into) < target and time.monotonic() < end:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        if s.connect_ex("\0" + name) == 0:
+            into.append(s)
+        else:  # the backlog is full for a moment (EAGAIN): let the acceptor drain it
+            s.close()
+            time.sleep(0.001)
+
+
 def test_flooded_same_host_socket_falls_back_to_http(monkeypatch: pytest.MonkeyPatch) -> None:
     """More idle connections than the endpoint holds: the heal that arrives meanwhile is
     refused by the endpoint and takes HTTP at once (no CheckpointTransferError, no waiting
-    out the flood); once the idle sockets are shed, heals take the same-host path again."""
-    # long enough that the flood surely still holds every slot during the heal below
-    monkeypatch.setattr(same_host, "REQUEST_TIMEOUT_S", 4.0)
+    out the flood). The source sheds idle connections by itself, and heals take the same-host
+    path again once the flood is gone."""
+    # so long that the flood surely holds every slot during the heal below
+    monkeypatch.setattr(same_host, "REQUEST_TIMEOUT_S", 30.0)
     sent = state()
     with ExitStack() as stack:
         src, dst = transport(stack), transport(stack)
@@ -77,15 +93,7 @@ def test_flooded_same_host_socket_falls_back_to_http(monkeypatch: pytest.MonkeyP
         name, local = src._local.name, src._local
         flood: List[socket.socket] = []
         stack.callback(lambda: [s.close() for s in flood])
-        end = time.monotonic() + 10.0
-        while len(flood) < same_host.MAX_CONNECTIONS + 44 and time.monotonic() < end:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            if s.connect_ex("\0" + name) == 0:
-                flood.append(s)
-            else:  # the backlog is full for a moment (EAGAIN): let the acceptor drain it
-                s.close()
-                time.sleep(0.001)
+        _connect_many(name, same_host.MAX_CONNECTIONS + 44, flood, within=10.0)
         assert wait_until(lambda: len(local._conns) >= same_host.MAX_CONNECTIONS, 5.0)
 
         t0 = time.monotonic()
@@ -96,8 +104,21 @@ def test_flooded_same_host_socket_falls_back_to_http(monkeypatch: pytest.MonkeyP
         assert took < 3.0, took  # refused at once, not after the flood's idle bound
         assert len(local._conns) >= same_host.MAX_CONNECTIONS - 1  # the flood still held it
 
-        # the source sheds the silent sockets by itself, without any help from the victim
-        assert wait_until(lambda: not local._conns, same_host.REQUEST_TIMEOUT_S + 3.0)
+        for s in flood:  # the flood goes away; its slots are free at once
+            s.close()
+        assert wait_until(lambda: not local._conns, 5.0)
+
+        # idle connections are shed by the source itself, the victim needing to do nothing
+        monkeypatch.setattr(same_host, "REQUEST_TIMEOUT_S", 0.5)
+        idle: List[socket.socket] = []
+        stack.callback(lambda: [s.close() for s in idle])
+        _connect_many(name, 10, idle, within=5.0)
+        assert len(idle) == 10
+        assert wait_until(lambda: not local._conns, 0.5 + 2.0)
+        for s in idle:
+            s.settimeout(2)
+            assert s.recv(1) == b""  # closed by the source, unanswered
+
         got = dst.recv_checkpoint(0, src.metadata(), 4, TO)
         assert dst.last_recv_path == "same-host"
         assert_bitwise(sent, got)
