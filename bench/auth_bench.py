@@ -61,7 +61,9 @@ def report(title: str, res: Dict[str, Dict[str, List[float]]], unit: str = "ms")
     for key in res["off"]:
         off, on = statistics.median(res["off"][key]), statistics.median(res["on"][key])
         print(f"  {title:<28} {key:<12} off {off:9.3f} {unit}   on {on:9.3f} {unit}   "
-              f"ratio {on / off:6.3f}", flush=True)
+              f"ratio {on / off:6.3f}   (trials off: "
+              f"{', '.join(f'{v:.2f}' for v in res['off'][key])}; on: "
+              f"{', '.join(f'{v:.2f}' for v in res['on'][key])})", flush=True)
 
 
 def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) -> None:
