@@ -229,12 +229,7 @@ class _Staging:
         self.header = ser.encode_header(
             tree, self.specs, step=step, staging=self.id, total_bytes=self.total
         )
-        if len(self.header) > ser.MAX_HEADER_BYTES:
-            # refused here, clearly, rather than by every receiver
-            raise ValueError(
-                f"the checkpoint's metadata takes {len(self.header)} bytes ({len(self.specs)} "
-                f"tensors); receivers accept at most {ser.MAX_HEADER_BYTES}: keep fewer tensors "
-                f"or smaller non-tensor values in the state dict")
+        ser.check_header_size(self.header, len(self.specs))
         self.closing = False  # no new transfers; started ones may finish
         self.regions_sent = False  # a same-host receiver has the tensors' addresses
         self.withdrawn = False  # nothing may read the tensors any more

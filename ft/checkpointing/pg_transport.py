@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 MAGIC = 0x66744350  # "ftCP"
 ACK_MAGIC = 0x6674414B  # "ftAK"
 _REFUSALS = {1: "bad preamble", 2: "wrong step", 3: "header checksum mismatch", 4: "bad header"}
-_MAX_HEADER = 1 << 30
+_MAX_HEADER = ser.MAX_HEADER_BYTES  # a receiver refuses a longer header before allocating it
 _TAG = 0
 
 
@@ -159,6 +159,7 @@ class PGTransport(CheckpointTransport[T]):
         tensors = [t if t.device == self._device else t.to(self._device) for t in tensors]
         algos = [_algo(t) for t in tensors]
         header = ser.encode_header(tree, specs, step=step, checksums=algos)
+        ser.check_header_size(header, len(specs))
         header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self._device)
         words = [MAGIC, step, len(header), ser.crc32(header)]
         words.append(ser.crc32(struct.pack("<4q", *words)))

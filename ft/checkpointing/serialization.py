@@ -47,6 +47,7 @@ from ft.checkpointing.transport import CheckpointFormatError
 __all__ = [
     "FORMAT",
     "MAX_HEADER_BYTES",
+    "check_header_size",
     "TensorSpec",
     "flatten",
     "unflatten",
@@ -70,6 +71,16 @@ MAX_DEPTH = 256
 # what keeps a hostile or broken source from making a receiver read and parse without end
 # (JSON parses at ~20-150 MB/s on one core: a full header is ~0.5-3 s of a heal's deadline).
 MAX_HEADER_BYTES = 64 << 20
+
+
+def check_header_size(header: bytes, num_tensors: int) -> None:
+    """Refuses, at the source, a header no receiver would accept (clearer than every receiver
+    refusing it)."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"the checkpoint's metadata takes {len(header)} bytes ({num_tensors} tensors); "
+            f"receivers accept at most {MAX_HEADER_BYTES}: keep fewer tensors or smaller "
+            f"non-tensor values in the state dict")
 
 _QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 _DTYPES: Dict[str, torch.dtype] = {}

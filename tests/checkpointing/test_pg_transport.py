@@ -225,3 +225,35 @@ def test_unsupported_leaf_raises_type_error(pair: Dict[int, Any]) -> None:
     with pytest.raises(TypeError, match=r"\['x'\]\['f'\].*function"):
         send.send_checkpoint([1], 1, {"x": {"f": lambda: 0}}, TO)
     assert send.metadata() == "<n/a>"
+
+
+def test_hostile_preamble_declaring_a_huge_header_is_refused_before_allocating(
+        pair: Dict[int, Any]) -> None:
+    import struct
+
+    from ft.checkpointing import pg_transport, serialization as ser
+
+    hlen = ser.MAX_HEADER_BYTES + 1  # one byte over what any manifest may need
+    words = [pg_transport.MAGIC, 3, hlen, 0]
+    words.append(ser.crc32(struct.pack("<4q", *words)))
+    recv = PGTransport(pair[1], TO, CPU)
+
+    def hostile_send() -> list:
+        pair[0].send([torch.tensor(words, dtype=torch.int64)], 1, 0).wait()
+        ack = torch.zeros(2, dtype=torch.int64)  # the receiver's refusal, as a sender reads it
+        pair[0].recv([ack], 1, 0).wait()
+        return ack.tolist()
+
+    outs = in_threads([hostile_send, lambda: recv.recv_checkpoint(0, "<n/a>", 3, TO)])
+    assert isinstance(outs[1].get("error"), CheckpointCorruptError), outs[1]
+    assert "bad preamble" in str(outs[1]["error"])
+    assert outs[1]["t"] < 3, outs[1]
+    assert outs[0]["value"] == [pg_transport.ACK_MAGIC, 1], outs[0]
+
+
+def test_source_refuses_a_header_no_receiver_would_accept() -> None:
+    from ft.checkpointing import serialization as ser
+
+    with pytest.raises(ValueError, match="receivers accept at most"):
+        ser.check_header_size(b"x" * (ser.MAX_HEADER_BYTES + 1), 7)
+    ser.check_header_size(b"x" * 100, 7)
