@@ -238,3 +238,22 @@ class Peer:
                         s.close()
                 except OSError:
                     pass
+
+
+def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Runs ``fn`` on a daemon thread; the dict gets "value" or "error", "t" (seconds) and
+    "thread" (join it with a timeout)."""
+    out: Dict[str, Any] = {}
+
+    def target() -> None:
+        t0 = time.monotonic()
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+        out["t"] = time.monotonic() - t0
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    out["thread"] = th
+    return out

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_testlib import Peer, assert_same, check_payload  # noqa: E402
+from ckpt_testlib import Peer, assert_same, check_payload, run_in_thread  # noqa: E402
 
 from tests.corrupting_proxy import CorruptingProxy  # noqa: E402
 
@@ -56,21 +56,6 @@ class Slow(HTTPTransport):
         time.sleep(self.slow)
 
 
-def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
-    out: Dict[str, Any] = {}
-
-    def target() -> None:
-        t0 = time.monotonic()
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-        out["t"] = time.monotonic() - t0
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    out["thread"] = th
-    return out
 
 
 # ----------------------------------------------------------------------------- cross-process

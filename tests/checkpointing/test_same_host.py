@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_testlib import Peer, assert_same, check_payload  # noqa: E402
+from ckpt_testlib import Peer, assert_same, check_payload, run_in_thread  # noqa: E402
 
 from ft.checkpointing import (  # noqa: E402
     CheckpointAuthError,
@@ -45,19 +45,6 @@ def transport(**kw: Any) -> HTTPTransport:
     return HTTPTransport(**kw)
 
 
-def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
-    out: Dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-
-    th = threading.Thread(target=target, daemon=True)
-    th.start()
-    out["thread"] = th
-    return out
 
 
 def test_round_trip_from_another_process_is_bitwise_and_skips_the_socket(

@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -28,11 +27,9 @@ import pytest
 from ft.coordination import LighthouseClient, LighthouseServer, ManagerClient
 from ft.utils.auth import JobSecret
 
+from tests.coordination.conftest import Child
 from tests.security._slow_clients import assert_not_starved, raw_get, wait_for
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-MANAGER_CHILD = os.path.join(ROOT, "tests", "coordination", "_child.py")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 # What the dashboard's own page sends with an action (ft/coordination/dashboard/index.html).
@@ -75,53 +72,13 @@ def lighthouse(**kw) -> Iterator[LighthouseServer]:
         lh.shutdown(grace=0.1)
 
 
-class ManagerChild:
-    """A ManagerServer in its own process: Kill makes it exit with status 1, so a kill that
-    got through is observable from outside."""
-
-    def __init__(self, replica_id: str, lighthouse_addr: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FT_")}
-        self.proc = subprocess.Popen(
-            [sys.executable, MANAGER_CHILD, "manager", replica_id, lighthouse_addr, "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: List[str] = []
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith("ADDRESS "):
-                self._ready.set()
-        self._ready.set()
-
-    def address(self, timeout: float = 20.0) -> str:
-        if not self._ready.wait(timeout):
-            raise AssertionError("manager child not ready:\n" + "\n".join(self.lines))
-        for line in self.lines:
-            if line.startswith("ADDRESS "):
-                return line.split()[1]
-        raise AssertionError("manager child exited early:\n" + "\n".join(self.lines))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(10)
-        finally:
-            self._reader.join(5)
-            self.proc.stdout.close()
-
-
-def registered_victim(stack: ExitStack, lh: LighthouseServer, replica_id: str) -> ManagerChild:
-    """A real ManagerServer child that the lighthouse knows (address and all), so that the
-    dashboard's kill would reach it."""
-    child = ManagerChild(replica_id, lh.address())
-    stack.callback(child.close)
+def registered_victim(stack: ExitStack, lh: LighthouseServer, replica_id: str) -> Child:
+    """A real ManagerServer child (Kill makes it exit with status 1, so a kill that got
+    through is observable from outside) that the lighthouse knows, address and all, so that
+    the dashboard's kill would reach it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FT_")}
+    child = Child("manager", replica_id, lh.address(), "1", env=env)
+    stack.callback(child.kill)
     client = ManagerClient(child.address(), 5.0)
     stack.callback(client.close)
     client._quorum(0, 0, "", False, 10.0)
@@ -283,7 +240,7 @@ def test_csrf_from_a_page_in_headless_chromium_cannot_kill_a_group(clean_env, tm
 
         # What the victim keeps: its group, which the kill path never saw.
         assert kills == []
-        assert victim.alive()
+        assert victim.proc.poll() is None
         assert any(r["replica_id"] == "victim" and r["alive"] for r in lh.status()["replicas"])
 
         # A plain client outside the browser cannot pass for the page either.
@@ -292,7 +249,7 @@ def test_csrf_from_a_page_in_headless_chromium_cannot_kill_a_group(clean_env, tm
         assert code == 403 and "origin" in json.loads(out)["error"], out
         code, out = http(dashboard + "/api/kill?replica_id=victim", b"", {"X-FT-Request": "1"})
         assert code == 415, out
-        assert kills == [] and victim.alive()
+        assert kills == [] and victim.proc.poll() is None
 
         # The same kill as the dashboard's own page sends it works (so this test can fail).
         code, out = http(dashboard + "/api/kill", body, {**ACTION, "Origin": dashboard})

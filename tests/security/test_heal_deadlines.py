@@ -26,6 +26,7 @@ from ft.checkpointing import (
     HTTPTransport,
 )
 from ft.checkpointing import serialization as ser
+from tests.checkpointing.ckpt_testlib import run_in_thread
 
 TO = timedelta(seconds=10)
 
@@ -41,18 +42,6 @@ def transport(stack: ExitStack, cls: type = HTTPTransport, **kw: Any) -> HTTPTra
     return t
 
 
-def run_in_thread(fn) -> Dict[str, Any]:  # type: ignore[no-untyped-def]
-    out: Dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-
-    out["thread"] = threading.Thread(target=target, daemon=True)
-    out["thread"].start()
-    return out
 
 
 class _Paced(HTTPTransport):
