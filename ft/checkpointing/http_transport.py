@@ -911,7 +911,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     got += len(dst)
             trailer = bytearray(_TRAILER.size + mac_size)
             self._read_exact(sock, resp, memoryview(trailer), deadline)
-            if mac_size and not self._content_signer_checks(
+            if mac_size and not self._content_signer.check(
                     bytes(trailer[_TRAILER.size:]), b"data", signature, _range_bytes(start, end),
                     bytes(trailer[:_TRAILER.size])):
                 raise CheckpointAuthError(
@@ -938,9 +938,6 @@ class HTTPTransport(CheckpointTransport[T]):
             resp.close()
             conn.close()
 
-    def _content_signer_checks(self, mac: bytes, *parts: bytes) -> bool:
-        return hmac.compare_digest(self._content_signer.mac(*parts), mac)
-
     def _check_content_mac(self, mac_hex: str, signature: bytes, body: bytes, where: str) -> None:
         """Refuses a metadata answer that a job member did not sign for this very request."""
         if self._content_signer is None:
@@ -949,7 +946,7 @@ class HTTPTransport(CheckpointTransport[T]):
             mac = bytes.fromhex(mac_hex)
         except ValueError:
             mac = b""
-        if not self._content_signer_checks(mac, b"meta", signature, body):
+        if not self._content_signer.check(mac, b"meta", signature, body):
             raise CheckpointAuthError(
                 f"{where}: the metadata is not signed with the job secret "
                 f"({'no signature' if not mac_hex else 'wrong signature'}): the source is not a "

@@ -35,6 +35,7 @@ sees failures detected while it is open; between two streams (every ``stream_tim
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import logging
 import threading
@@ -75,6 +76,7 @@ def _required(t: Optional[Timeout], what: str) -> float:
     return s
 
 
+@functools.lru_cache(maxsize=None)
 def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
     """method name -> (full path, response class, streams) for one service of the proto."""
     desc = pb.DESCRIPTOR.services_by_name[service]

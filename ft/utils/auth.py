@@ -224,12 +224,16 @@ class Signer:
         return f"{_VERSION}.{ms}.{nonce}.{_mac(self._key, what, ms, nonce, body)}"
 
     def mac(self, *parts: bytes) -> bytes:
-        """A plain HMAC over ``parts`` (for content a verifier checks with :meth:`Verifier.check_mac`)."""
+        """A plain HMAC over ``parts`` (for signed content; the other end calls :meth:`check`)."""
         h = hmac.new(self._key, digestmod=hashlib.sha256)
         for p in parts:
             h.update(len(p).to_bytes(8, "little"))
             h.update(p)
         return h.digest()
+
+    def check(self, mac: bytes, *parts: bytes) -> bool:
+        """True when ``mac`` is :meth:`mac` of ``parts`` (compared in constant time)."""
+        return hmac.compare_digest(self.mac(*parts), mac)
 
 
 class Verifier:
@@ -241,7 +245,6 @@ class Verifier:
     """
 
     def __init__(self, secret: JobSecret, purpose: str, max_skew_s: Optional[float] = None) -> None:
-        self._signer = Signer(secret, purpose)
         self._key = secret.key(purpose)
         self._skew_ms = int((max_skew_s if max_skew_s is not None else _max_skew_s()) * 1000)
         self._lock = threading.Lock()
@@ -279,7 +282,4 @@ class Verifier:
             seen.pop(nonce, None)
             if t >= cutoff:  # forgotten early: refuse anything as old from now on
                 self._forgotten_before_ms = max(self._forgotten_before_ms, t + 1)
-
-    def check_mac(self, mac: bytes, *parts: bytes) -> bool:
-        return hmac.compare_digest(self._signer.mac(*parts), mac)
 
