@@ -1,31 +1,77 @@
 """ft: per-step fault tolerance for PyTorch training.
 
-Importing ft registers the torch.distributed backend "ft".
+Contract:
+* ``import ft`` makes the torch.distributed backend "ft" available: at once when torch is
+  already imported, otherwise the moment torch finishes importing (see :mod:`ft._backend_hook`).
+  Either way ``torch.distributed.init_process_group("ft")`` works after ``import ft`` and
+  ``import torch``, in any order.
+* ``import ft`` itself imports neither torch nor the extension ``ft._C``. The names below load
+  their module on first use (PEP 562), so a process that needs only the control plane
+  (``ft.coordination``, ``ft-lighthouse``) runs without torch installed.
 """
 
-import torch  # noqa: F401  (must load before the extension: it links libc10)
+from __future__ import annotations
 
-from ft import _C  # noqa: F401
-from ft.process_group import (  # noqa: F401
-    ProcessGroup,
-    ProcessGroupFt,
-    ProcessGroupGloo,
-    ProcessGroupNCCL,
-    lane,
-)
-from ft.manager import Manager, WorldSizeMode  # noqa: F401,E402
-from ft.optim.wrapper import Optimizer, OptimizerWrapper  # noqa: F401,E402
-from ft.ddp import DistributedDataParallel  # noqa: F401,E402
-from ft.data import DistributedSampler  # noqa: F401,E402
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List
 
-__all__ = ["ProcessGroup", "ProcessGroupFt", "ProcessGroupGloo", "ProcessGroupNCCL", "lane"]
-__all__ += [
-    "Manager",
-    "WorldSizeMode",
-    "Optimizer",
-    "OptimizerWrapper",
-    "DistributedDataParallel",
-    "DistributedSampler",
-]
-from ft.local_sgd import DiLoCo, LocalSGD  # noqa: F401,E402
-__all__ += ["DiLoCo", "LocalSGD"]
+from ft._version import __version__
+
+# name -> the module that defines it. Every torch-side public name of the package lives here.
+_LAZY: Dict[str, str] = {
+    "ProcessGroup": "ft.process_group",
+    "ProcessGroupFt": "ft.process_group",
+    "ProcessGroupGloo": "ft.process_group",
+    "ProcessGroupNCCL": "ft.process_group",
+    "ProcessGroupXCCL": "ft.process_group",
+    "ProcessGroupBabyNCCL": "ft.process_group",
+    "ProcessGroupBabyXCCL": "ft.process_group",
+    "lane": "ft.process_group",
+    "Manager": "ft.manager",
+    "WorldSizeMode": "ft.manager",
+    "Optimizer": "ft.optim.wrapper",
+    "OptimizerWrapper": "ft.optim.wrapper",
+    "DistributedDataParallel": "ft.ddp",
+    "DistributedSampler": "ft.data",
+    "DiLoCo": "ft.local_sgd",
+    "LocalSGD": "ft.local_sgd",
+    "setup_logger": "ft.otel",  # torch-free
+}
+
+__all__: List[str] = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ft' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
+    from ft.data import DistributedSampler  # noqa: F401
+    from ft.ddp import DistributedDataParallel  # noqa: F401
+    from ft.local_sgd import DiLoCo, LocalSGD  # noqa: F401
+    from ft.manager import Manager, WorldSizeMode  # noqa: F401
+    from ft.optim.wrapper import Optimizer, OptimizerWrapper  # noqa: F401
+    from ft.otel import setup_logger  # noqa: F401
+    from ft.process_group import (  # noqa: F401
+        ProcessGroup,
+        ProcessGroupBabyNCCL,
+        ProcessGroupBabyXCCL,
+        ProcessGroupFt,
+        ProcessGroupGloo,
+        ProcessGroupNCCL,
+        ProcessGroupXCCL,
+        lane,
+    )
+
+from ft import _backend_hook  # noqa: E402
+
+_backend_hook.register_when_torch_loads()

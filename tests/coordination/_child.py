@@ -1,13 +1,15 @@
 """Child-process entry point for the coordination tests.
 
-Loads ``ft.coordination`` without running ``ft/__init__.py`` (which imports torch and the C++
-extension), so child processes start in a fraction of a second and these tests do not depend
-on the backend build. Modes:
+``ft.coordination`` imports neither torch nor the C++ extension, so child processes start in
+a fraction of a second and these tests do not depend on the backend build. Modes:
 
     _child.py manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S]
     _child.py lighthouse [LighthouseServer kwargs as JSON]
     _child.py cli [ft-lighthouse flags...]
     _child.py subscriber REPLICA_ID LIGHTHOUSE_ADDR
+
+A mode with the suffix ``-without-torch`` (``cli-without-torch``) runs with torch and ``ft._C``
+hidden: importing either raises ModuleNotFoundError, as on a host where they are not installed.
 """
 
 import json
@@ -15,19 +17,19 @@ import os
 import signal
 import sys
 import threading
-import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def light_import():
-    if "ft" not in sys.modules:
-        pkg = types.ModuleType("ft")
-        pkg.__path__ = [os.path.join(ROOT, "ft")]
-        sys.modules["ft"] = pkg
-    import ft.coordination  # noqa: F401
+class _Hidden:
+    """A meta path finder that makes the named top-level modules impossible to import."""
 
-    return ft.coordination
+    NAMES = ("torch", "ft._C")
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.NAMES or fullname.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"{fullname} is hidden from this process", name=fullname)
+        return None
 
 
 def _serve_forever(server) -> None:
@@ -40,11 +42,16 @@ def _serve_forever(server) -> None:
 
 def main() -> int:
     mode = sys.argv[1]
+    if mode.endswith("-without-torch"):
+        mode = mode[: -len("-without-torch")]
+        sys.meta_path.insert(0, _Hidden())
     if mode != "cli":
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
-    coord = light_import()
+    sys.path.insert(0, ROOT)
+    import ft.coordination as coord
+
     if mode == "manager":
         replica_id, lighthouse, world_size = sys.argv[2], sys.argv[3], int(sys.argv[4])
         hb = float(sys.argv[5]) if len(sys.argv) > 5 else 0.05

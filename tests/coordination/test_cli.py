@@ -43,3 +43,20 @@ def test_serves_logs_and_shuts_down_cleanly(children, sig):
     child.proc.send_signal(sig)
     assert child.wait(10) == 0
     assert "shutting down" in child.output()
+
+
+def test_lighthouse_runs_and_forms_a_quorum_without_torch(children):
+    """A lighthouse host needs grpcio and protobuf only: with torch and ft._C impossible to
+    import, ft-lighthouse starts, forms a quorum and shuts down cleanly."""
+    child = children("cli-without-torch", "--bind", "127.0.0.1:0", "--min-replicas", "2",
+                     "--quorum-tick-ms", "20", "--join_timeout_ms", "100", "--http_bind", "")
+    grpc_addr = child.ready_line().split("grpc=")[1].split()[0]
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        quorums = list(pool.map(lambda r: LighthouseClient(grpc_addr, 5.0).quorum(r, 10.0),
+                                ["a", "b"]))
+    assert all(sorted(p.replica_id for p in q.participants) == ["a", "b"] for q in quorums)
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.wait(10) == 0, child.output()
+    assert "is hidden" not in child.output()

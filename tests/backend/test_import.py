@@ -1,0 +1,85 @@
+"""``import ft``: the backend "ft" is there after ``import ft`` and ``import torch`` in either
+order; ``import ft`` alone loads neither torch nor the extension; a broken extension never
+breaks ``import torch``. Each case runs in a fresh interpreter (imports are process-wide)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("order", ["ft, torch", "torch, ft", "torch.distributed, ft"])
+def test_backend_is_registered_whatever_the_import_order(order):
+    r = run(f"""
+        import {order.split(", ")[0]}
+        import {order.split(", ")[1]}
+        import torch, torch.distributed as dist
+        assert "ft" in dist.Backend.backend_list, dist.Backend.backend_list
+        store = dist.HashStore()
+        dist.init_process_group("ft", store=store, rank=0, world_size=1)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        print("OK", t.tolist())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "OK [1.0, 1.0, 1.0]" in r.stdout
+
+
+def test_import_ft_loads_neither_torch_nor_the_extension_until_a_name_needs_them():
+    r = run("""
+        import sys
+        import ft, ft.coordination
+        print("before", "torch" in sys.modules, "ft._C" in sys.modules, ft.__version__)
+        ft.Manager
+        print("after", "torch" in sys.modules, "ft._C" in sys.modules)
+    """)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("before False False ")
+    assert lines[1] == "after True True"
+
+
+def test_a_broken_extension_warns_and_leaves_torch_importable():
+    r = run("""
+        import sys, warnings
+
+        class HideExtension:
+            def find_spec(self, name, path=None, target=None):
+                if name == "ft._C":
+                    raise ModuleNotFoundError("ft._C is hidden", name=name)
+
+        sys.meta_path.insert(0, HideExtension())
+        import ft
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch
+        print("torch", torch.ones(2).sum().item())
+        print("warned", any("could not be registered" in str(w.message) for w in caught))
+        try:
+            ft.ProcessGroupGloo
+        except ImportError as e:
+            print("use fails:", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "torch 2.0" in r.stdout
+    assert "warned True" in r.stdout
+    assert "use fails:" in r.stdout and "_C" in r.stdout.split("use fails:")[1]
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import ft
+
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        ft.NoSuchThing
+    assert "Manager" in dir(ft) and ft.__version__
