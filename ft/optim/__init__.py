@@ -1,14 +1,73 @@
-"""Optimizers for ft.
+"""Optimizers for ft: the torch.distributed.optim surface, fault tolerant where it can be.
 
 - :class:`ZeroRedundancyOptimizer` (``ft.optim.zero``): ZeRO stage 1, torch-compatible.
 - :class:`FaultTolerantZeroRedundancyOptimizer` (``ft.optim.zero_ft``): ZeRO-1 across the
   replica groups of an ``ft.Manager``, with a buddy copy of every shard.
+- Functional optimizers (``ft.optim.functional``): :func:`as_functional_optim`, the
+  ``Functional*`` classes and the ``functional_*`` updates.
+- Optimizer-in-backward (``ft.optim.in_backward``): :func:`apply_optimizer_in_backward`, with
+  an ``ft.Manager`` the step counts only after :func:`commit_in_backward`.
+
+docs/optim.md has the whole table, with each name's torch counterpart.
 """
 
+from ft.optim.functional import (
+    FunctionalAdadelta,
+    FunctionalAdagrad,
+    FunctionalAdam,
+    FunctionalAdamax,
+    FunctionalAdamW,
+    FunctionalRMSprop,
+    FunctionalRprop,
+    FunctionalSGD,
+    as_functional_optim,
+    functional_adadelta,
+    functional_adagrad,
+    functional_adam,
+    functional_adamax,
+    functional_adamw,
+    functional_rmsprop,
+    functional_rprop,
+    functional_sgd,
+    register_functional_optim,
+)
+from ft.optim.in_backward import (
+    apply_optimizer_in_backward,
+    commit_in_backward,
+    get_in_backward_optimizers,
+    rollback_in_backward,
+    step_in_backward,
+)
 from ft.optim.wrapper import Optimizer, OptimizerWrapper
 from ft.optim.zero import ZeroRedundancyOptimizer
 from ft.optim.zero_ft import FaultTolerantZeroRedundancyOptimizer
 
-# ft.Optimizer (OptimizerWrapper, ft/optim/wrapper.py) is exported from here once it exists.
-
-__all__ = ["ZeroRedundancyOptimizer", "FaultTolerantZeroRedundancyOptimizer", "Optimizer", "OptimizerWrapper"]
+__all__ = [
+    "ZeroRedundancyOptimizer",
+    "FaultTolerantZeroRedundancyOptimizer",
+    "Optimizer",
+    "OptimizerWrapper",
+    "as_functional_optim",
+    "register_functional_optim",
+    "FunctionalAdam",
+    "FunctionalAdamW",
+    "FunctionalSGD",
+    "FunctionalRMSprop",
+    "FunctionalAdagrad",
+    "FunctionalAdadelta",
+    "FunctionalAdamax",
+    "FunctionalRprop",
+    "functional_adam",
+    "functional_adamw",
+    "functional_sgd",
+    "functional_rmsprop",
+    "functional_adagrad",
+    "functional_adadelta",
+    "functional_adamax",
+    "functional_rprop",
+    "apply_optimizer_in_backward",
+    "get_in_backward_optimizers",
+    "commit_in_backward",
+    "rollback_in_backward",
+    "step_in_backward",
+]
