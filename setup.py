@@ -105,10 +105,10 @@ def grpc_server_extension():
     if os.environ.get("FT_NATIVE_GRPC", "1") == "0":
         return None
     try:
-        cflags = subprocess.check_output(["pkg-config", "--cflags", "grpc++"], text=True).split()
-        libs = subprocess.check_output(["pkg-config", "--libs", "grpc++"], text=True).split()
+        cflags = subprocess.check_output(["pkg-config", "--cflags", "grpc++", "libcrypto"], text=True).split()
+        libs = subprocess.check_output(["pkg-config", "--libs", "grpc++", "libcrypto"], text=True).split()
     except (OSError, subprocess.CalledProcessError):
-        print("ft: gRPC C++ not found (pkg-config grpc++): the lighthouse will use grpcio")
+        print("ft: gRPC C++ or OpenSSL not found (pkg-config grpc++ libcrypto): the lighthouse will use grpcio")
         return None
     from setuptools import Extension
     from torch.utils.cpp_extension import include_paths

@@ -8,7 +8,10 @@ so that drift on the machine falls on both sides. Reported: medians of the per-t
 and their ratio (on / off). Target: at most 1.03 for each.
 
 1. quorum: the round of bench/quorum_bench.py (lighthouse in its own process, one process per
-   group), ``LighthouseClient.quorum`` direct and through a ManagerServer (full stack).
+   group), ``LighthouseClient.quorum`` direct and through a ManagerServer (full stack): the
+   median round time, and CPU per round of the lighthouse ("cpu srv") and of all the groups
+   together ("cpu cli"). On a machine with fewer cores than processes the CPU figures are the
+   steadier measure of what the signatures cost.
 2. step: the ft loop of bench/manager_bench.py (Manager + ft DDP + async quorum, 2 groups,
    16 MiB MLP): median step time.
 3. heal: HTTPTransport, source and receiver in this process on loopback, HTTP path (the
@@ -73,7 +76,12 @@ def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) ->
     for n in groups:
         def measure() -> Dict[str, float]:
             r = quorum_bench.bench_rounds(n, rounds, transport)
-            return {"lighthouse": r["lighthouse_median_ms"], "full stack": r["full_median_ms"]}
+            return {"lighthouse": r["lighthouse_median_ms"], "full stack": r["full_median_ms"],
+                    # CPU per round: the lighthouse process, and all the groups' processes
+                    "lh cpu srv": r["lighthouse_server_cpu_ms"],
+                    "lh cpu cli": r["lighthouse_client_cpu_ms"],
+                    "full cpu srv": r["full_server_cpu_ms"],
+                    "full cpu cli": r["full_client_cpu_ms"]}
 
         report(f"{n} groups", alternate(measure, trials))
 

@@ -89,7 +89,8 @@ def timed_rounds(n: int, rounds: int, ask) -> list:
     return [max(ends[r]) - starts[r] for r in range(rounds)]
 
 
-def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results) -> None:
+def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results,
+            server_pid: int) -> None:
     """One simulated replica group, in its own process (as in a real job).
 
     kind "heartbeat": a trivial RPC (the floor); "lighthouse": LighthouseClient.quorum;
@@ -116,12 +117,22 @@ def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results)
             else:
                 ask = lambda: lh.quorum(rid, timeout=30, step=1)  # noqa: E731
         times = []
-        for _ in range(rounds + 1):  # the first round forms the quorum (warm-up)
+        cpu0 = server0 = 0.0
+        for r in range(rounds + 1):  # the first round forms the quorum (warm-up)
             barrier.wait(timeout=60)
+            if r == 1:
+                cpu0 = time.process_time()
+                if i == 0:  # every group is past the warm-up round here
+                    server0 = process_cpu_s(server_pid)
             t0 = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
             ask()
             times.append((t0, time.perf_counter()))
-        results.put((i, times[1:]))
+        client_cpu = (time.process_time() - cpu0) / rounds
+        barrier.wait(timeout=60)  # every group has its last answer
+        server_cpu = (process_cpu_s(server_pid) - server0) / rounds if i == 0 else 0.0
+        # CPU per measured round: this process's (all its threads, incl. a ManagerServer's
+        # heartbeats), and, from group 0, the lighthouse's (its whole process).
+        results.put((i, (times[1:], client_cpu, server_cpu)))
     except BaseException as e:  # noqa: BLE001
         results.put((i, repr(e)))
         barrier.abort()
@@ -130,45 +141,74 @@ def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results)
             server.shutdown(0.1)
 
 
-def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str) -> list:
-    """Each round: n processes ask at once; returns each round's first-ask -> last-answer."""
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a process's threads have run so far: the sum of their scheduler statistics
+    (nanoseconds; /proc/PID/stat counts in 10 ms ticks, too coarse for a few rounds). Threads
+    that have already exited are not counted; the servers' threads live as long as they do."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread ended between the listing and the read
+    return total / 1e9
+
+
+def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str, server_pid: int,
+                    cpu: dict = None) -> list:
+    """Each round: n processes ask at once; returns each round's first-ask -> last-answer.
+
+    ``cpu``, when given, receives CPU ms per round: ``client_ms`` (the callers', summed over
+    groups) and ``server_ms`` (the lighthouse process ``server_pid``'s).
+    """
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_caller, args=(i, n, addr, kind, rounds, barrier, results),
+    procs = [ctx.Process(target=_caller, args=(i, n, addr, kind, rounds, barrier, results, server_pid),
                          daemon=True) for i in range(n)]
     for p in procs:
         p.start()
     try:
-        per_group = {}
+        per_group, client_cpu, server_cpu = {}, {}, {}
         for _ in range(n):
-            i, times = results.get(timeout=180)
-            if isinstance(times, str):
-                raise RuntimeError(f"caller {i} ({kind}) failed: {times}")
-            per_group[i] = times
+            i, got = results.get(timeout=180)
+            if isinstance(got, str):
+                raise RuntimeError(f"caller {i} ({kind}) failed: {got}")
+            per_group[i], client_cpu[i], server_cpu[i] = got
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    if cpu is not None:
+        cpu["client_ms"] = sum(client_cpu.values()) * 1000
+        cpu["server_ms"] = server_cpu[0] * 1000
     return [max(per_group[g][r][1] for g in per_group) - min(per_group[g][r][0] for g in per_group)
             for r in range(rounds)]
 
 
 def bench_rounds(n: int, rounds: int, transport: str) -> dict:
+    """Median round times, and CPU per round: the lighthouse's (its whole process over the
+    phase, divided by the rounds: includes its tick thread) and the callers' (summed)."""
+    lh_cpu, full_cpu = {}, {}
     proc, addr = start_lighthouse(n, 5000, 100, 60000, transport)
     try:
-        floor = timed_rounds_mp(n, rounds, addr, "heartbeat")
-        lh_times = timed_rounds_mp(n, rounds, addr, "lighthouse")
+        floor = timed_rounds_mp(n, rounds, addr, "heartbeat", proc.pid)
+        lh_times = timed_rounds_mp(n, rounds, addr, "lighthouse", proc.pid, lh_cpu)
     finally:
         stop(proc)
     # A fresh lighthouse: the full-stack groups have new replica ids.
     proc, addr = start_lighthouse(n, 5000, 100, 60000, transport)
     try:
-        full_times = timed_rounds_mp(n, rounds, addr, "full")
+        full_times = timed_rounds_mp(n, rounds, addr, "full", proc.pid, full_cpu)
     finally:
         stop(proc)
     return {
+        "lighthouse_server_cpu_ms": lh_cpu["server_ms"],
+        "lighthouse_client_cpu_ms": lh_cpu["client_ms"],
+        "full_server_cpu_ms": full_cpu["server_ms"],
+        "full_client_cpu_ms": full_cpu["client_ms"],
         "groups": n,
         "floor_median_ms": statistics.median(floor) * 1000,
         "lighthouse_median_ms": statistics.median(lh_times) * 1000,

@@ -13,9 +13,9 @@ fi
   || { echo "setup: dependencies did not install" >&2; exit 1; }
 # gRPC C++ for the lighthouse's native gRPC server (optional: without it the lighthouse serves
 # with grpcio, ~0.5 ms more CPU per request). Debian/Ubuntu as root only.
-if ! pkg-config --exists grpc++ 2>/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  { timeout 600 apt-get install -y -qq libgrpc++-dev pkg-config \
-    || { timeout 300 apt-get update -qq && timeout 600 apt-get install -y -qq libgrpc++-dev pkg-config; }; } \
+if ! pkg-config --exists grpc++ libcrypto 2>/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { timeout 600 apt-get install -y -qq libgrpc++-dev libssl-dev pkg-config \
+    || { timeout 300 apt-get update -qq && timeout 600 apt-get install -y -qq libgrpc++-dev libssl-dev pkg-config; }; } \
     > .venv/apt-grpc.log 2>&1 \
     || echo "setup: libgrpc++-dev not installed (see .venv/apt-grpc.log); the lighthouse will use grpcio"
 fi

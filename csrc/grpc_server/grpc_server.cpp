@@ -26,11 +26,24 @@
 //   seconds, and returns once every call is done.
 // - The server accepts its TCP connections itself (see Listener) and keeps accepting after any
 //   accept error, e.g. when the process ran out of file descriptors.
+// - With `set_verifier(key, ...)`, every call's signature (metadata "ft-auth") is checked here,
+//   before Python sees the call, by the same rule as ft.utils.auth.Verifier (see
+//   RequestVerifier); a call that fails it is finished UNAUTHENTICATED without taking the GIL,
+//   and one that passes reaches Python with `call.verified` true.
+// - With `enable_heartbeat_fast_path(method, ...)`, a well-formed heartbeat on `method` is
+//   answered here without the GIL: the replica id and the time it arrived are recorded, and
+//   Python collects them with `take_heartbeats()`. Anything unusual (no deadline, a name that
+//   is empty, too long or not UTF-8, `leaving`, unknown fields) goes to Python, which answers
+//   it, so every error message has one source.
 
 #include <grpc/support/log.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <fcntl.h>
 #include <netdb.h>
@@ -51,6 +64,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -94,6 +110,9 @@ class CallState {
         auth_(std::move(auth)) {}
 
   const std::string& method() const { return method_; }
+  // The signature was checked here (set once, before Python sees the call).
+  bool verified() const { return verified_; }
+  void markVerified() { verified_ = true; }
   // The client's "ft-auth" metadata (the first one; "" when absent), read once at the start.
   const std::string& auth() const { return auth_; }
 
@@ -140,6 +159,7 @@ class CallState {
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
   const std::string auth_;
+  bool verified_ = false;
   std::deque<grpc::ByteBuffer> queued_;
   grpc::ByteBuffer inFlight_;  // the message gRPC is writing; untouched while writing_
   bool writing_ = false;
@@ -149,6 +169,205 @@ class CallState {
   grpc::Status finalStatus_;
   py::object onCancel_;
   std::atomic<bool> hasOnCancel_{false};
+};
+
+// Checks request signatures exactly as ft.utils.auth.Verifier does (that class is the
+// specification; tests/security/test_native_verifier.py checks both on one table of tokens):
+// a token is "v1.<unix ms>.<32 hex nonce>.<hex HMAC-SHA256>", the HMAC taken with the purpose's
+// key over "v1\n<method>\n<ms>\n<nonce>\n" followed by the request bytes; it is accepted within
+// `skewMs` of this host's clock, and once (nonces are remembered for the skew window, at most
+// `maxNonces` of them; past that the oldest are forgotten and anything as old is refused).
+// Thread-safe. Returns "" when the token is good, else the reason (never the key).
+class RequestVerifier {
+ public:
+  RequestVerifier(std::string key, int64_t skewMs, size_t maxNonces)
+      : key_(std::move(key)), skewMs_(skewMs), maxNonces_(maxNonces) {}
+
+  std::string verify(const std::string& what, const std::string& body, const std::string& token) {
+    if (token.empty()) return "no signature (the caller has no job secret)";
+    // v1 . ms . nonce . mac
+    size_t d1 = token.find('.');
+    size_t d2 = d1 == std::string::npos ? d1 : token.find('.', d1 + 1);
+    size_t d3 = d2 == std::string::npos ? d2 : token.find('.', d2 + 1);
+    if (d3 == std::string::npos || token.find('.', d3 + 1) != std::string::npos ||
+        token.compare(0, d1, "v1") != 0)
+      return "malformed signature";
+    const std::string ms = token.substr(d1 + 1, d2 - d1 - 1);
+    const std::string nonce = token.substr(d2 + 1, d3 - d2 - 1);
+    const std::string mac = token.substr(d3 + 1);
+    if (ms.empty() || ms.size() > 18 || ms.find_first_not_of("0123456789") != std::string::npos ||
+        nonce.size() != 32)
+      return "malformed signature";
+    const std::string expected = hexMac(what, ms, nonce, body);
+    if (mac.size() != expected.size() ||
+        CRYPTO_memcmp(mac.data(), expected.data(), expected.size()) != 0)
+      return "bad signature (a different job secret, or an altered request)";
+    const int64_t t = std::stoll(ms);
+    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+    if (std::llabs(now - t) > skewMs_) {
+      char buf[160];
+      std::snprintf(buf, sizeof(buf),
+                    "signature is %.1fs off this host's clock (more than %.0fs: expired, or "
+                    "clocks disagree)",
+                    std::llabs(now - t) / 1000.0, skewMs_ / 1000.0);
+      return buf;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    prune(now);
+    if (seen_.count(nonce) != 0 || t < forgottenBeforeMs_)
+      return "replayed request (this signature was already used)";
+    seen_.insert(nonce);
+    order_.emplace_back(t, nonce);
+    return std::string();
+  }
+
+ private:
+  std::string hexMac(const std::string& what, const std::string& ms, const std::string& nonce,
+                     const std::string& body) const {
+    // One contiguous message for the one-shot HMAC() (not deprecated in OpenSSL 3, unlike the
+    // HMAC_CTX calls); requests are small, so the copy costs less than the hash.
+    std::string message = "v1\n" + what + "\n" + ms + "\n" + nonce + "\n";
+    message += body;
+    unsigned char out[EVP_MAX_MD_SIZE];
+    unsigned int outLen = 0;
+    const bool ok = HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()),
+                         reinterpret_cast<const unsigned char*>(message.data()), message.size(),
+                         out, &outLen) != nullptr;
+    if (!ok) return std::string();  // matches no token: refused as a bad signature
+    static const char* kHex = "0123456789abcdef";
+    std::string hex(outLen * 2, '0');
+    for (unsigned int i = 0; i < outLen; ++i) {
+      hex[2 * i] = kHex[out[i] >> 4];
+      hex[2 * i + 1] = kHex[out[i] & 15];
+    }
+    return hex;
+  }
+
+  // mu_ held. Forgets nonces older than the window, and the oldest beyond maxNonces_.
+  void prune(int64_t now) {
+    const int64_t cutoff = now - skewMs_;
+    while (!order_.empty() && (order_.front().first < cutoff || order_.size() > maxNonces_)) {
+      auto [t, nonce] = std::move(order_.front());
+      order_.pop_front();
+      seen_.erase(nonce);
+      if (t >= cutoff) forgottenBeforeMs_ = std::max(forgottenBeforeMs_, t + 1);
+    }
+  }
+
+  const std::string key_;
+  const int64_t skewMs_;
+  const size_t maxNonces_;
+  std::mutex mu_;
+  std::unordered_set<std::string> seen_;
+  std::deque<std::pair<int64_t, std::string>> order_;
+  int64_t forgottenBeforeMs_ = 0;
+};
+
+// Heartbeats answered without Python: the latest arrival time per replica id since Python last
+// collected them. The request is torchft.LighthouseHeartbeatRequest {string replica_id = 1;
+// bool leaving = 2;}; only the plain case (field 1 alone, leaving absent or false) is taken here.
+class HeartbeatTable {
+ public:
+  HeartbeatTable(std::string method, size_t maxNameBytes, double noDeadlineS)
+      : method_(std::move(method)), maxNameBytes_(maxNameBytes), noDeadlineS_(noDeadlineS) {}
+
+  const std::string& method() const { return method_; }
+
+  // True when the heartbeat was recorded (the caller answers OK); false: leave it to Python.
+  bool record(const std::string& request, double secondsToDeadline) {
+    if (!(secondsToDeadline > 0) || secondsToDeadline > noDeadlineS_) return false;
+    std::string name;
+    if (!parse(request, &name)) return false;
+    const double now = std::chrono::duration<double>(
+                           std::chrono::steady_clock::now().time_since_epoch())
+                           .count();
+    std::lock_guard<std::mutex> g(mu_);
+    pending_[std::move(name)] = now;
+    return true;
+  }
+
+  // (replica id, steady-clock seconds: CLOCK_MONOTONIC, Python's time.monotonic()) of every
+  // heartbeat recorded since the last call, the latest per replica.
+  std::vector<std::pair<std::string, double>> take() {
+    std::unordered_map<std::string, double> got;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      got.swap(pending_);
+    }
+    return std::vector<std::pair<std::string, double>>(got.begin(), got.end());
+  }
+
+ private:
+  bool parse(const std::string& b, std::string* name) const {
+    size_t i = 0;
+    bool haveName = false;
+    while (i < b.size()) {
+      const uint8_t tag = static_cast<uint8_t>(b[i++]);
+      if (tag == 0x0A) {  // field 1, length-delimited
+        uint64_t len = 0;
+        int shift = 0;
+        while (true) {
+          if (i >= b.size() || shift > 28) return false;
+          const uint8_t c = static_cast<uint8_t>(b[i++]);
+          len |= static_cast<uint64_t>(c & 0x7F) << shift;
+          if ((c & 0x80) == 0) break;
+          shift += 7;
+        }
+        if (len == 0 || len > maxNameBytes_ || len > b.size() - i) return false;
+        name->assign(b, i, len);
+        i += len;
+        haveName = true;
+      } else if (tag == 0x10) {  // field 2 (leaving), varint: only "false" is taken here
+        if (i >= b.size() || b[i] != 0) return false;
+        ++i;
+      } else {
+        return false;  // unknown or repeated-in-another-form field: Python decides
+      }
+    }
+    return haveName && validUtf8(*name);
+  }
+
+  // Whether protobuf would accept `s` as a string field (valid UTF-8; no overlong forms, no
+  // surrogates, nothing past U+10FFFF).
+  static bool validUtf8(const std::string& s) {
+    size_t i = 0;
+    while (i < s.size()) {
+      const uint8_t c = static_cast<uint8_t>(s[i]);
+      size_t n = 0;
+      uint32_t cp = 0;
+      if (c < 0x80) {
+        ++i;
+        continue;
+      } else if ((c & 0xE0) == 0xC0) {
+        n = 1, cp = c & 0x1F;
+      } else if ((c & 0xF0) == 0xE0) {
+        n = 2, cp = c & 0x0F;
+      } else if ((c & 0xF8) == 0xF0) {
+        n = 3, cp = c & 0x07;
+      } else {
+        return false;
+      }
+      if (i + n >= s.size()) return false;
+      for (size_t k = 1; k <= n; ++k) {
+        const uint8_t cc = static_cast<uint8_t>(s[i + k]);
+        if ((cc & 0xC0) != 0x80) return false;
+        cp = (cp << 6) | (cc & 0x3F);
+      }
+      if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
+          (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF)
+        return false;
+      i += n + 1;
+    }
+    return true;
+  }
+
+  const std::string method_;
+  const size_t maxNameBytes_;
+  const double noDeadlineS_;
+  std::mutex mu_;
+  std::unordered_map<std::string, double> pending_;
 };
 
 class Server;
@@ -447,8 +666,12 @@ class Listener {
 
 class Server {
  public:
-  Server(const std::string& address, py::function handler, int maxMessageBytes, int keepaliveMs)
-      : handler_(std::move(handler)), service_(this) {
+  Server(const std::string& address, py::function handler, int maxMessageBytes, int keepaliveMs,
+         std::unique_ptr<RequestVerifier> verifier, std::unique_ptr<HeartbeatTable> heartbeats)
+      : handler_(std::move(handler)),
+        verifier_(std::move(verifier)),
+        heartbeats_(std::move(heartbeats)),
+        service_(this) {
     grpc::ServerBuilder builder;
     std::string host, port;
     // A Unix socket ("unix:/path", "unix-abstract:name") is left to gRPC's own listener.
@@ -521,9 +744,24 @@ class Server {
   }
 
   const py::function& handler() const { return handler_; }
+  RequestVerifier* verifier() const { return verifier_.get(); }
+  // The heartbeat fast path while it is open, else nullptr.
+  HeartbeatTable* heartbeats() const {
+    return heartbeatsOpen_.load(std::memory_order_acquire) ? heartbeats_.get() : nullptr;
+  }
+  // From now on every heartbeat goes to Python (e.g. so that it answers "shutting down").
+  void closeHeartbeatFastPath() { heartbeatsOpen_.store(false, std::memory_order_release); }
+  std::vector<std::pair<std::string, double>> takeHeartbeats() {
+    if (!heartbeats_) return {};
+    return heartbeats_->take();
+  }
 
  private:
   py::function handler_;
+  // Both fixed at construction, before the first call can arrive; read by gRPC threads.
+  const std::unique_ptr<RequestVerifier> verifier_;
+  const std::unique_ptr<HeartbeatTable> heartbeats_;
+  std::atomic<bool> heartbeatsOpen_{true};
   Service service_;
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
@@ -668,19 +906,40 @@ void CallReactor::OnReadDone(bool ok) {
     state_->finish(grpc::Status(grpc::StatusCode::INTERNAL, "could not read the request"));
     return;
   }
+  request_.Clear();
+  std::string body;
+  {
+    size_t size = 0;
+    for (const auto& s : slices) size += s.size();
+    body.reserve(size);
+    for (const auto& s : slices) body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  slices.clear();
+  // Neither check takes the GIL: a refused or routine call costs Python nothing.
+  if (RequestVerifier* verifier = server_->verifier()) {
+    const std::string why = verifier->verify(state_->method(), body, state_->auth());
+    if (!why.empty()) {
+      state_->finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                                  state_->method() + ": refused: " + why +
+                                      "; this server requires the job secret "
+                                      "(FT_JOB_SECRET_FILE / FT_JOB_SECRET)"));
+      return;
+    }
+    state_->markVerified();
+  }
+  HeartbeatTable* heartbeats = server_->heartbeats();
+  if (heartbeats != nullptr && state_->method() == heartbeats->method() &&
+      heartbeats->record(body, state_->timeRemaining())) {
+    grpc::Slice empty;
+    state_->reply(grpc::ByteBuffer(&empty, 1));  // LighthouseHeartbeatResponse {}
+    return;
+  }
   std::string error;
   {
     GrpcThreadGil gil;
     try {
-      size_t size = 0;
-      for (const auto& s : slices) size += s.size();
-      PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(size));
+      PyObject* raw = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
       if (raw == nullptr) throw py::error_already_set();
-      char* out = PyBytes_AS_STRING(raw);
-      for (const auto& s : slices) {
-        std::memcpy(out, s.begin(), s.size());
-        out += s.size();
-      }
       auto data = py::reinterpret_steal<py::bytes>(raw);
       server_->handler()(py::cast(state_), data);
     } catch (py::error_already_set& e) {
@@ -689,7 +948,6 @@ void CallReactor::OnReadDone(bool ok) {
       error = e.what();
     }
   }
-  request_.Clear();
   if (!error.empty()) {
     state_->finish(grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
   }
@@ -736,6 +994,7 @@ PYBIND11_MODULE(_grpc_server, m) {
 
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
+      .def_property_readonly("verified", &CallState::verified)
       .def_property_readonly("auth",
                              [](const CallState& c) {
                                // gRPC admits only printable ASCII in such values; never raise.
@@ -768,8 +1027,38 @@ PYBIND11_MODULE(_grpc_server, m) {
           py::arg("code") = 0, py::arg("details") = "");
 
   py::class_<Server>(m, "Server")
-      .def(py::init<const std::string&, py::function, int, int>(), py::arg("address"),
-           py::arg("handler"), py::arg("max_message_bytes"), py::arg("keepalive_ms") = 0)
+      .def(py::init([](const std::string& address, py::function handler, int maxMessageBytes,
+                       int keepaliveMs, py::object verifier, py::object heartbeat) {
+             // verifier: (key bytes, skew ms, max remembered nonces) or None.
+             // heartbeat: (method path, max name bytes, no-deadline seconds) or None.
+             std::unique_ptr<RequestVerifier> v;
+             if (!verifier.is_none()) {
+               auto t = verifier.cast<py::tuple>();
+               v = std::make_unique<RequestVerifier>(t[0].cast<std::string>(),
+                                                     t[1].cast<int64_t>(), t[2].cast<size_t>());
+             }
+             std::unique_ptr<HeartbeatTable> h;
+             if (!heartbeat.is_none()) {
+               auto t = heartbeat.cast<py::tuple>();
+               h = std::make_unique<HeartbeatTable>(t[0].cast<std::string>(),
+                                                    t[1].cast<size_t>(), t[2].cast<double>());
+             }
+             return std::make_unique<Server>(address, std::move(handler), maxMessageBytes,
+                                             keepaliveMs, std::move(v), std::move(h));
+           }),
+           py::arg("address"), py::arg("handler"), py::arg("max_message_bytes"),
+           py::arg("keepalive_ms") = 0, py::arg("verifier") = py::none(),
+           py::arg("heartbeat") = py::none())
       .def_property_readonly("port", &Server::port)
+      .def("take_heartbeats", &Server::takeHeartbeats, py::call_guard<py::gil_scoped_release>())
+      .def("close_heartbeat_fast_path", &Server::closeHeartbeatFastPath)
       .def("shutdown", &Server::shutdown, py::arg("grace") = 0.0);
+
+  // The C++ signature check alone, for the test that holds it to ft.utils.auth.Verifier.
+  py::class_<RequestVerifier>(m, "RequestVerifier")
+      .def(py::init<std::string, int64_t, size_t>(), py::arg("key"), py::arg("skew_ms"),
+           py::arg("max_nonces"))
+      .def("verify",
+           [](RequestVerifier& v, const std::string& what, const py::bytes& body,
+              const std::string& token) { return v.verify(what, std::string(body), token); });
 }

@@ -26,7 +26,7 @@ import threading
 import weakref
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, NoReturn, Optional, Type
+from typing import TYPE_CHECKING, Callable, Dict, List, NoReturn, Optional, Tuple, Type
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -80,6 +80,9 @@ class Call:
     """
 
     method: str
+    # True when the transport already checked the call's signature (the native server does,
+    # in C++); the dispatcher then does not check it again (its nonce is spent).
+    verified: bool = False
 
     def time_remaining(self) -> float:
         """Seconds until the caller's deadline (inf when it set none)."""
@@ -120,11 +123,12 @@ class Call:
 
 
 class _NativeCall(Call):
-    __slots__ = ("_c", "method")
+    __slots__ = ("_c", "method", "verified")
 
     def __init__(self, c) -> None:
         self._c = c
         self.method = c.method
+        self.verified = c.verified
 
     @property
     def on_cancel(self):
@@ -291,8 +295,13 @@ class RpcServer:
             answering end (0: gRPC's default).
         transport: ``"auto"`` (native when built), ``"native"`` or ``"grpcio"``.
         max_workers: grpcio only: most calls open at once.
-        verifier: checks every request's signature (None: no authentication).
+        verifier: checks every request's signature (None: no authentication). The native
+            server runs the same check in C++, before the GIL (one replay cache per server).
         tls: serve TLS with these credentials (grpcio only; see ft.utils.tls).
+        fast_heartbeat: native only: the full name of a ``LighthouseHeartbeatRequest`` method
+            whose well-formed calls the C++ server answers itself, without Python; collect
+            them with :meth:`take_heartbeats`. Other calls of that method (leaving, malformed)
+            still reach its handler. Ignored on grpcio, where the handler sees every call.
     """
 
     def __init__(
@@ -305,6 +314,7 @@ class RpcServer:
         max_workers: int = 1024,
         verifier: Optional[Verifier] = None,
         tls: Optional["TLSConfig"] = None,
+        fast_heartbeat: Optional[str] = None,
     ) -> None:
         if transport not in ("auto", "native", "grpcio"):
             raise ValueError(f"transport must be 'auto', 'native' or 'grpcio', got {transport!r}")
@@ -325,7 +335,10 @@ class RpcServer:
         if self.transport == "native":
             try:
                 self._server = _native.Server(
-                    target, self._dispatch_native, _rpc.MAX_MESSAGE_BYTES, keepalive_ms
+                    target, self._dispatch_native, _rpc.MAX_MESSAGE_BYTES, keepalive_ms,
+                    verifier=verifier.native_config() if verifier is not None else None,
+                    heartbeat=((fast_heartbeat, _rpc.MAX_NAME_LEN, _rpc.NO_DEADLINE_S)
+                               if fast_heartbeat else None),
                 )
             except RuntimeError as e:
                 raise OSError(str(e)) from None
@@ -358,7 +371,7 @@ class RpcServer:
         if method is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
             return
-        if self._verifier is not None:
+        if self._verifier is not None and not call.verified:
             try:
                 self._verifier.verify(call.method, data, call.auth_token())
             except AuthError as e:
@@ -381,6 +394,16 @@ class RpcServer:
 
     def _dispatch_native(self, native_call, data: bytes) -> None:
         self.dispatch(_NativeCall(native_call), data)
+
+    def take_heartbeats(self) -> List[Tuple[str, float]]:
+        """``(replica_id, time.monotonic() of arrival)`` of the heartbeats the native server
+        answered itself since the last call (the latest per replica; see ``fast_heartbeat``)."""
+        return self._server.take_heartbeats() if self.transport == "native" else []
+
+    def close_heartbeat_fast_path(self) -> None:
+        """From now on every heartbeat reaches its handler (which may then refuse it)."""
+        if self.transport == "native":
+            self._server.close_heartbeat_fast_path()
 
     def shutdown(self, grace: float) -> None:
         """Stops accepting calls; calls still open after ``grace`` seconds are cancelled."""

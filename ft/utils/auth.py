@@ -274,6 +274,12 @@ class Verifier:
             self._seen[nonce] = t
             self._order.append((t, nonce))
 
+    def native_config(self) -> Tuple[bytes, int, int]:
+        """(key, skew window in ms, most nonces remembered): what the native gRPC server needs
+        to run this same check in C++ (ft/coordination/_grpc_server). The key stays in this
+        process."""
+        return self._key, self._skew_ms, MAX_REMEMBERED_NONCES
+
     def _prune(self, now: int) -> None:
         cutoff = now - self._skew_ms
         order, seen = self._order, self._seen

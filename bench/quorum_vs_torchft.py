@@ -1,0 +1,273 @@
+"""ft's lighthouse and client beside torchft 0.2.0's (Rust), on one harness, in one run.
+
+    PYTHONPATH=. .venv/bin/python bench/quorum_vs_torchft.py [--groups 2 8 32 256] [--rounds 30]
+        [--heartbeats 3000] [--secret]
+
+torchft is installed with ``pip install --no-deps torchft==0.2.0`` into a throwaway venv
+(``$FT_BENCH_TORCHFT_VENV``, default /tmp/ft-bench-torchft) that sees this venv's packages; the
+bench then re-runs itself there, where both libraries import. Where torchft cannot be
+installed (no package index), it says so and measures ft alone.
+
+Harness, the same for both libraries: the lighthouse runs in its own process (ft: ``python -m
+ft.coordination.cli``, native gRPC server; torchft: its ``torchft_lighthouse`` binary). Every
+simulated replica group is a client thread in this process; a round is every group calling
+``quorum`` at once with unchanged membership, timed from the first call to the last answer.
+All four pairings are measured (client x server), so that the client's and the server's
+shares stay visible.
+
+1. Steady round, median over ``--rounds``, at each ``--groups``, and the lighthouse's CPU per
+   round (its threads' scheduler time; /proc/PID/task/*/schedstat).
+2. Heartbeats: one client sends ``--heartbeats`` heartbeats back to back; reported: the
+   lighthouse's CPU per heartbeat, and what that makes for 1024 groups heartbeating at 10 Hz
+   (10,240 heartbeats/s), in cores. This machine cannot generate 10,240 requests/s from Python
+   clients, so the load figure is the measured per-request cost times the rate.
+
+With ``--secret`` ft's side runs with a job secret (signed requests, verified in C++); torchft
+has no authentication, so that compares a secured ft with an open torchft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+from datetime import timedelta
+from typing import Callable, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.environ.get("FT_BENCH_TORCHFT_VENV", "/tmp/ft-bench-torchft")
+TORCHFT = "torchft==0.2.0"
+SECRET = "quorum-vs-torchft-bench-secret-0123456789"
+
+
+# --- the torchft venv ----------------------------------------------------------------------
+def torchft_python() -> Optional[str]:
+    """The throwaway venv's python with torchft installed, or None (and why, printed)."""
+    py = os.path.join(VENV, "bin", "python")
+    marker = os.path.join(VENV, ".torchft-installed")
+    if os.path.exists(marker):
+        return py
+    try:
+        subprocess.run([sys.executable, "-m", "venv", VENV], check=True, timeout=120)
+        site = subprocess.run([py, "-c", "import site; print(site.getsitepackages()[0])"],
+                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        ours = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
+                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        with open(os.path.join(site, "ft-bench-base.pth"), "w") as f:
+            f.write(ours + "\n")  # torch, grpcio, protobuf: this venv's
+        subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", TORCHFT], check=True,
+                       timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"torchft baseline skipped: could not install {TORCHFT} into {VENV}: {e}")
+        return None
+    open(marker, "w").close()
+    return py
+
+
+def import_torchft_native():
+    """torchft's Rust module, without running torchft/__init__.py (which needs opentelemetry and
+    loads torch: neither is part of what is measured)."""
+    import importlib.util
+
+    if "torchft._torchft" in sys.modules:
+        return sys.modules["torchft._torchft"]
+    spec = importlib.util.find_spec("torchft")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pkg = types.ModuleType("torchft")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    sys.modules.setdefault("torchft", pkg)
+    from torchft import _torchft
+
+    return _torchft
+
+
+# --- servers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lighthouse:
+    def __init__(self, kind: str, groups: int, secret: bool) -> None:
+        self.kind = kind
+        port = free_port()
+        flags = ["--min_replicas", str(groups), "--join_timeout_ms", "60000",
+                 "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
+        env = dict(os.environ)
+        env.pop("FT_JOB_SECRET", None)
+        if kind == "ft":
+            if secret:
+                env["FT_JOB_SECRET"] = SECRET
+            cmd = [sys.executable, "-m", "ft.coordination.cli", "--bind", f"127.0.0.1:{port}",
+                   "--http_bind", "", "--log_level", "ERROR", "--transport", "native", *flags]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+            line = self.proc.stdout.readline()
+            if not line.startswith("ft-lighthouse ready"):
+                self.stop()
+                raise RuntimeError(f"ft lighthouse did not start: {line!r}")
+        else:
+            # torchft's own entry point (torchft._torchft.lighthouse_main), started the way its
+            # ``torchft_lighthouse`` script does, minus torchft/__init__.py (see above). It
+            # parses the process's argv after argv[0], taking the script's name as its own.
+            script = os.path.join(VENV, "serve_torchft_lighthouse.py")
+            with open(script, "w") as f:
+                f.write(f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                        "from quorum_vs_torchft import import_torchft_native\n"
+                        "import_torchft_native().lighthouse_main()\n")
+            cmd = [sys.executable, script, "--bind", f"127.0.0.1:{port}", *flags]
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 30
+            while True:  # ready once it accepts connections
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        self.stop()
+                        raise RuntimeError("torchft lighthouse did not start")
+                    time.sleep(0.05)
+        self.address = f"http://127.0.0.1:{port}"
+
+    def cpu_s(self) -> float:
+        total = 0
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass
+        return total / 1e9
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# --- clients ---------------------------------------------------------------------------------
+def make_client(kind: str, address: str, secret: bool):
+    """(quorum(replica_id), heartbeat(replica_id)) bound to one new client of ``kind``."""
+    if kind == "ft":
+        from ft.coordination import LighthouseClient
+
+        c = LighthouseClient(address, timedelta(seconds=10), secret=SECRET if secret else None)
+        return (lambda rid: c.quorum(rid, timeout=timedelta(seconds=60), step=1),
+                lambda rid: c.heartbeat(rid, timeout=timedelta(seconds=5)))
+    tf = import_torchft_native()
+    c = tf.LighthouseClient(address, timedelta(seconds=10))
+    return (lambda rid: c.quorum(rid, timedelta(seconds=60), step=1),
+            lambda rid: c.heartbeat(rid, timedelta(seconds=5)))
+
+
+def rounds(n: int, count: int, ask: List[Callable[[], object]]) -> List[float]:
+    """``count`` rounds of n threads asking at once; each round's first ask -> last answer."""
+    starts: List[float] = []
+    ends = [[0.0] * n for _ in range(count + 1)]
+    barrier = threading.Barrier(n, action=lambda: starts.append(time.perf_counter()))
+    errors: List[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for r in range(count + 1):  # round 0 forms the quorum
+                barrier.wait(timeout=120)
+                ask[i]()
+                ends[r][i] = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise errors[0]
+    return [max(ends[r]) - starts[r] for r in range(1, count + 1)]
+
+
+def measure_round(client: str, server: str, n: int, count: int, secret: bool) -> Tuple[float, float]:
+    lh = Lighthouse(server, n, secret and server == "ft")
+    try:
+        use_secret = secret and server == "ft" and client == "ft"
+        if secret and server == "ft" and client != "ft":
+            return float("nan"), float("nan")  # torchft's client cannot sign
+        asks = []
+        for i in range(n):
+            quorum, _ = make_client(client, lh.address, use_secret)
+            asks.append(lambda q=quorum, rid=f"g{i:04d}": q(rid))
+        rounds(n, 1, asks)  # warm-up: connections, first quorum
+        c0 = lh.cpu_s()
+        times = rounds(n, count, asks)
+        cpu = (lh.cpu_s() - c0) / count
+        return statistics.median(times) * 1000, cpu * 1000
+    finally:
+        lh.stop()
+
+
+def measure_heartbeat(client: str, server: str, count: int, secret: bool) -> Tuple[float, float]:
+    lh = Lighthouse(server, 1, secret and server == "ft")
+    try:
+        if secret and server == "ft" and client != "ft":
+            return float("nan"), float("nan")
+        _, hb = make_client(client, lh.address, secret and server == "ft")
+        for _ in range(100):
+            hb("hb")
+        c0, w0 = lh.cpu_s(), time.perf_counter()
+        for _ in range(count):
+            hb("hb")
+        wall = time.perf_counter() - w0
+        return (lh.cpu_s() - c0) / count * 1e6, wall / count * 1e6
+    finally:
+        lh.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32, 256])
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--heartbeats", type=int, default=3000)
+    p.add_argument("--secret", action="store_true", help="ft's side with a job secret")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if not a.inner:
+        py = torchft_python()
+        if py is not None:
+            # RUST_LOG: torchft's client logs every connection at INFO otherwise.
+            env = dict(os.environ, PYTHONPATH=ROOT, RUST_LOG="error")
+            os.execve(py, [py, os.path.abspath(__file__), "--inner", *sys.argv[1:]], env)
+    have_torchft = import_torchft_native() is not None
+    kinds = ["ft", "torchft"] if have_torchft else ["ft"]
+    pairs = [(c, s) for s in kinds for c in kinds]
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; ft secret "
+          f"{'on' if a.secret else 'off'}; torchft {'0.2.0' if have_torchft else 'not installed'}")
+    print(f"steady quorum round, median of {a.rounds} (lighthouse CPU per round in brackets)")
+    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>34}" for c, s in pairs))
+    for n in a.groups:
+        cells = []
+        for c, s in pairs:
+            ms, cpu = measure_round(c, s, n, a.rounds, a.secret)
+            cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms CPU]".rjust(34))
+        print(f"{n:>6}  " + "  ".join(cells), flush=True)
+    print(f"\nheartbeats, {a.heartbeats} back to back from one client: lighthouse CPU per "
+          "heartbeat, latency, and the lighthouse's cores for 1024 groups at 10 Hz")
+    for c, s in pairs:
+        cpu_us, lat_us = measure_heartbeat(c, s, a.heartbeats, a.secret)
+        print(f"  {c:>7} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency"
+              f" -> {cpu_us * 10240 / 1e6:5.2f} cores at 10,240 heartbeats/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
