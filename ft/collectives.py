@@ -9,7 +9,9 @@ Two things live here:
   never share a buffer, and the last, partly filled bucket is sent too.
   (torchft's bucketing silently skips some of these and replicas diverge.)
 
-* **Quantized allreduce** (`allreduce_quantized`): int8 (or fp8 e4m3fn / e5m2,
+* **Quantized allreduce** (`allreduce_quantized`) and **reduce-scatter**
+  (`reduce_scatter_quantized`, with torchft's `get_padded_sizes` /
+  `allocate_reduce_scatter_output` for its output layout): int8 (or fp8 e4m3fn / e5m2,
   `wire_dtype`) with one fp32 scale per block of `block_size` elements, reduced as reduce-scatter (all-to-all of
   the quantized blocks, dequantize, sum in fp32) then all-gather of the
   re-quantized result. It uses only `alltoall_base` and `_allgather_base`, so
@@ -45,6 +47,9 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "allreduce_quantized",
+    "reduce_scatter_quantized",
+    "get_padded_sizes",
+    "allocate_reduce_scatter_output",
     "work_from_future",
     "DEFAULT_BLOCK_SIZE",
 ]
@@ -270,14 +275,18 @@ def _lane_worker(pg: object, lane_index: int) -> _LaneWorker:
         return w
 
 
-def _reduce_op_of(opts: Union[dist.AllreduceOptions, ReduceOp, "ReduceOp.RedOpType"]):
-    op = opts.reduceOp if isinstance(opts, dist.AllreduceOptions) else opts
+def _reduce_op_of(opts: Union[dist.AllreduceOptions, dist.ReduceScatterOptions, ReduceOp,
+                              "ReduceOp.RedOpType"], what: str = "allreduce"):
+    if isinstance(opts, (dist.AllreduceOptions, dist.ReduceScatterOptions)):
+        op = opts.reduceOp
+    else:
+        op = opts
     # A ReduceOp object (what AllreduceOptions holds) compares equal to the
     # enum only with itself on the left; normalize to the enum.
     for known in (ReduceOp.SUM, ReduceOp.AVG):
         if op == known or known == op:
             return known
-    raise ValueError(f"quantized allreduce supports SUM and AVG, not {op}")
+    raise ValueError(f"quantized {what} supports SUM and AVG, not {op}")
 
 
 def _quantized_allreduce_blocking(
@@ -359,6 +368,142 @@ def allreduce_quantized(
             fut.set_exception(e)
             return
         fut.set_result(tensors)
+
+    _lane_worker(process_group, _C.get_current_lane()).submit(job)
+    return work_from_future(fut)
+
+
+# --------------------------------------------------------------------------
+# Quantized reduce-scatter (torchft's layout)
+# --------------------------------------------------------------------------
+
+
+def get_padded_sizes(tensors: List[torch.Tensor], world_size: int) -> List[torch.Size]:
+    """Each tensor's size with dim 0 rounded up to a multiple of ``world_size`` (a 1-D tensor
+    of n counts as ``(n, 1)``): the shape a reduce-scatter splits evenly by rows."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    sizes = []
+    for t in tensors:
+        shape = tuple(t.shape)
+        if not shape:
+            raise ValueError("a reduce-scatter splits tensors by rows: 0-dim tensors have none")
+        if len(shape) == 1:
+            shape = (shape[0], 1)
+        rows = math.ceil(shape[0] / world_size) * world_size
+        sizes.append(torch.Size((rows, *shape[1:])))
+    return sizes
+
+
+def _check_same_device_dtype(tensors: Sequence[torch.Tensor], what: str) -> None:
+    for t in tensors[1:]:
+        if t.device != tensors[0].device:
+            raise ValueError(f"{what} needs all tensors on one device, got "
+                             f"{tensors[0].device} and {t.device}")
+        if t.dtype != tensors[0].dtype:
+            raise ValueError(f"{what} needs all tensors of one dtype, got "
+                             f"{tensors[0].dtype} and {t.dtype}")
+
+
+def allocate_reduce_scatter_output(
+    tensors: List[torch.Tensor], world_size: int
+) -> Tuple[torch.Tensor, List[torch.Size]]:
+    """A flat output for a reduce-scatter of ``tensors`` over ``world_size`` ranks, and the
+    padded sizes (:func:`get_padded_sizes`). This rank's share of tensor i is
+    ``padded_sizes[i].numel() // world_size`` elements: its rows of the padded tensor, stored
+    one tensor after the other. Tensors must share a device and a dtype (ValueError)."""
+    if not tensors:
+        raise ValueError("allocate_reduce_scatter_output needs at least one tensor")
+    _check_same_device_dtype(tensors, "allocate_reduce_scatter_output")
+    padded = get_padded_sizes(tensors, world_size)
+    numel = sum(s.numel() // world_size for s in padded)
+    out = torch.empty((numel,), device=tensors[0].device, dtype=tensors[0].dtype)
+    return out, padded
+
+
+def _quantized_reduce_scatter_blocking(
+    output: torch.Tensor, inputs: List[torch.Tensor], op, pg, block_size: int,
+    dtype: torch.dtype,
+) -> None:
+    world = pg.size()
+    device = inputs[0].device
+    padded = get_padded_sizes(inputs, world)
+    shares = [s.numel() // world for s in padded]  # elements per rank, per tensor
+    total = sum(shares)
+    if output.numel() != total:
+        raise ValueError(f"reduce_scatter_quantized: output has {output.numel()} elements, "
+                         f"this rank's share is {total} (allocate_reduce_scatter_output)")
+    chunk = max(1, math.ceil(total / block_size)) * block_size  # per destination rank
+    # Row d of `flat` is what rank d receives: its rows of every (zero-padded) tensor.
+    flat = torch.zeros(world, chunk, dtype=torch.float32, device=device)
+    off = 0
+    for t, size, share in zip(inputs, padded, shares):
+        rows = torch.zeros(size, dtype=torch.float32, device=device)
+        rows[: t.shape[0]].copy_(t.reshape(t.shape[0], *size[1:]))
+        flat[:, off:off + share].copy_(rows.view(world, share))
+        off += share
+
+    q, scale = quantize_blockwise(flat.view(-1), block_size, dtype)
+    send = _pack(q, scale, world)
+    recv = torch.empty_like(send)
+    pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
+    rq, rscale = _unpack(recv, world, chunk, block_size, dtype)
+    mine = dequantize_blockwise(rq, rscale, block_size).view(world, chunk).sum(dim=0)
+    if op == ReduceOp.AVG:
+        mine.div_(world)
+    output.view(-1).copy_(mine[:total])
+
+
+def reduce_scatter_quantized(
+    output: torch.Tensor,
+    inputs: List[torch.Tensor],
+    opts: Union[dist.ReduceScatterOptions, ReduceOp],
+    process_group,
+    sync_stream: Optional["torch.cuda.Stream"] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    wire_dtype: torch.dtype = torch.int8,
+) -> "dist.Work":
+    """Reduce-scatters floating-point ``inputs`` into ``output`` with blockwise quantization
+    on the wire (``wire_dtype``: int8, or fp8 e4m3fn / e5m2) and fp32 accumulation, SUM or
+    AVG (ValueError otherwise).
+
+    Layout (torchft's): each input is zero-padded along dim 0 to a multiple of the world size
+    and split by rows; this rank receives its rows of every input, reduced over the ranks,
+    stored one input after the other in the flat ``output``
+    (:func:`allocate_reduce_scatter_output` makes one). One all-to-all of the quantized
+    shares carries the data, so each value is quantized once: the error per element is at
+    most ``sum over ranks of absmax(block) / 254`` for int8 (divided by the world size for AVG).
+
+    Returns a Work at once; the op runs on the caller's lane's worker thread, in order with
+    the lane's other quantized collectives (see :func:`allreduce_quantized`). ``sync_stream``
+    is accepted for torchft compatibility (CUDA: the caller's stream is synchronized first).
+    """
+    op = _reduce_op_of(opts, "reduce-scatter")
+    _check_wire_dtype(wire_dtype)
+    inputs = list(inputs)
+    if not inputs:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([output])
+        return work_from_future(fut)
+    _check_same_device_dtype(inputs, "reduce_scatter_quantized")
+    if not inputs[0].is_floating_point():
+        raise ValueError(
+            f"quantized reduce-scatter needs floating-point tensors, got {inputs[0].dtype}")
+    if output.device != inputs[0].device:
+        raise ValueError(f"reduce_scatter_quantized: output is on {output.device}, inputs on "
+                         f"{inputs[0].device}")
+    if inputs[0].is_cuda:
+        (sync_stream or torch.cuda.current_stream(inputs[0].device)).synchronize()
+    fut = torch.futures.Future()
+
+    def job() -> None:
+        try:
+            _quantized_reduce_scatter_blocking(output, inputs, op, process_group, block_size,
+                                               wire_dtype)
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+            return
+        fut.set_result([output])
 
     _lane_worker(process_group, _C.get_current_lane()).submit(job)
     return work_from_future(fut)

@@ -7,10 +7,19 @@ that calls :meth:`ft.Manager.allreduce` and hands DDP the Manager's future: noth
 CPU per bucket (on CUDA the future is stream-aware; on CPU the backend runs the op on its own
 threads). Every replica uses the same bucket layout from its first step (see below). Failures
 never reach DDP: the Manager reports them and the step does not commit.
+
+``ft.ddp.PureDistributedDataParallel`` (torchft's name) is the reducer-free variant: one
+:meth:`ft.Manager.allreduce` per gradient, issued as each gradient is accumulated.
+
+Contract (PureDistributedDataParallel):
+* every parameter that requires grad has its ``.grad`` averaged over the participating
+  replicas by the time ``loss.backward()`` returns (ft waits for the allreduces at the end of
+  the backward pass; torchft never waits for them);
+* failures are the Manager's business (reported, step not committed), never raised here.
 """
 
 import warnings
-from typing import TYPE_CHECKING, Any, Tuple
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +29,7 @@ from torch.nn import parallel
 if TYPE_CHECKING:
     from ft.manager import Manager
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]
 
 
 def _local_process_group() -> Tuple[ProcessGroup, Any]:
@@ -72,3 +81,43 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         state: "Manager", bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         return state.allreduce(bucket.buffer()).get_future()
+
+
+class PureDistributedDataParallel(torch.nn.Module):
+    """``PureDistributedDataParallel(manager, module)`` (torchft signature): averages each
+    gradient over the replicas with its own :meth:`ft.Manager.allreduce`, started the moment
+    the gradient is accumulated, without DDP's reducer or buckets.
+
+    Simpler than :class:`DistributedDataParallel`, and slower for models with many small
+    parameters (one collective per tensor). The allreduces are waited for when the
+    backward pass ends, so the gradients are final when ``backward()`` returns.
+    """
+
+    def __init__(self, manager: "Manager", module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._ft_manager = manager
+        self._ft_pending: List[dist.Work] = []
+        self._ft_wait_queued = False
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._ft_grad_ready)
+
+    def _ft_grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        self._ft_pending.append(self._ft_manager.allreduce(param.grad))
+        if not self._ft_wait_queued:
+            # Runs once the whole backward pass is done: the last gradient's allreduce is
+            # issued by then, and nothing reads the gradients before it returns.
+            self._ft_wait_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ft_wait_all)
+
+    def _ft_wait_all(self) -> None:
+        pending, self._ft_pending = self._ft_pending, []
+        self._ft_wait_queued = False
+        for work in pending:
+            work.wait()  # never raises: the Manager reports failures itself
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)

@@ -570,3 +570,11 @@ def _clone_state(sd: Any) -> Any:
     if isinstance(sd, (list, tuple)):
         return type(sd)(_clone_state(v) for v in sd)
     return sd
+
+
+def extract_local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """torchft's helper: a copy of ``t`` (of its local tensor, for a DTensor) that shares no
+    memory with it and has no ``.grad``."""
+    copy = _local(t).clone()
+    copy.grad = None  # explicit, as in torchft (a clone never carries a .grad)
+    return copy

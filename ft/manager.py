@@ -40,10 +40,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import threading
 import time
+import traceback
 import uuid
+import warnings
 from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -67,10 +70,11 @@ from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
 from ft.progress_watch import ProgressWatch
+from ft.work import _DummyWork
 from ft.utils import net
 from ft.utils.deadline import to_seconds
 
-__all__ = ["Manager", "WorldSizeMode"]
+__all__ = ["Manager", "WorldSizeMode", "ExceptionWithTraceback", "get_timeout"]
 
 T = TypeVar("T")
 
@@ -112,13 +116,118 @@ def _to_timedelta(t: Any) -> timedelta:
     return timedelta(seconds=float(t))
 
 
+def get_timeout(timeout_sec_env: Optional[str], default_timeout_sec: timedelta) -> timedelta:
+    """torchft's helper: ``timeout_sec_env`` is the *value* of a seconds variable (e.g.
+    ``os.environ.get("TORCHFT_TIMEOUT_SEC")``); None or empty gives ``default_timeout_sec``.
+
+    torchft parses the value with ``int``; ft also accepts fractional seconds ("1.5").
+    """
+    if timeout_sec_env is None or str(timeout_sec_env).strip() == "":
+        return default_timeout_sec
+    try:
+        return timedelta(seconds=float(timeout_sec_env))
+    except ValueError:
+        raise ValueError(
+            f"a timeout in seconds was expected, got {timeout_sec_env!r}") from None
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ExceptionWithTraceback(Exception):
+    """What :meth:`Manager.errored` returns: the reported exception with its traceback as text.
+
+    ``original_exception`` is the exception reported; ``stack_trace`` its formatted
+    traceback (captured when it was reported, so it survives the frames it names);
+    ``str()`` is ``f"{original}\\n{stack_trace}"``, as in torchft.
+
+    ft addition: the object is also an instance of the original exception's type (it is built
+    as a subclass of both, named ``ExceptionWithTraceback[<type>]``), so code that tests
+    ``isinstance(manager.errored(), TimeoutError)`` keeps working; the original's instance
+    attributes are copied onto it. Where such a subclass cannot exist (a type that cannot be
+    subclassed, or whose memory layout clashes) it is a plain ExceptionWithTraceback. It
+    pickles as the original exception plus the trace (an original that cannot be
+    unpickled travels as a RuntimeError naming its type and message).
+    """
+
+    def __new__(cls, e: BaseException, *args: Any, **kwargs: Any) -> "ExceptionWithTraceback":
+        if cls is ExceptionWithTraceback and isinstance(e, BaseException):
+            made = _traceback_type_for(type(e))
+            if made is not ExceptionWithTraceback:
+                # With several built-in bases (RuntimeError and OSError, as the checkpoint
+                # errors have) only the base that owns the instance layout may allocate it,
+                # and it is not always the first: try each in order.
+                for base in made.__mro__[2:]:
+                    if "__new__" in vars(base):
+                        try:
+                            return base.__new__(made)
+                        except TypeError:
+                            continue
+                with _traceback_types_lock:  # no base can: plain from now on, for this type
+                    _traceback_types[type(e)] = ExceptionWithTraceback
+        return super().__new__(cls)
+
+    def __init__(self, e: BaseException) -> None:
+        self.original_exception = e
+        if e.__traceback__ is not None:
+            lines = traceback.format_exception(type(e), e, e.__traceback__)
+        else:  # never raised: no frames, just the type and message
+            lines = traceback.format_exception_only(type(e), e)
+        self.stack_trace: str = "".join(lines)
+        # Instance attributes of the original (an HTTP error's ``code``, say), for handlers
+        # that read them; the two set above keep their values.
+        for key, value in getattr(e, "__dict__", {}).items():
+            self.__dict__.setdefault(key, value)
+        # BaseException's own __init__: the original type's may require other arguments.
+        BaseException.__init__(self, f"{e}\n{self.stack_trace}")
+
+    def __str__(self) -> str:
+        # The original type's __str__ may read fields this object never set.
+        return str(self.args[0]) if self.args else ""
+
+    def __repr__(self) -> str:
+        return f"ExceptionWithTraceback({self.original_exception!r})"
+
+    def __reduce__(self) -> Any:
+        original = self.original_exception
+        try:
+            # Some exception types pickle but cannot be unpickled (urllib's HTTPError): find
+            # out now, while the sender can still substitute something that loads.
+            pickle.loads(pickle.dumps(original))
+        except Exception:  # noqa: BLE001
+            original = RuntimeError(f"{type(original).__name__}: {original}")
+        return (_rebuild_exception_with_traceback, (original, self.stack_trace))
+
+
+_traceback_types: Dict[type, type] = {}
+_traceback_types_lock = threading.Lock()
+
+
+def _traceback_type_for(original: type) -> type:
+    """ExceptionWithTraceback's subclass that is also a subclass of ``original`` (cached)."""
+    if issubclass(original, ExceptionWithTraceback):
+        return ExceptionWithTraceback
+    with _traceback_types_lock:
+        made = _traceback_types.get(original)
+        if made is None:
+            try:
+                made = type(f"ExceptionWithTraceback[{original.__qualname__}]",
+                            (ExceptionWithTraceback, original),
+                            {"__module__": __name__})
+            except TypeError:  # final type or layout conflict
+                made = ExceptionWithTraceback
+            _traceback_types[original] = made
+        return made
+
+
+def _rebuild_exception_with_traceback(original: BaseException, stack_trace: str) -> Any:
+    out = ExceptionWithTraceback(original)
+    out.stack_trace = stack_trace
+    out.args = (f"{original}\n{stack_trace}",)
+    return out
+
+
 # ------------------------------------------------------------------------------- works
-
-
-def _completed_future(value: Any) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futures.Future:
@@ -158,27 +267,6 @@ def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futur
 
     fut.add_done_callback(done)
     return out
-
-
-class _DummyWork(dist.Work):
-    """A Work that has already completed with ``tensor`` untouched (errored manager)."""
-
-    def __init__(self, tensor: Any) -> None:
-        super().__init__()
-        self._tensor = tensor
-        self._fut = _completed_future(tensor)
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
 
 
 class _ManagedWork(dist.Work):
@@ -332,7 +420,7 @@ class Manager:
         self._quorum_id = -1
         self._quorum_replica_ids: frozenset = frozenset()
         self._quorum_lock = threading.Lock()
-        self._errored: Optional[Exception] = None
+        self._errored: Optional[ExceptionWithTraceback] = None
         self._healing = False
         self._pending_state_dict: Optional[Dict[str, Any]] = None
         self._participation = Participation(rank=None, contributors=0, commit_size=0)
@@ -511,6 +599,15 @@ class Manager:
         self._load_state_dict_fns[key] = cast(Callable[[Any], None], load_state_dict)
         self._user_state_dicts[key] = state_dict
 
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Deprecated (as in torchft): registers the functions under the key
+        ``"set_state_dict_fns"``; use :meth:`register_state_dict_fn`."""
+        warnings.warn("Manager.set_state_dict_fns is deprecated; use register_state_dict_fn",
+                      DeprecationWarning, stacklevel=2)
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
     def allow_state_dict_read(self) -> None:
         """Lets checkpoint transfers read the registered state again."""
         if self._is_state_dict_read_allowed:
@@ -564,7 +661,12 @@ class Manager:
         if self._errored is None:
             # Keep the first error: later ones (e.g. collectives refused after the abort it
             # caused) are consequences, and the first names the root cause.
-            self._errored = e
+            # torchft's type, which also keeps the original's type (see ExceptionWithTraceback)
+            try:
+                self._errored = (e if isinstance(e, ExceptionWithTraceback)
+                                 else ExceptionWithTraceback(e))
+            except Exception:  # noqa: BLE001  (reporting an error must never raise)
+                self._errored = ExceptionWithTraceback(RuntimeError(f"{type(e).__name__}: {e}"))
             self._log.error("error", f"{type(e).__name__}: {e}")
         if abort:
             try:
@@ -572,8 +674,13 @@ class Manager:
             except Exception:  # noqa: BLE001
                 logger.debug("pg.abort() after an error failed", exc_info=True)
 
-    def errored(self) -> Optional[Exception]:
-        """The error reported during this step, or None."""
+    def errored(self) -> Optional[ExceptionWithTraceback]:
+        """The first error reported during this step, or None.
+
+        An :class:`ExceptionWithTraceback` (torchft's type) that is also an instance of the
+        reported exception's type, so ``isinstance(m.errored(), TimeoutError)`` holds for a
+        reported TimeoutError; the reported exception is its ``original_exception``.
+        """
         return self._errored
 
     def wrap_future(

@@ -566,6 +566,25 @@ class HTTPTransport(CheckpointTransport[T]):
             dst_ranks,
         )
 
+    def allow_checkpoint(self, step: int) -> None:
+        """torchft's counterpart of :meth:`disallow_checkpoint`, kept for its callers.
+
+        Here :meth:`send_checkpoint` serves what it stages at once, and
+        :meth:`disallow_checkpoint` drops it, so there is nothing to re-allow: this returns
+        when the checkpoint of ``step`` is being served, and raises CheckpointError otherwise
+        (torchft would serve the previous state dict under the new step; ft never serves a
+        state dict under a step it was not staged for).
+        """
+        with self._cond:
+            st = self._staging
+            if st is not None and not st.closing and st.step == step:
+                return
+            staged = None if st is None or st.closing else st.step
+        raise CheckpointError(
+            f"allow_checkpoint({step}): no checkpoint of step {step} is staged "
+            f"(staged: {staged}); send_checkpoint(dst_ranks, {step}, state_dict, timeout) "
+            f"stages and serves one")
+
     def abandon_checkpoint(self, step: int, reason: str) -> None:
         """Receivers waiting for ``step`` get HTTP 409 naming ``reason`` at once."""
         self.disallow_checkpoint()
