@@ -7,6 +7,11 @@
   ``Functional*`` classes and the ``functional_*`` updates.
 - Optimizer-in-backward (``ft.optim.in_backward``): :func:`apply_optimizer_in_backward`, with
   an ``ft.Manager`` the step counts only after :func:`commit_in_backward`.
+- Post-local SGD (``ft.optim.post_localsgd``): :class:`PostLocalSGDOptimizer`,
+  :class:`PeriodicModelAverager`, and :class:`FaultTolerantModelAverager` across the replica
+  groups of an ``ft.Manager`` (LocalSGD's round).
+- :class:`DistributedOptimizer` (``ft.optim.distributed_optimizer``): remote parameters over
+  torch.distributed.rpc, with a two-phase step (applied on every owner or on none).
 
 docs/optim.md has the whole table, with each name's torch counterpart.
 """
@@ -37,6 +42,17 @@ from ft.optim.in_backward import (
     get_in_backward_optimizers,
     rollback_in_backward,
     step_in_backward,
+)
+from ft.optim.distributed_optimizer import (
+    DistributedOptimizer,
+    RemoteOptimizerError,
+    StepNotApplied,
+    StepPartiallyApplied,
+)
+from ft.optim.post_localsgd import (
+    FaultTolerantModelAverager,
+    PeriodicModelAverager,
+    PostLocalSGDOptimizer,
 )
 from ft.optim.wrapper import Optimizer, OptimizerWrapper
 from ft.optim.zero import ZeroRedundancyOptimizer
@@ -70,4 +86,11 @@ __all__ = [
     "commit_in_backward",
     "rollback_in_backward",
     "step_in_backward",
+    "PostLocalSGDOptimizer",
+    "PeriodicModelAverager",
+    "FaultTolerantModelAverager",
+    "DistributedOptimizer",
+    "RemoteOptimizerError",
+    "StepNotApplied",
+    "StepPartiallyApplied",
 ]
