@@ -984,6 +984,16 @@ class Manager:
             self._healing = False
 
         self._watch.phase("should_commit", "the group's vote at its ManagerServer")
+        # Collectives issued straight on the process group (FSDP and HSDP issue their own, not
+        # through allreduce() here) report a failure only to the group: let its error veto
+        # the step too, as torchft does. On CUDA, wait for the work queued on the current
+        # stream first, so that a collective still in flight has had its chance to fail.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+        pg_errored = getattr(self._pg, "errored", None)  # a plain torch group has none
+        pg_error = pg_errored() if pg_errored is not None else None
+        if pg_error is not None:
+            self.report_error(pg_error)
         enough_replicas = self._participation.enough(self._min_replica_size)
         local_should_commit = enough_replicas and self._errored is None
         t = _to_timedelta(timeout) if timeout is not None else self._timeout

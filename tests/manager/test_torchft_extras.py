@@ -359,3 +359,43 @@ def test_errored_wraps_every_error_type_ft_raises_and_keeps_its_type():
         assert isinstance(wrapped, ExceptionWithTraceback) and isinstance(wrapped, type(e)), e
         assert wrapped.original_exception is e
         assert str(e) in str(wrapped)
+
+
+def test_a_failed_collective_issued_straight_on_the_group_vetoes_the_commit() -> None:
+    """FSDP/HSDP issue collectives on the Manager's process group themselves, not through
+    manager.allreduce. When such a collective fails (here: a peer never joins it, so it times
+    out and the group's error is set), should_commit must say no, and the next step, on a
+    reconfigured group, commits."""
+    lh = lighthouse(min_replicas=2)
+    ms: List[ft.Manager] = values(in_threads(
+        [lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False,
+                                  pg_timeout=timedelta(seconds=1)) for i in range(2)]))
+    try:
+        def failing_step(i: int, m: ft.Manager) -> Any:
+            m.start_quorum()
+            if i == 1:
+                m._pg.allreduce([torch.ones(2)])  # its peer never joins; nobody waits on it
+                deadline = time.monotonic() + 10
+                while m._pg.errored() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert m._pg.errored() is not None, "the lone collective did not time out"
+            return m.should_commit()
+
+        def good_step(i: int, m: ft.Manager) -> Any:
+            m.start_quorum()
+            t = torch.full((2,), float(i + 1))
+            m.allreduce(t).wait()
+            return t.tolist(), m.should_commit()
+
+        out = values(in_threads([lambda i=i, m=m: good_step(i, m) for i, m in enumerate(ms)]))
+        assert [o[1] for o in out] == [True, True]  # step 0 (and its init_sync heal)
+        out = values(in_threads([lambda i=i, m=m: failing_step(i, m) for i, m in enumerate(ms)]))
+        assert out[1] is False, "the group's own error did not veto the commit"
+        assert ms[1].errored() is not None
+        # The next quorum reconfigures the group (g1 reports a failed commit) and g1 heals.
+        for _ in range(2):
+            out = values(in_threads([lambda i=i, m=m: good_step(i, m) for i, m in enumerate(ms)]))
+        assert [o[1] for o in out] == [True, True] and out[0][0] == [1.5, 1.5]
+    finally:
+        in_threads([lambda m=m: m.shutdown() for m in ms])
+        lh.shutdown()
