@@ -2,6 +2,18 @@
 
     python bench/zero_bench.py [--world 3] [--iters 20] [--backend gloo|ft]
     python bench/zero_bench.py --ft [--world 3] [--iters 5]    # fault-tolerant mode
+    python bench/zero_bench.py --overlap [--world 2] [--iters 10] [--blocks 6 --d 512 --ffn 1536]
+
+Overlap mode (``--overlap``, always the "ft" backend: torch's overlapped ZeRO refuses Gloo)
+times whole training iterations (zero_grad, forward, backward, and ``step()`` where there is
+one) of torch's DDP (``--bucket-mb`` buckets, batch ``--batch``) with four optimizers, each on
+its own copy of the model, in rotating order, after a barrier: ft's ZeRO stepped after
+backward, ft's ZeRO overlapped through ``ft.optim.zero_hooks.hook_with_zero_step`` and
+``hook_with_zero_step_interleaved``, and torch's ZeRO overlapped through torch's
+``hook_with_zero_step``. The first ``--warmup`` (>= 3) iterations are not timed (the overlapped
+ones learn DDP's buckets there). Reported: the median iteration (slowest rank), each
+configuration's ratio to torch's overlapped one, the median of the per-iteration ratios
+("paired"), and whether ft's and torch's overlapped runs ended with bitwise-equal parameters.
 
 Starts ``--world`` ranks on loopback (one process each, 1 thread each). Every rank builds the
 same model of about 9.5M parameters (6 MLP blocks, d=512, ffn=1536, LayerNorm) twice. One copy
@@ -35,12 +47,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def make_model() -> nn.Module:
+def make_model(blocks: int = 6, d: int = 512, ffn: int = 1536) -> nn.Module:
     torch.manual_seed(0)
-    blocks = []
-    for _ in range(6):
-        blocks += [nn.Linear(512, 1536), nn.GELU(), nn.Linear(1536, 512), nn.LayerNorm(512)]
-    return nn.Sequential(*blocks)
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(d, ffn), nn.GELU(), nn.Linear(ffn, d), nn.LayerNorm(d)]
+    return nn.Sequential(*layers)
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -61,7 +73,8 @@ def timed_step(opt) -> float:
     return time.perf_counter() - t0
 
 
-def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: int) -> None:
+def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: int,
+           dims: tuple = (6, 512, 1536)) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
     from ft.optim import ZeroRedundancyOptimizer as FtZero
@@ -74,7 +87,7 @@ def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: i
                             timeout=timedelta(seconds=120))
     report = {"world": world, "backend": backend, "configs": {}}
     try:
-        base = make_model()
+        base = make_model(*dims)
         n_params = sum(p.numel() for p in base.parameters())
         report["params"] = n_params
         for bucket in (False, True):
@@ -125,6 +138,90 @@ def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: i
         dist.destroy_process_group()
 
 
+OVERLAP_CONFIGS = ("ft", "ft_overlap", "ft_overlap_interleaved", "torch_overlap")
+
+
+def overlap_worker(rank: int, world: int, port: int, args) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
+        hook_with_zero_step as torch_hook)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ft  # noqa: F401  (registers the "ft" backend)
+    from ft.optim import ZeroRedundancyOptimizer as FtZero
+    from ft.optim.zero_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=120))
+    dist.init_process_group("ft", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        base = make_model(args.blocks, args.d, args.ffn)
+        runs = {}
+        for name in OVERLAP_CONFIGS:
+            model = copy.deepcopy(base)
+            ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+            overlap = name != "ft"
+            Z = TorchZero if name.startswith("torch") else FtZero
+            zero = Z(ddp.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=1e-4)
+            if overlap:
+                hook = {"ft_overlap": hook_with_zero_step,
+                        "ft_overlap_interleaved": hook_with_zero_step_interleaved,
+                        "torch_overlap": torch_hook}[name]
+                ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
+            runs[name] = (model, ddp, zero, overlap)
+        g = torch.Generator().manual_seed(100 + rank)
+        times = {name: [] for name in OVERLAP_CONFIGS}
+        for i in range(args.warmup + args.iters):
+            x = torch.randn(args.batch, args.d, generator=g)
+            y = torch.randn(args.batch, args.d, generator=g)
+            order = list(OVERLAP_CONFIGS[i % 4:] + OVERLAP_CONFIGS[:i % 4])
+            for name in order:
+                model, ddp, zero, overlap = runs[name]
+                dist.barrier()
+                t0 = time.perf_counter()
+                zero.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                if not overlap:
+                    zero.step()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+        t_all = torch.tensor([times[n] for n in OVERLAP_CONFIGS], dtype=torch.float64)
+        dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
+        ref = OVERLAP_CONFIGS.index("torch_overlap")
+        ft_ov = runs["ft_overlap"][0].parameters()
+        same = all(torch.equal(a, b) for a, b in zip(ft_ov, runs["torch_overlap"][0].parameters()))
+        same_t = torch.tensor([int(same)])
+        dist.all_reduce(same_t, op=dist.ReduceOp.MIN)
+        report = {"world": world, "params": sum(p.numel() for p in base.parameters()),
+                  "buckets": len(runs["ft_overlap"][2]._overlap_info.params_per_bucket),
+                  "ft_vs_torch_overlap_bitwise": bool(same_t.item()), "configs": {}}
+        ref_med = statistics.median(t_all[ref].tolist())
+        for k, name in enumerate(OVERLAP_CONFIGS):
+            med = statistics.median(t_all[k].tolist())
+            report["configs"][name] = {
+                "ms": med * 1e3, "ratio": med / ref_med,
+                "paired": statistics.median((t_all[k] / t_all[ref]).tolist()),
+            }
+        if rank == 0:
+            print("RESULT " + json.dumps(report), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def overlap_report(rep: dict, args) -> None:
+    print(f"ZeRO overlap bench: {rep['world']} ranks, backend ft, {rep['params'] / 1e6:.2f}M "
+          f"params, {rep['buckets']} DDP buckets of {args.bucket_mb} MB, batch {args.batch}, Adam, "
+          f"{args.iters} iterations after {args.warmup} warm-up (median, slowest rank)")
+    print(f"{'config':<26}{'iter ms':>10}{'/torch_ov':>11}{'paired':>9}")
+    for name, c in rep["configs"].items():
+        print(f"{name:<26}{c['ms']:>10.2f}{c['ratio']:>11.3f}{c['paired']:>9.3f}")
+    print(f"ft_overlap and torch_overlap parameters bitwise equal: "
+          f"{rep['ft_vs_torch_overlap_bitwise']}")
+
+
 def launch(args) -> int:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=args.timeout),
                           wait_for_workers=False)
@@ -132,7 +229,11 @@ def launch(args) -> int:
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
     cmd = [sys.executable, __file__, "--world", str(args.world), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--backend", args.backend, "--port", str(store.port)]
+           "--warmup", str(args.warmup), "--backend", args.backend, "--port", str(store.port),
+           "--blocks", str(args.blocks), "--d", str(args.d), "--ffn", str(args.ffn),
+           "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb)]
+    if args.overlap:
+        cmd.append("--overlap")
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env,
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                               text=True) for r in range(args.world)]
@@ -149,6 +250,9 @@ def launch(args) -> int:
         return 1
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
     rep = json.loads(line[len("RESULT "):])
+    if args.overlap:
+        overlap_report(rep, args)
+        return 0
     n, plain = rep["world"], rep["plain_adam_state_bytes"]
     print(f"ZeroRedundancyOptimizer bench: {n} ranks, backend {rep['backend']}, "
           f"{rep['params'] / 1e6:.2f}M params, Adam, {args.iters} iterations (median, slowest rank)")
@@ -247,12 +351,28 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=None)
     ap.add_argument("--ft", action="store_true",
                     help="fault-tolerant mode (Manager + buddy copy): memory and bytes per step")
+    ap.add_argument("--overlap", action="store_true",
+                    help="iteration time with overlap_with_ddp: ft vs ft overlapped vs torch "
+                         "overlapped (backend ft)")
+    ap.add_argument("--blocks", type=int, default=6,
+                    help="MLP blocks of the model (plain and overlap modes)")
+    ap.add_argument("--d", type=int, default=512, help="model width")
+    ap.add_argument("--ffn", type=int, default=1536, help="hidden width of each block")
+    ap.add_argument("--batch", type=int, default=32, help="overlap mode: batch size")
+    ap.add_argument("--bucket-mb", type=float, default=4.0, help="overlap mode: DDP bucket_cap_mb")
     args = ap.parse_args()
     if args.ft:
         return ft_mode(args.world, args.iters)
+    if args.overlap:
+        args.backend = "ft"
+        args.warmup = max(args.warmup, 3)
     if args.rank is None:
         return launch(args)
-    worker(args.rank, args.world, args.port, args.backend, args.warmup, args.iters)
+    if args.overlap:
+        overlap_worker(args.rank, args.world, args.port, args)
+        return 0
+    worker(args.rank, args.world, args.port, args.backend, args.warmup, args.iters,
+           (args.blocks, args.d, args.ffn))
     return 0
 
 

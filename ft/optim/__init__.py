@@ -1,6 +1,8 @@
 """Optimizers for ft: the torch.distributed.optim surface, fault tolerant where it can be.
 
-- :class:`ZeroRedundancyOptimizer` (``ft.optim.zero``): ZeRO stage 1, torch-compatible.
+- :class:`ZeroRedundancyOptimizer` (``ft.optim.zero``): ZeRO stage 1, torch-compatible, with
+  ``overlap_with_ddp`` through :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved`
+  (``ft.optim.zero_hooks``) and ``Join`` support.
 - :class:`FaultTolerantZeroRedundancyOptimizer` (``ft.optim.zero_ft``): ZeRO-1 across the
   replica groups of an ``ft.Manager``, with a buddy copy of every shard.
 - Functional optimizers (``ft.optim.functional``): :func:`as_functional_optim`, the
@@ -56,11 +58,14 @@ from ft.optim.post_localsgd import (
 )
 from ft.optim.wrapper import Optimizer, OptimizerWrapper
 from ft.optim.zero import ZeroRedundancyOptimizer
+from ft.optim.zero_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 from ft.optim.zero_ft import FaultTolerantZeroRedundancyOptimizer
 
 __all__ = [
     "ZeroRedundancyOptimizer",
     "FaultTolerantZeroRedundancyOptimizer",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
     "Optimizer",
     "OptimizerWrapper",
     "as_functional_optim",

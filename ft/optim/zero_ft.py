@@ -66,6 +66,24 @@ Healing
 Limitations: per-parameter optimizer state must be tensors (Adam, AdamW, SGD with momentum,
 ...); no ``closure``; the periodic owner/buddy checksum cross-check of the design is not
 implemented.
+
+No overlap with DDP (``overlap_with_ddp=True`` raises ``NotImplementedError``)
+    Overlap (:mod:`ft.optim.zero_hooks`) is for the plain
+    :class:`ft.optim.ZeroRedundancyOptimizer` over one fixed process group. It does not carry
+    over to this class because:
+
+    - a step here is a transaction: its shard updates are kept only if
+      ``manager.should_commit()`` votes yes, which needs the whole backward pass (every
+      gradient allreduce has succeeded) first; an update made inside backward would already
+      have been applied (and broadcast) before the vote;
+    - the shards follow the quorum of the step (``num_participants``/``participating_rank``),
+      which with an async quorum is only known once the first gradient allreduce resolves
+      it, while overlap fixes the shards to DDP's buckets once;
+    - ``ft.DistributedDataParallel``'s one comm hook is the Manager's allreduce, and the
+      buddy copy steps only after a commit.
+
+    Making it overlap would mean stepping transient copies per bucket and still deciding
+    after backward: no saving over the step after backward that it does now.
 """
 
 from __future__ import annotations
@@ -99,11 +117,23 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: a ``torch.optim.Optimizer`` subclass whose per-parameter state is
             tensors (e.g. ``torch.optim.Adam``).
         state_key: key under which the state is registered with the Manager for healing.
+        overlap_with_ddp: must be False (``True`` raises ``NotImplementedError``; see the
+            module docstring, "No overlap with DDP").
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
     def __init__(self, manager: Any, params: Any, optimizer_class: Any,
-                 state_key: str = "zero_ft", **defaults: Any) -> None:
+                 state_key: str = "zero_ft", overlap_with_ddp: bool = False,
+                 **defaults: Any) -> None:
+        if overlap_with_ddp:
+            raise NotImplementedError(
+                "FaultTolerantZeroRedundancyOptimizer does not overlap with DDP "
+                "(overlap_with_ddp=True): a step here is a transaction decided by "
+                "manager.should_commit() after backward, over the participants of that step's "
+                "quorum, and an update applied inside backward could not be rolled back. Use "
+                "overlap_with_ddp=False and call step() after backward(); overlap is for the "
+                "plain ft.optim.ZeroRedundancyOptimizer over one process group (see "
+                "ft.optim.zero_hooks).")
         _check_optimizer_class(optimizer_class)
         full = optimizer_class(params, **defaults)  # no state until a step
         super().__init__(full.param_groups, full.defaults)

@@ -217,6 +217,139 @@ def scenario_resume(rank: int, world: int, out: Path) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------- overlap / join
+
+OVERLAP_STEPS = 6
+
+
+def ddp_of(model: nn.Module):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # 10 KB buckets: three buckets (head..l3, l2, l1), one of them far larger than the rest.
+    return DDP(model, bucket_cap_mb=0.01)
+
+
+def ddp_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    return torch.randn(6, 13, generator=g), torch.randn(6, 5, generator=g)
+
+
+def overlap_run(rank: int, make_zero, hook_fn, steps: int, warmup: int, lr_change_at=None):
+    """DDP over ``make_model()``; ``warmup`` batches first (the overlapped ZeRO learns the
+    buckets on them and updates nothing), then ``steps`` batches; the batches after the
+    warm-up are the same for every run. Returns the model, its ZeRO and its DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = make_model()
+    ddp = ddp_of(model)
+    zero = make_zero(ddp)
+    if hook_fn is not None:
+        ddp.register_comm_hook(None, hook_fn(allreduce_hook, ddp, zero))
+    for i in range(warmup + steps):
+        step = i - warmup  # warm-up batches get negative numbers
+        if lr_change_at is not None and step == lr_change_at:
+            for g in zero.param_groups:  # as an LR scheduler would
+                g["lr"] *= 0.5
+        zero.zero_grad()
+        x, y = ddp_batch(step, rank)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if hook_fn is None:
+            zero.step()
+    return model, zero, ddp
+
+
+def compare(a: nn.Module, b: nn.Module) -> dict:
+    pairs = list(zip(a.parameters(), b.parameters()))
+    return {"equal": all(torch.equal(p, q) for p, q in pairs),
+            "max_abs_diff": max(float((p - q).abs().max()) for p, q in pairs),
+            "digest": params_digest(a)}
+
+
+def scenario_overlap(rank: int, world: int, out: Path, backend: str) -> dict:
+    import warnings
+
+    from ft.optim.zero_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+
+    res = {}
+    hooks = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
+    for oname, (cls, kw) in OPTIMS.items():
+        ref, ref_zero, _ = overlap_run(
+            rank, lambda d: FtZero(d.parameters(), cls, **kw), None, OVERLAP_STEPS, 0,
+            lr_change_at=3)
+        ref_zero.consolidate_state_dict(to=0)
+        ref_sd = ref_zero.state_dict() if rank == 0 else None
+        for hname, hook in hooks.items():
+            for shard in (False, True):
+                h = (lambda hk, sb: (lambda f, d, z: hk(f, d, z, shard_buckets=sb)))(hook, shard)
+                m, z, _ = overlap_run(
+                    rank, lambda d: FtZero(d.parameters(), cls, overlap_with_ddp=True, **kw), h,
+                    OVERLAP_STEPS, 2, lr_change_at=3)
+                r = compare(m, ref)
+                r["status"] = int(z._overlap_info.status)
+                r["assignments"] = z._overlap_info.num_bucket_assignments
+                r["buckets"] = len(z._overlap_info.params_per_bucket)
+                r["local_numel"] = sum(p.numel() for p in z._overlap_info.params_per_rank[rank])
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    r["step_returns"] = z.step()
+                r["step_warned"] = any("does nothing" in str(w.message) for w in caught)
+                z.consolidate_state_dict(to=0)
+                if rank == 0:
+                    sd = z.state_dict()
+                    r["sd_groups_equal"] = sd["param_groups"] == ref_sd["param_groups"]
+                    r["sd_state_equal"] = (list(sd["state"]) == list(ref_sd["state"]) and all(
+                        sd["state"][i].keys() == ref_sd["state"][i].keys()
+                        and all(torch.equal(sd["state"][i][k], ref_sd["state"][i][k])
+                                for k in sd["state"][i]) for i in ref_sd["state"]))
+                res[f"{oname}-{hname}-shard{int(shard)}"] = r
+    # Torch's own overlapped ZeRO (torch refuses Gloo: only on the "ft" backend), no LR change
+    # (torch's functional optimizer does not follow param_groups).
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
+        hook_with_zero_step as torch_hook)
+    cls, kw = OPTIMS["adam"]
+    m_ft, _, _ = overlap_run(
+        rank, lambda d: FtZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+        hook_with_zero_step, OVERLAP_STEPS, 2)
+    if backend == "ft":
+        m_t, _, _ = overlap_run(
+            rank, lambda d: TorchZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+            torch_hook, OVERLAP_STEPS, 2)
+        res["vs_torch"] = compare(m_ft, m_t)
+    else:
+        try:
+            overlap_run(rank, lambda d: TorchZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+                        torch_hook, 0, 0)
+            res["torch_refuses"] = None
+        except RuntimeError as e:
+            res["torch_refuses"] = str(e)
+    return res
+
+
+def scenario_join(rank: int, world: int, out: Path) -> dict:
+    """Uneven inputs (rank r has 3 + 2r batches) under Join([ddp, zero]), ft's ZeRO and
+    torch's, Adam and SGD with momentum, with and without parameters_as_bucket_view."""
+    from torch.distributed.algorithms.join import Join
+
+    res = {}
+    n_batches = 3 + 2 * rank
+    for oname, (cls, kw) in OPTIMS.items():
+        for bucket in (False, True):
+            models = {}
+            for name, Z in (("ft", FtZero), ("torch", TorchZero)):
+                model = make_model()
+                ddp = ddp_of(model)
+                zero = Z(groups_of(model, 0.01), cls, parameters_as_bucket_view=bucket, **kw)
+                with Join([ddp, zero]):
+                    for step in range(n_batches):
+                        zero.zero_grad()
+                        x, y = ddp_batch(step, rank)
+                        nn.functional.mse_loss(ddp(x), y).backward()
+                        zero.step()
+                models[name] = model
+            res[f"{oname}-bucket{int(bucket)}"] = compare(models["ft"], models["torch"])
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -236,6 +369,9 @@ def main() -> None:
         if a.scenario == "train":  # one set of processes for both (process start-up is slow)
             res = {"equiv": scenario_equiv(a.rank, a.world, a.out),
                    "save": scenario_save(a.rank, a.world, a.out)}
+        elif a.scenario == "overlap":  # one set of processes for both
+            res = {"overlap": scenario_overlap(a.rank, a.world, a.out, a.backend),
+                   "join": scenario_join(a.rank, a.world, a.out)}
         else:
             res = {"resume": scenario_resume}[a.scenario](a.rank, a.world, a.out)
         torch.save(res, a.out / f"rank{a.rank}.pt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -15,7 +16,8 @@ from ft.optim import ZeroRedundancyOptimizer
 WORLD = 3
 
 # Importing torch.distributed.optim scripts its functional optimizers, which warns.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:`TorchScript:DeprecationWarning")]
 
 
 # --------------------------------------------------------------------------- single process
@@ -77,11 +79,78 @@ def test_wrong_optimizer_class(pg1, bad, match):
         ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], bad, lr=0.1)
 
 
-def test_functional_optimizer_rejected(pg1):
-    from torch.distributed.optim import _FunctionalAdam
+def _torch_error(bad, overlap):
+    """The exception type torch's ZeroRedundancyOptimizer raises for ``bad`` (None: accepts)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
-    with pytest.raises(TypeError, match="subclass of torch.optim.Optimizer"):
-        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], _FunctionalAdam, lr=0.1)
+    try:
+        with warnings.catch_warnings(record=True):
+            TorchZero([nn.Parameter(torch.ones(2))], bad, overlap_with_ddp=overlap, lr=0.1)
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return type(e)
+    return None
+
+
+def _optimizer_class_cases():
+    from torch.distributed.optim.functional_adam import _FunctionalAdam
+
+    import ft.optim
+
+    return [
+        ("ft functional", ft.optim.FunctionalAdam),
+        ("torch functional", _FunctionalAdam),
+        ("no functional counterpart", torch.optim.LBFGS),
+        ("torch.optim class", torch.optim.Adam),
+        ("not an optimizer", nn.Linear),
+        ("instance", torch.optim.Adam([nn.Parameter(torch.ones(1))])),
+        ("string", "adam"),
+    ]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_optimizer_class_errors_match_torch(pg1, overlap):
+    """Functional optimizer classes are accepted exactly where torch accepts them (only with
+    overlap_with_ddp=True), and each refusal has torch's exception type: ValueError for a
+    functional class without overlap (it used to be TypeError here) and for anything without
+    a functional counterpart with overlap; TypeError for what is not an optimizer class."""
+    cases = _optimizer_class_cases()
+    for label, bad in cases:
+        # torch knows only its own functional classes: ft's FunctionalAdam must behave as
+        # torch's _FunctionalAdam does.
+        want = _torch_error(dict(cases)["torch functional"] if label == "ft functional" else bad,
+                            overlap)
+        try:
+            # torch's functional classes warn about TorchScript with filter "always": record.
+            with warnings.catch_warnings(record=True):
+                ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], bad,
+                                        overlap_with_ddp=overlap, lr=0.1)
+            got = None
+        except Exception as e:  # noqa: BLE001
+            got = type(e)
+            message = str(e)
+        assert got is want, f"{label} (overlap={overlap}): ft {got}, torch {want}"
+        if got is ValueError:
+            assert "functional" in message, message
+
+
+def test_functional_optimizer_messages(pg1):
+    import ft.optim
+
+    with pytest.raises(ValueError, match="only accepted with overlap_with_ddp=True"):
+        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], ft.optim.FunctionalSGD, lr=0.1)
+    with pytest.raises(ValueError, match="LBFGS.*no functional counterpart"):
+        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.LBFGS,
+                                overlap_with_ddp=True, lr=0.1)
+    with pytest.raises(TypeError, match="could not build"):
+        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.SGD,
+                                overlap_with_ddp=True, lr=0.1, betas=(0.9, 0.99))
+    # Accepted with overlap: param_groups carries the hyperparameters for LR schedulers.
+    z = ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.Adam,
+                                overlap_with_ddp=True, lr=0.1)
+    assert z.param_groups[0]["lr"] == 0.1 and z.param_groups[0]["betas"] == (0.9, 0.999)
+    z = ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], ft.optim.FunctionalAdam,
+                                overlap_with_ddp=True, lr=0.1)
+    assert z.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 def test_unknown_hyperparameter(pg1):
@@ -109,10 +178,24 @@ def test_mixed_dtypes(pg1):
         ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=0.1)
 
 
-def test_overlap_with_ddp_rejected(pg1):
-    with pytest.raises(NotImplementedError, match="overlap_with_ddp=False"):
-        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.Adam,
-                                overlap_with_ddp=True, lr=0.1)
+def test_joinable(pg1):
+    from torch.distributed.algorithms.join import Join, Joinable
+
+    p = nn.Parameter(torch.ones(2))
+    z = ZeroRedundancyOptimizer([p], torch.optim.SGD, lr=0.1)
+    assert isinstance(z, Joinable)
+    assert z.join_device == torch.device("cpu") and z.join_process_group is pg1
+    # One rank: the context is entered and left; the join hook's shadow step is a real step.
+    with Join([z]):
+        p.grad = torch.ones(2)
+        z.step()
+    z.join_hook().main_hook()
+    q = nn.Parameter(torch.ones(2))
+    q.grad = torch.ones(2)
+    plain = torch.optim.SGD([q], lr=0.1)
+    plain.step()
+    plain.step()
+    assert torch.equal(p.detach(), q.detach())
 
 
 def test_state_dict_needs_consolidate(pg1):

@@ -169,3 +169,19 @@ def test_kill_restart_keeps_every_shard() -> None:
     # 3 -> 2 replicas moved state to the new owners/buddies (the restarted replica may get
     # all it needs from its heal: with N=2 each survivor holds every shard)
     assert sum(r["stats"]["migrated_bytes"] for r in results) > 0
+
+
+def test_overlap_with_ddp_refused() -> None:
+    """Overlap is for the plain ZeroRedundancyOptimizer: a step here is decided by the
+    Manager's vote after backward, so it cannot run inside it (no Manager needed to refuse)."""
+    import pytest
+
+    from ft.optim import FaultTolerantZeroRedundancyOptimizer, FunctionalAdam
+
+    params = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(NotImplementedError, match="should_commit"):
+        FaultTolerantZeroRedundancyOptimizer(None, params, torch.optim.Adam,
+                                             overlap_with_ddp=True, lr=0.1)
+    # A functional optimizer needs the overlap hooks: refused with torch's error type.
+    with pytest.raises(ValueError, match="functional optimizer"):
+        FaultTolerantZeroRedundancyOptimizer(None, params, FunctionalAdam, lr=0.1)

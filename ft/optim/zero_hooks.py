@@ -1,0 +1,163 @@
+"""DDP comm hooks that run :class:`ft.optim.ZeroRedundancyOptimizer`'s step inside backward.
+
+::
+
+    model = torch.nn.parallel.DistributedDataParallel(module)        # any backend: "ft", gloo
+    zero = ft.optim.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam,
+                                            overlap_with_ddp=True, lr=1e-3)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    for batch in data:
+        zero.zero_grad()
+        loss_fn(model(batch), target).backward()   # parameters are updated when this returns
+
+Contract (torch's ``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook``, same names
+and signatures):
+    * ``hook_with_zero_step(hook, ddp, zero, shard_buckets=False)`` and
+      ``hook_with_zero_step_interleaved(...)`` wrap ``hook`` (the gradient reduction, e.g.
+      torch's ``allreduce_hook``; it must leave the averaged gradients in ``bucket.buffer()``
+      or return them as one flat tensor) and return the hook to register on ``ddp``.
+    * ``zero`` must be built with ``overlap_with_ddp=True`` (``ValueError`` otherwise) over
+      the same ranks as ``ddp``; register the hook before training starts.
+    * The first iteration in which DDP reports rebuilt buckets records them; the shards are
+      assigned at its end (each bucket wholly to one rank, or with ``shard_buckets=True`` cut
+      across ranks) and the parameters are updated from the next iteration on. Iterations
+      before that update nothing (with ``static_graph=False``: the first two), as in torch.
+    * From then on every rank steps its share of each bucket once the bucket's reduction has
+      finished and broadcasts it; every broadcast has finished when ``backward()`` returns.
+      ``zero.step()`` does nothing.
+    * ``hook_with_zero_step`` steps all buckets when the last one is ready (the backward
+      computation runs uninterrupted); ``hook_with_zero_step_interleaved`` steps bucket ``k``
+      when bucket ``k+1`` is ready (its reduction has had a bucket's worth of backward to
+      finish), so updates and broadcasts overlap the rest of the backward pass.
+
+Why ft issues every collective from the backward thread: DDP calls the hooks there, in bucket
+order, on every rank. Torch's interleaved hook starts broadcasts from the reduction's completion
+callback instead, whose timing differs between ranks, so the order of collectives can differ
+across ranks; torch therefore refuses Gloo. ft's order (reductions, then each bucket's
+broadcasts by rank, in bucket order) is the same on every rank, so Gloo is accepted too.
+
+Not ``ft.DistributedDataParallel``: its gradient average is the Manager's allreduce across
+replica groups, whose membership changes with each quorum, while this ZeRO shards over one
+fixed process group; and a step applied inside backward would be applied before
+``manager.should_commit()``, so a step the Manager rejects would still change parameters and
+optimizer state. (DDP also takes one comm hook, and ft's DDP already registers the Manager's.)
+Fault tolerance across replica groups is :class:`ft.optim.FaultTolerantZeroRedundancyOptimizer`,
+which steps after the backward pass.
+"""
+
+# No ``from __future__ import annotations``: DDP's register_comm_hook inspects the returned
+# hook's annotations and accepts only the real dist.GradBucket / Future[Tensor] objects.
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ft.optim.zero import ZeroRedundancyOptimizer
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
+    if not isinstance(zero, ZeroRedundancyOptimizer):
+        raise TypeError("zero must be an ft.optim.ZeroRedundancyOptimizer, got "
+                        f"{type(zero).__module__}.{type(zero).__qualname__}")
+    if not zero._overlap_with_ddp:
+        raise ValueError("ZeroRedundancyOptimizer must be constructed with "
+                         "overlap_with_ddp=True to be stepped by a DDP hook")
+    from ft.ddp import DistributedDataParallel as FtDDP
+
+    if isinstance(ddp, FtDDP):
+        raise TypeError(
+            "ft.DistributedDataParallel cannot carry a ZeRO hook: it averages gradients across "
+            "replica groups through the Manager (a membership that changes with each quorum, "
+            "and a step that counts only after manager.should_commit()), while an overlapped "
+            "ZeRO shards over one fixed process group and applies the update inside backward, "
+            "before the commit vote. Use torch.nn.parallel.DistributedDataParallel over your "
+            "process group (the 'ft' backend works), or, across replica groups, "
+            "ft.optim.FaultTolerantZeroRedundancyOptimizer stepped after backward.")
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError("ddp must be a torch.nn.parallel.DistributedDataParallel, got "
+                        f"{type(ddp).__module__}.{type(ddp).__qualname__}")
+    if not callable(hook):
+        raise TypeError(f"hook must be a DDP comm hook (state, bucket) -> Future, got {hook!r}")
+    ddp_size = dist.get_world_size(ddp.process_group)
+    if ddp_size != zero.world_size:
+        raise ValueError(
+            f"DDP reduces over {ddp_size} rank(s) but the ZeroRedundancyOptimizer shards over "
+            f"{zero.world_size}: both must use the same ranks")
+    info = zero._overlap_info
+    if info.status != 0 and bool(shard_buckets) != info.shard_buckets:
+        raise ValueError("the buckets of this ZeroRedundancyOptimizer are already assigned with "
+                         f"shard_buckets={info.shard_buckets}")
+    info.shard_buckets = bool(shard_buckets)
+
+
+def hook_with_zero_step(
+    hook: Hook,
+    ddp: DistributedDataParallel,
+    zero: "ZeroRedundancyOptimizer",
+    shard_buckets: bool = False,
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """``hook`` plus ``zero``'s step: when DDP's last bucket is ready, each rank steps its
+    share of every bucket in order (waiting for that bucket's reduction) and starts its
+    broadcasts; all broadcasts are waited for before the hook returns.
+
+    Overlaps the optimizer's computation and broadcasts with the reductions still in flight;
+    preferable when communication is slow relative to computation. See the module docstring.
+    """
+    _check(hook, ddp, zero, shard_buckets)
+    ddp_ref = weakref.ref(ddp)
+
+    def hook_with_zero_fn(
+        state: Any, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        fut = hook(state, bucket)
+        if not zero._overlap_prepare(ddp_ref(), bucket):
+            return fut
+        zero._overlap_record(bucket, fut)
+        if not bucket.is_last():
+            return fut
+        for index in range(bucket.index() + 1):
+            zero._overlap_step_bucket(index)
+        zero._overlap_finish_iteration()
+        return fut
+
+    return hook_with_zero_fn
+
+
+def hook_with_zero_step_interleaved(
+    hook: Hook,
+    ddp: DistributedDataParallel,
+    zero: "ZeroRedundancyOptimizer",
+    shard_buckets: bool = False,
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """``hook`` plus ``zero``'s step, interleaved with backward: when bucket ``k`` is ready,
+    each rank steps its share of bucket ``k-1`` and starts that bucket's broadcasts; the last
+    bucket is stepped right away, then all broadcasts are waited for.
+
+    Overlaps the optimizer with the backward computation as well; preferable when
+    communication is fast relative to computation. See the module docstring.
+    """
+    _check(hook, ddp, zero, shard_buckets)
+    ddp_ref = weakref.ref(ddp)
+
+    def hook_with_zero_interleaved_fn(
+        state: Any, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        fut = hook(state, bucket)
+        if not zero._overlap_prepare(ddp_ref(), bucket):
+            return fut
+        zero._overlap_record(bucket, fut)
+        index = bucket.index()
+        if index > 0:
+            zero._overlap_step_bucket(index - 1)
+        if bucket.is_last():
+            zero._overlap_step_bucket(index)
+            zero._overlap_finish_iteration()
+        return fut
+
+    return hook_with_zero_interleaved_fn
