@@ -11,12 +11,15 @@ is `streaming_schedule` / `fragment_for_step` below (tested as a table).
 
 DiLoCo, per fragment f (of n):
   * keeps a backup of the fragment's global parameters (on `backup_device`,
-    pinned when that is the CPU and CUDA is available);
+    by default the CPU, pinned when CUDA is available, as torchft does: one
+    copy of the model in host memory, none on the GPU);
   * every P = sync_every / n inner steps one fragment syncs; at inner step
     P - tau (tau = fragment_sync_delay) the quorum is started and the
     pseudo-gradient (backup - local) of fragment `current_step() % n` is sent
-    on lane f, and at step P it is waited for, the backup restored and
-    `should_commit()` asked;
+    on lane f % num_lanes (one sync is in flight at a time; one lane per
+    fragment lets a fragment's sync overlap with the next one's start), and
+    at step P it is waited for, the backup restored and `should_commit()`
+    asked;
   * on commit the outer optimizer steps with the averaged pseudo-gradient as
     gradient, the result becomes the new backup, and the parameters are mixed
     `param.lerp_(local, alpha)` (alpha = fragment_update_alpha, 0 = pure global);
@@ -32,6 +35,7 @@ that choice. An async-quorum Manager is rejected.
 
 from __future__ import annotations
 
+import os
 import time
 
 from dataclasses import dataclass
@@ -53,7 +57,14 @@ __all__ = [
     "fragment_for_step",
 ]
 
-DEFAULT_BUCKET_CAP_MB = 32
+# torchft's default: with bucketization on, one bucket holds up to 1 GiB.
+DEFAULT_BUCKET_CAP_MB = 1024
+# torchft's switch: "True" turns bucketization on whatever the constructor says.
+USE_BUCKETIZATION_ENV = "TORCHFT_USE_BUCKETIZATION"
+
+
+def _bucketization(requested: bool) -> bool:
+    return requested or os.environ.get(USE_BUCKETIZATION_ENV, "False") == "True"
 
 
 # --------------------------------------------------------------------------
@@ -172,7 +183,8 @@ def _check_placements(params: Sequence[Tuple[str, torch.Tensor]]) -> None:
 
 def _make_backup(p: torch.Tensor, device: Optional[torch.device], pin_memory: bool) -> torch.Tensor:
     src = _local(p.detach())
-    dev = torch.device(device) if device is not None else src.device
+    # Host memory by default (torchft's choice): a backup on the GPU would cost a model copy there.
+    dev = torch.device(device) if device is not None else torch.device("cpu")
     pin = pin_memory and dev.type == "cpu" and torch.cuda.is_available()
     b = torch.empty(src.shape, dtype=src.dtype, device=dev, pin_memory=pin)
     b.copy_(src)
@@ -274,7 +286,7 @@ class LocalSGD(_OnOptimizerStep):
         self._hooked_optimizer = optimizer
         self._sync_every = sync_every
         self._warmup_steps = warmup_steps
-        self._use_bucketization = use_bucketization
+        self._use_bucketization = _bucketization(use_bucketization)
         self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
         self._should_quantize = should_quantize
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -404,12 +416,8 @@ class DiLoCo(_OnOptimizerStep):
         n = len(model_fragments)
         pg = getattr(manager, "_pg", None)
         num_lanes = getattr(pg, "num_lanes", None)
-        if isinstance(num_lanes, int) and num_lanes < n:
-            raise ValueError(
-                f"DiLoCo sends each of its {n} fragments on its own lane, but the manager's "
-                f"process group has only {num_lanes} lanes; build it with "
-                f"ProcessGroupGloo(..., num_lanes={n}) or more"
-            )
+        # Fragments share the lanes there are (fragment f on lane f % num_lanes).
+        self._num_lanes = num_lanes if isinstance(num_lanes, int) and num_lanes > 0 else n
         if isinstance(outer_optimizer, (list, tuple)):
             outer = list(outer_optimizer)
             if len(outer) != n:
@@ -425,7 +433,7 @@ class DiLoCo(_OnOptimizerStep):
         self._hooked_optimizer = inner_optimizer
         self._alpha = float(fragment_update_alpha)
         self._should_quantize = should_quantize
-        self._use_bucketization = use_bucketization
+        self._use_bucketization = _bucketization(use_bucketization)
         self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
         self._fragments = [
             _Fragment(i, m, outer[i], backup_device, pin_memory) for i, m in enumerate(model_fragments)
@@ -484,12 +492,16 @@ class DiLoCo(_OnOptimizerStep):
 
     # -- the two halves of a fragment sync ----------------------------------------
 
+    def lane_for(self, fragment: int) -> int:
+        """The process-group lane fragment ``fragment``'s sync runs on."""
+        return fragment % self._num_lanes
+
     def _prepare_sync(self) -> None:
         self._manager.start_quorum()
         f = fragment_for_step(self._manager.current_step(), self._plan.n_fragments)
         frag = self._fragments[f]
         pseudo = frag.pseudo_gradients()
-        with lane(f):
+        with lane(self.lane_for(f)):
             handle = _allreduce_all(
                 self._manager, pseudo, self._should_quantize, self._bucket_cap,
                 self._use_bucketization,

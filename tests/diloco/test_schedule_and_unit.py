@@ -206,16 +206,31 @@ def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
         assert d.comm_wait_seconds < 0.02, d.comm_wait_seconds
 
 
-def test_diloco_rejects_async_and_too_few_lanes():
+def test_diloco_rejects_async_and_shares_the_lanes_there_are():
     class PG:
-        num_lanes = 1
+        num_lanes = 2
 
     model = Scalar(1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="use_async_quorum=False"):
         DiLoCo(FakeManager(FakeGroup(1), 0, use_async_quorum=True), [model], opt, opt, 2)
-    with pytest.raises(ValueError, match="num_lanes=2"):
-        DiLoCo(FakeManager(FakeGroup(1), 0, pg=PG()), [model, Scalar(2.0)], opt, opt, 2)
+    # More fragments than lanes: fragment f syncs on lane f % num_lanes (torchft accepts it).
+    frags = [Scalar(float(i)) for i in range(5)]
+    d = DiLoCo(FakeManager(FakeGroup(1), 0, pg=PG()), frags, opt, opt, 5)
+    assert [d.lane_for(f) for f in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_bucketization_switch_and_default_cap_follow_torchft(monkeypatch):
+    from ft.local_sgd import DEFAULT_BUCKET_CAP_MB
+
+    assert DEFAULT_BUCKET_CAP_MB == 1024  # torchft: 1 GiB per bucket
+    model = Scalar(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.delenv("TORCHFT_USE_BUCKETIZATION", raising=False)
+    assert not LocalSGD(FakeManager(FakeGroup(1), 0), model, opt, 2)._use_bucketization
+    monkeypatch.setenv("TORCHFT_USE_BUCKETIZATION", "True")
+    assert LocalSGD(FakeManager(FakeGroup(1), 0), model, opt, 2)._use_bucketization
+    assert DiLoCo(FakeManager(FakeGroup(1), 0), [model], opt, opt, 2)._use_bucketization
 
 
 def test_localsgd_commit_and_failed_sync_restores():
