@@ -398,6 +398,12 @@ class Manager:
         self._init_sync = init_sync
         self._max_retries = max_retries
         self._timeout = _env_timeout(TIMEOUT_SEC_ENV, _to_timedelta(timeout))
+        # Manager(timeout=) bounds every collective, as in torchft, through the one deadline
+        # the backend already enforces per op: the tighter of the two wins.
+        pg_timeout = getattr(pg, "timeout", None)
+        if isinstance(pg_timeout, timedelta) and hasattr(pg, "set_timeout") \
+                and self._timeout < pg_timeout:
+            pg.set_timeout(self._timeout)
         self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, _to_timedelta(quorum_timeout))
         self._connect_timeout = _env_timeout(
             CONNECT_TIMEOUT_SEC_ENV, _to_timedelta(connect_timeout)

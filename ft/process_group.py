@@ -467,6 +467,11 @@ class ProcessGroupFt(ProcessGroup):
         self._backend.set_timeout(self._timeout)
 
     @property
+    def timeout(self) -> timedelta:
+        """Every op's deadline (from its start), as set at construction or by set_timeout."""
+        return self._timeout
+
+    @property
     def backend(self):
         """The underlying ft._C.FtBackend."""
         return self._backend

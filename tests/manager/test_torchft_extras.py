@@ -399,3 +399,30 @@ def test_a_failed_collective_issued_straight_on_the_group_vetoes_the_commit() ->
     finally:
         in_threads([lambda m=m: m.shutdown() for m in ms])
         lh.shutdown()
+
+
+def test_manager_timeout_bounds_its_collectives() -> None:
+    """Manager(timeout=1s) over a group built with a 60 s op timeout: an allreduce whose peer
+    never joins ends (reported, the step does not commit) within the Manager's timeout."""
+    lh = lighthouse(min_replicas=2)
+    ms: List[ft.Manager] = values(in_threads(
+        [lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False,
+                                  pg_timeout=timedelta(seconds=60), timeout=timedelta(seconds=1))
+         for i in range(2)]))
+    try:
+        assert all(m._pg.timeout == timedelta(seconds=1) for m in ms)
+
+        def step(i: int, m: ft.Manager) -> Any:
+            m.start_quorum()
+            t0 = time.monotonic()
+            if i == 1:
+                m.allreduce(torch.ones(2)).wait()  # g0 never joins it
+            took = time.monotonic() - t0
+            return took, m.should_commit()
+
+        out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+        assert out[1][0] < 5.0, f"the lone allreduce took {out[1][0]:.1f}s (Manager timeout 1s)"
+        assert out[1][1] is False and isinstance(ms[1].errored(), Exception)
+    finally:
+        in_threads([lambda m=m: m.shutdown() for m in ms])
+        lh.shutdown()
