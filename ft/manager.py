@@ -230,6 +230,13 @@ def _rebuild_exception_with_traceback(original: BaseException, stack_trace: str)
 # ------------------------------------------------------------------------------- works
 
 
+def _caller_cuda_device() -> Optional[int]:
+    """The calling thread's CUDA device, or None without CUDA (never initializes CUDA)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
 def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futures.Future:
     """A future with ``fut``'s outcome, or a :class:`TimeoutError` if ``fut`` has not completed
     ``timeout`` from now (``fut`` itself is left alone)."""
@@ -752,7 +759,8 @@ class Manager:
         self._pending_state_dict = None
         quorum_timeout = _to_timedelta(timeout) if timeout is not None else self._quorum_timeout
         self._quorum_future = self._executor.submit(
-            self._async_quorum, allow_heal, shrink_only, quorum_timeout
+            self._async_quorum_on_device, _caller_cuda_device(), allow_heal, shrink_only,
+            quorum_timeout,
         )
         if not self._use_async_quorum:
             self.wait_quorum()
@@ -766,6 +774,14 @@ class Manager:
         if self._quorum_future is None:
             raise RuntimeError("start_quorum() must be called before wait_quorum()")
         self._quorum_future.result()
+
+    def _async_quorum_on_device(self, device: Optional[int], *args: Any) -> None:
+        # The quorum thread reconfigures the process group (NCCL communicators are created for
+        # the thread's current CUDA device) and receives heals: it must use the caller's
+        # device, not cuda:0, on a host with several GPUs (as torchft does).
+        if device is not None and torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)
+        self._async_quorum(*args)
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         t0 = time.monotonic()
