@@ -39,7 +39,6 @@
 #include <grpc/support/log.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <pybind11/pybind11.h>
@@ -181,7 +180,44 @@ class CallState {
 class RequestVerifier {
  public:
   RequestVerifier(std::string key, int64_t skewMs, size_t maxNonces)
-      : key_(std::move(key)), skewMs_(skewMs), maxNonces_(maxNonces) {}
+      : skewMs_(skewMs), maxNonces_(maxNonces) {
+    // HMAC-SHA256 keyed once: the hash states after absorbing (key ^ ipad) and (key ^ opad)
+    // are kept, and each request copies them. Per request that saves re-keying and, on
+    // OpenSSL 3, the algorithm lookup an HMAC() call makes every time.
+    sha256_ = EVP_sha256();
+    unsigned char block[64] = {0};
+    if (key.size() > sizeof(block)) {
+      unsigned int n = 0;
+      EVP_Digest(key.data(), key.size(), block, &n, sha256_, nullptr);
+    } else {
+      std::memcpy(block, key.data(), key.size());
+    }
+    unsigned char ipad[64], opad[64];
+    for (size_t i = 0; i < sizeof(block); ++i) {
+      ipad[i] = block[i] ^ 0x36;
+      opad[i] = block[i] ^ 0x5c;
+    }
+    inner_ = EVP_MD_CTX_new();
+    outer_ = EVP_MD_CTX_new();
+    if (inner_ == nullptr || outer_ == nullptr ||
+        EVP_DigestInit_ex(inner_, sha256_, nullptr) != 1 ||
+        EVP_DigestUpdate(inner_, ipad, sizeof(ipad)) != 1 ||
+        EVP_DigestInit_ex(outer_, sha256_, nullptr) != 1 ||
+        EVP_DigestUpdate(outer_, opad, sizeof(opad)) != 1) {
+      throw std::runtime_error("RequestVerifier: OpenSSL could not set up HMAC-SHA256");
+    }
+    OPENSSL_cleanse(block, sizeof(block));
+    OPENSSL_cleanse(ipad, sizeof(ipad));
+    OPENSSL_cleanse(opad, sizeof(opad));
+  }
+
+  ~RequestVerifier() {
+    EVP_MD_CTX_free(inner_);
+    EVP_MD_CTX_free(outer_);
+  }
+
+  RequestVerifier(const RequestVerifier&) = delete;
+  RequestVerifier& operator=(const RequestVerifier&) = delete;
 
   std::string verify(const std::string& what, const std::string& body, const std::string& token) {
     if (token.empty()) return "no signature (the caller has no job secret)";
@@ -226,15 +262,18 @@ class RequestVerifier {
  private:
   std::string hexMac(const std::string& what, const std::string& ms, const std::string& nonce,
                      const std::string& body) const {
-    // One contiguous message for the one-shot HMAC() (not deprecated in OpenSSL 3, unlike the
-    // HMAC_CTX calls); requests are small, so the copy costs less than the hash.
-    std::string message = "v1\n" + what + "\n" + ms + "\n" + nonce + "\n";
-    message += body;
-    unsigned char out[EVP_MAX_MD_SIZE];
-    unsigned int outLen = 0;
-    const bool ok = HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()),
-                         reinterpret_cast<const unsigned char*>(message.data()), message.size(),
-                         out, &outLen) != nullptr;
+    const std::string head = "v1\n" + what + "\n" + ms + "\n" + nonce + "\n";
+    unsigned char inner[EVP_MAX_MD_SIZE], out[EVP_MAX_MD_SIZE];
+    unsigned int innerLen = 0, outLen = 0;
+    EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+    const bool ok = ctx != nullptr && EVP_MD_CTX_copy_ex(ctx, inner_) == 1 &&
+                    EVP_DigestUpdate(ctx, head.data(), head.size()) == 1 &&
+                    EVP_DigestUpdate(ctx, body.data(), body.size()) == 1 &&
+                    EVP_DigestFinal_ex(ctx, inner, &innerLen) == 1 &&
+                    EVP_MD_CTX_copy_ex(ctx, outer_) == 1 &&
+                    EVP_DigestUpdate(ctx, inner, innerLen) == 1 &&
+                    EVP_DigestFinal_ex(ctx, out, &outLen) == 1;
+    EVP_MD_CTX_free(ctx);
     if (!ok) return std::string();  // matches no token: refused as a bad signature
     static const char* kHex = "0123456789abcdef";
     std::string hex(outLen * 2, '0');
@@ -256,7 +295,9 @@ class RequestVerifier {
     }
   }
 
-  const std::string key_;
+  const EVP_MD* sha256_ = nullptr;
+  EVP_MD_CTX* inner_ = nullptr;  // read-only after construction (copied per request)
+  EVP_MD_CTX* outer_ = nullptr;
   const int64_t skewMs_;
   const size_t maxNonces_;
   std::mutex mu_;
