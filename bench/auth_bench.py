@@ -14,7 +14,11 @@ and their ratio (on / off). Target: at most 1.03 for each.
    steadier measure of what the signatures cost.
 2. step: the ft loop of bench/manager_bench.py (Manager + ft DDP + async quorum, 2 groups,
    16 MiB MLP): median step time.
-3. heal: HTTPTransport, source and receiver in this process on loopback, HTTP path (the
+3. cost: what a signature costs per request, measured alone (deterministic, unlike the
+   rounds on a shared 2-core machine): the client's sign, the native server's C++ check and
+   grpcio's Python check, beside the CPU one Heartbeat RPC costs client and server without a
+   secret (one client, back to back, on the native lighthouse).
+4. heal: HTTPTransport, source and receiver in this process on loopback, HTTP path (the
    same-host path is off), a --heal-mb MiB state: median transfer time. With the secret the
    source signs the metadata and each range's checksum; the bytes are read once either way.
 """
@@ -114,6 +118,55 @@ def bench_step(trials: int, steps: int) -> None:
     report("ft Manager + ft DDP", alternate(measure, trials))
 
 
+def bench_cost(requests: int) -> None:
+    import quorum_bench
+    from ft.coordination import LighthouseClient
+    from ft.coordination.rpc_server import native_available
+    from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier
+
+    secret = JobSecret(SECRET)
+    path = "/torchft.LighthouseService/Heartbeat"
+    body = b"\n\x0fgroup-000:abcdef"  # a heartbeat's bytes
+    signer, verifier = Signer(secret, GRPC_PURPOSE), Verifier(secret, GRPC_PURPOSE)
+    n = 50000
+    t0 = time.perf_counter()
+    tokens = [signer.sign(path, body) for _ in range(n)]
+    sign_us = (time.perf_counter() - t0) / n * 1e6
+    t0 = time.perf_counter()
+    for t in tokens:
+        verifier.verify(path, body, t)
+    python_verify_us = (time.perf_counter() - t0) / n * 1e6
+    native_verify_us = float("nan")
+    if native_available():
+        from ft.coordination import _grpc_server
+
+        native = _grpc_server.RequestVerifier(*verifier.native_config())
+        tokens = [signer.sign(path, body) for _ in range(n)]
+        t0 = time.perf_counter()
+        for t in tokens:
+            native.verify(path, body, t)
+        native_verify_us = (time.perf_counter() - t0) / n * 1e6  # includes the Python call
+    set_auth(False)
+    proc, addr = quorum_bench.start_lighthouse(1, 5000, 100, 60000, "native")
+    try:
+        c = LighthouseClient(addr, timedelta(seconds=10))
+        for _ in range(300):
+            c.heartbeat("cost", timeout=5)
+        s0, c0 = quorum_bench.process_cpu_s(proc.pid), time.process_time()
+        for _ in range(requests):
+            c.heartbeat("cost", timeout=5)
+        client_us = (time.process_time() - c0) / requests * 1e6
+        server_us = (quorum_bench.process_cpu_s(proc.pid) - s0) / requests * 1e6
+    finally:
+        quorum_bench.stop(proc)
+    print(f"cost of a signature per request ({n} signatures; RPC CPU over {requests} heartbeats)")
+    print(f"  client: sign {sign_us:.1f} us, against {client_us:.0f} us of CPU per RPC without "
+          f"a secret: {sign_us / client_us * 100:.1f} %")
+    print(f"  server: native C++ check {native_verify_us:.1f} us (grpcio's Python check "
+          f"{python_verify_us:.1f} us), against {server_us:.0f} us of CPU per RPC: "
+          f"{native_verify_us / server_us * 100:.1f} %")
+
+
 def bench_heal(mb: int, reps: int, trials: int) -> None:
     import torch
 
@@ -152,7 +205,8 @@ def main() -> None:
     p.add_argument("--heal-mb", type=int, default=128)
     p.add_argument("--heal-reps", type=int, default=5)
     p.add_argument("--transport", default=None, choices=["native", "grpcio"])
-    p.add_argument("--only", choices=["quorum", "step", "heal"], default=None)
+    p.add_argument("--only", choices=["quorum", "step", "cost", "heal"], default=None)
+    p.add_argument("--cost-requests", type=int, default=5000)
     a = p.parse_args()
     if a.transport is None:
         from ft.coordination.rpc_server import native_available
@@ -164,6 +218,8 @@ def main() -> None:
         bench_quorum(a.groups, a.rounds, a.trials, a.transport)
     if a.only in (None, "step"):
         bench_step(a.trials, a.steps)
+    if a.only in (None, "cost"):
+        bench_cost(a.cost_requests)
     if a.only in (None, "heal"):
         bench_heal(a.heal_mb, a.heal_reps, a.trials)
 
