@@ -1,24 +1,96 @@
-"""Builds ft and its C++ extensions: ft._C (the backend) and, where the system has gRPC C++
-(pkg-config grpc++, e.g. Debian's libgrpc++-dev), ft.coordination._grpc_server (the
-lighthouse's native gRPC server; without it the lighthouse serves with grpcio).
+"""Builds ft's C++ extensions; the package's static metadata is in pyproject.toml.
 
-    python setup.py build_ext --inplace          # in-tree build
-    pip install --no-build-isolation -e .        # editable install
+    python setup.py build_ext --inplace          # in-tree build (scripts/setup.sh)
+    pip install --no-build-isolation .           # install, against the torch already installed
+    pip install .                                # install, torch for the build chosen by pip
 
-torch must already be installed (the extension compiles against it), hence
---no-build-isolation. A CUDA torch adds the NCCL sources (FT_USE_NCCL).
+Extensions:
+* ``ft._C``, the torch backend. It compiles against the torch found at build time; a CUDA torch
+  adds the NCCL sources.
+* ``ft.coordination._grpc_server``, the native gRPC server, where gRPC C++ and OpenSSL are
+  installed (``pkg-config grpc++ libcrypto``, e.g. Debian's libgrpc++-dev and libssl-dev). It
+  compiles with pybind11's own headers (``pybind11.get_include()``) and links gRPC C++ and
+  libcrypto, not torch. Without it the lighthouse serves with grpcio.
+
+Build switches (environment; 1/ON/YES/TRUE and 0/OFF/NO/FALSE, as PyTorch's):
+
+    USE_CUDA=0                 no CUDA/NCCL path even against a CUDA torch
+    USE_NCCL=0                 no NCCL path (FT_USE_NCCL=0 is an alias)
+    NCCL_INCLUDE_DIR, NCCL_LIB_DIR, NCCL_HOME
+                               where NCCL is: the two dirs, else NCCL_HOME/include with
+                               NCCL_HOME/lib or NCCL_HOME/lib64, else the nvidia-nccl wheel
+                               torch depends on, else the system (/usr)
+    CUDA_HOME                  the CUDA toolkit (headers) for the NCCL path
+    MAX_JOBS=N                 parallel compile jobs (torch's ninja build reads it)
+    DEBUG=1                    -O0 -g (REL_WITH_DEB_INFO=1: -O2 -g); default -O2, no symbols
+    FT_NATIVE_GRPC=0|1         native gRPC server off, or on and required (default: on where
+                               gRPC C++ is found, except in a wheel)
+    FT_WHEEL_NATIVE_GRPC=1     build the native gRPC server into a wheel too (bdist_wheel,
+                               so also `pip install .`); off by default so that a wheel needs
+                               no libgrpc++ where it is installed
+    FT_BUILD_EXTENSIONS=0      pure-Python install, torch not imported (the lighthouse
+                               image: examples/deploy/Dockerfile.lighthouse)
+
+Requirements: a wheel (and the metadata pip prepares for one) requires ``torch==X.Y.*``, the
+major.minor it was compiled against, since torch's C++ ABI changes between minor releases; the
+sdist declares the range of pyproject.toml and marks Requires-Dist dynamic (PEP 643).
 """
 import glob
 import os
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
-
-import torch
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from setuptools import Extension, setup
+from setuptools.command.egg_info import egg_info as _EggInfo
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+_TRUE = ("1", "ON", "YES", "TRUE", "Y")
+_FALSE = ("0", "OFF", "NO", "FALSE", "N", "")
+
+
+def env_flag(name, default=None):
+    """True/False from the environment variable ``name``, ``default`` where it is unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().upper() in _TRUE:
+        return True
+    if value.strip().upper() in _FALSE:
+        return False
+    raise SystemExit(f"ft: {name}={value!r} is neither on (1/ON/YES/TRUE) nor off (0/OFF/NO/FALSE)")
+
+
+# The commands this run of setup.py was given (PEP 517 backends call it the same way), with
+# the values of their options (harmless: only command names are looked up).
+COMMANDS = {a for a in sys.argv[1:] if not a.startswith("-")}
+# Commands that make something installable, whose metadata carries the torch pin.
+INSTALLABLE_COMMANDS = {"bdist_wheel", "dist_info", "editable_wheel", "develop", "install",
+                        "bdist_egg", "bdist"}
+BUILDING_WHEEL = "bdist_wheel" in COMMANDS
+BUILD_EXTENSIONS = env_flag("FT_BUILD_EXTENSIONS", True)
+
+torch = None
+if BUILD_EXTENSIONS:
+    try:
+        import torch
+    except ImportError:
+        if COMMANDS & {"build", "build_ext", "bdist_wheel", "bdist", "bdist_egg", "develop",
+                       "install", "editable_wheel"}:
+            raise SystemExit(
+                "ft: the extension compiles against torch, which is not installed here. Install "
+                "torch first and build with --no-build-isolation, or let pip build with build "
+                "isolation (pip install .), or set FT_BUILD_EXTENSIONS=0 for a pure-Python "
+                "install (no backend; the lighthouse only).")
+        # An sdist needs no compiler and no torch: MANIFEST.in lists the sources.
+
+
+def read_version():
+    """ft/_version.py is the one place the release is written."""
+    scope = {}
+    with open(os.path.join(ROOT, "ft", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
 
 
 def torch_version():
@@ -26,33 +98,61 @@ def torch_version():
     return int(major), int(minor)
 
 
-def find_nccl():
-    """(include dir, lib dir) of the NCCL wheel torch depends on.
+def optimization_flags():
+    if env_flag("DEBUG", False):
+        return ["-O0", "-g"]
+    if env_flag("REL_WITH_DEB_INFO", False):
+        return ["-O2", "-g"]
+    # Python's CFLAGS add -g: a 15 MB .so and a slower build.
+    return ["-O2", "-g0"]
 
-    nvidia.nccl is a namespace package (no __file__) and its __path__ may list
-    a folder twice; cu13 wheels may also nest it as nvidia/cu13. Search every
-    candidate for nccl.h and libnccl.so.2.
+
+def _has_nccl(inc, lib):
+    return (inc and lib and os.path.exists(os.path.join(inc, "nccl.h"))
+            and os.path.exists(os.path.join(lib, "libnccl.so.2")))
+
+
+def find_nccl():
+    """(include dir, lib dir) of NCCL, searched in the order of the module docstring.
+
+    nvidia.nccl is a namespace package (no __file__) and its __path__ may list a folder twice;
+    cu13 wheels may also nest it as nvidia/cu13. Each candidate needs nccl.h and libnccl.so.2.
     """
-    roots = []
+    candidates = []
+    inc_env, lib_env = os.environ.get("NCCL_INCLUDE_DIR"), os.environ.get("NCCL_LIB_DIR")
+    if inc_env or lib_env:
+        home = os.environ.get("NCCL_HOME", "/usr")
+        inc = inc_env or os.path.join(home, "include")
+        libs = [lib_env] if lib_env else [os.path.join(home, "lib"), os.path.join(home, "lib64")]
+        found = [(inc, lib) for lib in libs if _has_nccl(inc, lib)]
+        if not found:
+            raise SystemExit(f"ft: no nccl.h in {inc} or no libnccl.so.2 in {', '.join(libs)} "
+                             "(NCCL_INCLUDE_DIR / NCCL_LIB_DIR)")
+        return found[0]
+    if os.environ.get("NCCL_HOME"):
+        home = os.environ["NCCL_HOME"]
+        candidates += [(os.path.join(home, "include"), os.path.join(home, d))
+                       for d in ("lib", "lib64")]
     try:
         import nvidia  # noqa: F401
 
         for base in list(nvidia.__path__):
-            roots += [os.path.join(base, "nccl"), os.path.join(base, "cu13"),
-                      os.path.join(base, "cu12")]
+            for sub in ("nccl", "cu13", "cu12"):
+                root = os.path.join(base, sub)
+                candidates.append((os.path.join(root, "include"), os.path.join(root, "lib")))
     except ImportError:
         pass
-    roots.append(os.environ.get("NCCL_HOME", "/usr"))
-    for root in roots:
-        inc, lib = os.path.join(root, "include"), os.path.join(root, "lib")
-        if os.path.exists(os.path.join(inc, "nccl.h")) and os.path.exists(
-            os.path.join(lib, "libnccl.so.2")
-        ):
+    candidates += [("/usr/include", d) for d in
+                   ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                    "/usr/lib")]
+    candidates.append(("/usr/local/include", "/usr/local/lib"))
+    for inc, lib in candidates:
+        if _has_nccl(inc, lib):
             return inc, lib
-    raise RuntimeError(
-        "ft: CUDA torch found but no NCCL headers/library (looked in %s); "
-        "install the nvidia-nccl wheel or set FT_USE_NCCL=0" % ", ".join(roots)
-    )
+    raise SystemExit(
+        "ft: CUDA torch found but no NCCL headers/library (looked in %s); install the "
+        "nvidia-nccl wheel, set NCCL_HOME or NCCL_INCLUDE_DIR/NCCL_LIB_DIR, or build without "
+        "NCCL (USE_NCCL=0)" % ", ".join(sorted({c[0] for c in candidates} | {c[1] for c in candidates})))
 
 
 def find_cuda_home():
@@ -61,15 +161,26 @@ def find_cuda_home():
     for home in (os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"):
         if home and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
             return home
-    raise RuntimeError("ft: CUDA torch found but no CUDA toolkit (set CUDA_HOME)")
+    raise SystemExit("ft: CUDA torch found but no CUDA toolkit (set CUDA_HOME, or USE_CUDA=0)")
+
+
+def use_nccl():
+    if torch.version.cuda is None:
+        if env_flag("USE_NCCL") or env_flag("FT_USE_NCCL"):
+            print("ft: USE_NCCL=1 ignored: torch %s is not a CUDA build" % torch.__version__)
+        return False
+    if env_flag("USE_CUDA", True) is False:
+        return False
+    return env_flag("USE_NCCL", True) and env_flag("FT_USE_NCCL", True)
 
 
 def extension():
+    from torch.utils.cpp_extension import CppExtension
+
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     nccl_sources = [s for s in sources if os.path.basename(s).startswith("nccl_")]
     sources = [s for s in sources if s not in nccl_sources]
-    # Python's CFLAGS add -g: a 15 MB .so and a slower build.
-    cxx_flags = ["-O2", "-g0", "-std=c++20"]
+    cxx_flags = optimization_flags() + ["-std=c++20"]
     define_macros = []
     include_dirs = []
     library_dirs = []
@@ -78,8 +189,7 @@ def extension():
         # Backend::rank_/size_ became assignable alongside the upstream
         # reconfigure API.
         define_macros.append(("C10D_BACKEND_HAS_RECONFIGURE", "1"))
-    use_nccl = torch.version.cuda is not None and os.environ.get("FT_USE_NCCL", "1") != "0"
-    if use_nccl:
+    if use_nccl():
         nccl_include, nccl_lib = find_nccl()
         cuda_home = find_cuda_home()
         define_macros.append(("FT_USE_NCCL", "1"))
@@ -87,7 +197,7 @@ def extension():
         include_dirs += [nccl_include, os.path.join(cuda_home, "include")]
         library_dirs += [nccl_lib, os.path.join(cuda_home, "lib64")]
         # torch has already loaded libnccl.so.2 and libcudart.so.13 by the time
-        # ft._C is imported (import ft imports torch first), so no rpath.
+        # ft._C is imported (ft._C is imported only after torch), so no rpath.
         libraries += [":libnccl.so.2", "c10_cuda", "cudart"]
     return CppExtension(
         name="ft._C",
@@ -101,24 +211,34 @@ def extension():
 
 
 def grpc_server_extension():
-    """ft.coordination._grpc_server, or None without gRPC C++ (or with FT_NATIVE_GRPC=0)."""
-    if os.environ.get("FT_NATIVE_GRPC", "1") == "0":
+    """ft.coordination._grpc_server, or None (module docstring: FT_NATIVE_GRPC)."""
+    wanted = env_flag("FT_NATIVE_GRPC")
+    if wanted is False:
+        return None
+    if wanted is None and BUILDING_WHEEL and not env_flag("FT_WHEEL_NATIVE_GRPC", False):
+        print("ft: wheel without the native gRPC server (it would need libgrpc++ where the wheel "
+              "is installed; FT_WHEEL_NATIVE_GRPC=1 builds it in): the lighthouse will use grpcio")
         return None
     try:
         cflags = subprocess.check_output(["pkg-config", "--cflags", "grpc++", "libcrypto"], text=True).split()
         libs = subprocess.check_output(["pkg-config", "--libs", "grpc++", "libcrypto"], text=True).split()
     except (OSError, subprocess.CalledProcessError):
+        if wanted:
+            raise SystemExit("ft: FT_NATIVE_GRPC=1 but gRPC C++ or OpenSSL was not found (pkg-config grpc++ libcrypto)")
         print("ft: gRPC C++ or OpenSSL not found (pkg-config grpc++ libcrypto): the lighthouse will use grpcio")
         return None
-    from setuptools import Extension
-    from torch.utils.cpp_extension import include_paths
-
-    # pybind11's headers come with torch; the module itself does not link torch.
+    try:
+        import pybind11
+    except ImportError:
+        if wanted:
+            raise SystemExit("ft: FT_NATIVE_GRPC=1 but pybind11 is not installed (pip install pybind11)")
+        print("ft: pybind11 not installed: no native gRPC server, the lighthouse will use grpcio")
+        return None
     return Extension(
         name="ft.coordination._grpc_server",
         sources=["csrc/grpc_server/grpc_server.cpp"],
-        include_dirs=include_paths()[:1],
-        extra_compile_args=["-O2", "-g0", "-std=c++17", "-fvisibility=hidden"] + cflags,
+        include_dirs=[pybind11.get_include()],
+        extra_compile_args=optimization_flags() + ["-std=c++17", "-fvisibility=hidden"] + cflags,
         extra_link_args=libs,
         language="c++",
     )
@@ -128,42 +248,62 @@ def generate_proto():
     script = os.path.join(ROOT, "tools", "gen_proto.py")
     if not os.path.exists(script):
         return
+    if os.path.exists(os.path.join(ROOT, "PKG-INFO")):
+        # Building from an sdist: its stubs are the ones the release was tested with.
+        return
     try:
         import grpc_tools  # noqa: F401
     except ImportError:
-        # e.g. the GPU machine (no package index): keep the checked-in stubs.
+        # e.g. the GPU machine (no package index), or build isolation: keep the checked-in stubs.
         if glob.glob(os.path.join(ROOT, "ft", "coordination", "_proto", "*_pb2.py")):
             print("ft: grpc_tools not installed; using the checked-in proto stubs")
             return
     subprocess.check_call([sys.executable, script])
 
 
-class Build(BuildExtension):
+def requirements_for(dist):
+    """install_requires for this run: pinned to the compiled-against torch where the run makes
+    something installable from compiled code, else pyproject.toml's range."""
+    reqs = [str(r) for r in dist.install_requires]
+    if torch is None or not (COMMANDS & INSTALLABLE_COMMANDS):
+        # A plain list (not setuptools' "static" one): PKG-INFO then says
+        # "Dynamic: Requires-Dist", which is true, since wheels narrow torch.
+        return reqs
+    major, minor = torch_version()
+    pinned = []
+    for req in reqs:
+        name = req.split(";")[0]
+        for sep in "<>=!~ [(":
+            name = name.split(sep)[0]
+        pinned.append(f"torch=={major}.{minor}.*" if name.strip().lower() == "torch" else req)
+    return pinned
+
+
+class EggInfo(_EggInfo):
+    """Every metadata writer (sdist's PKG-INFO, dist_info, bdist_wheel) runs egg_info."""
+
     def run(self):
-        generate_proto()
+        reqs = requirements_for(self.distribution)
+        self.distribution.install_requires = reqs
+        self.distribution.metadata.install_requires = reqs
         super().run()
 
 
+cmdclass = {"egg_info": EggInfo}
+ext_modules = []
+if torch is not None:
+    from torch.utils.cpp_extension import BuildExtension
+
+    class Build(BuildExtension):
+        def run(self):
+            generate_proto()
+            super().run()
+
+    cmdclass["build_ext"] = Build.with_options(use_ninja=True)
+    ext_modules = [e for e in (extension(), grpc_server_extension()) if e is not None]
+
 setup(
-    name="ft",
-    version="0.1.0",
-    description="Per-step fault tolerance for PyTorch training",
-    packages=find_packages(include=["ft", "ft.*"]),
-    package_data={"ft": ["coordination/dashboard/*", "coordination/_proto/*"]},
-    ext_modules=[e for e in (extension(), grpc_server_extension()) if e is not None],
-    cmdclass={"build_ext": Build.with_options(use_ninja=True)},
-    python_requires=">=3.10",
-    install_requires=[
-        "torch>=2.11,<2.15",
-        "grpcio>=1.64.0",
-        "protobuf>=4.25.0",
-        "numpy",
-    ],
-    extras_require={"test": ["pytest", "hypothesis", "grpcio-tools", "ninja"]},
-    entry_points={
-        "console_scripts": [
-            "ft-lighthouse=ft.coordination.cli:main",
-            "ft-launch=ft.launch.cli:main",
-        ]
-    },
+    version=read_version(),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

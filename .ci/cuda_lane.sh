@@ -38,16 +38,30 @@ exec 9>"$CACHE/.cuda-lane.lock"
 flock 9
 
 # --- 1. venv with the CUDA torch and ft's requirements ----------------------
-# Requirements come from setup.py (install_requires + the "test" extra, via
-# tools/requirements.py), so this list never drifts from the package's.
-REQS=$("$BASE_PYTHON" "$ROOT/tools/requirements.py" --extra test --without torch)
-WANT="$TORCH_SPEC $(echo $REQS) setuptools wheel"
+# Requirements come from pyproject.toml (dependencies + the "test" extra + the build
+# system), read statically, so this list never drifts from the package's; constraints.txt
+# pins their versions (less its torch line: this lane brings its own torch).
+REQS=$("$BASE_PYTHON" -c '
+import re, sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    p = tomllib.load(f)
+seen = set()
+for req in (p["project"]["dependencies"] + p["project"]["optional-dependencies"]["test"]
+            + p["build-system"]["requires"]):
+    name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()
+    if name != "torch" and name not in seen:
+        seen.add(name)
+        print(req)
+' "$ROOT/pyproject.toml")
+CONSTRAINTS="$CACHE/constraints-cuda-lane.txt"
+grep -v -i '^torch==' "$ROOT/constraints.txt" > "$CONSTRAINTS"
+WANT="$TORCH_SPEC $(echo $REQS) -c $(grep -v '^#' "$CONSTRAINTS" | grep . | tr '\n' ' ')"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.ft-requirements" 2>/dev/null)" != "$WANT" ]; then
-  stamp "creating $VENV ($WANT)"
+  stamp "creating $VENV ($TORCH_SPEC $(echo $REQS))"
   rm -rf "$VENV"
   "$BASE_PYTHON" -m venv "$VENV"
   # shellcheck disable=SC2086
-  "$VENV/bin/pip" install -q --progress-bar off "$TORCH_SPEC" $REQS setuptools wheel \
+  "$VENV/bin/pip" install -q --progress-bar off -c "$CONSTRAINTS" "$TORCH_SPEC" $REQS \
     2> >(grep -v "is neither a file nor a directory" >&2)
   echo "$WANT" > "$VENV/.ft-requirements"
 else

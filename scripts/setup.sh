@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r requirements.txt 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
-.venv/bin/python -c "import torch, grpc, google.protobuf, pytest" \
+.venv/bin/python -c "import torch, grpc, google.protobuf, pytest, pybind11" \
   || { echo "setup: dependencies did not install" >&2; exit 1; }
 # gRPC C++ for the lighthouse's native gRPC server (optional: without it the lighthouse serves
 # with grpcio, ~0.5 ms more CPU per request). Debian/Ubuntu as root only.
@@ -34,6 +34,8 @@ if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 && [ "$
     > .venv/apt-chromium.log 2>&1 \
     || echo "setup: chromium not installed (see .venv/apt-chromium.log); the browser tests will skip"
 fi
+# The build switches of setup.py (README: "Build switches": MAX_JOBS, DEBUG, USE_NCCL, ...)
+# pass through from the environment.
 .venv/bin/python setup.py build_ext --inplace > .venv/build.log 2>&1 \
   || { tail -50 .venv/build.log >&2; echo "setup: build failed (log: .venv/build.log)" >&2; exit 1; }
 .venv/bin/python -c "import ft, ft.coordination.rpc_server as r; print('ft ready: torch', __import__('torch').__version__, '| NCCL:', ft._C.has_nccl, '| native gRPC server:', r.native_available())"

@@ -36,8 +36,8 @@ def _fix_imports(text: str) -> str:
 
 
 _GATE_NOTE = (
-    "# Version gate removed by tools/gen_proto.py: ft supports the floors in setup.py's\n"
-    "# install_requires, tested by tests/coordination/test_proto_compat.py.\n"
+    "# Version gate removed by tools/gen_proto.py: ft supports the floors in pyproject.toml's\n"
+    "# dependencies, tested by tests/coordination/test_proto_compat.py.\n"
 )
 
 

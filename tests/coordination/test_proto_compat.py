@@ -1,4 +1,4 @@
-"""ft's coordination runs on the oldest grpcio and protobuf that setup.py admits.
+"""ft's coordination runs on the oldest grpcio and protobuf that pyproject.toml admits.
 
 tools/gen_proto.py removes the generated stubs' refusal of any grpcio/protobuf older than the
 generator (grpcio-tools 1.85 would refuse the grpcio 1.84 on our own GPU image). This checks
@@ -6,7 +6,6 @@ the floors it promises instead: a child process imports ft with the floor versio
 sys.path and runs a real lighthouse, manager server and their clients over loopback.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,24 +13,26 @@ import sys
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proto_compat_child.py")
-# Exactly the floors in setup.py.
+# Exactly the floors in pyproject.toml.
 FLOORS = {"grpcio": "1.64.0", "protobuf": "4.25.0"}
 
 
-def _install_requires():
-    spec = importlib.util.spec_from_file_location(
-        "ft_requirements", os.path.join(ROOT, "tools", "requirements.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.requirements()
+def _dependencies():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["dependencies"]
 
 
-def test_floors_match_setup_py():
-    reqs = _install_requires()
+def test_floors_match_pyproject():
+    reqs = _dependencies()
     for name, version in FLOORS.items():
-        assert f"{name}>={version}" in reqs, (name, reqs)
+        assert any(r.startswith(f"{name}>={version}") for r in reqs), (name, reqs)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,13 @@ def floor_site(tmp_path_factory):
     except subprocess.TimeoutExpired:
         pytest.fail("pip did not install the floor versions within 300 s")
     if r.returncode != 0:
-        # No package index, or no wheel of these old releases for this Python: nothing to run.
-        pytest.skip(f"pip could not install {FLOORS}: {r.stderr.strip()[-500:]}")
+        msg = f"pip could not install {FLOORS}: {r.stderr.strip()[-500:]}"
+        if os.environ.get("CI", "").lower() == "true":
+            # CI reaches the package index: the floors are a promise it must check, not skip.
+            pytest.fail(msg)
+        # No package index (e.g. the GPU machine), or no wheel of these old releases for this
+        # Python: nothing to run.
+        pytest.skip(msg)
     return str(target)
 
 

@@ -8,8 +8,8 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-# Version gate removed by tools/gen_proto.py: ft supports the floors in setup.py's
-# install_requires, tested by tests/coordination/test_proto_compat.py.
+# Version gate removed by tools/gen_proto.py: ft supports the floors in pyproject.toml's
+# dependencies, tested by tests/coordination/test_proto_compat.py.
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()

@@ -5,8 +5,8 @@ import warnings
 
 from . import torchft_pb2 as torchft__pb2
 
-# Version gate removed by tools/gen_proto.py: ft supports the floors in setup.py's
-# install_requires, tested by tests/coordination/test_proto_compat.py.
+# Version gate removed by tools/gen_proto.py: ft supports the floors in pyproject.toml's
+# dependencies, tested by tests/coordination/test_proto_compat.py.
 
 
 class LighthouseServiceStub:

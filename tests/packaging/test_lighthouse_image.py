@@ -1,0 +1,136 @@
+"""examples/deploy/Dockerfile.lighthouse builds a lighthouse that needs neither torch nor a compiler.
+
+There is no container runtime on these machines, so the test replays the Dockerfile's own
+steps in a fresh venv (same Python minor as its base image where possible): COPY copies the
+listed paths of the repository into a scratch folder standing for the image's WORKDIR, and
+each RUN step, which must be a chain of ``pip install`` commands (checked before anything
+runs), runs there with the venv's pip first on PATH. Then, in that venv: torch cannot be
+imported, ``python -m ft.coordination.cli --help`` and the ENTRYPOINT with ``--help`` work,
+and a lighthouse started the same way (on loopback) serves and shuts down cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from tests.packaging import _util
+
+DOCKERFILE = _util.ROOT / "examples" / "deploy" / "Dockerfile.lighthouse"
+# One `pip install` command; no absolute path, redirection, substitution or other command.
+PIP_STEP = re.compile(r"^(?:FT_BUILD_EXTENSIONS=0 )?pip install(?: [-\w.=,:]+)+$")
+
+
+def instructions() -> List[Tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, arg = line.partition(" ")
+            out.append((op.upper(), " ".join(arg.split())))
+    return out
+
+
+def test_dockerfile_is_slim_and_runs_the_lighthouse():
+    ins = dict(instructions())
+    assert re.fullmatch(r"python:3\.\d+-slim", ins["FROM"]), ins["FROM"]
+    entry = json.loads(ins["ENTRYPOINT"])
+    assert entry[0] == "ft-lighthouse"
+    assert "torch" not in ins["RUN"] and "apt-get" not in ins["RUN"]
+    assert os.path.isabs(ins["ENV"].split("=", 1)[1])  # FT_JOB_SECRET_FILE: a path only
+    for op, arg in instructions():
+        if op in ("COPY", "ADD"):
+            assert "secret" not in arg.lower()
+
+
+def test_the_image_steps_give_a_lighthouse_without_torch(tmp_path):
+    _util.skip_unless_enabled()
+    venv = tmp_path / "venv"
+    python = _util.pip_venv(venv)
+    env = _util.clean_env(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                          PIP_DISABLE_PIP_VERSION_CHECK="1")
+    workdir = tmp_path / "rootfs"
+    for op, arg in instructions():
+        if op == "WORKDIR":
+            workdir = tmp_path / "rootfs" / arg.lstrip("/")
+            workdir.mkdir(parents=True, exist_ok=True)
+        elif op == "COPY":
+            *srcs, dst = shlex.split(arg)
+            for src in srcs:
+                target = workdir / dst / (Path(src).name if dst.endswith("/") else "")
+                if (_util.ROOT / src).is_dir():
+                    shutil.copytree(_util.ROOT / src, workdir / dst, dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy(_util.ROOT / src, target)
+        elif op == "RUN":
+            steps = [s.strip() for s in arg.split("&&")]
+            bad = [s for s in steps if not PIP_STEP.match(s)]
+            assert not bad, f"the test replays only `pip install` steps: {bad}"
+            for step in steps:
+                r = _util.run(["bash", "-c", step], cwd=workdir, env=env, timeout=600)
+                print(f"{step}: {r.seconds:.0f}s")
+        else:
+            assert op in ("FROM", "ENV", "EXPOSE", "ENTRYPOINT", "CMD"), op
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    r = _util.run([python, "-c", "import torch"], cwd=outside, env=env, timeout=60, check=False)
+    assert r.returncode != 0 and "No module named 'torch'" in r.stderr
+    r = _util.run([python, "-m", "pip", "list", "--format=json"], cwd=outside, env=env,
+                  timeout=60)
+    installed = {p["name"].lower() for p in json.loads(r.stdout)}
+    assert {"ft-torch", "grpcio", "protobuf"} <= installed
+    assert not installed & {"torch", "numpy"}, installed
+    site = _util.venv_site_packages(venv)
+    assert not list((site / "ft").rglob("*.so")), "the image must compile nothing"
+
+    h = _util.run([python, "-m", "ft.coordination.cli", "--help"], cwd=outside, env=env,
+                  timeout=60)
+    assert "--min_replicas" in h.stdout
+    entry = json.loads(dict(instructions())["ENTRYPOINT"])
+    h = _util.run([venv / "bin" / entry[0], *entry[1:], "--help"], cwd=outside, env=env,
+                  timeout=60)
+    assert "--min_replicas" in h.stdout
+
+    # The entrypoint serving for real, on loopback instead of 0.0.0.0.
+    proc = subprocess.Popen([venv / "bin" / entry[0], "--bind", "127.0.0.1:0", "--http_bind",
+                             "", "--min_replicas", "1", "--join_timeout_ms", "100"],
+                            cwd=outside, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(60, proc.kill)  # readline() below never waits forever
+    watchdog.start()
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("ft-lighthouse ready"):
+                break
+        assert line.startswith("ft-lighthouse ready grpc=http://127.0.0.1:"), "".join(seen)
+        assert "grpcio server" in "".join(seen)  # no native server in this image
+        sys.path.insert(0, str(_util.ROOT))
+        from ft.coordination import LighthouseClient
+
+        q = LighthouseClient(line.split("grpc=")[1].split()[0], 5.0).quorum("solo", 10.0)
+        assert [p.replica_id for p in q.participants] == ["solo"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, proc.stdout.read()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    du = sum(f.stat().st_size for f in site.rglob("*") if f.is_file())
+    print(f"lighthouse venv site-packages: {du / 2**20:.0f} MiB")
