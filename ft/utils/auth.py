@@ -205,9 +205,13 @@ def _max_skew_s() -> float:
 
 
 def _mac(key: bytes, what: str, ms: str, nonce: str, body: bytes) -> str:
-    # One-shot HMAC (OpenSSL): a third cheaper than building an hmac object per request.
-    return hmac.digest(key, f"{_VERSION}\n{what}\n{ms}\n{nonce}\n".encode() + body,
-                       "sha256").hex()
+    # hmac.new, not the one-shot hmac.digest: the one-shot call releases the GIL around the
+    # hash, and taking it back can wait on another thread (a gRPC poller) for far longer than
+    # hashing a request takes.
+    h = hmac.new(key, f"{_VERSION}\n{what}\n{ms}\n{nonce}\n".encode(), hashlib.sha256)
+    if body:
+        h.update(body)
+    return h.hexdigest()
 
 
 class _Nonces:
