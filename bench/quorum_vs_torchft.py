@@ -34,13 +34,15 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import types
 from datetime import timedelta
 from typing import Callable, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quorum_bench import process_cpu_s, timed_rounds  # noqa: E402  (one harness for both)
+
 VENV = os.environ.get("FT_BENCH_TORCHFT_VENV", "/tmp/ft-bench-torchft")
 TORCHFT = "torchft==0.2.0"
 SECRET = "quorum-vs-torchft-bench-secret-0123456789"
@@ -138,14 +140,7 @@ class Lighthouse:
         self.address = f"http://127.0.0.1:{port}"
 
     def cpu_s(self) -> float:
-        total = 0
-        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            try:
-                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except OSError:
-                pass
-        return total / 1e9
+        return process_cpu_s(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -172,30 +167,9 @@ def make_client(kind: str, address: str, secret: bool):
 
 
 def rounds(n: int, count: int, ask: List[Callable[[], object]]) -> List[float]:
-    """``count`` rounds of n threads asking at once; each round's first ask -> last answer."""
-    starts: List[float] = []
-    ends = [[0.0] * n for _ in range(count + 1)]
-    barrier = threading.Barrier(n, action=lambda: starts.append(time.perf_counter()))
-    errors: List[BaseException] = []
-
-    def worker(i: int) -> None:
-        try:
-            for r in range(count + 1):  # round 0 forms the quorum
-                barrier.wait(timeout=120)
-                ask[i]()
-                ends[r][i] = time.perf_counter()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    if errors:
-        raise errors[0]
-    return [max(ends[r]) - starts[r] for r in range(1, count + 1)]
+    """``count`` rounds of n threads asking at once, after one round that forms the quorum;
+    each round's first ask -> last answer (quorum_bench's thread harness)."""
+    return timed_rounds(n, count + 1, lambda i: ask[i]())[1:]
 
 
 def measure_round(client: str, server: str, n: int, count: int, secret: bool) -> Tuple[float, float]:
