@@ -22,6 +22,7 @@ import torch
 from ft import _C
 from ft.checkpointing import HTTPTransport, same_host
 from ft.utils.auth import SAME_HOST_PURPOSE, JobSecret, Signer
+from tests.coordination.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(not same_host.supported(), reason="Linux only")
 
@@ -205,4 +206,7 @@ def test_same_host_socket_refuses_another_uid(monkeypatch: pytest.MonkeyPatch) -
         got = dst.recv_checkpoint(0, src.metadata(), 4, TO)
         assert dst.last_recv_path == "same-host"
         assert_bitwise(sent, got)
+        # The source revokes on its serving thread once the receiver's DONE arrives, which
+        # may be just after recv_checkpoint returns: wait for it (bounded).
+        wait_for(lambda: len(grants) >= 2, timeout=5.0, what="the source revoking the grant")
         assert grants == [os.getpid(), 0]  # granted to the real receiver, then revoked
