@@ -191,7 +191,10 @@ def ft_train(rank: int, world_size: int, store_port: int, *, lh_addr: str, perio
 
     test_store.set(f"ready/{rank}", "1")
     if wait_ready:
-        test_store.wait([f"ready/{i}" for i in range(wait_ready)], timedelta(seconds=60))
+        # "go": the test sets it once the lighthouse sees every group's heartbeat, so that the
+        # first quorum (the join round) holds all of them (a group whose first heartbeat lands
+        # after that quorum formed would join one round later).
+        test_store.wait([f"ready/{i}" for i in range(wait_ready)] + ["go"], timedelta(seconds=60))
 
     averager.join()
     joined = {
@@ -200,6 +203,8 @@ def ft_train(rank: int, world_size: int, store_port: int, *, lh_addr: str, perio
         "model": digest(model.state_dict()),
         "inner": digest(inner.state_dict()),
         "loads": len(loads),
+        "join_rounds": averager.rounds,  # > 1: a join round failed (the error below says why)
+        "join_error": repr(manager.errored()),
     }
     rounds: List[Dict[str, Any]] = []
     pre_step: List[str] = []  # the model each local step starts from (first few)

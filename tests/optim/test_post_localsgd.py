@@ -19,6 +19,7 @@ from ft.optim.post_localsgd import (
     PostLocalSGDOptimizer,
 )
 from tests.diloco.fake_manager import FakeGroup, FakeManager, run_replicas
+from ft.utils.deadline import Deadline
 from tests.manager.inproc import lighthouse
 from tests.procs import Workers, make_store, max_step, wait_progress
 
@@ -284,6 +285,13 @@ def _committed(res: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
     return {r["step"]: r for r in res["rounds"] if r["committed"]}
 
 
+def _wait_heartbeating(lh, n: int, timeout: float) -> None:
+    deadline = Deadline.after(timeout)
+    while sum(r["alive"] for r in lh.status()["replicas"]) < n:
+        assert not deadline.expired, f"the lighthouse did not see {n} heartbeating groups"
+        deadline.sleep(0.02)
+
+
 def test_kill9_mid_period_restart_heals_and_all_groups_end_identical():
     """3 replica groups (ft.Manager, real lighthouse): one injected failed round, then group 1
     is killed -9 in the middle of a period and restarted with different initial weights. The
@@ -299,6 +307,8 @@ def test_kill9_mid_period_restart_heals_and_all_groups_end_identical():
     try:
         with Workers(f"{WORKER}:ft_train", 3, store, lh_addr=lh.address(), period=period,
                      warmup=warmup, step_sleep=0.03, fail_at=fail_at, wait_ready=3) as w:
+            _wait_heartbeating(lh, 3, 60)
+            store.set("go", "1")
             wait_progress(store, keys, fail_at + 2, 60, w)  # past the failed round
             _kill_mid_period(store, w, 1, period, warmup, timeout=30)
             base = max_step(store, survivors)
@@ -322,7 +332,10 @@ def test_kill9_mid_period_restart_heals_and_all_groups_end_identical():
 
     # Every committed round left the same model on every group that took part.
     c0, c1, c2 = _committed(g0), _committed(g1), _committed(g2)
-    assert set(c1) <= set(c0) and set(c0) == set(c2)
+    assert g0["joined"]["step"] == g2["joined"]["step"], (
+        {k: v for k, v in g0["joined"].items() if "join" in k or k == "step"},
+        {k: v for k, v in g2["joined"].items() if "join" in k or k == "step"})
+    assert set(c1) <= set(c0) and set(c0) == set(c2), (sorted(c0), sorted(c2))
     for s, r in c0.items():
         for other in (c1, c2):
             if s in other:
