@@ -15,6 +15,9 @@ argv is what would follow the interpreter on a command line (``script.py args`` 
 ``-m module args``). It replaces its environment with ``env``, points stdin at /dev/null (what a
 cold-started rank gets) and runs argv as ``__main__``; it exits as that script would (its
 ``sys.exit`` status, or 1 with a traceback). End of input before that line: it exits 0.
+
+The supervisor's side is :class:`StandbyPool`: it keeps the standbys, hands one out per
+restarted rank, and ends the unused ones.
 """
 
 from __future__ import annotations
@@ -23,10 +26,15 @@ import importlib
 import json
 import os
 import runpy
+import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["PRELOAD", "READY", "activation", "path0", "runnable_argv", "main"]
+from ft.utils.deadline import Deadline
+
+from .group import reap, spawn_child
+
+__all__ = ["PRELOAD", "READY", "StandbyPool", "activation", "path0", "runnable_argv", "main"]
 
 # The imports that dominate a rank's start; a training script's own imports are not known here.
 # torch._dynamo is what building the first optimizer imports (1.5 s on the development machine).
@@ -61,6 +69,119 @@ def path0(argv: Sequence[str]) -> str:
 def activation(env: Dict[str, str], argv: Sequence[str]) -> str:
     """The line that turns a standby into the process ``env`` and ``argv`` describe."""
     return json.dumps({"env": dict(env), "argv": list(argv)}) + "\n"
+
+
+# An activation line up to this size fits in an empty pipe (Linux: 64 KiB), so writing it never
+# blocks the supervisor, even while the standby is still importing.
+PIPE_SAFE_BYTES = 60000
+
+# Unused standbys are SIGKILLed, which they cannot ignore; they exit at once unless the kernel
+# holds them (a page fault on a slow disk while importing), so seconds are plenty.
+STANDBY_REAP_WAIT_S = 5.0
+
+# Of what a standby printed before dying early, the end (its traceback) is shown.
+DIED_OUTPUT_TAIL_CHARS = 2000
+
+
+def _drain(proc: subprocess.Popen) -> str:
+    """What an exited standby had printed (without blocking), and its pipes closed."""
+    out = ""
+    if proc.stdout is not None:
+        try:
+            os.set_blocking(proc.stdout.fileno(), False)
+            out = proc.stdout.read() or ""
+        except (OSError, ValueError, TypeError):
+            pass
+        proc.stdout.close()
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    return out
+
+
+class StandbyPool:
+    """The supervisor's warm standbys: up to ``size`` ready processes, one per restarted rank.
+
+    Contract:
+    * ``argv`` is what a standby runs once activated (:func:`runnable_argv` of the training
+      command); None disables the pool: :meth:`activate` always says start cold.
+    * :meth:`refill` starts at most one standby per call, and only when the caller says every
+      group trains: the import of torch must not slow down a start or a recovery.
+    * :meth:`activate` returns a standby that is becoming the process ``env`` describes, or
+      None (start the rank cold). It never blocks on a standby that is still importing.
+    * A standby that exits before it is used disables the pool for the rest of the run (it would
+      not get better), with a message through ``say`` that shows its output.
+    * :meth:`close` kills and reaps every unused standby; :attr:`pids` lists every standby
+      started, :attr:`activated` counts those that became ranks.
+    """
+
+    def __init__(self, argv: Optional[List[str]], size: int, env: Callable[[], Dict[str, str]],
+                 say: Callable[[str], None]) -> None:
+        self.argv = argv
+        self.size = size
+        self.env = env  # the environment a standby starts with, before it has a rank
+        self.say = say
+        self.ready: List[subprocess.Popen] = []
+        self.pids: List[int] = []
+        self.activated = 0
+
+    def refill(self, everyone_trains: bool) -> None:
+        """Forgets dead standbys; starts one if fewer than ``size`` are ready and
+        ``everyone_trains``."""
+        if self.argv is None:
+            return
+        self._reap_dead()
+        if len(self.ready) < self.size and everyone_trains:
+            proc = spawn_child([sys.executable, "-u", "-m", "ft.launch.standby", path0(self.argv)],
+                               self.env(), stdin=subprocess.PIPE)
+            self.ready.append(proc)
+            self.pids.append(proc.pid)
+
+    def _reap_dead(self) -> None:
+        for proc in [proc for proc in self.ready if proc.poll() is not None]:
+            self.ready.remove(proc)
+            out = _drain(proc).strip()
+            self.say(f"warm standby pid {proc.pid} exited ({proc.returncode}) before it was "
+                     "needed; restarts start cold from now on"
+                     + (f":\n{out[-DIED_OUTPUT_TAIL_CHARS:]}" if out else ""))
+            self.argv = None
+
+    def activate(self, env: Dict[str, str]) -> Optional[subprocess.Popen]:
+        """A ready standby turned into the process ``env`` describes, or None (start cold)."""
+        if self.argv is None:
+            return None
+        self._reap_dead()
+        line = activation(env, self.argv)
+        if len(line.encode()) > PIPE_SAFE_BYTES:
+            return None  # a write that may block the supervisor until the standby reads
+        while self.ready:
+            proc = self.ready.pop(0)
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(line)
+                proc.stdin.close()
+                self.activated += 1
+                return proc
+            except (OSError, ValueError):
+                proc.kill()  # ours and not yet reaped: it was just alive
+                proc.wait()
+                _drain(proc)
+        return None
+
+    def close(self) -> None:
+        """Ends the unused standbys at once: they hold no work, and one still importing would
+        take seconds to notice the end of its input (which is how they end if the supervisor
+        dies)."""
+        for proc in self.ready:
+            proc.kill()  # Popen.kill signals only a child it has not reaped
+        running = reap(self.ready, Deadline.after(STANDBY_REAP_WAIT_S))
+        for proc in self.ready:
+            if proc in running:
+                self.say(f"warning: standby pid {proc.pid} could not be reaped")
+            _drain(proc)
+        self.ready = []
 
 
 def _become(env: Dict[str, str], argv: List[str]) -> None:

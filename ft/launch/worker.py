@@ -33,6 +33,10 @@ from typing import Any, Dict, Optional
 
 PROGRESS_PREFIX = "@ft-progress "
 
+# How often a worker checks that its launcher is still there. An orphaned worker trains on alone
+# for at most this long, and a check (one getppid) per second costs nothing.
+PARENT_POLL_S = 1.0
+
 _injected = threading.Event()
 _installed = False
 
@@ -91,7 +95,7 @@ def take_injected_allreduce_failure() -> bool:
 
 def _watch_parent(parent_pid: int) -> None:
     while True:
-        time.sleep(1.0)
+        time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:
             # The launcher died without reaping us: do not train on alone.
             os._exit(3)

@@ -25,6 +25,7 @@ if ROOT not in sys.path:
 
 from ft.launch import cli  # noqa: E402
 from ft.launch.worker import PROGRESS_PREFIX, parse_progress  # noqa: E402
+from ft.utils.deadline import Deadline  # noqa: E402
 
 FAKE = os.path.join(ROOT, "tests", "launch", "fake_worker.py")
 EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -68,10 +69,10 @@ def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
             result = json.load(f)
     pids = [pid for g in result.get("groups", []) for attempt in g["pids"] for pid in attempt]
     pids += result.get("standby_pids", [])  # unused standbys are reaped too
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], f"children left running:\n{out[-4000:]}"
+    gone = Deadline.after(5)  # a reaped child's zombie may linger a moment in /proc
+    while any(_alive(pid) for pid in pids) and not gone.expired:
+        gone.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)], f"children left running:\n{out[-4000:]}"
     return proc.returncode, out, result
 
 

@@ -112,3 +112,32 @@ def test_end_of_input_exits_quietly(tmp_path) -> None:
 def test_bad_activation_is_refused_with_a_message(tmp_path, line: str) -> None:
     rc, _, err = finish(start(str(tmp_path)), line)
     assert rc == 2 and "bad activation" in err
+
+
+def test_pool_hands_out_a_ready_standby_and_reaps_the_rest(tmp_path) -> None:
+    """StandbyPool, the launcher's side: a standby it started becomes the rank it is given;
+    one left over is killed and reaped by close()."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    said = []
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    pool = standby.StandbyPool([str(script)], size=2, env=lambda: env, say=said.append)
+    try:
+        pool.refill(everyone_trains=False)
+        assert pool.pids == []  # not while a group still starts or recovers
+        pool.refill(everyone_trains=True)
+        pool.refill(everyone_trains=True)
+        pool.refill(everyone_trains=True)  # full: no third
+        assert len(pool.pids) == 2
+        proc = pool.activate({"RANK": "5", "PATH": os.environ.get("PATH", "")})
+        assert proc is not None and pool.activated == 1 and proc.pid == pool.pids[0]
+        proc.wait(timeout=120)  # its output is a few lines: the pipe never fills
+        out = proc.stdout.read()
+        proc.stdout.close()
+        assert proc.returncode == 0, out
+        rec = json.loads(out.strip().splitlines()[-1])
+        assert rec["rank"] == "5" and rec["name"] == "__main__" and rec["argv"] == [str(script)]
+        leftover = pool.ready[0]
+    finally:
+        pool.close()  # even when an assertion failed: no standby outlives the test
+    assert leftover.returncode is not None and pool.ready == [] and not said
