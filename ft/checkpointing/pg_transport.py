@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import struct
-import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
@@ -44,6 +43,7 @@ from ft.checkpointing.transport import (
     CheckpointTransferError,
     CheckpointTransport,
 )
+from ft.utils.deadline import Deadline
 
 T = TypeVar("T")
 
@@ -134,9 +134,9 @@ class PGTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         pass
 
-    def _wait(self, works: List[Tuple[Any, str]], deadline: float) -> None:
+    def _wait(self, works: List[Tuple[Any, str]], deadline: Deadline) -> None:
         for work, what in works:
-            remaining = deadline - time.monotonic()
+            remaining = deadline.remaining()
             if remaining <= 0:
                 raise CheckpointTransferError(f"{what}: timed out")
             try:
@@ -154,7 +154,7 @@ class PGTransport(CheckpointTransport[T]):
         Raises TypeError (naming the key path) for values that cannot be sent safely, and
         CheckpointTransferError when a destination fails or the timeout passes.
         """
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         tree, specs, tensors = ser.flatten(state_dict)
         tensors = [t if t.device == self._device else t.to(self._device) for t in tensors]
         algos = [_algo(t) for t in tensors]
@@ -223,7 +223,7 @@ class PGTransport(CheckpointTransport[T]):
             CheckpointNotAvailableError: the sender sent another step.
             CheckpointTransferError: the peer failed or vanished, or the timeout passed.
         """
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         where = f"receiving checkpoint step {step} from rank {src_rank}"
 
         def recv(t: torch.Tensor) -> Any:

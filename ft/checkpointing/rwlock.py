@@ -11,9 +11,10 @@ would wait for itself (use a timeout).
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
+
+from ft.utils.deadline import Deadline, Timeout, to_seconds
 
 __all__ = ["RWLock"]
 
@@ -33,27 +34,17 @@ class RWLock:
         self._writer = False
         self._writers_waiting = 0
 
-    def _deadline(self, timeout: Optional[float]) -> Optional[float]:
-        if timeout is None:
-            timeout = self._timeout
-        if timeout is None or timeout < 0:
-            return None
-        return time.monotonic() + timeout
-
-    def _wait(self, deadline: Optional[float], what: str) -> None:
-        if deadline is None:
-            self._cond.wait()
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"timed out waiting for the {what} lock")
-        self._cond.wait(remaining)  # the caller's loop re-checks its condition and the time
+    def _deadline(self, timeout: Optional[Timeout]) -> Deadline:
+        seconds = to_seconds(self._timeout if timeout is None else timeout)
+        if seconds is None or seconds < 0:
+            return Deadline.never()
+        return Deadline.after(seconds)
 
     def r_acquire(self, timeout: Optional[float] = None) -> None:
         deadline = self._deadline(timeout)
         with self._cond:
-            while self._writer or self._writers_waiting:
-                self._wait(deadline, "read")
+            if not deadline.wait(self._cond, lambda: not (self._writer or self._writers_waiting)):
+                raise TimeoutError("timed out waiting for the read lock")
             self._readers += 1
 
     def r_release(self) -> None:
@@ -69,8 +60,8 @@ class RWLock:
         with self._cond:
             self._writers_waiting += 1
             try:
-                while self._writer or self._readers:
-                    self._wait(deadline, "write")
+                if not deadline.wait(self._cond, lambda: not (self._writer or self._readers)):
+                    raise TimeoutError("timed out waiting for the write lock")
             except BaseException:
                 self._writers_waiting -= 1
                 self._cond.notify_all()  # readers blocked behind this writer may go now

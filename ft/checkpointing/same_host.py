@@ -43,7 +43,7 @@ the same length prefix plus bytes)::
 Regions are the source's tensors in header order (their bytes concatenated form the offsets
 that ranges index); ranges are consecutive byte ranges covering the whole checkpoint. The
 source checksums each range once, from its own memory, usually before the receiver asks (see
-HTTPTransport.send_checkpoint); the receiver checksums what it copied, range by range, on a
+same_host_source.py); the receiver checksums what it copied, range by range, on a
 second thread while it copies the next. A mismatch fails the heal, nothing is returned.
 """
 
@@ -65,12 +65,14 @@ import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ft import _C
+from ft.checkpointing.deadline_io import read_exact
 from ft.checkpointing.transport import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointTransferError,
 )
+from ft.utils.deadline import Deadline
 
 __all__ = [
     "LocalEndpoint",
@@ -93,6 +95,19 @@ REQUEST_TIMEOUT_S = 2.0
 # Most a receiver's connect may take. A full listen backlog (the endpoint swamped) fails it at
 # once (EAGAIN), and the receiver uses HTTP; this bounds whatever else could hold it.
 CONNECT_TIMEOUT_S = 1.0
+# A connect needs a positive socket timeout (0 would make the socket non-blocking, and the
+# connect fail at once) even when the heal's deadline has all but passed.
+_MIN_CONNECT_TIMEOUT_S = 0.001
+# Connections queued before the endpoint accepts them; beyond this a receiver's connect fails
+# at once (EAGAIN) and it uses HTTP, which is what a swamped endpoint should make it do.
+_LISTEN_BACKLOG = 64
+# After a failed accept (EMFILE, ENOMEM...: transient), the endpoint waits this long before
+# accepting again, so that a descriptor shortage does not spin a core.
+_ACCEPT_RETRY_S = 0.05
+# Refused connections are logged at most this often (a flood must not flood the log too).
+_REFUSAL_LOG_INTERVAL_S = 10.0
+# close() joins the endpoint's threads this long by default: they have been cut off by then.
+_CLOSE_JOIN_S = 5.0
 DONE = b"D"
 FALLBACK = b"F"
 # errnos of a kernel (or sandbox) that will not let this receiver read the source: use HTTP
@@ -121,19 +136,10 @@ def segments(offsets: Sequence[int], start: int, end: int) -> Iterator[Tuple[int
 # ----------------------------------------------------------------------------- framing
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: Deadline) -> bytes:
+    """``n`` bytes from ``sock`` by ``deadline`` (TimeoutError, EOFError otherwise)."""
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError()
-        sock.settimeout(remaining)
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise EOFError("connection closed by peer")
-        got += k
+    read_exact(sock, sock.recv_into, memoryview(buf), deadline)
     return buf  # bytes-like; not copied again into a bytes object
 
 
@@ -141,7 +147,7 @@ def send_raw(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_FRAME.pack(len(data)) + data)
 
 
-def recv_raw(sock: socket.socket, deadline: float, max_bytes: int) -> bytes:
+def recv_raw(sock: socket.socket, deadline: Deadline, max_bytes: int) -> bytes:
     (n,) = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
     if n > max_bytes:
         raise ValueError(f"frame of {n} bytes exceeds {max_bytes}")
@@ -152,7 +158,7 @@ def send_frame(sock: socket.socket, obj: Any) -> None:
     send_raw(sock, json.dumps(obj, separators=(",", ":")).encode("utf-8"))
 
 
-def recv_frame(sock: socket.socket, deadline: float, max_bytes: int = _MAX_FRAME) -> Any:
+def recv_frame(sock: socket.socket, deadline: Deadline, max_bytes: int = _MAX_FRAME) -> Any:
     body = recv_raw(sock, deadline, max_bytes)
     try:
         return json.loads(body.decode("utf-8"))
@@ -243,7 +249,7 @@ class LocalEndpoint:
         self._handle = handle
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.name)
-        self._sock.listen(64)
+        self._sock.listen(_LISTEN_BACKLOG)
         self._lock = threading.Lock()
         self._conns: Set[socket.socket] = set()
         self._threads: Set[threading.Thread] = set()
@@ -264,7 +270,7 @@ class LocalEndpoint:
                     return
                 # EMFILE, ENOMEM...: transient; the name stays bound, so keep serving
                 logger.warning("same-host checkpoint endpoint: accept failed (%s)", e)
-                time.sleep(0.05)
+                time.sleep(_ACCEPT_RETRY_S)
                 continue
             if not same_user(conn):
                 # Another user's process: closed before a byte is read. It could not read this
@@ -290,10 +296,10 @@ class LocalEndpoint:
             t.start()
 
     def _warn(self, what: str) -> None:
-        """Logs a refusal, at most once per 10 s (a flood must not flood the log too)."""
+        """Logs a refusal, at most once per _REFUSAL_LOG_INTERVAL_S."""
         now = time.monotonic()
         self._refused += 1
-        if now - self._last_warning >= 10.0:
+        if now - self._last_warning >= _REFUSAL_LOG_INTERVAL_S:
             logger.warning("same-host checkpoint endpoint: %s (%d refusal(s) since the last "
                            "warning; receivers use HTTP meanwhile)", what, self._refused)
             self._last_warning = now
@@ -310,7 +316,7 @@ class LocalEndpoint:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def close(self, join_timeout: float = 5.0) -> None:
+    def close(self, join_timeout: float = _CLOSE_JOIN_S) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -327,10 +333,10 @@ class LocalEndpoint:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        end = time.monotonic() + join_timeout
-        self._acceptor.join(max(0.0, end - time.monotonic()))
+        deadline = Deadline.after(join_timeout)
+        self._acceptor.join(deadline.remaining())
         for t in threads:
-            t.join(max(0.0, end - time.monotonic()))
+            t.join(deadline.remaining())
 
 
 # ----------------------------------------------------------------------------- receiver side
@@ -357,7 +363,8 @@ class Session:
 
     @classmethod
     def open(
-        cls, name: str, deadline: float, where: str, raise_for_status: Callable[[int, str], None]
+        cls, name: str, deadline: Deadline, where: str,
+        raise_for_status: Callable[[int, str], None],
     ) -> Optional["Session"]:
         if not supported() or not NAME_PATTERN.fullmatch(name):
             return None
@@ -367,7 +374,8 @@ class Session:
             return None
         try:
             # a full backlog (the endpoint swamped) fails at once: use HTTP, do not wait
-            sock.settimeout(max(0.001, min(CONNECT_TIMEOUT_S, deadline - time.monotonic())))
+            sock.settimeout(
+                max(_MIN_CONNECT_TIMEOUT_S, deadline.sooner(CONNECT_TIMEOUT_S).remaining()))
             sock.connect("\0" + name)
             pid, uid, _ = peer_creds(sock)
         except OSError as e:
@@ -388,12 +396,6 @@ class Session:
 
     def close(self) -> None:
         self._sock.close()
-
-    def _call(
-        self, request: Dict[str, Any], deadline: float, max_bytes: int = _MAX_FRAME
-    ) -> Dict[str, Any]:
-        send_frame(self._sock, request)
-        return self._check(recv_frame(self._sock, deadline, max_bytes))
 
     def _check(self, reply: Any) -> Dict[str, Any]:
         if type(reply) is not dict:
@@ -425,9 +427,9 @@ class Session:
     def fetch(
         self,
         request: Dict[str, Any],
-        deadline: float,
+        deadline: Deadline,
         max_bytes: int,
-        reply_deadline: Optional[float] = None,
+        reply_deadline: Optional[Deadline] = None,
     ) -> Optional[Tuple[bytes, str, Dict[str, Any]]]:
         """Asks for the checkpoint: returns the metadata body (header + CRC-32 trailer), the
         source's lease and the reply that ``copy`` needs. None (use HTTP) if the source
@@ -443,7 +445,9 @@ class Session:
         try:
             # the reply lists every tensor's region: it may be as large as the header
             reply = recv_frame(
-                self._sock, deadline if reply_deadline is None else min(deadline, reply_deadline),
+                self._sock,
+                deadline if reply_deadline is None or deadline.at <= reply_deadline.at
+                else reply_deadline,
                 max_bytes)
         except (EOFError, ConnectionError) as e:
             logger.info("%s: the same-host source closed the connection unanswered (%s: busy, "
@@ -476,7 +480,7 @@ class Session:
         reply: Dict[str, Any],
         offsets: Sequence[int],
         views: Sequence[memoryview],
-        deadline: float,
+        deadline: Deadline,
     ) -> bool:
         """Copies every byte into ``views`` (tensor i's bytes; ``offsets`` lays them end to
         end, as the header the source sent), verifying each range. False: the kernel refused
@@ -500,7 +504,7 @@ class Session:
         reply: Dict[str, Any],
         offsets: Sequence[int],
         views: Sequence[memoryview],
-        deadline: float,
+        deadline: Deadline,
     ) -> bool:
         regions = _parse_regions(reply.get("regions"), offsets)
         ranges = parse_ranges(reply.get("ranges"), offsets[-1])

@@ -30,8 +30,13 @@ from ft.checkpointing import (  # noqa: E402
     HTTPTransport,
     same_host,
 )
+from ft.checkpointing import http_protocol, same_host_source  # noqa: E402
 from ft.checkpointing import serialization as ser  # noqa: E402
+from ft.checkpointing.checkpoint_server import CheckpointServer  # noqa: E402
+from ft.checkpointing.same_host_source import SameHostSource  # noqa: E402
+from ft.checkpointing.staging import Staging  # noqa: E402
 from ft.utils.auth import SAME_HOST_PURPOSE, JobSecret, Signer  # noqa: E402
+from ft.utils.deadline import Deadline  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not same_host.supported(), reason="Linux only")
 
@@ -98,8 +103,6 @@ def test_source_serves_large_cpu_tensors_from_a_huge_page_copy_within_its_budget
     """send_checkpoint copies CPU tensors >= 2 MiB into huge-page memory on a background
     thread, so the receiver's kernel copy reads huge pages; small tensors and checkpoints over
     the memory budget are served from the caller's tensors. Either way the bytes match."""
-    from ft.checkpointing import http_transport
-
     state = {"big": torch.randn(1 << 20), "small": torch.randn(10)}
     with transport() as src, transport() as dst:
         src.send_checkpoint([1], 1, state, TO)
@@ -117,7 +120,7 @@ def test_source_serves_large_cpu_tensors_from_a_huge_page_copy_within_its_budget
         assert dst.last_recv_path == "same-host"
         assert_same(state, got)
 
-        monkeypatch.setattr(http_transport, "_host_copy_budget", lambda: 1 << 20)
+        monkeypatch.setattr(same_host_source, "host_copy_budget", lambda: 1 << 20)
         src.send_checkpoint([1], 2, state, TO)
         st = src._staging
         assert st is not None
@@ -126,18 +129,21 @@ def test_source_serves_large_cpu_tensors_from_a_huge_page_copy_within_its_budget
         assert_same(state, dst.recv_checkpoint(0, src.metadata(), 2, TO))
 
 
-def test_source_checksums_each_range_once_ahead_of_the_receiver() -> None:
+def test_source_checksums_each_range_once_ahead_of_the_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """send_checkpoint checksums the same-host ranges on a background thread; receivers (two
     here, one after the other) get those checksums instead of recomputing them."""
     calls: List[Any] = []
+    real_checksum = Staging.checksum
 
-    class Counting(HTTPTransport):
-        def _checksum(self, st: Any, start: int, end: int) -> int:
-            calls.append((start, end))
-            return super()._checksum(st, start, end)
+    def counting(st: Staging, start: int, end: int) -> int:
+        calls.append((start, end))
+        return real_checksum(st, start, end)
 
+    monkeypatch.setattr(Staging, "checksum", counting)
     state = {"w": torch.randn(3 << 20), "v": torch.randn(7)}  # 12 MiB: ranges of ~1 MiB
-    src = Counting(TO, 4, advertise_host="127.0.0.1")
+    src = HTTPTransport(TO, 4, advertise_host="127.0.0.1")
     try:
         with transport() as dst:
             src.send_checkpoint([1], 5, state, TO)
@@ -230,9 +236,13 @@ def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
         def _pace(self) -> None:
             time.sleep(0.05)
 
-        def _release(self, st: Any, lease_id: str, conn: Any, used: Any) -> None:
-            self.releases.append((type(conn).__name__, used))
-            super()._release(st, lease_id, conn, used)
+    real_release = CheckpointServer.release
+
+    def recording_release(server: Any, st: Any, lease_id: str, conn: Any, used: Any) -> None:
+        Paced.releases.append((type(conn).__name__, used))
+        real_release(server, st, lease_id, conn, used)
+
+    monkeypatch.setattr(CheckpointServer, "release", recording_release)
 
     state = {"w": torch.randn(1 << 21), "b": torch.ones(3, dtype=torch.bool)}  # 8 MiB
     src = Paced(TO, 4, advertise_host="127.0.0.1")
@@ -262,8 +272,8 @@ def test_receiver_gone_after_metadata_does_not_hold_up_disallow() -> None:
             s.settimeout(5)
             s.connect("\0" + src._local.name)
             same_host.send_frame(s, {"op": "fetch", "step": 2, "wait": 0.0, "chunks": 4})
-            assert same_host.recv_frame(s, time.monotonic() + 5)["ok"] is True
-            same_host.recv_raw(s, time.monotonic() + 5, 1 << 20)
+            assert same_host.recv_frame(s, Deadline.after(5))["ok"] is True
+            same_host.recv_raw(s, Deadline.after(5), 1 << 20)
             st = src._staging
             assert st is not None and len(st.leases) == 1
         end = time.monotonic() + 5
@@ -305,7 +315,7 @@ def _raw_request(name: str, request: Any) -> Any:
             s.sendall(request)
         else:
             same_host.send_frame(s, request)
-        return same_host.recv_frame(s, time.monotonic() + 5)
+        return same_host.recv_frame(s, Deadline.after(5))
 
 
 def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
@@ -376,11 +386,11 @@ def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.Monk
     """A source whose reply names ranges or regions that do not fit the header it sent: the
     receiver raises CheckpointFormatError naming the problem, copies nothing, and its next
     heal works."""
-    from ft.checkpointing import CheckpointFormatError, http_transport
+    from ft.checkpointing import CheckpointFormatError
 
     state = {"w": torch.randn(1 << 19), "v": torch.randn(100)}
     total = sum(t.nbytes for t in state.values())
-    real_plan = http_transport.plan_chunks
+    real_plan = http_protocol.plan_chunks
     real_regions = same_host._parse_regions
     with transport() as src, transport() as dst:
         for bad_plan, words in (
@@ -388,11 +398,11 @@ def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.Monk
             (lambda t, n: [(1, t)], "does not continue at byte 0"),
             (lambda t, n: [], "ranges must be a list"),
         ):
-            monkeypatch.setattr(http_transport, "plan_chunks", bad_plan)
+            monkeypatch.setattr(http_protocol, "plan_chunks", bad_plan)
             src.send_checkpoint([1], 4, state, TO)  # the source plans its ranges here
             with pytest.raises(CheckpointFormatError, match=words):
                 dst.recv_checkpoint(0, src.metadata(), 4, TO)
-        monkeypatch.setattr(http_transport, "plan_chunks", real_plan)
+        monkeypatch.setattr(http_protocol, "plan_chunks", real_plan)
         src.send_checkpoint([1], 4, state, TO)
         monkeypatch.setattr(
             same_host, "_parse_regions", lambda raw, offsets: real_regions(raw[:1], offsets)
@@ -405,17 +415,19 @@ def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.Monk
         assert_same(state, got)
 
 
-def test_source_without_the_fetch_request_is_healed_from_over_http() -> None:
+def test_source_without_the_fetch_request_is_healed_from_over_http(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A source of an earlier ft answers the one-request protocol with 400 "unknown op": the
     receiver uses HTTP instead of failing the heal."""
 
-    class OldSource(HTTPTransport):
-        def _serve_local(self, conn: socket.socket) -> None:
-            same_host.recv_frame(conn, time.monotonic() + 5)
-            same_host.send_frame(conn, {"ok": False, "code": 400, "error": "unknown op 'fetch'"})
+    def old_serve(self: SameHostSource, conn: socket.socket) -> None:
+        same_host.recv_frame(conn, Deadline.after(5))
+        same_host.send_frame(conn, {"ok": False, "code": 400, "error": "unknown op 'fetch'"})
 
+    monkeypatch.setattr(SameHostSource, "serve", old_serve)  # bound as the source starts
     state = {"w": torch.randn(1 << 18)}
-    src = OldSource(TO, 4, advertise_host="127.0.0.1")
+    src = HTTPTransport(TO, 4, advertise_host="127.0.0.1")
     try:
         with transport() as dst:
             src.send_checkpoint([1], 2, state, TO)
