@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ft import _C
+from ft.process_group import current_lane, lane
 
 __all__ = [
     "Segment",
@@ -253,10 +253,10 @@ class _LaneWorker:
         self._q.put(job)
 
     def _run(self) -> None:
-        _C.set_current_lane(self._lane)
-        while True:
-            job = self._q.get()
-            job()
+        with lane(self._lane):  # for the thread's whole life
+            while True:
+                job = self._q.get()
+                job()
 
 
 _workers_lock = threading.Lock()
@@ -369,7 +369,7 @@ def allreduce_quantized(
             return
         fut.set_result(tensors)
 
-    _lane_worker(process_group, _C.get_current_lane()).submit(job)
+    _lane_worker(process_group, current_lane()).submit(job)
     return work_from_future(fut)
 
 
@@ -505,5 +505,5 @@ def reduce_scatter_quantized(
             return
         fut.set_result([output])
 
-    _lane_worker(process_group, _C.get_current_lane()).submit(job)
+    _lane_worker(process_group, current_lane()).submit(job)
     return work_from_future(fut)

@@ -142,7 +142,7 @@ def future_timeout(fut: Future, timeout: timedelta) -> Future:
         try:
             value = f.value()
         except Exception as e:  # noqa: BLE001 - handed on through the returned future
-            settle(lambda: out.set_exception(e))
+            settle(lambda err=e: out.set_exception(err))
             return
         settle(lambda: out.set_result(value))
 

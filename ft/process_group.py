@@ -58,7 +58,8 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 
 from ft import _C
 from ft.utils import net
-from ft.utils.deadline import Deadline
+from ft import records
+from ft.utils.deadline import Deadline, to_timedelta
 from ft.utils.retry import retry_until
 from ft.work import _DummyWork
 
@@ -109,9 +110,16 @@ def _failure_to_exception(failure: Optional[Tuple[str, str]]) -> Optional[Except
     return ProcessGroupErrored(f"{kind}: {message}")
 
 
+def current_lane() -> int:
+    """The lane the calling thread's ops run on (0 unless inside a :func:`lane` block)."""
+    return _C.get_current_lane()
+
+
 @contextlib.contextmanager
 def lane(index: int) -> Iterator[int]:
-    """Runs the calling thread's ops inside the block on lane `index`."""
+    """Runs the calling thread's ops inside the block on lane `index` (docs/design.md,
+    "Lanes"). Lanes are chosen only through this: a thread's lane is its own, and it returns
+    to the previous one when the block ends."""
     previous = _C.get_current_lane()
     _C.set_current_lane(index)
     try:
@@ -140,14 +148,6 @@ def _check_agreement_default(value: Optional[bool]) -> bool:
     if value is not None:
         return bool(value)
     return os.environ.get("FT_CHECK_AGREEMENT", "0") not in ("", "0", "false", "False")
-
-
-def _to_timedelta(timeout) -> timedelta:
-    if isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)):
-        return timedelta(seconds=timeout)
-    raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
 
 
 def _lock_timeout(deadline: Deadline) -> float:
@@ -369,7 +369,7 @@ class ProcessGroupFt(ProcessGroup):
                 small round trip per op. Default: env FT_CHECK_AGREEMENT=1.
         """
         super().__init__(0, 1)
-        self._timeout = _to_timedelta(timeout)
+        self._timeout = to_timedelta(timeout)
         self._backend = _C.FtBackend(0, 1, self._timeout, num_lanes)
         self._backend.check_agreement = _check_agreement_default(check_agreement)
         for device in ("cpu", "cuda"):
@@ -382,6 +382,7 @@ class ProcessGroupFt(ProcessGroup):
         self._store: Optional[TCPStore] = None
         self._replica_id: Optional[str] = None
         self._quorum_id: Optional[int] = None
+        self._global_ranks: Optional[List[int]] = None
 
     # -- configuration -------------------------------------------------------
 
@@ -403,8 +404,14 @@ class ProcessGroupFt(ProcessGroup):
         bounded by the group's timeout, from the start of the call: an
         unreachable or silent store fails it with DistStoreError then, and
         the group stays usable.
+
+        ``global_ranks`` (torchft's): the job-wide ranks of this group's members, in rank
+        order; kept as :attr:`global_ranks` and named in the abort log.
         """
         deadline = Deadline.after(self._timeout)
+        if global_ranks is not None and len(global_ranks) != world_size:
+            raise ValueError(f"global_ranks has {len(global_ranks)} entries for world_size "
+                             f"{world_size}")
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -413,6 +420,7 @@ class ProcessGroupFt(ProcessGroup):
         store = self._client_store(host, port, deadline)
         self._replica_id = replica_id
         self._quorum_id = quorum_id
+        self._global_ranks = list(global_ranks) if global_ranks is not None else None
         _configuring.deadline = deadline  # bounds the lanes' connects (see _new_gloo)
         try:
             self._backend.configure(PrefixStore(f"{prefix}/ft", store), rank, world_size)
@@ -451,8 +459,11 @@ class ProcessGroupFt(ProcessGroup):
         ``errored`` (torchft's flag) only decides whether the abort is logged as a failure;
         the abort is the same either way."""
         if errored:
-            logger.info("process group aborted (replica_id=%s rank=%s quorum_id=%s)",
-                        self._replica_id, self.rank(), self._quorum_id)
+            logger.info("process group aborted (replica_id=%s rank=%s quorum_id=%s "
+                        "global_ranks=%s)", self._replica_id, self.rank(), self._quorum_id,
+                        self._global_ranks)
+            records.record(records.ERRORS, replica_id=self._replica_id, rank=self.rank(),
+                           error="process_group_abort")
         self._backend.abort()
 
     def shutdown(self) -> None:
@@ -463,13 +474,18 @@ class ProcessGroupFt(ProcessGroup):
         return _failure_to_exception(self._backend.errored())
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = _to_timedelta(timeout)
+        self._timeout = to_timedelta(timeout)
         self._backend.set_timeout(self._timeout)
 
     @property
     def timeout(self) -> timedelta:
         """Every op's deadline (from its start), as set at construction or by set_timeout."""
         return self._timeout
+
+    @property
+    def global_ranks(self) -> Optional[List[int]]:
+        """The job-wide ranks of this group's members given to the last configure(), or None."""
+        return self._global_ranks
 
     @property
     def backend(self):
@@ -655,7 +671,7 @@ def create_store_client(store_addr: str, timeout: timedelta) -> Store:
     not answer in time.
     """
     host, port, prefix = parse_store_addr(store_addr)
-    timeout = _to_timedelta(timeout)
+    timeout = to_timedelta(timeout)
     try:
         store = _connect_store(host, port, Deadline.after(timeout))
     except Exception as e:  # noqa: BLE001 - re-raised naming the address
@@ -709,7 +725,7 @@ class ProcessGroupWrapper(ProcessGroup):
         super().__init__(0, 1)
         self._pg: Optional[_TorchProcessGroup] = pg
         self._owns_pg = pg is None
-        self._timeout = _to_timedelta(timeout)
+        self._timeout = to_timedelta(timeout)
         self._replica_id: Optional[str] = None
         self._rank: Optional[int] = None
 
@@ -755,7 +771,7 @@ class ProcessGroupWrapper(ProcessGroup):
         return check() if check is not None else None
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = _to_timedelta(timeout)
+        self._timeout = to_timedelta(timeout)
         pg = self._pg
         if pg is not None and hasattr(pg, "set_timeout"):
             pg.set_timeout(self._timeout)
@@ -1284,7 +1300,7 @@ class ProcessGroupBaby(ProcessGroupFt):
     """
 
     def __init__(self, timeout: Union[float, timedelta] = 60.0) -> None:
-        super().__init__(timeout=_to_timedelta(timeout))
+        super().__init__(timeout=to_timedelta(timeout))
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):

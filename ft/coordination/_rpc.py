@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import socket
-import time
-from typing import TYPE_CHECKING, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import grpc
 
-from .quorum import Quorum, QuorumMember
-from ._proto import torchft_pb2 as pb
+from ..utils.deadline import Deadline, Timeout, to_seconds
 
 if TYPE_CHECKING:
     from ..utils.tls import TLSConfig
 
-Timeout = Union[_dt.timedelta, float, int]
 
 # Servers refuse requests larger than this (RESOURCE_EXHAUSTED); clients accept answers up to it.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -26,6 +21,10 @@ MAX_NAME_LEN = 1024
 MAX_RANK = 1 << 20
 # A deadline further away than this is treated as "no deadline" (gRPC reports ~9.2e18 s).
 NO_DEADLINE_S = 1e9
+# A server answers this much (at most a tenth of the time left) before the caller's deadline,
+# so that its explanation (which rank is missing, ...) reaches the caller before the caller's
+# own deadline turns it into a bare DEADLINE_EXCEEDED.
+ANSWER_MARGIN_S = 0.05
 
 # Client keepalive period; servers accept pings twice as often.
 KEEPALIVE_TIME_MS = 5000
@@ -78,12 +77,13 @@ class CoordinationError(RuntimeError):
         super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
 
 
-def seconds(t: Optional[Timeout]) -> Optional[float]:
-    if t is None:
-        return None
-    if isinstance(t, _dt.timedelta):
-        return t.total_seconds()
-    return float(t)
+def required_seconds(timeout: Optional[Timeout], what: str) -> float:
+    """A call's timeout in seconds; every coordination call needs one (an RPC without a
+    deadline could wait forever on a peer that is gone)."""
+    s = to_seconds(timeout)
+    if s is None:
+        raise ValueError(f"{what}: a timeout is required")
+    return s
 
 
 def grpc_target(addr: str) -> str:
@@ -150,8 +150,8 @@ def wait_ready(channel: grpc.Channel, addr: str, timeout: float) -> None:
         raise TimeoutError(f"could not connect to {addr} within {timeout:.3f}s") from None
 
 
-def server_deadline(context: grpc.ServicerContext, method: str) -> float:
-    """The time.monotonic() by which a handler must answer. Aborts INVALID_ARGUMENT without one.
+def server_deadline(context: grpc.ServicerContext, method: str) -> Deadline:
+    """The deadline by which a handler must answer. Aborts INVALID_ARGUMENT without one.
 
     The server answers a little before the caller's deadline, so that its explanation (which
     rank is missing, ...) reaches the caller instead of a bare client-side deadline error.
@@ -162,8 +162,8 @@ def server_deadline(context: grpc.ServicerContext, method: str) -> float:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{method}: a deadline is required (set a timeout on the call)",
         )
-    margin = min(0.05, remaining * 0.1)
-    return time.monotonic() + remaining - margin
+    margin = min(ANSWER_MARGIN_S, remaining * 0.1)
+    return Deadline.after(remaining - margin)
 
 
 def bad(context: grpc.ServicerContext, msg: str) -> None:
@@ -184,67 +184,3 @@ def check_rank(context: grpc.ServicerContext, what: str, value: int, world_size:
         bad(context, f"{what} {value} is out of range for world_size {world_size}")
     if value > MAX_RANK:
         bad(context, f"{what} {value} is too large")
-
-
-# --- conversions -------------------------------------------------------------------------
-
-
-def _data_to_wire(data: object) -> str:
-    """QuorumMember.data → the proto's JSON string ("" for None)."""
-    return "" if data is None else json.dumps(data)
-
-
-def _data_from_wire(text: str) -> object:
-    """The proto's JSON string → QuorumMember.data (None for ""; the lighthouse refuses
-    requests whose data is not JSON, so a string that is not JSON stays as it is)."""
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
-    return pb.QuorumMember(
-        replica_id=m.replica_id,
-        address=m.address,
-        store_address=m.store_address,
-        step=m.step,
-        world_size=m.world_size,
-        shrink_only=m.shrink_only,
-        data=_data_to_wire(m.data),
-        commit_failures=m.commit_failures,
-    )
-
-
-def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
-    return QuorumMember(
-        replica_id=m.replica_id,
-        address=m.address,
-        store_address=m.store_address,
-        step=m.step,
-        world_size=m.world_size,
-        shrink_only=m.shrink_only,
-        data=_data_from_wire(m.data),
-        commit_failures=m.commit_failures,
-    )
-
-
-def quorum_to_pb(q: Quorum) -> pb.Quorum:
-    out = pb.Quorum(quorum_id=q.quorum_id, participants=[member_to_pb(m) for m in q.participants])
-    out.created.FromDatetime(q.created)
-    return out
-
-
-def quorum_from_pb(q: pb.Quorum) -> Quorum:
-    created = (
-        q.created.ToDatetime(tzinfo=_dt.timezone.utc)
-        if q.HasField("created")
-        else _dt.datetime.now(_dt.timezone.utc)
-    )
-    return Quorum(
-        quorum_id=q.quorum_id,
-        participants=tuple(member_from_pb(m) for m in q.participants),
-        created=created,
-    )

@@ -1,4 +1,4 @@
-"""Clients of the lighthouse and of a ManagerServer.
+"""Clients of the lighthouse and of a ManagerServer (retries: docs/design.md, "Network faults").
 
 Every call takes a timeout (``datetime.timedelta`` or seconds) that bounds the whole call,
 connecting included. A missed deadline raises :class:`TimeoutError`; any other failure raises
@@ -47,7 +47,8 @@ import grpc
 from . import _rpc
 from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
-from .quorum import Quorum, QuorumResult
+from . import wire
+from .quorum import FailureNotification, Quorum, QuorumResult
 from ..utils.auth import GRPC_METADATA_KEY, GRPC_PURPOSE, SecretLike, Signer, resolve_secret
 from ..utils.deadline import Deadline
 from ..utils.tls import TLSConfig, resolve_tls
@@ -67,13 +68,6 @@ __all__ = [
 def _transient(exc: BaseException) -> bool:
     """A failure that a later attempt may not meet: the connection, not the request."""
     return isinstance(exc, CoordinationError) and exc.code in _rpc.TRANSIENT_CODES
-
-
-def _required(t: Optional[Timeout], what: str) -> float:
-    s = _rpc.seconds(t)
-    if s is None:
-        raise ValueError(f"{what}: a timeout is required")
-    return s
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +93,7 @@ class _Client:
         tls: Optional[TLSConfig] = None,
     ) -> None:
         self._addr = addr
-        self._connect_timeout = _required(connect_timeout, "connect_timeout")
+        self._connect_timeout = _rpc.required_seconds(connect_timeout, "connect_timeout")
         secret = resolve_secret(secret)
         self._signer = Signer(secret, GRPC_PURPOSE) if secret is not None else None
         self._channel = _rpc.make_channel(addr, resolve_tls(tls))
@@ -132,7 +126,7 @@ class _Client:
         connection: UNAVAILABLE) until ``timeout`` runs out, or ``retries`` retries (0: no
         retry). A network blip or a restarting server is not fatal while time remains; the
         last failure is raised when it does run out."""
-        t = _required(timeout, method)
+        t = _rpc.required_seconds(timeout, method)
         if t <= 0:
             raise TimeoutError(f"{method}: timeout must be > 0, got {t}")
         deadline = Deadline.after(t)
@@ -166,25 +160,6 @@ class _Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@dataclass(frozen=True)
-class FailureNotification:
-    replica_id: str
-    error_message: str
-    quorum_id: int
-    heartbeat_age_s: float
-    detected: _dt.datetime
-
-
-def _notification_from_pb(m: pb.FailureNotification) -> FailureNotification:
-    return FailureNotification(
-        replica_id=m.replica_id,
-        error_message=m.error_message,
-        quorum_id=m.quorum_id,
-        heartbeat_age_s=m.heartbeat_age_s,
-        detected=m.detected.ToDatetime(tzinfo=_dt.timezone.utc),
-    )
 
 
 class FailureSubscription:
@@ -230,7 +205,7 @@ class FailureSubscription:
                         delays = backoff_delays(0.05, 1.0)
                         continue
                     try:
-                        self._callback(_notification_from_pb(msg))
+                        self._callback(wire.notification_from_pb(msg))
                     except Exception:
                         logger.exception("failure notification callback raised")
             except grpc.RpcError as e:
@@ -248,7 +223,7 @@ class FailureSubscription:
 
     def wait_subscribed(self, timeout: Optional[Timeout] = None) -> bool:
         """True once a stream is open (the lighthouse sent its first keep-alive)."""
-        return self._subscribed.wait(_rpc.seconds(timeout))
+        return Deadline.after(timeout).wait_event(self._subscribed)
 
     @property
     def subscribed(self) -> bool:
@@ -299,7 +274,7 @@ class LighthouseClient(_Client):
             "Quorum", pb.LighthouseQuorumRequest(requester=member), timeout, wait_for_ready,
             retries=retries, on_retry=on_retry,
         )
-        return _rpc.quorum_from_pb(resp.quorum)
+        return wire.quorum_from_pb(resp.quorum)
 
     def heartbeat(
         self,
@@ -323,20 +298,20 @@ class LighthouseClient(_Client):
         stream_timeout: Timeout = _dt.timedelta(minutes=5),
     ) -> FailureSubscription:
         """Calls ``callback(notification)`` on a background thread for every failure."""
-        return FailureSubscription(self, callback, subscriber, _required(stream_timeout, "stream_timeout"))
+        return FailureSubscription(self, callback, subscriber, _rpc.required_seconds(stream_timeout, "stream_timeout"))
 
     def failures(self, timeout: Timeout, subscriber: str = "") -> Iterator[FailureNotification]:
         """Yields failure notifications from one stream until ``timeout`` (then returns)."""
         call = self._invoke(
             "SubscribeFailures",
             pb.SubscribeFailuresRequest(subscriber=subscriber),
-            timeout=_required(timeout, "failures"),
+            timeout=_rpc.required_seconds(timeout, "failures"),
             wait_for_ready=True,
         )
         try:
             for msg in call:
                 if not msg.keepalive:
-                    yield _notification_from_pb(msg)
+                    yield wire.notification_from_pb(msg)
         except grpc.RpcError as e:
             if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 raise _rpc.translate(e, "SubscribeFailures") from None
@@ -344,53 +319,12 @@ class LighthouseClient(_Client):
             call.cancel()
 
 
-def _result_from_pb(r: pb.ManagerQuorumResponse) -> QuorumResult:
-    return QuorumResult(
-        quorum_id=r.quorum_id,
-        replica_rank=r.replica_rank,
-        replica_world_size=r.replica_world_size,
-        recover_src_manager_address=r.recover_src_manager_address,
-        recover_src_replica_rank=(
-            r.recover_src_replica_rank if r.HasField("recover_src_replica_rank") else None
-        ),
-        recover_dst_replica_ranks=list(r.recover_dst_replica_ranks),
-        store_address=r.store_address,
-        max_step=r.max_step,
-        max_replica_rank=r.max_replica_rank if r.HasField("max_replica_rank") else None,
-        max_world_size=r.max_world_size,
-        heal=r.heal,
-        commit_failures=r.commit_failures,
-        replica_ids=list(r.replica_ids),
-    )
-
-
-def _result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
-    out = pb.ManagerQuorumResponse(
-        quorum_id=r.quorum_id,
-        replica_rank=r.replica_rank,
-        replica_world_size=r.replica_world_size,
-        recover_src_manager_address=r.recover_src_manager_address,
-        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
-        store_address=r.store_address,
-        max_step=r.max_step,
-        max_world_size=r.max_world_size,
-        heal=r.heal,
-        commit_failures=r.commit_failures,
-        replica_ids=r.replica_ids,
-    )
-    if r.recover_src_replica_rank is not None:
-        out.recover_src_replica_rank = r.recover_src_replica_rank
-    if r.max_replica_rank is not None:
-        out.max_replica_rank = r.max_replica_rank
-    return out
-
-
 class ManagerClient(_Client):
     """Client of a replica group's ``ManagerService`` (torchft-compatible names)."""
 
     _service = "ManagerService"
 
-    def _quorum(
+    def quorum(
         self,
         group_rank: int,
         step: int,
@@ -408,11 +342,15 @@ class ManagerClient(_Client):
             init_sync=init_sync,
             commit_failures=commit_failures,
         )
-        return _result_from_pb(self._call("Quorum", req, timeout))
+        return wire.result_from_pb(self._call("Quorum", req, timeout))
 
-    def _checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+    def checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
         resp = self._call("CheckpointMetadata", pb.CheckpointMetadataRequest(rank=rank), timeout)
         return resp.checkpoint_metadata
+
+    # torchft's names for the two calls above.
+    _quorum = quorum
+    _checkpoint_metadata = checkpoint_metadata
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: Timeout

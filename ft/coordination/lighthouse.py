@@ -1,4 +1,5 @@
-"""The lighthouse: one per job. Decides, every round, which replica groups train together.
+"""The lighthouse: one per job. Decides, every round, which replica groups train together
+(docs/design.md, "The quorum rule" and "Failure notifications").
 
 ``LighthouseServer(bind, min_replicas, join_timeout_ms=None, quorum_tick_ms=None,
 heartbeat_timeout_ms=None)`` serves ``torchft.LighthouseService`` over gRPC (Quorum long-poll,
@@ -42,13 +43,14 @@ from urllib.parse import urlparse, urlsplit
 
 import grpc
 
-from . import _rpc
+from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
 from .rpc_server import Call, Method, RpcServer
 from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
 from ..utils.tls import TLSConfig, resolve_tls
 from ..utils.http_server import BoundedHTTPServer, BoundedRequestHandler
 from ..utils.net import is_loopback
+from ..utils.deadline import Deadline
 from .quorum import (
     LighthouseOptions,
     Quorum,
@@ -69,6 +71,10 @@ DEFAULT_QUORUM_TICK_MS = 100
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 5_000
 DEFAULT_DEAD_GRACE_MS = 30_000
 KEEPALIVE_S = 5.0
+# The dashboard's kill: a ManagerServer that does not accept a connection within 2 s or answer
+# within 5 s is not going to (the kill also ends the process, which may drop the answer).
+KILL_CONNECT_TIMEOUT = _dt.timedelta(seconds=2)
+KILL_TIMEOUT = _dt.timedelta(seconds=5)
 MAX_DATA_BYTES = 64 * 1024
 
 
@@ -82,7 +88,7 @@ class _Waiter:
 
     replica_id: str
     call: Call
-    deadline: float  # time.monotonic()
+    deadline: Deadline
 
 
 @dataclass
@@ -172,7 +178,7 @@ class _LighthouseState:
             if rid not in self.left and arrived > self.heartbeats.get(rid, float("-inf")):
                 self.heartbeats[rid] = arrived
 
-    def quorum(self, member: QuorumMember, deadline: float, call: Call) -> None:
+    def quorum(self, member: QuorumMember, deadline: Deadline, call: Call) -> None:
         """Registers ``call`` to be answered with ``member``'s next quorum (maybe at once)."""
         rid = member.replica_id
         waiter = _Waiter(rid, call, deadline)
@@ -189,7 +195,7 @@ class _LighthouseState:
             self.waiters.add(waiter)
             call.on_cancel = self._on_waiter_cancelled
             self._tick_locked(now)
-            if waiter in self.waiters and deadline < self.ticker_planned_wake:
+            if waiter in self.waiters and deadline.at < self.ticker_planned_wake:
                 self.ticker_wakeup.set()
 
     def has_events(self) -> bool:
@@ -269,7 +275,7 @@ class _LighthouseState:
             self._apply_fast_heartbeats_locked()
             wait = float("inf")
             if self.waiters:
-                wait = min(w.deadline for w in self.waiters) - time.monotonic()
+                wait = min(w.deadline.at for w in self.waiters) - time.monotonic()
             if self.prev is not None:
                 now = time.monotonic()
                 timeout = self.opts.heartbeat_timeout_s
@@ -299,7 +305,7 @@ class _LighthouseState:
         for w in self.waiters:
             if not w.call.is_active():
                 gone.append(w)
-            elif now >= w.deadline:
+            elif now >= w.deadline.at:
                 w.call.finish(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"no quorum for {w.replica_id} before its deadline; "
                               f"last state: {self.reason}")
@@ -331,7 +337,7 @@ class _LighthouseState:
         ids = {m.replica_id for m in members}
         self.participants.clear()
         # One serialized answer for every member.
-        answer = pb.LighthouseQuorumResponse(quorum=_rpc.quorum_to_pb(quorum)).SerializeToString()
+        answer = pb.LighthouseQuorumResponse(quorum=wire.quorum_to_pb(quorum)).SerializeToString()
         for w in list(self.waiters):
             if w.replica_id in ids:
                 self.waiters.discard(w)
@@ -589,7 +595,7 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
             except ValueError as e:
                 _rpc.bad(call, f"requester.data is not valid JSON: {e}")
         try:
-            state.quorum(_rpc.member_from_pb(r), deadline, call)
+            state.quorum(wire.member_from_pb(r), deadline, call)
         except _Unavailable as e:
             call.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -1031,7 +1037,7 @@ class LighthouseServer:
         at each open Quorum call's deadline, and when woken (``ticker_wakeup``): by a new
         quorum or an earlier deadline (to re-plan), or by a cancellation notice (to handle)."""
         st = self._state
-        next_regular = time.monotonic() + st.tick_s
+        next_regular = Deadline.after(st.tick_s)
         while not self._stop.is_set():
             # While planning, any new waiter wakes the ticker (its deadline is < inf): none
             # can slip in between the plan and its record.
@@ -1041,7 +1047,7 @@ class LighthouseServer:
             except Exception:  # never let the ticker die
                 logger.exception("lighthouse tick planning failed")
                 expiry = st.tick_s
-            wait = max(min(next_regular - time.monotonic(), expiry), 0.0)
+            wait = max(min(next_regular.remaining(), expiry), 0.0)
             st.ticker_planned_wake = time.monotonic() + wait
             woken = st.ticker_wakeup.wait(wait)
             if woken:
@@ -1054,8 +1060,8 @@ class LighthouseServer:
                 st.tick()
             except Exception:  # never let the ticker die
                 logger.exception("lighthouse tick failed")
-            if time.monotonic() >= next_regular:
-                next_regular = time.monotonic() + st.tick_s
+            if next_regular.expired:
+                next_regular = Deadline.after(st.tick_s)
 
     def _kill(self, replica_id: str, msg: str) -> Tuple[int, dict]:
         with self._state.lock:
@@ -1066,10 +1072,10 @@ class LighthouseServer:
             return 409, {"error": f"replica {replica_id!r} has no manager address"}
         from .clients import ManagerClient
 
-        client = ManagerClient(member.address, connect_timeout=_dt.timedelta(seconds=2),
+        client = ManagerClient(member.address, connect_timeout=KILL_CONNECT_TIMEOUT,
                                secret=self._secret, tls=self._tls)
         try:
-            client.kill(msg, timeout=_dt.timedelta(seconds=5))
+            client.kill(msg, timeout=KILL_TIMEOUT)
         except Exception as e:  # the process may die before answering
             logger.warning("kill of %s at %s: %s", replica_id, member.address, e)
             return 502, {"error": f"kill of {replica_id} failed: {e}"}

@@ -32,9 +32,11 @@ from google.protobuf.message import Message
 from . import _rpc
 from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
-from .clients import LighthouseClient, _result_to_pb
+from . import wire
+from .clients import LighthouseClient
 from .rpc_server import Call, Method, RpcServer
 from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
+from ..utils.deadline import Deadline, to_seconds
 from ..utils.tls import TLSConfig, resolve_tls
 from .quorum import (
     GroupRequest,
@@ -139,7 +141,7 @@ def _methods(
             init_sync=request.init_sync,
             commit_failures=request.commit_failures,
         )
-        answer_later(call, lambda: _result_to_pb(server.quorum(req, deadline)))
+        answer_later(call, lambda: wire.result_to_pb(server.quorum(req, deadline)))
 
     def checkpoint_metadata(request: pb.CheckpointMetadataRequest, call: Call) -> None:
         _rpc.server_deadline(call, "CheckpointMetadata")
@@ -220,7 +222,7 @@ class ManagerServer:
         self._lighthouse_addr = lighthouse_addr
         self._store_addr = store_addr
         self._world_size = world_size
-        self._heartbeat_interval = _rpc.seconds(heartbeat_interval) or 0.1
+        self._heartbeat_interval = to_seconds(heartbeat_interval) or 0.1
         self._quorum_retries = quorum_retries
         self._exit = os._exit  # replaced in tests
         self._lock = threading.Lock()
@@ -290,8 +292,8 @@ class ManagerServer:
 
     # --- the RPCs' logic (called by the gRPC servicer and, in-process, by LocalManagerClient)
 
-    def quorum(self, req: GroupRequest, deadline: float) -> QuorumResult:
-        """One rank's Quorum: waits (until ``deadline``, a time.monotonic()) for the group's
+    def quorum(self, req: GroupRequest, deadline: Deadline) -> QuorumResult:
+        """One rank's Quorum: waits (until ``deadline``) for the group's
         other ranks and the lighthouse's answer; returns this rank's result.
 
         Raises:
@@ -307,7 +309,7 @@ class ManagerServer:
                         f"commit_failures must be >= 0, got {req.commit_failures}")
         rank = req.group_rank
         leader = False
-        if deadline <= time.monotonic():  # never join (or lead) a round for a caller gone
+        if deadline.expired:  # never join (or lead) a round for a caller gone
             raise _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"replica {self._replica_id}: Quorum arrived after its deadline")
         with self._cond:
@@ -324,25 +326,23 @@ class ManagerServer:
         if leader:
             self._ask_lighthouse(rnd, deadline)
         with self._cond:
-            while not rnd.done:
-                remaining = deadline - time.monotonic()
+            deadline.wait(self._cond, lambda: rnd.done or self._closed)
+            if not rnd.done:
                 if self._closed:
                     raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
-                if remaining <= 0:
-                    if not rnd.launched:
-                        if rnd.requests.get(rank) is req:
-                            del rnd.requests[rank]
-                        missing = sorted(set(range(self._world_size)) - rnd.arrived)
-                        raise _fail(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"replica {self._replica_id}: timed out waiting for group ranks "
-                            f"{missing} to request the quorum",
-                        )
+                if not rnd.launched:
+                    if rnd.requests.get(rank) is req:
+                        del rnd.requests[rank]
+                    missing = sorted(set(range(self._world_size)) - rnd.arrived)
                     raise _fail(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {self._replica_id}: timed out waiting for the lighthouse quorum",
+                        f"replica {self._replica_id}: timed out waiting for group ranks "
+                        f"{missing} to request the quorum",
                     )
-                self._cond.wait(remaining)
+                raise _fail(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"replica {self._replica_id}: timed out waiting for the lighthouse quorum",
+                )
         if rnd.error is not None:
             raise _fail(*rnd.error)
         assert rnd.quorum is not None
@@ -366,7 +366,7 @@ class ManagerServer:
             )
         return md
 
-    def should_commit(self, rank: int, step: int, vote: bool, deadline: float) -> bool:
+    def should_commit(self, rank: int, step: int, vote: bool, deadline: Deadline) -> bool:
         """One rank's commit vote; returns the group's AND decision once every rank voted.
 
         A vote whose step disagrees with the other ranks' counts as "no" and raises
@@ -375,7 +375,7 @@ class ManagerServer:
         _check_rank("group_rank", rank, self._world_size)
         if step < 0:
             raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {step}")
-        if deadline <= time.monotonic():  # a stale vote must not decide a later round
+        if deadline.expired:  # a stale vote must not decide a later round
             raise _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"replica {self._replica_id}: ShouldCommit arrived after its deadline")
         with self._cond:
@@ -396,19 +396,17 @@ class ManagerServer:
                 if not rnd.decision:
                     logger.info("replica %s: group voted not to commit step %s",
                                 self._replica_id, rnd.step())
-            while rnd.decision is None:
-                remaining = deadline - time.monotonic()
+            deadline.wait(self._cond, lambda: rnd.decision is not None or self._closed)
+            if rnd.decision is None:
                 if self._closed:
                     raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
-                if remaining <= 0:
-                    rnd.votes.pop(rank, None)
-                    missing = sorted(set(range(self._world_size)) - rnd.voted)
-                    raise _fail(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {self._replica_id}: timed out waiting for group ranks "
-                        f"{missing} to vote on step {step}",
-                    )
-                self._cond.wait(remaining)
+                rnd.votes.pop(rank, None)
+                missing = sorted(set(range(self._world_size)) - rnd.voted)
+                raise _fail(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"replica {self._replica_id}: timed out waiting for group ranks "
+                    f"{missing} to vote on step {step}",
+                )
         if mismatch:
             raise _fail(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -417,7 +415,7 @@ class ManagerServer:
             )
         return bool(rnd.decision)
 
-    def _ask_lighthouse(self, rnd: _QuorumRound, deadline: float) -> None:
+    def _ask_lighthouse(self, rnd: _QuorumRound, deadline: Deadline) -> None:
         step, shrink_only, init_sync, commit_failures = merge_group_requests(
             rnd.requests, self._world_size
         )
@@ -429,18 +427,17 @@ class ManagerServer:
             self._last_quorum_sent = time.monotonic() + delay
             logger.warning("replica %s: lighthouse quorum attempt %d failed (%s); retrying in "
                            "%.2fs (until the quorum deadline, %.1fs from now)",
-                           self._replica_id, i + 1, exc, delay, deadline - time.monotonic())
+                           self._replica_id, i + 1, exc, delay, deadline.remaining())
 
         quorum = None
         error = None
         self._last_quorum_sent = time.monotonic()
         try:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if deadline.expired:
                 raise TimeoutError("the quorum deadline passed before the lighthouse was asked")
             quorum = self._lighthouse.quorum(
                 self._replica_id,
-                timeout=remaining,
+                timeout=deadline.remaining(),
                 address=self.address(),
                 store_address=self._store_addr,
                 step=step,
@@ -526,19 +523,17 @@ class LocalManagerClient:
 
     @staticmethod
     def _call(method: str, timeout: Timeout, fn):
-        t = _rpc.seconds(timeout)
-        if t is None:
-            raise ValueError(f"{method}: a timeout is required")
+        t = _rpc.required_seconds(timeout, method)
         if t <= 0:
             raise TimeoutError(f"{method}: timeout must be > 0, got {t}")
         try:
-            return fn(time.monotonic() + t)
+            return fn(Deadline.after(t))
         except CoordinationError as e:
             if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"{method}: deadline exceeded: {e.details}") from None
             raise CoordinationError(e.code, e.details, method) from None
 
-    def _quorum(
+    def quorum(
         self,
         group_rank: int,
         step: int,
@@ -558,9 +553,13 @@ class LocalManagerClient:
         )
         return self._call("Quorum", timeout, lambda deadline: self._server.quorum(req, deadline))
 
-    def _checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+    def checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
         return self._call("CheckpointMetadata", timeout,
                           lambda _: self._server.checkpoint_metadata(rank))
+
+    # torchft's names for the two calls above.
+    _quorum = quorum
+    _checkpoint_metadata = checkpoint_metadata
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: Timeout

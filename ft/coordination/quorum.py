@@ -27,6 +27,7 @@ __all__ = [
     "QuorumMember",
     "Quorum",
     "QuorumResult",
+    "FailureNotification",
     "LighthouseOptions",
     "QuorumDecision",
     "GroupRequest",
@@ -87,6 +88,18 @@ class QuorumResult:
     heal: bool = False
     commit_failures: int = 0
     replica_ids: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FailureNotification:
+    """A lighthouse's report that a member of the current quorum failed (proto
+    ``FailureNotification``)."""
+
+    replica_id: str
+    error_message: str
+    quorum_id: int
+    heartbeat_age_s: float
+    detected: _dt.datetime
 
 
 @dataclass(frozen=True)

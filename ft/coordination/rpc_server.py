@@ -46,6 +46,9 @@ except ImportError:  # not built (no gRPC C++ on the build machine)
 
 # Messages queued for one streaming call before write() refuses (csrc/grpc_server: the same).
 _MAX_QUEUED_WRITES = 1024
+# grpcio's stop(grace) event fires once every call is cancelled after the grace; allow it this
+# long beyond the grace (its handler threads must notice the cancellation) before moving on.
+GRPCIO_STOP_SLACK_S = 5.0
 # time_remaining() of a call without a deadline.
 _NO_DEADLINE = float("inf")
 
@@ -411,7 +414,7 @@ class RpcServer:
             self._server.shutdown(grace)
             _live_native.discard(self)
         else:
-            self._server.stop(grace).wait(timeout=grace + 5)
+            self._server.stop(grace).wait(timeout=grace + GRPCIO_STOP_SLACK_S)
             self._executor.shutdown(wait=False)  # its idle workers would outlive the server
 
 

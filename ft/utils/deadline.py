@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable, Optional, Union
 
-__all__ = ["Deadline", "Timeout", "to_seconds"]
+__all__ = ["Deadline", "Timeout", "to_seconds", "to_timedelta"]
 
 Timeout = Union[_dt.timedelta, float, int]
 
@@ -46,6 +46,21 @@ def to_seconds(timeout: Optional[Timeout]) -> Optional[float]:
     if math.isnan(timeout):
         raise ValueError("a timeout must not be NaN")
     return float(timeout)
+
+
+def to_timedelta(timeout: Timeout) -> _dt.timedelta:
+    """``timedelta`` / seconds → ``timedelta`` (what torch's and torchft's APIs store).
+
+    Raises:
+        TypeError: for None or any other type, naming it.
+        ValueError: for NaN.
+    """
+    if isinstance(timeout, _dt.timedelta):
+        return timeout
+    s = to_seconds(timeout)
+    if s is None:
+        raise TypeError("a timeout is required here (a timedelta or seconds), got None")
+    return _dt.timedelta(seconds=s)
 
 
 class Deadline:

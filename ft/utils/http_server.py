@@ -34,6 +34,8 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Dict, Optional, Set, Tuple
 
+from .deadline import Deadline
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BoundedHTTPServer", "BoundedRequestHandler"]
@@ -224,11 +226,11 @@ class BoundedHTTPServer(HTTPServer):
 
     def join_threads(self, timeout: float) -> bool:
         """Waits up to ``timeout`` seconds in all for the connection threads; True if all ended."""
-        end = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         with self.track_lock:
             threads = list(self.threads)
         for t in threads:
-            t.join(max(0.0, end - time.monotonic()))
+            t.join(deadline.remaining())
         return not any(t.is_alive() for t in threads)
 
 
