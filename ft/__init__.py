@@ -75,3 +75,21 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
 from ft import _backend_hook  # noqa: E402
 
 _backend_hook.register_when_torch_loads()
+
+
+def _export_torchft_records() -> None:
+    """As ``import torchft`` does: torchft's three record loggers (ft.records) are exported
+    through OpenTelemetry when TORCHFT_USE_OTEL asks for it (a no-op otherwise)."""
+    import warnings
+
+    from ft import otel, records
+
+    for name in records.NAMES:
+        try:
+            otel.setup_logger(name)
+        except ImportError as e:  # asked for, but not installed: say so, keep ft importable
+            warnings.warn(f"ft: {e}", stacklevel=3)
+            return
+
+
+_export_torchft_records()

@@ -1,4 +1,4 @@
-"""LocalSGD, DiLoCo and Streaming DiLoCo on top of ft.Manager.
+"""LocalSGD, DiLoCo and Streaming DiLoCo on top of ft.Manager (docs/design.md, "DiLoCo").
 
 Both wrap an existing inner optimizer through its step hooks:
 
@@ -47,6 +47,7 @@ from torch.distributed import ReduceOp
 
 from ft.collectives import BucketedAllreduce
 from ft.process_group import lane
+from ft.protocols import ManagerLike
 
 __all__ = [
     "LocalSGD",
@@ -191,14 +192,6 @@ def _make_backup(p: torch.Tensor, device: Optional[torch.device], pin_memory: bo
     return b
 
 
-def _is_async(manager: Any) -> bool:
-    for name in ("_use_async_quorum", "use_async_quorum"):
-        v = getattr(manager, name, None)
-        if isinstance(v, bool):
-            return v
-    return False
-
-
 class _AllWorks:
     def __init__(self, works: List[Any]) -> None:
         self._works = works
@@ -209,7 +202,7 @@ class _AllWorks:
 
 
 def _allreduce_all(
-    manager: Any,
+    manager: ManagerLike,
     tensors: Sequence[torch.Tensor],
     should_quantize: Union[bool, torch.dtype],
     bucket_cap_bytes: Optional[int],
@@ -256,16 +249,25 @@ class _OnOptimizerStep:
 class LocalSGD(_OnOptimizerStep):
     """Averages the model's parameters every `sync_every` optimizer steps.
 
-    The averages are copied into the model only if `manager.should_commit()`;
-    a failed sync restores the last committed parameters (kept as a backup,
-    which is also registered for healing under "LocalSGD"). The first
-    `warmup_steps` optimizer steps sync after every step (plain synchronous
-    averaging, as torch's post-local SGD warmup).
+    The averages are copied into the model only if `manager.should_commit()`.
+    What a failed sync leaves depends on `keep_backup`:
+
+    * False (default, torchft's LocalSGD): the parameters keep their local
+      values; the groups differ until the next committed sync. Memory: one
+      transient copy of the parameters during a sync (the averages).
+    * True: the last committed average is kept as a backup (on
+      `backup_device`, by default pinned host memory) and a failed sync puts
+      it back, so every group again holds the same parameters; the backup is
+      registered for healing under "LocalSGD". Memory: one more persistent
+      copy of the parameters (on the host by default).
+
+    The first `warmup_steps` optimizer steps sync after every step (plain
+    synchronous averaging, as torch's post-local SGD warmup).
     """
 
     def __init__(
         self,
-        manager: Any,
+        manager: ManagerLike,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         sync_every: int,
@@ -275,6 +277,8 @@ class LocalSGD(_OnOptimizerStep):
         use_bucketization: bool = False,
         bucket_cap_mb: Optional[int] = None,
         should_quantize: Union[bool, torch.dtype] = False,
+        *,
+        keep_backup: bool = False,
     ) -> None:
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be a positive int, got {sync_every!r}")
@@ -291,18 +295,21 @@ class LocalSGD(_OnOptimizerStep):
         self._should_quantize = should_quantize
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         _check_placements(self._params)
-        self._backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self._params}
+        self._backup: Optional[Dict[str, torch.Tensor]] = None
+        if keep_backup:
+            self._backup = {n: _make_backup(p, backup_device, pin_memory)
+                            for n, p in self._params}
+            manager.register_state_dict_fn("LocalSGD", self._load_state_dict, self._state_dict)
         self._local_step = 0
         self._total_steps = 0
-        manager.register_state_dict_fn("LocalSGD", self._load_state_dict, self._state_dict)
 
     # -- state for healing ----------------------------------------------------
 
     def _state_dict(self) -> Dict[str, Any]:
-        return {"backup": dict(self._backup)}
+        return {"backup": dict(self._backup or {})}
 
     def _load_state_dict(self, state: Dict[str, Any]) -> None:
-        for n, b in self._backup.items():
+        for n, b in (self._backup or {}).items():
             b.copy_(state["backup"][n])
 
     # -- hooks ----------------------------------------------------------------
@@ -315,6 +322,7 @@ class LocalSGD(_OnOptimizerStep):
 
     # -- sync -----------------------------------------------------------------
 
+    @torch.profiler.record_function("torchft::local_sgd::sync")
     def sync(self) -> bool:
         """Starts the quorum, averages the parameters and commits them; returns
         whether they were committed."""
@@ -334,8 +342,9 @@ class LocalSGD(_OnOptimizerStep):
                 dst = _local(p.detach())
                 if committed:
                     dst.copy_(avg)
-                    self._backup[n].copy_(avg)
-                else:
+                    if self._backup is not None:
+                        self._backup[n].copy_(avg)
+                elif self._backup is not None:
                     dst.copy_(self._backup[n])
         return committed
 
@@ -370,11 +379,13 @@ class _Fragment:
             for n, p in self.params
         ]
 
+    @torch.profiler.record_function("torchft::local_sgd::restore_parameters")
     def restore(self) -> None:
         with torch.no_grad():
             for n, p in self.params:
                 _local(p.detach()).copy_(self.backup[n], non_blocking=True)
 
+    @torch.profiler.record_function("torchft::local_sgd::save_parameters")
     def save(self) -> None:
         with torch.no_grad():
             for n, p in self.params:
@@ -388,7 +399,7 @@ class DiLoCo(_OnOptimizerStep):
 
     def __init__(
         self,
-        manager: Any,
+        manager: ManagerLike,
         model_fragments: List[nn.Module],
         inner_optimizer: torch.optim.Optimizer,
         outer_optimizer: Union[torch.optim.Optimizer, List[torch.optim.Optimizer]],
@@ -407,17 +418,15 @@ class DiLoCo(_OnOptimizerStep):
         self._plan = streaming_plan(sync_every, len(model_fragments), fragment_sync_delay)
         if not 0.0 <= float(fragment_update_alpha) <= 1.0:
             raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
-        if _is_async(manager):
+        if manager.use_async_quorum:
             raise ValueError(
                 "DiLoCo requires a Manager with use_async_quorum=False: the fragment to sync is "
                 "chosen from the manager step, and only a synchronous quorum applies a heal "
                 "(step, backups, outer-optimizer state) before that choice"
             )
         n = len(model_fragments)
-        pg = getattr(manager, "_pg", None)
-        num_lanes = getattr(pg, "num_lanes", None)
         # Fragments share the lanes there are (fragment f on lane f % num_lanes).
-        self._num_lanes = num_lanes if isinstance(num_lanes, int) and num_lanes > 0 else n
+        self._num_lanes = manager.num_lanes
         if isinstance(outer_optimizer, (list, tuple)):
             outer = list(outer_optimizer)
             if len(outer) != n:
@@ -496,6 +505,7 @@ class DiLoCo(_OnOptimizerStep):
         """The process-group lane fragment ``fragment``'s sync runs on."""
         return fragment % self._num_lanes
 
+    @torch.profiler.record_function("torchft::local_sgd::prepare_sync")
     def _prepare_sync(self) -> None:
         self._manager.start_quorum()
         f = fragment_for_step(self._manager.current_step(), self._plan.n_fragments)
@@ -508,6 +518,7 @@ class DiLoCo(_OnOptimizerStep):
             )
         self._pending = (f, pseudo, handle)
 
+    @torch.profiler.record_function("torchft::local_sgd::perform_sync")
     def _perform_sync(self) -> None:
         assert self._pending is not None, "perform_sync without prepare_sync"
         f, pseudo, handle = self._pending
@@ -515,7 +526,8 @@ class DiLoCo(_OnOptimizerStep):
         frag = self._fragments[f]
         t0 = time.perf_counter()
         try:
-            handle.wait()
+            with torch.profiler.record_function("torchft::local_sgd::wait"):
+                handle.wait()
         except Exception as e:  # the Manager reports its own errors; this is belt and braces
             self._manager.report_error(e)
         self.comm_wait_seconds += time.perf_counter() - t0

@@ -24,7 +24,7 @@ Errors
     Quorum failures (e.g. a missing local rank, :class:`TimeoutError`) are raised by
     :meth:`start_quorum` (sync) or :meth:`wait_quorum` (async), as in torchft.
 
-Proactive abort
+Proactive abort (docs/design.md, "Failure notifications")
     Every rank subscribes to the lighthouse's failure notifications. When a member of the
     current quorum misses its heartbeat deadline, the rank aborts its process group at once: a
     collective hung on the dead (or stopped) replica fails within about one heartbeat timeout,
@@ -38,6 +38,7 @@ Logs
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import pickle
@@ -72,7 +73,10 @@ from ft.coordination.quorum import Participation, participation
 from ft.progress_watch import ProgressWatch
 from ft.work import _DummyWork
 from ft.utils import net
-from ft.utils.deadline import to_seconds
+from ft import records
+from ft.heal import Healer
+from ft.protocols import GroupServerClient
+from ft.utils.deadline import to_seconds, to_timedelta
 
 __all__ = ["Manager", "WorldSizeMode", "ExceptionWithTraceback", "get_timeout"]
 
@@ -104,16 +108,8 @@ class WorldSizeMode(Enum):
 
 
 def _env_timeout(name: str, default: timedelta) -> timedelta:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return timedelta(seconds=float(value))
-
-
-def _to_timedelta(t: Any) -> timedelta:
-    if isinstance(t, timedelta):
-        return t
-    return timedelta(seconds=float(t))
+    """The timeout in seconds that environment variable ``name`` sets, else ``default``."""
+    return get_timeout(os.environ.get(name), default)
 
 
 def get_timeout(timeout_sec_env: Optional[str], default_timeout_sec: timedelta) -> timedelta:
@@ -268,7 +264,7 @@ def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futur
         try:
             value = f.value()
         except Exception as e:  # noqa: BLE001 - passed on
-            settle(lambda: out.set_exception(e))
+            settle(lambda err=e: out.set_exception(err))
             return
         settle(lambda: out.set_result(value))
 
@@ -301,6 +297,25 @@ class _ManagedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._fut
+
+
+def _keyword_parameters(fn: Callable[..., Any]) -> Any:
+    """The keyword names ``fn`` accepts (a set-like that holds every name if it takes
+    ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+
+    class _All:
+        def __contains__(self, _name: object) -> bool:
+            return True
+
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return _All()
+    return frozenset(p.name for p in params
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   inspect.Parameter.KEYWORD_ONLY))
 
 
 class _Log:
@@ -399,21 +414,24 @@ class Manager:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
         self._pg = pg
+        # A process group written against torchft's base class may take only the four
+        # positional arguments: ft's extra facts go only to a configure() that names them.
+        self._pg_configure_takes = _keyword_parameters(pg.configure)
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
         self._world_size_mode = world_size_mode
         self._init_sync = init_sync
         self._max_retries = max_retries
-        self._timeout = _env_timeout(TIMEOUT_SEC_ENV, _to_timedelta(timeout))
+        self._timeout = _env_timeout(TIMEOUT_SEC_ENV, to_timedelta(timeout))
         # Manager(timeout=) bounds every collective, as in torchft, through the one deadline
         # the backend already enforces per op: the tighter of the two wins.
         pg_timeout = getattr(pg, "timeout", None)
         if isinstance(pg_timeout, timedelta) and hasattr(pg, "set_timeout") \
                 and self._timeout < pg_timeout:
             pg.set_timeout(self._timeout)
-        self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, _to_timedelta(quorum_timeout))
+        self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, to_timedelta(quorum_timeout))
         self._connect_timeout = _env_timeout(
-            CONNECT_TIMEOUT_SEC_ENV, _to_timedelta(connect_timeout)
+            CONNECT_TIMEOUT_SEC_ENV, to_timedelta(connect_timeout)
         )
         env_retries = os.environ.get(QUORUM_RETRIES_ENV)
         if env_retries:
@@ -448,7 +466,7 @@ class Manager:
         self._manager: Optional[ManagerServer] = None
         self._subscription = None
         self._lighthouse_client: Optional[LighthouseClient] = None
-        self._peer_clients: Dict[str, ManagerClient] = {}
+        self._healer: Optional[Healer] = None  # made with the transport, in _setup_group
         self._watch = ProgressWatch(
             self._quorum_timeout.total_seconds(),
             lambda: (f"replica {self._replica_id} step={self._step} quorum_id={self._quorum_id} "
@@ -500,6 +518,7 @@ class Manager:
             self._checkpoint_transport = HTTPTransport(
                 timeout=self._timeout, num_chunks=0, advertise_host=hostname,
                 bind_host=net.bind_host_for(hostname).strip("[]"))
+        self._healer = Healer(self._checkpoint_transport, self._connect_timeout)
         store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
         if store_port is None:
             env_port = os.environ.get("MASTER_PORT")
@@ -554,7 +573,7 @@ class Manager:
             addr = prefixed.get(MANAGER_ADDR_KEY).decode()
             self._replica_id = prefixed.get(REPLICA_ID_KEY).decode()
         # Rank 0 hosts the ManagerServer and calls it directly (no loopback gRPC per step).
-        self._client: Union[ManagerClient, LocalManagerClient] = (
+        self._client: GroupServerClient = (
             LocalManagerClient(self._manager) if self._rank == 0
             else ManagerClient(addr, connect_timeout=self._connect_timeout)
         )
@@ -588,9 +607,8 @@ class Manager:
         client = getattr(self, "_client", None)
         if client is not None:
             client.close()
-        for peer in self._peer_clients.values():
-            peer.close()
-        self._peer_clients.clear()
+        if self._healer is not None:
+            self._healer.close()
         self._executor.shutdown(wait=wait, cancel_futures=True)
 
     def shutdown(self, wait: bool = True) -> None:
@@ -705,7 +723,7 @@ class Manager:
         the returned future completes with ``default`` then, and a :class:`TimeoutError` is
         reported (the step will not commit), as in torchft.
         """
-        t = _to_timedelta(timeout) if timeout is not None else self._timeout
+        t = to_timedelta(timeout) if timeout is not None else self._timeout
 
         def callback(f: torch.futures.Future) -> Any:
             try:
@@ -757,7 +775,7 @@ class Manager:
         self._errored = None
         self._healing = False
         self._pending_state_dict = None
-        quorum_timeout = _to_timedelta(timeout) if timeout is not None else self._quorum_timeout
+        quorum_timeout = to_timedelta(timeout) if timeout is not None else self._quorum_timeout
         self._quorum_future = self._executor.submit(
             self._async_quorum_on_device, _caller_cuda_device(), allow_heal, shrink_only,
             quorum_timeout,
@@ -769,6 +787,7 @@ class Manager:
                 self._apply_pending_state_dict()
                 self._healing = False
 
+    @torch.profiler.record_function("torchft::manager::wait_quorum")
     def wait_quorum(self) -> None:
         """Waits for the quorum started by :meth:`start_quorum` (raises its failure)."""
         if self._quorum_future is None:
@@ -783,6 +802,7 @@ class Manager:
             torch.cuda.set_device(device)
         self._async_quorum(*args)
 
+    @torch.profiler.record_function("torchft::manager::_async_quorum")
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         t0 = time.monotonic()
         self._watch.phase("quorum", f"lighthouse {self._lighthouse_addr} (through the group's "
@@ -794,8 +814,9 @@ class Manager:
             raise
         self._async_quorum_after(quorum, t0, allow_heal)
 
+    @torch.profiler.record_function("torchft::manager::_client::_quorum")
     def _quorum_call(self, shrink_only: bool, quorum_timeout: timedelta) -> QuorumResult:
-        return self._client._quorum(
+        return self._client.quorum(
             group_rank=self._rank,
             step=self._step,
             checkpoint_metadata=self._checkpoint_transport.metadata(),
@@ -834,20 +855,30 @@ class Manager:
             commit_failures=quorum.commit_failures,
         )
         if reconfigure:
+            records.record(records.QUORUMS, replica_id=self._replica_id, rank=self._rank,
+                           quorum_id=quorum.quorum_id, step=quorum.max_step)
             store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._rank}"
             self._watch.phase("configure", f"store {quorum.store_address} with replicas "
                                            f"{quorum.replica_ids}")
             t1 = time.monotonic()
+            extras = {
+                "quorum_id": quorum.quorum_id,
+                "group_rank": self._rank,
+                "group_world_size": self._world_size,
+                # This rank's peers across the replica groups, as job-wide ranks (replica r's
+                # group rank g is r * group_world_size + g), for the backend's logs.
+                "global_ranks": [r * self._world_size + self._rank
+                                 for r in range(quorum.replica_world_size)],
+            }
             try:
-                self._pg.configure(
-                    store_prefixed_addr,
-                    self._replica_id,
-                    quorum.replica_rank,
-                    quorum.replica_world_size,
-                    quorum_id=quorum.quorum_id,
-                    group_rank=self._rank,
-                    group_world_size=self._world_size,
-                )
+                with torch.profiler.record_function("torchft::manager::_pg::configure"):
+                    self._pg.configure(
+                        store_prefixed_addr,
+                        self._replica_id,
+                        quorum.replica_rank,
+                        quorum.replica_world_size,
+                        **{k: v for k, v in extras.items() if k in self._pg_configure_takes},
+                    )
             except Exception as e:  # noqa: BLE001
                 self._log.error("configure", f"pg.configure({store_prefixed_addr}) failed")
                 self._report_error(e, abort=True)
@@ -862,70 +893,36 @@ class Manager:
             if quorum.recover_dst_replica_ranks:
                 self._log.info("heal_send", f"sending the checkpoint to replica ranks "
                                f"{quorum.recover_dst_replica_ranks}", max_step=quorum.max_step)
-                try:
-                    self._checkpoint_transport.send_checkpoint(
-                        dst_ranks=quorum.recover_dst_replica_ranks,
-                        step=quorum.max_step,
-                        state_dict=self._manager_state_dict(),
-                        timeout=self._timeout,
-                    )
-                except Exception as e:
-                    # Receivers fail their heal now (and retry next quorum) rather than
-                    # waiting out their timeout for a checkpoint that will never come.
-                    self._checkpoint_transport.abandon_checkpoint(
-                        quorum.max_step, f"{type(e).__name__}: {e}")
-                    raise
+                with torch.profiler.record_function(
+                        "torchft::manager::_checkpoint_transport::send_checkpoint"):
+                    self._healer.send(quorum, self._manager_state_dict, self._timeout)
             if quorum.heal:
                 self._healing = True
                 t2 = time.monotonic()
-                src = quorum.recover_src_replica_rank
-                assert src is not None
-                self._watch.phase("heal", f"replica rank {src} at "
+                self._watch.phase("heal", f"replica rank {quorum.recover_src_replica_rank} at "
                                           f"{quorum.recover_src_manager_address}")
-                primary = self._peer_client(quorum.recover_src_manager_address)
-                metadata = primary._checkpoint_metadata(self._rank, timeout=self._timeout)
-                self._log.info("heal_recv", f"fetching the checkpoint from replica rank {src} "
-                               f"({metadata}; metadata in {(time.monotonic() - t2) * 1000:.1f} ms)",
-                               max_step=quorum.max_step)
-                state = self._checkpoint_transport.recv_checkpoint(
-                    src_rank=src, metadata=metadata, step=quorum.max_step, timeout=self._timeout
-                )
-                if (
-                    not isinstance(state, dict)
-                    or not isinstance(state.get("user"), dict)
-                    or not isinstance(state.get("torchft"), dict)
-                ):
-                    raise ValueError("received checkpoint lacks the 'user'/'torchft' sections")
-                missing = set(self._load_state_dict_fns) - set(state["user"])
-                if missing:
-                    raise ValueError(f"received checkpoint lacks state for keys {sorted(missing)}")
-                self._pending_state_dict = state
+                with torch.profiler.record_function(
+                        "torchft::manager::_checkpoint_transport::recv_checkpoint"):
+                    got = self._healer.receive(quorum, self._rank, self._timeout,
+                                               self._load_state_dict_fns)
+                self._pending_state_dict = got.state
                 self._watch.phase("step", f"collectives with {quorum.replica_ids}")
-                self.load_state_dict(state["torchft"])
+                self.load_state_dict(got.state["torchft"])
                 self._step = quorum.max_step
-                path = getattr(self._checkpoint_transport, "last_recv_path", None)
-                self._log.info("heal_recv", f"received the checkpoint in "
-                               f"{(time.monotonic() - t2) * 1000:.1f} ms"
-                               + (f" ({path} path)" if path else ""))
+                self._log.info("heal_recv", f"received the checkpoint from replica rank "
+                               f"{quorum.recover_src_replica_rank} ({got.metadata}) in "
+                               f"{(time.monotonic() - t2) * 1000:.1f} ms (metadata "
+                               f"{got.metadata_s * 1000:.1f} ms)"
+                               + (f" ({got.path} path)" if got.path else ""),
+                               max_step=quorum.max_step)
         except Exception as e:  # noqa: BLE001
             self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
             self._pending_state_dict = None
             self._report_error(e, abort=True)
 
-    def _peer_client(self, address: str) -> ManagerClient:
-        """A cached client of another group's ManagerServer (closing a channel costs ~200 ms)."""
-        client = self._peer_clients.get(address)
-        if client is None:
-            if len(self._peer_clients) >= 16:
-                for old in self._peer_clients.values():
-                    old.close()
-                self._peer_clients.clear()
-            client = ManagerClient(address, connect_timeout=self._connect_timeout)
-            self._peer_clients[address] = client
-        return client
-
     # ---------------------------------------------------------------- collectives
 
+    @torch.profiler.record_function("torchft::manager::allreduce")
     def allreduce(
         self,
         tensor: torch.Tensor,
@@ -993,6 +990,7 @@ class Manager:
 
     # ---------------------------------------------------------------- commit
 
+    @torch.profiler.record_function("torchft::manager::should_commit")
     def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
         """The group-wide decision to commit this step (docs/design.md, "The step protocol", step 3).
 
@@ -1018,10 +1016,12 @@ class Manager:
             self.report_error(pg_error)
         enough_replicas = self._participation.enough(self._min_replica_size)
         local_should_commit = enough_replicas and self._errored is None
-        t = _to_timedelta(timeout) if timeout is not None else self._timeout
+        t = to_timedelta(timeout) if timeout is not None else self._timeout
         should_commit = self._client.should_commit(
             self._rank, self._step, local_should_commit, timeout=t
         )
+        records.record(records.COMMITS, replica_id=self._replica_id, rank=self._rank,
+                       quorum_id=self._quorum_id, step=self._step, commit_result=should_commit)
         # Transfers of this step's state must end before the caller mutates it.
         self._checkpoint_transport.disallow_checkpoint()
 
@@ -1091,6 +1091,19 @@ class Manager:
     def replica_id(self) -> str:
         """This group's replica id (``"{name}:{uuid4}"``)."""
         return self._replica_id
+
+    @property
+    def use_async_quorum(self) -> bool:
+        """Whether :meth:`start_quorum` returns before the quorum (it then overlaps the
+        forward pass, and a heal is applied at :meth:`should_commit`)."""
+        return self._use_async_quorum
+
+    @property
+    def num_lanes(self) -> int:
+        """How many independent lanes the process group has (1 for a group without lanes):
+        collectives issued in different ``ft.process_group.lane(i)`` blocks can run at once."""
+        lanes = getattr(self._pg, "num_lanes", None)
+        return lanes if isinstance(lanes, int) and lanes > 0 else 1
 
     def _manager_address(self) -> Optional[str]:
         return self._manager.address() if self._manager is not None else None

@@ -10,9 +10,11 @@ Contract:
   resource attributes (``{"ft.manager": {"service.name": "trainer"}}``); a name absent from
   it gets default resource attributes.
 * Export enabled without the OpenTelemetry packages raises ImportError naming them.
-* No torch import; ``import ft`` does not call it (torchft's ``import torchft`` sets up its
-  three loggers; ft's loggers are ``ft.manager``, ``ft.process_group``, ...: call
-  ``setup_logger`` for the ones to export).
+* No torch import. ``import ft`` calls it for torchft's three record loggers
+  (``torchft_quorums``, ``torchft_commits``, ``torchft_errors``: see :mod:`ft.records`), as
+  ``import torchft`` does, and warns instead of failing when the packages are missing. ft's
+  own loggers (``ft.manager``, ``ft.process_group``, ...) are exported when ``setup_logger``
+  is called for them.
 """
 
 from __future__ import annotations

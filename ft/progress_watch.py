@@ -1,4 +1,5 @@
-"""Says, at the default log level, why a replica has committed nothing for a long time.
+"""Says, at the default log level, why a replica has committed nothing for a long time
+(docs/design.md, "Network faults").
 
 A replica that cannot commit (a peer it cannot reach, a lighthouse that is gone, an address
 that nobody can dial) otherwise waits silently. :class:`ProgressWatch` records what the Manager

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ft.local_sgd import LocalSGD
+from ft.protocols import ManagerLike
 
 __all__ = ["PostLocalSGDOptimizer", "PeriodicModelAverager", "FaultTolerantModelAverager"]
 
@@ -172,7 +173,7 @@ class FaultTolerantModelAverager(_PeriodicSchedule):
 
     def __init__(
         self,
-        manager: Any,
+        manager: ManagerLike,
         model: nn.Module,
         period: int,
         warmup_steps: int = 0,
@@ -199,6 +200,7 @@ class FaultTolerantModelAverager(_PeriodicSchedule):
             sync_every=period, backup_device=backup_device,
             pin_memory=pin_memory, use_bucketization=use_bucketization,
             bucket_cap_mb=bucket_cap_mb, should_quantize=should_quantize,
+            keep_backup=True,  # a failed round is applied nowhere (see the module docstring)
         )
         manager.register_state_dict_fn(STATE_KEY, self._load_state, self._state)
         self.rounds = 0  # rounds run (committed or not), join rounds included

@@ -90,7 +90,6 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
-import json
 import logging
 import sys
 import warnings
@@ -103,6 +102,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from ft.checkpointing import serialization as ser
 from ft.optim.functional import _FunctionalOptimizer
 from ft.optim.partition import Partition, partition_params
 
@@ -224,7 +224,7 @@ def _optimizer_constructor(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
     return optimizer_class
 
 
-def _check_optimizer_class(optimizer_class: Any) -> None:
+def check_optimizer_class(optimizer_class: Any) -> None:
     """The checks for a non-overlapped local optimizer (also used by ``zero_ft``)."""
     _optimizer_constructor(optimizer_class, overlap_with_ddp=False)
 
@@ -261,62 +261,6 @@ def _functional_hyper(fopt: Any) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Safe encoding of a (local) optimizer state dict: JSON structure + raw tensor bytes.
 # ---------------------------------------------------------------------------------------------
-
-
-def _encode(obj: Any, tensors: List[torch.Tensor], path: str = "") -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return {"x": len(tensors) - 1, "dtype": str(obj.dtype).replace("torch.", ""),
-                "shape": list(obj.shape)}
-    if isinstance(obj, tuple):
-        return {"t": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return {"l": [_encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
-    if isinstance(obj, dict):
-        return {"d": [[_encode(k, tensors, path), _encode(v, tensors, f"{path}.{k}")]
-                      for k, v in obj.items()]}
-    if isinstance(obj, torch.dtype):
-        return {"dt": str(obj).replace("torch.", "")}
-    raise TypeError(
-        f"consolidate_state_dict: cannot encode optimizer state value of type "
-        f"{type(obj).__name__} at {path or '<root>'}"
-    )
-
-
-def _decode(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    if not isinstance(obj, dict):
-        if isinstance(obj, list):
-            raise ValueError("malformed state encoding")
-        return obj
-    if "x" in obj:
-        return tensors[obj["x"]]
-    if "t" in obj:
-        return tuple(_decode(v, tensors) for v in obj["t"])
-    if "l" in obj:
-        return [_decode(v, tensors) for v in obj["l"]]
-    if "d" in obj:
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["d"]}
-    if "dt" in obj:
-        return getattr(torch, obj["dt"])
-    raise ValueError("malformed state encoding")
-
-
-def _tensor_specs(obj: Any, out: List[Tuple[int, str, List[int]]]) -> None:
-    if isinstance(obj, dict):
-        if "x" in obj:
-            out.append((obj["x"], obj["dtype"], obj["shape"]))
-            return
-        for v in obj.values():
-            _tensor_specs(v, out)
-    elif isinstance(obj, list):
-        for v in obj:
-            _tensor_specs(v, out)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1067,10 +1011,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._check_overlap_initialized()
         group = self._comm_group()
         self._push_hyper()
-        tensors: List[torch.Tensor] = []
-        meta = json.dumps(_encode(self._local_state_dict(), tensors)).encode()
+        # The checkpoint transports' encoding (ft.checkpointing.serialization): nothing is
+        # unpickled, and the receiver validates the header before it trusts any size in it.
+        tree, specs, tensors = ser.flatten(self._local_state_dict())
+        meta = ser.encode_header(tree, specs)
         meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-        payload = [meta_t.to(self._device)] + [_as_bytes(t).to(self._device) for t in tensors]
+        payload = [meta_t.to(self._device)] + [ser.byte_view(t).to(self._device) for t in tensors]
         size = torch.tensor([len(meta), sum(t.numel() for t in payload)], dtype=torch.int64,
                             device=self._device)
         sizes = [size]
@@ -1101,23 +1047,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @staticmethod
     def _decode_shard(buf: torch.Tensor, meta_len: int) -> Dict[str, Any]:
-        enc = json.loads(bytes(buf[:meta_len].numpy()).decode())
-        specs: List[Tuple[int, str, List[int]]] = []
-        _tensor_specs(enc, specs)
-        specs.sort()
+        _, tree, specs = ser.decode_header(bytes(buf[:meta_len].numpy()))
         tensors, off = [], meta_len
-        for _, dtype_name, shape in specs:
-            dtype = getattr(torch, dtype_name)
-            numel = 1
-            for s in shape:
-                numel *= s
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
-            t = buf[off:off + nbytes].clone().view(dtype).reshape(shape)
-            tensors.append(t)
-            off += nbytes
+        for spec in specs:
+            if off + spec.nbytes > buf.numel():
+                raise RuntimeError("consolidate_state_dict: a shard is shorter than its header says")
+            t = buf[off:off + spec.nbytes].clone().view(spec.dtype).reshape(spec.shape)
+            tensors.append(ser.finalize(t, spec))
+            off += spec.nbytes
         if off != buf.numel():
             raise RuntimeError("consolidate_state_dict: shard size mismatch")
-        return _decode(enc, tensors)
+        return ser.unflatten(tree, tensors)
 
     def state_dict(self) -> Dict[str, Any]:
         """The full optimizer state, as a plain ``optimizer_class`` over all parameters would

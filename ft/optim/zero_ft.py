@@ -1,4 +1,5 @@
-"""Fault-tolerant ZeRO-1 across replica groups, through an :class:`ft.Manager`.
+"""Fault-tolerant ZeRO-1 across replica groups, through an :class:`ft.Manager` (docs/design.md,
+"ZeRO and its fault-tolerant mode").
 
 ::
 
@@ -95,7 +96,8 @@ import torch
 from torch.distributed import ReduceOp
 
 from ft.optim.partition import Partition, buddy_rank, partition_params
-from ft.optim.zero import _check_optimizer_class
+from ft.optim.zero import check_optimizer_class
+from ft.protocols import ManagerLike
 
 __all__ = ["FaultTolerantZeroRedundancyOptimizer"]
 
@@ -122,7 +124,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
-    def __init__(self, manager: Any, params: Any, optimizer_class: Any,
+    def __init__(self, manager: ManagerLike, params: Any, optimizer_class: Any,
                  state_key: str = "zero_ft", overlap_with_ddp: bool = False,
                  **defaults: Any) -> None:
         if overlap_with_ddp:
@@ -134,7 +136,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "overlap_with_ddp=False and call step() after backward(); overlap is for the "
                 "plain ft.optim.ZeroRedundancyOptimizer over one process group (see "
                 "ft.optim.zero_hooks).")
-        _check_optimizer_class(optimizer_class)
+        check_optimizer_class(optimizer_class)
         full = optimizer_class(params, **defaults)  # no state until a step
         super().__init__(full.param_groups, full.defaults)
         self.manager = manager

@@ -2,7 +2,8 @@
 
 One secret authenticates a job: every gRPC call to the lighthouse and to ManagerServers, every
 checkpoint request and every checkpoint a source serves, the same-host heal socket, and the
-dashboard's actions. Nothing that knows only an address can take part (docs/security.md).
+dashboard's actions. Nothing that knows only an address can take part (docs/security.md;
+summary: docs/design.md, "Threat model").
 
 Where the secret comes from, in order: an explicit ``secret=`` argument; the file named by
 ``FT_JOB_SECRET_FILE``; ``FT_JOB_SECRET``. It is kept in memory only, never logged (its

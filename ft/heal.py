@@ -1,0 +1,121 @@
+"""Healing: moving the live state between replica groups during a quorum (docs/design.md,
+"Heal").
+
+:class:`Healer` does the transfer for one Manager: it sends this group's state to the replicas
+that the quorum assigns to it, and fetches the state of the replica it must heal from. The
+Manager keeps the step state machine (when to heal, what to do with the state, how a failure
+counts); the Healer owns the checkpoint transport's use, the clients of other groups'
+ManagerServers, and the checks a received checkpoint must pass before anything loads it.
+
+Contract:
+  * ``send(quorum, state_dict, timeout)`` sends ``state_dict()`` to every replica rank in
+    ``quorum.recover_dst_replica_ranks`` (nothing when empty). When the send fails, the
+    transport is told to abandon the step, so that receivers fail their heal now (and retry at
+    the next quorum) instead of waiting out their timeout; the failure is re-raised.
+  * ``receive(quorum, group_rank, timeout, required_keys)`` asks the source replica's
+    ManagerServer for the checkpoint metadata of ``group_rank``, fetches the checkpoint of step
+    ``quorum.max_step`` through the transport, and returns it only if it has the Manager's two
+    sections (``"user"`` and ``"torchft"``, both dicts) and a ``"user"`` entry for every key in
+    ``required_keys``; otherwise :class:`ValueError` names what is missing.
+  * Clients of other groups' ManagerServers are cached by address (closing a gRPC channel costs
+    ~200 ms), at most :data:`MAX_PEER_CLIENTS` at a time; ``close()`` closes them all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Collection, Dict, Optional
+
+from ft.checkpointing.transport import CheckpointTransport
+from ft.coordination import ManagerClient
+from ft.coordination.quorum import QuorumResult
+
+__all__ = ["Healer", "ReceivedCheckpoint", "MAX_PEER_CLIENTS"]
+
+# Distinct source groups a replica heals from over a job's life are few; past this many cached
+# clients the cache is emptied rather than grown (a job whose groups keep changing address).
+MAX_PEER_CLIENTS = 16
+
+
+@dataclass(frozen=True)
+class ReceivedCheckpoint:
+    """A checked checkpoint and how it arrived (for the heal log)."""
+
+    state: Dict[str, Any]
+    metadata: str
+    """The source's checkpoint metadata (its transport's address for this step)."""
+    metadata_s: float
+    """Seconds spent asking the source for the metadata."""
+    path: Optional[str]
+    """The transport's path for this transfer ("http", "same-host", ...), where it says."""
+
+
+class Healer:
+    """Sends and fetches the live state of one replica group (see the module docstring)."""
+
+    def __init__(self, transport: CheckpointTransport[Dict[str, Any]],
+                 connect_timeout: timedelta) -> None:
+        self.transport = transport
+        self._connect_timeout = connect_timeout
+        self._peer_clients: Dict[str, ManagerClient] = {}
+
+    def send(self, quorum: QuorumResult, state_dict: Callable[[], Dict[str, Any]],
+             timeout: timedelta) -> None:
+        if not quorum.recover_dst_replica_ranks:
+            return
+        try:
+            self.transport.send_checkpoint(
+                dst_ranks=quorum.recover_dst_replica_ranks,
+                step=quorum.max_step,
+                state_dict=state_dict(),
+                timeout=timeout,
+            )
+        except Exception as e:
+            self.transport.abandon_checkpoint(quorum.max_step, f"{type(e).__name__}: {e}")
+            raise
+
+    def receive(self, quorum: QuorumResult, group_rank: int, timeout: timedelta,
+                required_keys: Collection[str]) -> ReceivedCheckpoint:
+        src = quorum.recover_src_replica_rank
+        if src is None or not quorum.recover_src_manager_address:
+            raise ValueError(f"quorum {quorum.quorum_id} asks this replica to heal but names no "
+                             f"source (rank {src!r}, address "
+                             f"{quorum.recover_src_manager_address!r})")
+        t0 = time.monotonic()
+        peer = self._peer_client(quorum.recover_src_manager_address)
+        metadata = peer.checkpoint_metadata(group_rank, timeout=timeout)
+        metadata_s = time.monotonic() - t0
+        state = self.transport.recv_checkpoint(
+            src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout)
+        check_checkpoint(state, required_keys)
+        return ReceivedCheckpoint(state, metadata, metadata_s,
+                                  getattr(self.transport, "last_recv_path", None))
+
+    def close(self) -> None:
+        for peer in self._peer_clients.values():
+            peer.close()
+        self._peer_clients.clear()
+
+    def _peer_client(self, address: str) -> ManagerClient:
+        client = self._peer_clients.get(address)
+        if client is None:
+            if len(self._peer_clients) >= MAX_PEER_CLIENTS:
+                self.close()
+            client = ManagerClient(address, connect_timeout=self._connect_timeout)
+            self._peer_clients[address] = client
+        return client
+
+
+def check_checkpoint(state: Any, required_keys: Collection[str]) -> None:
+    """Raises ValueError unless ``state`` is a Manager checkpoint with every required key."""
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("user"), dict)
+        or not isinstance(state.get("torchft"), dict)
+    ):
+        raise ValueError("received checkpoint lacks the 'user'/'torchft' sections")
+    missing = set(required_keys) - set(state["user"])
+    if missing:
+        raise ValueError(f"received checkpoint lacks state for keys {sorted(missing)}")

@@ -1,0 +1,75 @@
+"""ft.heal: what a received checkpoint must hold before anything loads it, and what the Healer
+does when a send fails or a quorum names no source (table tests; the transfers themselves are
+covered by the heal tests with real processes)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, List
+
+import pytest
+
+from ft.coordination.quorum import QuorumResult
+from ft.heal import Healer, check_checkpoint
+
+
+@pytest.mark.parametrize("state, required, error", [
+    ({"user": {"model": 1}, "torchft": {"step": 3}}, ["model"], None),
+    ({"user": {"model": 1, "extra": 2}, "torchft": {}}, ["model"], None),
+    ({"user": {}, "torchft": {}}, [], None),
+    ({"user": {"model": 1}, "torchft": {}}, ["model", "optim"], "keys ['optim']"),
+    ({"user": {"model": 1}}, ["model"], "'user'/'torchft' sections"),
+    ({"torchft": {}}, [], "'user'/'torchft' sections"),
+    ({"user": [1], "torchft": {}}, [], "'user'/'torchft' sections"),
+    ([1, 2], [], "'user'/'torchft' sections"),
+    (None, [], "'user'/'torchft' sections"),
+])
+def test_check_checkpoint(state: Any, required: List[str], error: Any) -> None:
+    if error is None:
+        check_checkpoint(state, required)
+    else:
+        with pytest.raises(ValueError, match=error.replace("[", r"\[").replace("]", r"\]")):
+            check_checkpoint(state, required)
+
+
+class _Transport:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.abandoned: List[Any] = []
+        self.sent: List[Any] = []
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        if self.fail:
+            raise ConnectionError("peer gone")
+        self.sent.append((dst_ranks, step, state_dict))
+
+    def abandon_checkpoint(self, step: int, reason: str) -> None:
+        self.abandoned.append((step, reason))
+
+
+def test_a_failed_send_abandons_the_step_so_receivers_fail_at_once() -> None:
+    t = _Transport(fail=True)
+    healer = Healer(t, timedelta(seconds=1))  # type: ignore[arg-type]
+    q = QuorumResult(max_step=7, recover_dst_replica_ranks=[1, 2])
+    with pytest.raises(ConnectionError):
+        healer.send(q, lambda: {"user": {}, "torchft": {}}, timedelta(seconds=1))
+    assert t.abandoned == [(7, "ConnectionError: peer gone")]
+
+
+def test_send_is_a_no_op_without_receivers_and_reads_no_state() -> None:
+    t = _Transport(fail=False)
+    healer = Healer(t, timedelta(seconds=1))  # type: ignore[arg-type]
+
+    def state():  # must not be called: reading the state takes the Manager's read lock
+        raise AssertionError("state read without receivers")
+
+    healer.send(QuorumResult(max_step=3), state, timedelta(seconds=1))
+    healer.send(QuorumResult(max_step=3, recover_dst_replica_ranks=[2]),
+                lambda: {"user": {}, "torchft": {}}, timedelta(seconds=1))
+    assert t.sent == [([2], 3, {"user": {}, "torchft": {}})] and not t.abandoned
+
+
+def test_receive_refuses_a_quorum_that_names_no_source() -> None:
+    healer = Healer(_Transport(fail=False), timedelta(seconds=1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="names no source"):
+        healer.receive(QuorumResult(quorum_id=4, heal=True), 0, timedelta(seconds=1), [])
