@@ -1,6 +1,6 @@
 """What authentication costs: every measurement with the job secret off and on, in one run.
 
-    PYTHONPATH=. .venv/bin/python bench/auth_bench.py [--groups 2 8 32] [--rounds 30] [--trials 3]
+    .venv/bin/python -m bench.auth_bench [--groups 2 8 32] [--rounds 30] [--trials 3]
         [--only quorum|step|heal]
 
 Baseline: the same code with no secret, measured alternately with it (off, on, on, off, ...),
@@ -21,6 +21,8 @@ and their ratio (on / off). Target: at most 1.03 for each.
 4. heal: HTTPTransport, source and receiver in this process on loopback, HTTP path (the
    same-host path is off), a --heal-mb MiB state: median transfer time. With the secret the
    source signs the metadata and each range's checksum; the bytes are read once either way.
+
+Results: docs/benchmarks.md, "Authentication".
 """
 
 from __future__ import annotations
@@ -28,15 +30,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from typing import Callable, Dict, List
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 SECRET = "auth-bench-secret-0123456789abcdef0123"
 
@@ -74,7 +71,7 @@ def report(title: str, res: Dict[str, Dict[str, List[float]]], unit: str = "ms")
 
 
 def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) -> None:
-    import quorum_bench
+    from bench import quorum_bench
 
     print(f"quorum round ({rounds} rounds per trial, {trials} trials, {transport} lighthouse)")
     for n in groups:
@@ -93,7 +90,7 @@ def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) ->
 def bench_step(trials: int, steps: int) -> None:
     import argparse as _argparse
 
-    import manager_bench
+    from bench import manager_bench
     from ft.coordination import LighthouseServer
 
     args = _argparse.Namespace(groups=2, steps=steps, warmup=5, trials=1, hb_ms=1000)
@@ -119,7 +116,7 @@ def bench_step(trials: int, steps: int) -> None:
 
 
 def bench_cost(requests: int) -> None:
-    import quorum_bench
+    from bench import quorum_bench
     from ft.coordination import LighthouseClient
     from ft.coordination.rpc_server import native_available
     from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier

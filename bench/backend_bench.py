@@ -1,12 +1,14 @@
 """ft backend vs torch's ProcessGroupGloo, side by side in one run.
 
-    python bench/backend_bench.py [--iters 30] [--sizes 4KiB,1MiB,16MiB,64MiB]
-    python bench/backend_bench.py --cuda [--json F]   # on a GPU machine: bench/backend_bench_cuda.py
+    python -m bench.backend_bench [--iters 30] [--sizes 4KiB,1MiB,16MiB,64MiB]
+    python -m bench.backend_bench --cuda [--json F]   # on a GPU machine: bench/backend_bench_cuda.py
 
 2 ranks on loopback (each a separate process). Reports, per size, the median
 allreduce latency of torch's Gloo and of ft (interleaved, same tensors) and
 their ratio; the median reconfigure latency at world 2 and 4; and the time
 from abort() until every pending Work has failed.
+
+Results: docs/benchmarks.md, "Backend".
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
 
@@ -102,8 +101,8 @@ def run(mode: str, world: int, iters: int, sizes: list) -> list:
     procs = []
     for rank in range(world):
         args = json.dumps([mode, rank, world, store.port, iters, sizes])
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--worker", args], stdout=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.backend_bench", "--worker", args],
+                                      stdout=subprocess.PIPE, text=True))
     try:
         return [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
     finally:
@@ -118,8 +117,7 @@ def main() -> None:
         # The CUDA mode (ft's NCCL lanes vs torch's ProcessGroupNCCL at world 1) lives in
         # its own module: it needs a GPU and none of the loopback worker machinery below.
         sys.argv.remove("--cuda")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import backend_bench_cuda
+        from bench import backend_bench_cuda
 
         sys.exit(backend_bench_cuda.main())
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,4 +1,5 @@
-"""CUDA mode of the backend benchmark (run on a GPU machine; see tests/gpu/run_on_device.sh).
+"""CUDA mode of the backend benchmark: ``python -m bench.backend_bench --cuda [--json F]`` on a GPU
+machine (tests/gpu/run_on_device.sh runs it).
 
 At world size 1 on one GPU:
   * launch overhead: CPU time to issue an allreduce (issue -> Work returned) and the
@@ -8,13 +9,14 @@ At world size 1 on one GPU:
     communicators, connect Gloo, create the new NCCL communicators), step by step.
 
 Prints a table and writes JSON with --json.
+
+Results: docs/benchmarks.md, "Backend on CUDA".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,8 +24,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZES = {"4KiB": 1 << 10, "1MiB": 1 << 18, "64MiB": 1 << 24}  # float32 elements
 

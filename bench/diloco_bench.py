@@ -1,6 +1,6 @@
 """DiLoCo benchmarks: communication overlap and bytes on the wire.
 
-    python bench/diloco_bench.py            # both, 2 replicas on loopback
+    python -m bench.diloco_bench            # both, 2 replicas on loopback
 
 Two replica processes train the same MLP with ft.local_sgd.DiLoCo through the
 real stack: a lighthouse (in the bench's parent process), one ft.Manager per
@@ -22,6 +22,8 @@ Bytes: /proc/self/io `wchar` (bytes this process wrote with write()/writev(),
 which is how Gloo sends) measured around the training loop, per outer step
 (= sync_every inner steps), for DDP (per-step gradient allreduce), DiLoCo,
 Streaming DiLoCo (2 fragments) and DiLoCo with int8 quantization.
+
+Results: docs/benchmarks.md, "DiLoCo".
 """
 
 from __future__ import annotations
@@ -39,11 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import ft  # noqa: E402
-from ft.local_sgd import DiLoCo  # noqa: E402
+import ft
+from ft.local_sgd import DiLoCo
 
 
 def wchar() -> int:
@@ -291,7 +290,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="diloco-bench-")
     procs = []
     for r in range(2):
-        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--lighthouse", lh.address(),
+        cmd = [sys.executable, "-m", "bench.diloco_bench", "--rank", str(r), "--lighthouse", lh.address(),
                "--json", os.path.join(tmp, f"{r}.json")] + sys.argv[1:]
         procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     try:

@@ -1,6 +1,6 @@
 """Manager benchmark: per-step overhead, recovery latency, survivors' stall.
 
-    PYTHONPATH=. .venv/bin/python bench/manager_bench.py [--groups 2] [--steps 30]
+    .venv/bin/python -m bench.manager_bench [--groups 2] [--steps 30]
 
 All on CPU, loopback, one process per replica group (1 rank each), a ~4M-parameter MLP
 (16 MiB of float32 parameters).
@@ -17,6 +17,8 @@ All on CPU, loopback, one process per replica group (1 rank each), a ~4M-paramet
    groups; "start" is then its activation).
 3. stall: the survivors' longest gap between two committed steps when a group is killed
    (kill -9) and when one is stopped (SIGSTOP); heartbeat timeout --hb-ms.
+
+Results: docs/benchmarks.md, "Manager".
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # children's PYTHONPATH
 
 
 def free_port() -> int:
@@ -140,8 +141,8 @@ def child(args: argparse.Namespace) -> None:
 
 def child_argv(args: argparse.Namespace, tmp: str, group: int, mode: str, port: int,
                steps: int, name: str, lighthouse: str = "", extra: List[str] = ()) -> List[str]:
-    """A child's command line after the interpreter."""
-    return [os.path.abspath(__file__), "--child", "--mode", mode,
+    """A child's command line after the interpreter (``-m bench.manager_bench ...``)."""
+    return ["-m", "bench.manager_bench", "--child", "--mode", mode,
             "--group", str(group), "--groups", str(args.groups), "--port", str(port),
             "--steps", str(steps), "--lighthouse", lighthouse,
             "--out", os.path.join(tmp, f"{name}.json"),

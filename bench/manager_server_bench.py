@@ -2,12 +2,14 @@
 that rank 1 (another process) sends to rank 0's ManagerServer, served by the native gRPC server
 and by grpcio, side by side in one run.
 
-    PYTHONPATH=. .venv/bin/python bench/manager_server_bench.py [--rounds 300]
+    .venv/bin/python -m bench.manager_server_bench [--rounds 300]
 
 Rank 0 asks in-process (LocalManagerClient), as the Manager's rank 0 does; the lighthouse runs in
 a third process. Reported per step: the wall time of the round as rank 1 sees it, and
 the CPU time of the process hosting the ManagerServer (from os.times, all its threads), which
 is what serving costs the training process of rank 0.
+
+Results: docs/benchmarks.md, "Manager".
 """
 
 from __future__ import annotations
@@ -16,19 +18,14 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
 from datetime import timedelta
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 TIMEOUT = timedelta(seconds=30)
 
 
 def rank1(addr: str, rounds: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
-    sys.path.insert(0, ROOT)
     from ft.coordination.clients import ManagerClient
 
     client = ManagerClient(addr, timedelta(seconds=10))
@@ -87,7 +84,6 @@ def server_transport(server) -> str:  # type: ignore[no-untyped-def]
 
 
 def lighthouse(addr_out, stop) -> None:  # type: ignore[no-untyped-def]
-    sys.path.insert(0, ROOT)
     from ft.coordination import LighthouseServer
 
     lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100, quorum_tick_ms=10,

@@ -1,6 +1,6 @@
 """Network-fault benchmark: what each fault costs a job spread over several hosts.
 
-    sudo PYTHONPATH=. .venv/bin/python bench/netfault_bench.py [--soak-s 300] [--only NAME]
+    sudo .venv/bin/python -m bench.netfault_bench [--soak-s 300] [--only NAME]
 
 Simulated hosts (network namespaces on a private bridge, tests/multihost/netns.py): a
 lighthouse host and one host per replica group, one rank per group, the MLP of
@@ -20,21 +20,20 @@ Per scenario:
 - step ratio (packet loss): mean (and median) step time under loss / fault-free.
 
 The soak kills or partitions a random non-first group every 20 s for --soak-s seconds.
+
+Results: docs/benchmarks.md, "Network faults".
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.multihost.job import Job, assert_identical  # noqa: E402
-from tests.multihost.netns import Hosts, unavailable_reason  # noqa: E402
+from tests.multihost.job import Job, assert_identical
+from tests.multihost.netns import Hosts, unavailable_reason
 
 
 def make_hosts(names):

@@ -1,6 +1,6 @@
 """Quorum benchmark: round latency with unchanged membership, and failure detection time.
 
-    python bench/quorum_bench.py [--groups 2 8 32] [--rounds 50] [--quick]
+    python -m bench.quorum_bench [--groups 2 8 32] [--rounds 50] [--quick]
 
 The lighthouse runs in its own process (``python -m ft.coordination.cli``), as in a real job.
 For N simulated replica groups, each in its own process as in a real job, it measures the median
@@ -18,6 +18,8 @@ Then, with 4 groups heartbeating every 100 ms, it stops one group's heartbeats a
 time from its last heartbeat to the failure notification (``subscribe_failures``) and to the
 survivors' next quorum. Targets: a round under 5 ms at 8 groups; notification within
 heartbeat_timeout + one tick.
+
+Results: docs/benchmarks.md, "Quorum and lighthouse".
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ import threading
 import time
 from datetime import timedelta
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from ft.coordination import LighthouseClient
 
-from ft.coordination import LighthouseClient  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the lighthouse's cwd
 
 
 def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, tick_ms: int, join_timeout_ms: int,
@@ -97,7 +98,6 @@ def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results,
     "full": a ManagerServer (world_size 1) in this process, asked the way the Manager's rank 0
     asks it (in-process), which asks the lighthouse.
     """
-    sys.path.insert(0, ROOT)
     from ft.coordination import LighthouseClient, ManagerServer
     from ft.coordination.manager_server import LocalManagerClient
 

@@ -1,6 +1,6 @@
 """ft's lighthouse and client beside torchft 0.2.0's (Rust), on one harness, in one run.
 
-    PYTHONPATH=. .venv/bin/python bench/quorum_vs_torchft.py [--groups 2 8 32 256] [--rounds 30]
+    .venv/bin/python -m bench.quorum_vs_torchft [--groups 2 8 32 256] [--rounds 30]
         [--heartbeats 3000] [--secret]
 
 torchft is installed with ``pip install --no-deps torchft==0.2.0`` into a throwaway venv
@@ -24,6 +24,8 @@ shares stay visible.
 
 With ``--secret`` ft's side runs with a job secret (signed requests, verified in C++); torchft
 has no authentication, so that compares a secured ft with an open torchft.
+
+Results: docs/benchmarks.md, "Quorum and lighthouse".
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ import types
 from datetime import timedelta
 from typing import Callable, List, Optional, Tuple
 
+from bench.quorum_bench import process_cpu_s, timed_rounds  # one harness for both
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quorum_bench import process_cpu_s, timed_rounds  # noqa: E402  (one harness for both)
 
 VENV = os.environ.get("FT_BENCH_TORCHFT_VENV", "/tmp/ft-bench-torchft")
 TORCHFT = "torchft==0.2.0"
@@ -118,12 +120,13 @@ class Lighthouse:
         else:
             # torchft's own entry point (torchft._torchft.lighthouse_main), started the way its
             # ``torchft_lighthouse`` script does, minus torchft/__init__.py (see above). It
-            # parses the process's argv after argv[0], taking the script's name as its own.
+            # parses the process's argv after argv[0], taking the script's name as its own. It
+            # imports this module (``bench``) through PYTHONPATH=ROOT.
             script = os.path.join(VENV, "serve_torchft_lighthouse.py")
             with open(script, "w") as f:
-                f.write(f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-                        "from quorum_vs_torchft import import_torchft_native\n"
+                f.write("from bench.quorum_vs_torchft import import_torchft_native\n"
                         "import_torchft_native().lighthouse_main()\n")
+            env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
             cmd = [sys.executable, script, "--bind", f"127.0.0.1:{port}", *flags]
             self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL)
@@ -221,7 +224,7 @@ def main() -> None:
         if py is not None:
             # RUST_LOG: torchft's client logs every connection at INFO otherwise.
             env = dict(os.environ, PYTHONPATH=ROOT, RUST_LOG="error")
-            os.execve(py, [py, os.path.abspath(__file__), "--inner", *sys.argv[1:]], env)
+            os.execve(py, [py, "-m", "bench.quorum_vs_torchft", "--inner", *sys.argv[1:]], env)
     have_torchft = import_torchft_native() is not None
     kinds = ["ft", "torchft"] if have_torchft else ["ft"]
     pairs = [(c, s) for s in kinds for c in kinds]

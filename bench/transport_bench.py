@@ -3,11 +3,13 @@ and its HTTP path) and PGTransport (Gloo) on loopback, against local memory copi
 bytes (torch.clone; copy_ into preallocated tensors; copy into fresh huge-page memory, which is
 what a receiver allocates, timed alternately with the same-host transfer for the ratio).
 
-    PYTHONPATH=. .venv/bin/python bench/transport_bench.py [--mb 16] [--reps 15] [--throughput-mb 128]
+    .venv/bin/python -m bench.transport_bench [--mb 16] [--reps 15] [--throughput-mb 128]
 
 The sender runs in a separate process (as in a real heal); the receiver is this process. Each
 transfer is timed from the receiver's recv_checkpoint call to its return: request, checksums,
 reassembly and (for HTTP) the header round trip included. Medians over --reps.
+
+Results: docs/benchmarks.md, "Checkpoint transports".
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ import zlib
 from datetime import timedelta
 from typing import Any, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from ft.checkpointing import HTTPTransport, PGTransport  # noqa: E402
+from ft.checkpointing import HTTPTransport, PGTransport
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -92,7 +92,7 @@ def child(mode: str, mb: int, reps: int, port: int) -> None:
 def spawn(mode: str, mb: int, reps: int, port: int = 0) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--child", mode, "--mb", str(mb),
+        [sys.executable, "-m", "bench.transport_bench", "--child", mode, "--mb", str(mb),
          "--reps", str(reps), "--port", str(port)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )

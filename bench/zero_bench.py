@@ -1,8 +1,8 @@
 """Benchmark: ft.optim.ZeroRedundancyOptimizer vs torch's, side by side on one process group.
 
-    python bench/zero_bench.py [--world 3] [--iters 20] [--backend gloo|ft]
-    python bench/zero_bench.py --ft [--world 3] [--iters 5]    # fault-tolerant mode
-    python bench/zero_bench.py --overlap [--world 2] [--iters 10] [--blocks 6 --d 512 --ffn 1536]
+    python -m bench.zero_bench [--world 3] [--iters 20] [--backend gloo|ft]
+    python -m bench.zero_bench --ft [--world 3] [--iters 5]    # fault-tolerant mode
+    python -m bench.zero_bench --overlap [--world 2] [--iters 10] [--blocks 6 --d 512 --ffn 1536]
 
 Overlap mode (``--overlap``, always the "ft" backend: torch's overlapped ZeRO refuses Gloo)
 times whole training iterations (zero_grad, forward, backward, and ``step()`` where there is
@@ -27,6 +27,8 @@ steps ran back to back, so it is less sensitive to load changes on a shared mach
 Memory: the bytes of optimizer state (the tensors in ``optimizer.state``) per rank, after the
 steps, against a plain ``torch.optim.Adam`` over the whole model. Adam allocates its state at
 the first step and never grows it, so this is also the peak of persistent state.
+
+Results: docs/benchmarks.md, "ZeRO".
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -230,9 +231,7 @@ def launch(args) -> int:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=args.timeout),
                           wait_for_workers=False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [env.get("PYTHONPATH")] if p])
-    cmd = [sys.executable, __file__, "--world", str(args.world), "--iters", str(args.iters),
+    cmd = [sys.executable, "-m", "bench.zero_bench", "--world", str(args.world), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--backend", args.backend, "--port", str(store.port),
            "--blocks", str(args.blocks), "--d", str(args.d), "--ffn", str(args.ffn),
            "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb)]
@@ -283,7 +282,6 @@ def ft_mode(world: int, iters: int) -> int:
     quorum changes)."""
     import threading
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from ft.coordination import LighthouseServer
     from ft.optim import FaultTolerantZeroRedundancyOptimizer
     from tests.manager.inproc import make_manager

@@ -1,7 +1,8 @@
 """The ft backend in one minute: allreduce, a peer killed with kill -9, an
 in-place reconfigure of the survivors, and a newcomer joining.
 
-    python examples/backend_demo.py
+    python -m examples.backend_demo     # from a source checkout's root (ft built in place)
+    python examples/backend_demo.py     # anywhere, with ft installed
 
 Three processes on loopback. Prints what each step does and how long it took.
 """
@@ -15,7 +16,9 @@ import sys
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The members start the way this process was started: as a module (found from the working
+# directory, as `python -m` finds it) or as a script.
+SELF = ["-m", __spec__.name] if __spec__ is not None else [os.path.abspath(__file__)]
 
 
 def member(rank: int, port: int) -> None:
@@ -78,7 +81,7 @@ def main() -> None:
             time.sleep(0.05)
 
     def start(rank: int, slot: str) -> None:
-        procs[slot] = subprocess.Popen([sys.executable, __file__, str(rank), str(store.port)])
+        procs[slot] = subprocess.Popen([sys.executable, *SELF, str(rank), str(store.port)])
 
     try:
         for r in range(3):

@@ -1,24 +1,23 @@
 """Child-process entry point for the coordination tests.
 
 ``ft.coordination`` imports neither torch nor the C++ extension, so child processes start in
-a fraction of a second and these tests do not depend on the backend build. Modes:
+a fraction of a second and these tests do not depend on the backend build. Started by
+``tests.coordination._helpers.CoordinationChild`` (the ``children`` fixture) as
+``python -m tests.coordination._child MODE ...`` in the repository root. Modes:
 
-    _child.py manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S]
-    _child.py lighthouse [LighthouseServer kwargs as JSON]
-    _child.py cli [ft-lighthouse flags...]
-    _child.py subscriber REPLICA_ID LIGHTHOUSE_ADDR
+    manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S]
+    lighthouse [LighthouseServer kwargs as JSON]
+    cli [ft-lighthouse flags...]
+    subscriber REPLICA_ID LIGHTHOUSE_ADDR
 
 A mode with the suffix ``-without-torch`` (``cli-without-torch``) runs with torch and ``ft._C``
 hidden: importing either raises ModuleNotFoundError, as on a host where they are not installed.
 """
 
 import json
-import os
 import signal
 import sys
 import threading
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _Hidden:
@@ -49,7 +48,6 @@ def main() -> int:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s: %(message)s")
-    sys.path.insert(0, ROOT)
     import ft.coordination as coord
 
     if mode == "manager":

@@ -1,5 +1,6 @@
-"""Child of test_proto_compat.py: ft's own coordination over real gRPC on loopback, run with
-whatever grpcio/protobuf come first on sys.path (the test puts the oldest supported there).
+"""Child of test_proto_compat.py (``python -m tests.coordination.proto_compat_child``): ft's own
+coordination over real gRPC on loopback, run with whatever grpcio/protobuf come first on
+sys.path (the test puts the oldest supported there).
 
 Prints one JSON line: the versions it ran on and what it checked.
 """

@@ -4,9 +4,9 @@ import signal
 
 import pytest
 
-from conftest import wait_for
 from ft.coordination import LighthouseClient
 from ft.coordination.cli import build_parser, main
+from tests.coordination._helpers import wait_for
 
 
 def test_help_lists_both_spellings(capsys):

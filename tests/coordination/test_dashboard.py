@@ -5,7 +5,6 @@ import json
 import re
 import shutil
 import struct
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -13,8 +12,8 @@ import zlib
 
 import pytest
 
-from conftest import free_port, parallel, wait_for
 from ft.coordination import LighthouseClient
+from tests.coordination._helpers import free_port, parallel, wait_for
 
 
 def http(url, data=None, headers=None, timeout=5.0):
@@ -221,12 +220,11 @@ class WebDriver:
 
 
 @pytest.fixture
-def webdriver(tmp_path):
+def webdriver(tmp_path, procs):
     if not (CHROMIUM and CHROMEDRIVER):
         pytest.skip("headless Chromium not available: apt-get install -y chromium chromium-driver")
     port = free_port()
-    log = open(tmp_path / "chromedriver.log", "w")
-    proc = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = procs([CHROMEDRIVER, f"--port={port}"], log_path=tmp_path / "chromedriver.log")
     driver = None
     try:
         deadline = time.monotonic() + 15
@@ -243,13 +241,7 @@ def webdriver(tmp_path):
     finally:
         if driver is not None:
             driver.quit()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+        proc.kill(grace=10)
 
 
 def test_dashboard_renders_members_in_chromium(lighthouse_factory, webdriver, tmp_path):

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import parallel, wait_for
 from ft.coordination import LighthouseClient, LighthouseServer, ManagerClient, ManagerServer
 from ft.coordination._proto import torchft_pb2 as pb
+from tests.coordination._helpers import parallel, wait_for
 
 # Statuses a server may answer to garbage. UNKNOWN would mean a handler raised.
 ALLOWED = {

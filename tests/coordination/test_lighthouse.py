@@ -8,10 +8,10 @@ import time
 import grpc
 import pytest
 
-from conftest import parallel, run_threads, wait_for
 from ft.coordination import CoordinationError, LighthouseClient, LighthouseServer
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
+from tests.coordination._helpers import parallel, run_threads, wait_for
 
 
 @pytest.fixture
@@ -125,15 +125,15 @@ def test_member_data_comes_back_as_a_dict(lighthouse_factory):
         assert by_id == {"a": data, "b": {}, "c": None}
         assert isinstance(by_id["a"], dict)
     # on the wire it stays a JSON string (the proto's type, and what torchft's peers expect)
-    from ft.coordination import _rpc
+    from ft.coordination import wire
     from ft.coordination.quorum import QuorumMember
 
-    wire = _rpc.member_to_pb(QuorumMember(replica_id="a", data=data))
-    assert isinstance(wire.data, str) and json.loads(wire.data) == data
-    assert _rpc.member_to_pb(QuorumMember(replica_id="c")).data == ""
-    assert _rpc.member_from_pb(wire).data == data
+    msg = wire.member_to_pb(QuorumMember(replica_id="a", data=data))
+    assert isinstance(msg.data, str) and json.loads(msg.data) == data
+    assert wire.member_to_pb(QuorumMember(replica_id="c")).data == ""
+    assert wire.member_from_pb(msg).data == data
     # members stay hashable (quorum code may put them in sets)
-    hash(_rpc.member_from_pb(wire))
+    hash(wire.member_from_pb(msg))
     # the dashboard still renders a quorum whose members carry data
     st = lh.status()
     assert sorted(r["replica_id"] for r in st["replicas"]) == ["a", "b", "c"]

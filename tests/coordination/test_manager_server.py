@@ -8,12 +8,13 @@ import time
 import grpc
 import pytest
 
-from conftest import free_port, parallel, run_threads, wait_for
+from ft.utils.deadline import Deadline
 from ft.coordination import CoordinationError, LighthouseClient, ManagerClient, QuorumResult
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination.quorum import GroupRequest
 from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
+from tests.coordination._helpers import free_port, parallel, run_threads, wait_for
 
 
 def mc(server, kind: str = "remote"):
@@ -327,7 +328,7 @@ def test_calls_past_their_deadline_never_join_a_round(lighthouse_factory, manage
     (e.g. it waited behind others) is refused; it neither votes in nor leads a later round."""
     lh = lighthouse_factory()
     s = manager_factory("g0", lh.address(), world_size=2)
-    past = time.monotonic() - 0.1
+    past = Deadline(time.monotonic() - 0.1)
     with pytest.raises(CoordinationError) as e:
         s.should_commit(1, 7, False, past)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

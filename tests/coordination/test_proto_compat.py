@@ -13,19 +13,19 @@ import sys
 
 import pytest
 
+from tests.procs import REPO, python_argv
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proto_compat_child.py")
 # Exactly the floors in pyproject.toml.
 FLOORS = {"grpcio": "1.64.0", "protobuf": "4.25.0"}
 
 
 def _dependencies():
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         return tomllib.load(f)["project"]["dependencies"]
 
 
@@ -57,9 +57,12 @@ def floor_site(tmp_path_factory):
 
 def test_coordination_round_trip_on_the_oldest_grpcio_and_protobuf(floor_site):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([floor_site, ROOT, env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, CHILD, FLOORS["grpcio"], FLOORS["protobuf"]],
-                       capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([floor_site, env.get("PYTHONPATH", "")])
+    # -m in the repository root: ft and tests come from it; it holds no grpc or protobuf, so the
+    # floor versions are the first found.
+    r = subprocess.run(python_argv("tests.coordination.proto_compat_child", FLOORS["grpcio"],
+                                   FLOORS["protobuf"]),
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"grpcio": FLOORS["grpcio"], "protobuf": FLOORS["protobuf"], "ok": True}

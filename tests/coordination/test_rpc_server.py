@@ -12,7 +12,7 @@ from ft.coordination import rpc_server
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination.rpc_server import Method, RpcServer
 
-from conftest import TRANSPORTS, wait_for
+from tests.coordination._helpers import TRANSPORTS, wait_for
 
 SVC = "/torchft.LighthouseService/"
 

@@ -125,7 +125,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
     if cfg.get("late") and rank == 1:
         store.set("r1-ready", "1")
     if cfg["algo"] == "localsgd":
-        algo = LocalSGD(manager, model, inner, sync_every=cfg["sync_every"])
+        algo = LocalSGD(manager, model, inner, sync_every=cfg["sync_every"], keep_backup=True)
         state_fn = lambda: {"params": dict(model.named_parameters()), **algo._state_dict()}  # noqa: E731
     else:
         n_frag = cfg.get("n_frag", 1)
@@ -196,6 +196,9 @@ def partial_rejected() -> Dict[str, str]:
     from ft.local_sgd import DiLoCo, LocalSGD
 
     class _Stub:  # construction only: no sync happens
+        use_async_quorum = False
+        num_lanes = 1
+
         def register_state_dict_fn(self, *a: Any) -> None:
             pass
 

@@ -46,8 +46,12 @@ class _FakeWork:
 
 
 class FakeManager:
+    """A stand-in for ft.Manager that provides ft.protocols.ManagerLike (checked by
+    tests/manager/test_protocols.py). ``num_lanes`` defaults to as many lanes as any test
+    has fragments, so that every fragment has a lane of its own unless a test says otherwise."""
+
     def __init__(self, group: FakeGroup, rank: int, fail_calls: Set[int] = frozenset(),
-                 use_async_quorum: bool = False, pg: Any = None) -> None:
+                 use_async_quorum: bool = False, num_lanes: int = 64) -> None:
         self.group = group
         self.rank = rank
         self.step = 0
@@ -58,11 +62,28 @@ class FakeManager:
         self.error: Optional[Exception] = None
         self.state_fns: Dict[str, Any] = {}
         self._use_async_quorum = use_async_quorum
-        self._pg = pg
+        self._num_lanes = num_lanes
         self.lanes: List[int] = []
 
-    def register_state_dict_fn(self, key, load_fn, save_fn) -> None:
-        self.state_fns[key] = (load_fn, save_fn)
+    @property
+    def use_async_quorum(self) -> bool:
+        return self._use_async_quorum
+
+    @property
+    def num_lanes(self) -> int:
+        return self._num_lanes
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def is_participating(self) -> bool:
+        return True
+
+    def participating_rank(self) -> Optional[int]:
+        return self.rank
+
+    def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
+        self.state_fns[key] = (load_state_dict, state_dict)
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout=None) -> None:
         self.quorums += 1
@@ -82,10 +103,10 @@ class FakeManager:
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
                   reduce_op=ReduceOp.AVG):
-        from ft import _C
+        from ft.process_group import current_lane
 
         key = ("allreduce", self.calls)
-        self.lanes.append(_C.get_current_lane())
+        self.lanes.append(current_lane())
         failing = self.calls in self.fail_calls
         self.calls += 1
         mine = tensor.detach().clone()

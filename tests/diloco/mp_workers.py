@@ -90,7 +90,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
                            cfg.get("pg_timeout", 10.0))
     if cfg["algo"] == "localsgd":
         algo = LocalSGD(manager, model, inner, sync_every=cfg["sync_every"],
-                        warmup_steps=cfg.get("warmup", 0))
+                        warmup_steps=cfg.get("warmup", 0), keep_backup=True)
         state_fn = lambda: {"params": dict(model.named_parameters()), **algo._state_dict()}  # noqa: E731
     else:
         frags = [model[0], model[2]] if n_frag == 2 else [model]

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 
-from tests.manager.inproc import lighthouse
-from tests.procs import Workers, make_store
+from tests.procs import Workers
 
 TARGET = "tests.diloco.mp_workers:train"
 
@@ -25,19 +24,15 @@ def assert_same_global_state(a: Dict[str, Any], b: Dict[str, Any], cfg) -> None:
     assert a["final"] == b["final"], cfg
 
 
-def test_healthy_localsgd_and_diloco_identical_at_every_sync():
+def test_healthy_localsgd_and_diloco_identical_at_every_sync(replicas):
     configs = [
         dict(algo="localsgd", sync_every=3, warmup=2, stop_at=5),
         dict(algo="diloco", sync_every=3, stop_at=4),
         dict(algo="diloco", sync_every=4, n_frag=2, tau=1, stop_at=4, bucket=True,
              bucket_cap_mb=0.0002),  # ~52 fp32 per bucket: tensors split across buckets
     ]
-    lh = lighthouse(min_replicas=2, join_timeout_ms=200)
-    try:
-        with Workers(TARGET, 2, lh_addr=lh.address(), configs=configs) as w:
-            r0, r1 = w.join(timeout=120)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, 2, lighthouse=dict(min_replicas=2, join_timeout_ms=200), configs=configs)
+    r0, r1 = w.join(timeout=120)
     for cfg, a, b in zip(configs, r0, r1):
         assert_same_global_state(a, b, cfg)
         assert sorted(a["commits"]) == list(range(1, cfg["stop_at"] + 1)), (cfg, a["commits"])
@@ -46,7 +41,7 @@ def test_healthy_localsgd_and_diloco_identical_at_every_sync():
         assert a["lanes"] == ([0, 1] if cfg.get("n_frag") == 2 else [0]), (cfg, a["lanes"])
 
 
-def test_streaming_matrix_with_injected_failure():
+def test_streaming_matrix_with_injected_failure(replicas):
     """2 fragments, tau in {0, 1}, alpha in {0, 0.5, 1}; one injected allreduce
     failure per run (at manager step 2, on replica 0). Each failure is counted
     exactly once on each replica, the same fragment is retried, and all
@@ -54,12 +49,8 @@ def test_streaming_matrix_with_injected_failure():
     configs = [dict(algo="diloco", sync_every=4, n_frag=2, tau=tau, alpha=alpha, stop_at=4,
                     fail_at=2, fail_rank=0)
                for tau in (0, 1) for alpha in (0.0, 0.5, 1.0)]
-    lh = lighthouse(min_replicas=2, join_timeout_ms=200)
-    try:
-        with Workers(TARGET, 2, lh_addr=lh.address(), configs=configs) as w:
-            r0, r1 = w.join(timeout=150)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, 2, lighthouse=dict(min_replicas=2, join_timeout_ms=200), configs=configs)
+    r0, r1 = w.join(timeout=150)
     for cfg, a, b in zip(configs, r0, r1):
         assert_same_global_state(a, b, cfg)
         assert a["injected"] == [2] and b["injected"] == []
@@ -82,34 +73,31 @@ def _wait_key(store, key: str, at_least: int, timeout: float, w: Workers) -> int
 
 
 @pytest.mark.parametrize("scenario", ["kill", "late_joiner"])
-def test_kill_restart_and_late_joiner_heal_global_state(scenario):
+def test_kill_restart_and_late_joiner_heal_global_state(scenario, replicas):
     """kill -9 of replica 1 mid-interval, then a restart; or replica 1 starting
     late ("upscale"). It heals backups and outer-optimizer state from replica
     0 and every replica ends identical."""
     cfg = dict(algo="diloco", sync_every=4, n_frag=2, tau=1, stop_at=10_000, step_sleep=0.03,
                max_inner=2000, pg_timeout=4.0)
-    lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=1000, join_timeout_ms=300)
-    store = make_store()
-    try:
-        ranks = [0, 1] if scenario == "kill" else [0]
-        with Workers(TARGET, 2, store, ranks=ranks, lh_addr=lh.address(), configs=[cfg]) as w:
-            if scenario == "kill":
-                _wait_key(store, "c0-step/1", 2, 60, w)
-                time.sleep(0.05)  # mid-interval
-                w.by_rank(1).signal(signal.SIGKILL)
-                w.by_rank(1).proc.wait(10)
-            else:
-                _wait_key(store, "c0-step/0", 3, 60, w)
-            base = int(store.get("c0-step/0"))
-            store.delete_key("c0-step/1")
-            w.spawn(1)
-            _wait_key(store, "c0-step/1", base + 1, 60, w)  # healed and committing with 0
-            stop = int(store.get("c0-step/0")) + 3
-            store.set("stop_at", str(stop))
-            r0 = w.join(60, [w.by_rank(0)])[0][0]
-            r1 = w.join(60, [w.by_rank(1)])[0][0]
-    finally:
-        lh.shutdown()
+    ranks = [0, 1] if scenario == "kill" else [0]
+    w = replicas(TARGET, 2, ranks=ranks, configs=[cfg],
+                 lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1000, join_timeout_ms=300))
+    store = w.store
+    if scenario == "kill":
+        _wait_key(store, "c0-step/1", 2, 60, w)
+        time.sleep(0.05)  # mid-interval
+        w.by_rank(1).signal(signal.SIGKILL)
+        w.by_rank(1).proc.wait(10)
+    else:
+        _wait_key(store, "c0-step/0", 3, 60, w)
+    base = int(store.get("c0-step/0"))
+    store.delete_key("c0-step/1")
+    w.spawn(1)
+    _wait_key(store, "c0-step/1", base + 1, 60, w)  # healed and committing with 0
+    stop = int(store.get("c0-step/0")) + 3
+    store.set("stop_at", str(stop))
+    r0 = w.join(60, [w.by_rank(0)])[0][0]
+    r1 = w.join(60, [w.by_rank(1)])[0][0]
     assert r0["step"] == r1["step"] == stop
     assert_same_global_state(r0, r1, scenario)
     assert min(r1["commits"]) > base  # the new replica took the healed step

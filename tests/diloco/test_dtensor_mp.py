@@ -17,13 +17,11 @@ buffers) goes through ft's checkpoint serialization and loads back.
 from __future__ import annotations
 
 from tests.diloco.test_diloco_mp import assert_same_global_state
-from tests.manager.inproc import lighthouse
-from tests.procs import Workers, make_store
 
 TARGET = "tests.diloco.dtensor_workers:train"
 
 
-def test_dtensor_diloco_and_localsgd_identical_and_equal_to_plain():
+def test_dtensor_diloco_and_localsgd_identical_and_equal_to_plain(replicas):
     runs = {
         "diloco": dict(algo="diloco", sync_every=3, stop_at=3),
         "streaming": dict(algo="diloco", sync_every=4, n_frag=2, tau=1, stop_at=4),
@@ -36,12 +34,9 @@ def test_dtensor_diloco_and_localsgd_identical_and_equal_to_plain():
             names.append((name, placement))
     configs.append(dict(runs["diloco"], placement="shard"))
     names.append(("diloco", "shard"))
-    lh = lighthouse(min_replicas=2, join_timeout_ms=200)
-    try:
-        with Workers(TARGET, 2, lh_addr=lh.address(), configs=configs, check_partial=True) as w:
-            r0, r1 = w.join(timeout=120)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, 2, lighthouse=dict(min_replicas=2, join_timeout_ms=200), configs=configs,
+                 check_partial=True)
+    r0, r1 = w.join(timeout=120)
     rejected, r0, r1 = r0[0], r0[1:], r1[1:]
     for name in ("diloco", "localsgd"):  # Partial placements are rejected, clearly
         assert "Partial placement" in rejected[name] and "'weight'" in rejected[name], rejected
@@ -67,21 +62,17 @@ def test_dtensor_diloco_and_localsgd_identical_and_equal_to_plain():
         assert res[("diloco", "shard")][i]["full"] == res[("diloco", None)][i]["full"]
 
 
-def test_dtensor_late_joiner_heals_outer_momentum():
+def test_dtensor_late_joiner_heals_outer_momentum(replicas):
     """Replica 1 joins after replica 0 has committed with DTensor outer momentum:
     it heals the DiLoCo backups and the outer-optimizer state (DTensor momentum
     buffers travel as local tensors and are wrapped back like the parameters),
     and both replicas are then bitwise identical at every common sync."""
     cfg = dict(algo="diloco", sync_every=2, stop_at=8, placement="replicate", late=2,
                step_sleep=0.02)
-    lh = lighthouse(min_replicas=1, join_timeout_ms=300)
-    store = make_store()
-    try:
-        with Workers(TARGET, 2, store, ranks=[0], lh_addr=lh.address(), configs=[cfg]) as w:
-            w.spawn(1)
-            r0, r1 = w.join(timeout=90)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, 2, ranks=[0], lighthouse=dict(min_replicas=1, join_timeout_ms=300),
+                 configs=[cfg])
+    w.spawn(1)
+    r0, r1 = w.join(timeout=90)
     a, b = r0[0], r1[0]
     assert min(b["commits"]) > 2, b["commits"]  # it healed a step with outer momentum
     assert a["step"] == b["step"] == cfg["stop_at"]
@@ -89,18 +80,14 @@ def test_dtensor_late_joiner_heals_outer_momentum():
     assert any("momentum_buffer" in k and v == "DTensor" for k, v in b["kinds"].items()), b["kinds"]
 
 
-def test_shard_placement_on_a_two_rank_mesh_per_group():
+def test_shard_placement_on_a_two_rank_mesh_per_group(replicas):
     """2 replica groups x 2 ranks; each group shards every parameter over its 2-rank mesh
     (Shard(0)). Each rank's DiLoCo global state (its shard's backup and outer momentum) is
     bitwise identical to the same rank's in the other group at every sync, the two ranks of
     a group really hold different halves, and the full parameters agree everywhere."""
-    lh = lighthouse(min_replicas=2, join_timeout_ms=200)
-    try:
-        with Workers("tests.diloco.dtensor_workers:train_sharded_groups", 4,
-                     lh_addr=lh.address(), sync_every=2, stop_at=3) as w:
-            res = w.join(timeout=150)
-    finally:
-        lh.shutdown()
+    w = replicas("tests.diloco.dtensor_workers:train_sharded_groups", 4,
+                 lighthouse=dict(min_replicas=2, join_timeout_ms=200), sync_every=2, stop_at=3)
+    res = w.join(timeout=150)
     by = {(r["replica"], r["group_rank"]): r for r in res}
     for r in res:
         assert r["step"] == 3 and r["failed"] == 0, r

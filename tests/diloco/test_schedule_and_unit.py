@@ -207,16 +207,13 @@ def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
 
 
 def test_diloco_rejects_async_and_shares_the_lanes_there_are():
-    class PG:
-        num_lanes = 2
-
     model = Scalar(1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="use_async_quorum=False"):
         DiLoCo(FakeManager(FakeGroup(1), 0, use_async_quorum=True), [model], opt, opt, 2)
     # More fragments than lanes: fragment f syncs on lane f % num_lanes (torchft accepts it).
     frags = [Scalar(float(i)) for i in range(5)]
-    d = DiLoCo(FakeManager(FakeGroup(1), 0, pg=PG()), frags, opt, opt, 5)
+    d = DiLoCo(FakeManager(FakeGroup(1), 0, num_lanes=2), frags, opt, opt, 5)
     assert [d.lane_for(f) for f in range(5)] == [0, 1, 0, 1, 0]
 
 
@@ -233,23 +230,29 @@ def test_bucketization_switch_and_default_cap_follow_torchft(monkeypatch):
     assert DiLoCo(FakeManager(FakeGroup(1), 0), [model], opt, opt, 2)._use_bucketization
 
 
-def test_localsgd_commit_and_failed_sync_restores():
+@pytest.mark.parametrize("keep_backup", [False, True])
+def test_localsgd_commit_and_failed_sync(keep_backup):
     def body(rank, group):
         m = FakeManager(group, rank, fail_calls={1} if rank == 1 else set())
         model = Scalar(1.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         vals = []
-        with LocalSGD(m, model, opt, sync_every=2):
+        with LocalSGD(m, model, opt, sync_every=2, keep_backup=keep_backup) as algo:
             for _ in range(4):
                 _quad_step(model, opt, 4.0 * rank)
                 vals.append(model.w.item())
-        return vals, m.commit_failures
+        return vals, m.commit_failures, algo._backup is not None, sorted(m.state_fns)
 
-    (v0, f0), (v1, f1) = run_replicas(2, body)
+    (v0, f0, b0, s0), (v1, f1, b1, s1) = run_replicas(2, body)
     # sync 1 (step 2): r0 0.25, r1 3.25 -> avg 1.75 committed.
-    # sync 2 (step 4): fails -> both restore 1.75.
-    assert v0 == [0.5, 1.75, 0.875, 1.75] and v1 == [2.5, 1.75, 2.875, 1.75]
+    assert v0[:3] == [0.5, 1.75, 0.875] and v1[:3] == [2.5, 1.75, 2.875]
     assert f0 == f1 == 1
+    if keep_backup:
+        # sync 2 (step 4) fails -> both put back the committed 1.75; the backup heals.
+        assert v0[3] == v1[3] == 1.75 and b0 and b1 and s0 == s1 == ["LocalSGD"]
+    else:
+        # torchft's LocalSGD: a failed sync leaves the local values; no backup is kept.
+        assert (v0[3], v1[3]) == (0.4375, 3.4375) and not b0 and not b1 and s0 == s1 == []
 
 
 def test_localsgd_warmup_syncs_every_step():

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import ft
 from ft.checkpointing import HTTPTransport
-from ft.coordination import LighthouseServer
+from tests.procs import lighthouse  # noqa: F401  (re-exported: tests/gpu imports it here)
 
 TO = timedelta(seconds=10)
-
-
-def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int = 1000,
-               join_timeout_ms: int = 200, bind: str = "127.0.0.1:0") -> LighthouseServer:
-    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                            quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_timeout_ms,
-                            http_bind="")
 
 
 def make_manager(lh_addr: str, name: str, rank: int = 0, world_size: int = 1,

@@ -1,6 +1,6 @@
 """Multi-process Manager tests: real lighthouse, ManagerServers, process groups and processes.
 
-Every child is a real process (tests.procs.Workers: kill -9 / SIGSTOP by pid, always reaped);
+Every child is a real process (tests.procs.Replicas: kill -9 / SIGSTOP by pid, always reaped);
 every wait is bounded.
 """
 
@@ -14,8 +14,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from tests.manager.inproc import lighthouse
-from tests.procs import Workers, free_port, make_store, max_step, wait_progress
+from tests.procs import Replicas, free_port, lighthouse, max_step, wait_progress
 
 TARGET = "tests.manager.workers:train"
 
@@ -53,37 +52,34 @@ _full_only = pytest.mark.skipif(not FULL, reason="set FT_TEST_FULL=1 (the two ca
     ],
 )
 def test_kill_restart_heals_and_ends_identical(transport: str, async_quorum: bool,
-                                               ranks_per_group: int) -> None:
+                                               ranks_per_group: int, replicas) -> None:
     groups = 2
     n = groups * ranks_per_group
-    lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000)
-    store = make_store()
     ports = [free_port() for _ in range(groups)]
     keys = [f"step/{g}/{r}" for g in range(groups) for r in range(ranks_per_group)]
-    try:
-        with Workers(TARGET, n, store, lh_addr=lh.address(), ports=ports,
-                     ranks_per_group=ranks_per_group, async_quorum=async_quorum,
-                     transport=transport, step_sleep=0.1, wait_ready=n) as w:
-            wait_progress(store, keys, 3, 90, w)
-            victims = [w.by_rank(1 * ranks_per_group + r) for r in range(ranks_per_group)]
-            for c in victims:
-                c.signal(signal.SIGKILL)
-            for c in victims:
-                c.proc.wait(10)
-            before = max_step(store, keys[:ranks_per_group])
-            # survivors keep committing while the group is down
-            wait_progress(store, keys[:ranks_per_group], before + 2, 30, w)
-            ports2 = list(ports)
-            ports2[1] = free_port()
-            for r in range(ranks_per_group):
-                store.delete_key(f"step/1/{r}")
-                w.spawn(ranks_per_group + r, ports=ports2, wait_ready=0)
-            wait_progress(store, keys, 1, 60, w)  # the restarted group committed a step
-            store.set("stop_at", str(max_step(store, keys) + 6))
-            live = [c for c in w.children if c not in victims]
-            results = w.join(60, live)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, n, lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=2000,
+                                            join_timeout_ms=1000),
+                 ports=ports, ranks_per_group=ranks_per_group, async_quorum=async_quorum,
+                 transport=transport, step_sleep=0.1, wait_ready=n)
+    store = w.store
+    wait_progress(store, keys, 3, 90, w)
+    victims = [w.by_rank(1 * ranks_per_group + r) for r in range(ranks_per_group)]
+    for c in victims:
+        c.signal(signal.SIGKILL)
+    for c in victims:
+        c.proc.wait(10)
+    before = max_step(store, keys[:ranks_per_group])
+    # survivors keep committing while the group is down
+    wait_progress(store, keys[:ranks_per_group], before + 2, 30, w)
+    ports2 = list(ports)
+    ports2[1] = free_port()
+    for r in range(ranks_per_group):
+        store.delete_key(f"step/1/{r}")
+        w.spawn(ranks_per_group + r, ports=ports2, wait_ready=0)
+    wait_progress(store, keys, 1, 60, w)  # the restarted group committed a step
+    store.set("stop_at", str(max_step(store, keys) + 6))
+    live = [c for c in w.children if c not in victims]
+    results = w.join(60, live)
     assert_identical(results, ranks_per_group)
     restarted = [x for x in results if x["group"] == 1]
     for x in restarted:
@@ -99,16 +95,11 @@ def test_kill_restart_heals_and_ends_identical(transport: str, async_quorum: boo
 
 def one_wave(n_groups: int, stop_at: int, lh_kw: Dict[str, Any] = {}, timeout: float = 90,
              **kw: Any) -> List[Dict[str, Any]]:
-    lh = lighthouse(**{"min_replicas": 1, "heartbeat_timeout_ms": 2000, "join_timeout_ms": 1000,
-                       **lh_kw})
-    store = make_store()
+    lh = {"min_replicas": 1, "heartbeat_timeout_ms": 2000, "join_timeout_ms": 1000, **lh_kw}
     ports = [free_port() for _ in range(n_groups)]
-    try:
-        with Workers(TARGET, n_groups, store, lh_addr=lh.address(), ports=ports,
-                     stop_at=stop_at, wait_ready=n_groups, **kw) as w:
-            return w.join(timeout)
-    finally:
-        lh.shutdown()
+    with Replicas(TARGET, n_groups, lighthouse=lh, ports=ports, stop_at=stop_at,
+                  wait_ready=n_groups, **kw) as w:
+        return w.join(timeout)
 
 
 def test_injected_allreduce_failure_commits_nowhere_and_recovers() -> None:
@@ -143,25 +134,22 @@ def test_corrupted_checkpoint_is_detected_not_loaded_and_retried() -> None:
     assert g1["history"][1]["committed"] and g1["history"][1]["pre_hash"] == g0["init_hash"]
 
 
-def test_sigstop_survivor_continues_within_heartbeat_timeout() -> None:
+def test_sigstop_survivor_continues_within_heartbeat_timeout(replicas) -> None:
     hb_ms = 1500
-    lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=hb_ms, join_timeout_ms=1000)
-    store = make_store()
     ports = [free_port() for _ in range(2)]
     keys = ["step/0/0", "step/1/0"]
-    try:
-        # A long op timeout: only the proactive abort can free the survivor quickly.
-        with Workers(TARGET, 2, store, lh_addr=lh.address(), ports=ports, wait_ready=2,
-                     pg_timeout=60.0, timeout=60.0, step_sleep=0.05) as w:
-            wait_progress(store, keys, 3, 90, w)
-            w.by_rank(1).signal(signal.SIGSTOP)
-            t_stop = time.time()
-            s = max_step(store, keys)
-            wait_progress(store, keys[:1], s + 3, 30, w)
-            store.set("stop_at", str(max_step(store, keys[:1]) + 2))
-            (res,) = w.join(60, [w.by_rank(0)])
-    finally:
-        lh.shutdown()
+    # A long op timeout: only the proactive abort can free the survivor quickly.
+    w = replicas(TARGET, 2, lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=hb_ms,
+                                            join_timeout_ms=1000),
+                 ports=ports, wait_ready=2, pg_timeout=60.0, timeout=60.0, step_sleep=0.05)
+    store = w.store
+    wait_progress(store, keys, 3, 90, w)
+    w.by_rank(1).signal(signal.SIGSTOP)
+    t_stop = time.time()
+    s = max_step(store, keys)
+    wait_progress(store, keys[:1], s + 3, 30, w)
+    store.set("stop_at", str(max_step(store, keys[:1]) + 2))
+    (res,) = w.join(60, [w.by_rank(0)])
     hist = res["history"]
     before = [h for h in hist if h["committed"] and h["wall"] <= t_stop]
     after = [h for h in hist if h["committed"] and h["wall"] > t_stop]
@@ -172,25 +160,21 @@ def test_sigstop_survivor_continues_within_heartbeat_timeout() -> None:
     assert after[-1]["participants"] == 1
 
 
-def test_lighthouse_restart_training_resumes() -> None:
+def test_lighthouse_restart_training_resumes(replicas) -> None:
     port = free_port()
-    bind = f"127.0.0.1:{port}"
-    lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000, bind=bind)
-    store = make_store()
+    lh = dict(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000,
+              bind=f"127.0.0.1:{port}")
     ports = [free_port() for _ in range(2)]
     keys = ["step/0/0", "step/1/0"]
-    try:
-        with Workers(TARGET, 2, store, lh_addr=f"127.0.0.1:{port}", ports=ports, wait_ready=2,
-                     quorum_timeout=30.0, step_sleep=0.05) as w:
-            wait_progress(store, keys, 3, 90, w)
-            lh.shutdown()
-            time.sleep(0.5)
-            s = max_step(store, keys)
-            lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000,
-                            bind=bind)
-            wait_progress(store, keys, s + 3, 60, w)
-            store.set("stop_at", str(max_step(store, keys) + 3))
-            results = w.join(60)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, 2, lighthouse=lh, lh_addr=f"127.0.0.1:{port}", ports=ports,
+                 wait_ready=2, quorum_timeout=30.0, step_sleep=0.05)
+    store = w.store
+    wait_progress(store, keys, 3, 90, w)
+    w.lh.shutdown()
+    time.sleep(0.5)
+    s = max_step(store, keys)
+    w.lh = lighthouse(**lh)  # the same address: the groups reconnect to it
+    wait_progress(store, keys, s + 3, 60, w)
+    store.set("stop_at", str(max_step(store, keys) + 3))
+    results = w.join(60)
     assert_identical(results, 1)

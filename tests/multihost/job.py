@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +19,7 @@ import torch
 
 from ft.utils.auth import JobSecret
 from tests.multihost.netns import Hosts
-from tests.procs import REPO
+from tests.procs import REPO, Proc
 
 LH_PORT = 29510
 
@@ -36,7 +34,7 @@ class Group:
         self.ranks = ranks
         self.progress = os.path.join(job.tmp, f"{name}.progress")
         self.result = os.path.join(job.tmp, f"{name}.pt")
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[Proc] = None
         self.starts = 0
 
     @property
@@ -64,12 +62,11 @@ class Group:
         # set it), and these workers must find their address by the route to the lighthouse.
         self.proc = self.job.hosts.popen(self.name, argv, self.log,
                                          env={**self.job.env, "OMP_NUM_THREADS": "1",
-                                              "FT_ADVERTISE_HOST": ""})
+                                              "FT_ADVERTISE_HOST": ""}, label=f"group {self.name}")
 
     def kill(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.kill()
 
     def records(self, rank: int = 0) -> List[tuple]:
         """(committed step, pid, wall time, participants) per iteration of ``rank``."""
@@ -170,7 +167,7 @@ class Job:
         self._lh_args = ["--bind", f"{self.hosts.addr['lh']}:{LH_PORT}", "--min_replicas", "1",
                          "--join_timeout_ms", "1000",
                          "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--http_bind", ""]
-        self.lh: Optional[subprocess.Popen] = None
+        self.lh: Optional[Proc] = None
         self.lh_starts = 0
         self.start_lighthouse()
         self.groups = [Group(self, n, seed=i + 1, ranks=ranks_per_group)
@@ -182,12 +179,12 @@ class Job:
         self.lh_starts += 1
         self.lh = self.hosts.popen(
             "lh", [sys.executable, "-m", "ft.coordination.cli", *self._lh_args],
-            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"), env=self.env)
+            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"), env=self.env,
+            label="lighthouse")
 
     def kill_lighthouse(self) -> None:
         assert self.lh is not None
-        os.kill(self.lh.pid, signal.SIGKILL)
-        self.lh.wait(10)
+        self.lh.kill()
 
     def group(self, name: str) -> Group:
         return next(g for g in self.groups if g.name == name)
@@ -227,10 +224,7 @@ class Job:
         with open(self.stop_file, "w") as f:
             f.write(str(target))
         for g in self.groups:
-            try:
-                code = g.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{g.name} did not stop:\n{g.tail()}") from None
+            code = g.proc.wait(timeout)  # AssertionError with its output if it does not stop
             assert code == 0, f"{g.name} exited with {code}:\n{g.tail()}"
         results = [[torch.load(f"{g.result}.{r}", weights_only=False) for r in range(g.ranks)]
                    for g in self.groups]

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import uuid
 from typing import Dict, List, Optional
+
+from tests.procs import Proc, Procs
 
 SUBNET = "10.213.77"
 
@@ -50,7 +51,7 @@ class Hosts:
         self.ns: Dict[str, str] = {}
         self.addr: Dict[str, str] = {}
         self._switch_port: Dict[str, str] = {}
-        self.procs: List[subprocess.Popen] = []
+        self.procs = Procs()
         try:
             _ip("netns", "add", self.switch)
             _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
@@ -93,28 +94,15 @@ class Hosts:
             raise RuntimeError(f"{' '.join(argv)} on {name}: {r.stderr.strip()}")
 
     def popen(self, name: str, argv: List[str], log_path: str,
-              env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
-        """Starts ``argv`` on host ``name``; reaped by :meth:`close`."""
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.ns[name], *argv], env=full_env,
-                                    stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        return proc
+              env: Optional[Dict[str, str]] = None, label: Optional[str] = None) -> Proc:
+        """Starts ``argv`` on host ``name`` (tests.procs.Proc, output in ``log_path``); killed
+        and reaped by :meth:`close`."""
+        return self.procs.add(Proc(["ip", "netns", "exec", self.ns[name], *argv],
+                                   env={**os.environ, **(env or {})}, log_path=log_path,
+                                   name=label or f"{os.path.basename(argv[0])} on {name}"))
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        self.procs.kill_all()
         for ns in [*self.ns.values(), self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
         self.ns.clear()

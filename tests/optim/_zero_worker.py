@@ -1,4 +1,5 @@
-"""One rank of a multi-process ZeroRedundancyOptimizer test (run by conftest.run_ranks).
+"""One rank of a multi-process ZeroRedundancyOptimizer test, run as
+``python -m tests.optim._zero_worker`` by tests/optim/conftest.py (run_ranks).
 
 Writes its results to ``<out>/rank<r>.pt``; any exception exits non-zero with a traceback.
 """

@@ -137,16 +137,6 @@ def _wait_key(store, key: str, w, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"pid {pid} did not stop within {timeout}s")
-
-
 def test_driver_and_two_workers_bitwise_then_failures_apply_nowhere():
     """4 Adam steps equal a local Adam bitwise (parameters on worker1, worker2 and the driver);
     then worker2's optimizer raises, worker2 hangs (SIGSTOP), worker2 is killed -9: each time
@@ -160,8 +150,7 @@ def test_driver_and_two_workers_bitwise_then_failures_apply_nowhere():
                  rpc_timeout=RPC_TIMEOUT, steps=4) as w:
         victim = w.by_rank(2)
         _wait_key(store, "stop", w, 90)
-        victim.signal(signal.SIGSTOP)
-        _wait_stopped(victim.pid)
+        victim.stop(timeout=5.0)
         store.set("stopped", "1")
         _wait_key(store, "kill", w, 30)
         victim.signal(signal.SIGKILL)  # a stopped process dies on SIGKILL too

@@ -20,8 +20,7 @@ from ft.optim.post_localsgd import (
 )
 from tests.diloco.fake_manager import FakeGroup, FakeManager, run_replicas
 from ft.utils.deadline import Deadline
-from tests.manager.inproc import lighthouse
-from tests.procs import Workers, make_store, max_step, wait_progress
+from tests.procs import Workers, max_step, wait_progress
 
 WORKER = "tests.optim._post_localsgd_worker"
 
@@ -244,17 +243,6 @@ def test_equivalence_with_torch_on_ft_backend():
     assert not torch.equal(r0["params"]["l1.weight"], r1["params"]["l1.weight"])
 
 
-def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
-    """Until the kernel reports ``pid`` stopped (SIGSTOP takes effect asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"pid {pid} did not stop within {timeout}s")
-
-
 def _kill_mid_period(store, w: Workers, rank: int, period: int, warmup: int,
                      timeout: float) -> int:
     """SIGKILLs child ``rank`` between two rounds: at least one local step done since the last
@@ -269,8 +257,7 @@ def _kill_mid_period(store, w: Workers, rank: int, period: int, warmup: int,
 
     while time.monotonic() < deadline:
         if store.check([key]) and mid(int(store.get(key))):
-            child.signal(signal.SIGSTOP)
-            _wait_stopped(child.pid)
+            child.stop(timeout=2.0)
             c = int(store.get(key))
             if mid(c):
                 child.signal(signal.SIGKILL)
@@ -292,7 +279,7 @@ def _wait_heartbeating(lh, n: int, timeout: float) -> None:
         deadline.sleep(0.02)
 
 
-def test_kill9_mid_period_restart_heals_and_all_groups_end_identical():
+def test_kill9_mid_period_restart_heals_and_all_groups_end_identical(replicas):
     """3 replica groups (ft.Manager, real lighthouse): one injected failed round, then group 1
     is killed -9 in the middle of a period and restarted with different initial weights. The
     failed round is applied nowhere, survivors keep averaging, the restarted group heals in
@@ -300,28 +287,25 @@ def test_kill9_mid_period_restart_heals_and_all_groups_end_identical():
     period, warmup, fail_at = 4, 2, 2
     # join_timeout: the first quorum waits for all three groups even on a loaded machine (a
     # dead group stops counting once its heartbeat expires, after 1 s)
-    lh = lighthouse(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=2000)
-    store = make_store()
     keys = [f"step/{g}" for g in range(3)]
     survivors = [keys[0], keys[2]]
-    try:
-        with Workers(f"{WORKER}:ft_train", 3, store, lh_addr=lh.address(), period=period,
-                     warmup=warmup, step_sleep=0.03, fail_at=fail_at, wait_ready=3) as w:
-            _wait_heartbeating(lh, 3, 60)
-            store.set("go", "1")
-            wait_progress(store, keys, fail_at + 2, 60, w)  # past the failed round
-            _kill_mid_period(store, w, 1, period, warmup, timeout=30)
-            base = max_step(store, survivors)
-            wait_progress(store, survivors, base + 2, 30, w)  # survivors average without it
-            store.delete_key("step/1")
-            store.delete_key("count/1")
-            w.spawn(1, seed=1, wait_ready=0)
-            spawned_at = max_step(store, survivors)
-            wait_progress(store, keys, spawned_at + 1, 60, w)  # it joined a round with them
-            store.set("stop_at", str(max_step(store, keys) + 2))
-            g0, g1, g2 = w.join(60, [w.by_rank(0), w.by_rank(1), w.by_rank(2)])
-    finally:
-        lh.shutdown()
+    w = replicas(f"{WORKER}:ft_train", 3,
+                 lighthouse=dict(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=2000),
+                 period=period, warmup=warmup, step_sleep=0.03, fail_at=fail_at, wait_ready=3)
+    store = w.store
+    _wait_heartbeating(w.lh, 3, 60)
+    store.set("go", "1")
+    wait_progress(store, keys, fail_at + 2, 60, w)  # past the failed round
+    _kill_mid_period(store, w, 1, period, warmup, timeout=30)
+    base = max_step(store, survivors)
+    wait_progress(store, survivors, base + 2, 30, w)  # survivors average without it
+    store.delete_key("step/1")
+    store.delete_key("count/1")
+    w.spawn(1, seed=1, wait_ready=0)
+    spawned_at = max_step(store, survivors)
+    wait_progress(store, keys, spawned_at + 1, 60, w)  # it joined a round with them
+    store.set("stop_at", str(max_step(store, keys) + 2))
+    g0, g1, g2 = w.join(60, [w.by_rank(0), w.by_rank(1), w.by_rank(2)])
 
     # All groups end bitwise identical: model, optimizer param groups, averager counter, step.
     assert g0["step"] == g1["step"] == g2["step"]

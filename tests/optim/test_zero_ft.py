@@ -9,7 +9,7 @@ import torch
 
 from tests.manager.inproc import lighthouse, make_manager
 from tests.optim._zero_ft_worker import batch, make_model
-from tests.procs import Workers, free_port, make_store, wait_progress
+from tests.procs import free_port, wait_progress
 
 TARGET = "tests.optim._zero_ft_worker:train"
 RTOL, ATOL = 1e-4, 1e-6  # averaged gradients are (g+..+g)/N, not bitwise g
@@ -95,32 +95,29 @@ def test_failed_commit_leaves_state_untouched() -> None:
         lh.shutdown()
 
 
-def test_kill_restart_keeps_every_shard() -> None:
+def test_kill_restart_keeps_every_shard(replicas) -> None:
     n = 3
-    lh = lighthouse(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=500)
-    store = make_store()
     keys = [f"step/{r}" for r in range(n)]
     ports = [free_port() for _ in range(n)]
-    try:
-        with Workers(TARGET, n, store, ranks=[], lh_addr=lh.address()) as w:
-            for r in range(n):
-                w.spawn(r, port=ports[r])
-            wait_progress(store, keys, 4, 90, w)
-            victim = w.by_rank(1)
-            victim.signal(signal.SIGKILL)
-            victim.proc.wait(10)
-            kill_step = max(int(store.get(k)) for k in keys)
-            survivors = [keys[0], keys[2]]
-            wait_progress(store, survivors, kill_step + 3, 60, w)
-            store.delete_key("step/1")
-            w.spawn(1, port=free_port())
-            wait_progress(store, keys, kill_step + 4, 60, w)
-            stop = max(int(store.get(k)) for k in keys) + 3
-            store.set("stop_at", str(stop))
-            live = [c for c in w.children if c is not victim]
-            results = w.join(60, live)
-    finally:
-        lh.shutdown()
+    w = replicas(TARGET, n, ranks=[],
+                 lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=500))
+    store = w.store
+    for r in range(n):
+        w.spawn(r, port=ports[r])
+    wait_progress(store, keys, 4, 90, w)
+    victim = w.by_rank(1)
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    kill_step = max(int(store.get(k)) for k in keys)
+    survivors = [keys[0], keys[2]]
+    wait_progress(store, survivors, kill_step + 3, 60, w)
+    store.delete_key("step/1")
+    w.spawn(1, port=free_port())
+    wait_progress(store, keys, kill_step + 4, 60, w)
+    stop = max(int(store.get(k)) for k in keys) + 3
+    store.set("stop_at", str(stop))
+    live = [c for c in w.children if c is not victim]
+    results = w.join(60, live)
 
     ref = reference(stop)
     P = len(ref[0]["params"])

@@ -1,4 +1,4 @@
-"""setup.py's build switches (README: "Build switches") decide what it would compile, checked
+"""setup.py's build switches (docs/building.md, "Build switches") decide what it would compile, checked
 without compiling: a child runs setup.py up to its setup() call and reports the decisions
 under each environment. NCCL lookups use a fake NCCL install (empty files with NCCL's names)."""
 

@@ -17,15 +17,11 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 from pathlib import Path
 from typing import List, Tuple
 
-import pytest
-
 from tests.packaging import _util
+from tests.procs import Proc
 
 DOCKERFILE = _util.ROOT / "examples" / "deploy" / "Dockerfile.lighthouse"
 # One `pip install` command; no absolute path, redirection, substitution or other command.
@@ -105,32 +101,20 @@ def test_the_image_steps_give_a_lighthouse_without_torch(tmp_path):
                   timeout=60)
     assert "--min_replicas" in h.stdout
 
-    # The entrypoint serving for real, on loopback instead of 0.0.0.0.
-    proc = subprocess.Popen([venv / "bin" / entry[0], "--bind", "127.0.0.1:0", "--http_bind",
-                             "", "--min_replicas", "1", "--join_timeout_ms", "100"],
-                            cwd=outside, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    watchdog = threading.Timer(60, proc.kill)  # readline() below never waits forever
-    watchdog.start()
-    try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("ft-lighthouse ready"):
-                break
-        assert line.startswith("ft-lighthouse ready grpc=http://127.0.0.1:"), "".join(seen)
-        assert "grpcio server" in "".join(seen)  # no native server in this image
-        sys.path.insert(0, str(_util.ROOT))
-        from ft.coordination import LighthouseClient
+    # The entrypoint serving for real, on loopback instead of 0.0.0.0 (the venv's ft only: no
+    # source tree on its PYTHONPATH).
+    with Proc([venv / "bin" / entry[0], "--bind", "127.0.0.1:0", "--http_bind", "",
+               "--min_replicas", "1", "--join_timeout_ms", "100"],
+              cwd=outside, env=env, source_tree=False, name="ft-lighthouse (image)") as proc:
+        line = proc.wait_for_line(r"^ft-lighthouse ready", 60)
+        seen = proc.lines[: proc.lines.index(line) + 1]
+        assert line.startswith("ft-lighthouse ready grpc=http://127.0.0.1:"), "\n".join(seen)
+        assert "grpcio server" in "\n".join(seen)  # no native server in this image
+        from ft.coordination import LighthouseClient  # the source tree's, in this process
 
         q = LighthouseClient(line.split("grpc=")[1].split()[0], 5.0).quorum("solo", 10.0)
         assert [p.replica_id for p in q.participants] == ["solo"]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0, proc.stdout.read()
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, proc.output()
     du = sum(f.stat().st_size for f in site.rglob("*") if f.is_file())
     print(f"lighthouse venv site-packages: {du / 2**20:.0f} MiB")

@@ -10,13 +10,7 @@ import time
 from contextlib import ExitStack
 from typing import Callable, List, Tuple
 
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+from tests.procs import wait_for
 
 
 def closed_by_peer(s: socket.socket, timeout: float) -> bool:

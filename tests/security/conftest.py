@@ -1,16 +1,15 @@
 """Fixtures of the security tests: the coordination tests' real servers and reaped children."""
 
-from tests.coordination.conftest import (  # noqa: F401  (fixtures, re-exported)
-    TRANSPORTS,
-    children,
-    lighthouse_factory,
-    manager_factory,
-)
-
 import os
 import subprocess
 
 import pytest
+
+from tests.coordination.conftest import (  # noqa: F401  (the coordination tests' fixtures)
+    children,
+    lighthouse_factory,
+    manager_factory,
+)
 
 
 def make_test_pki(directory: str) -> dict:

@@ -14,7 +14,8 @@ import torch
 from ft.checkpointing import HTTPTransport
 from ft.checkpointing import http_transport
 
-from tests.security._slow_clients import assert_not_starved, wait_for
+from tests.procs import wait_for
+from tests.security._slow_clients import assert_not_starved
 
 TO = timedelta(seconds=20)
 

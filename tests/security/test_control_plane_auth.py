@@ -25,7 +25,6 @@ from ft.utils.auth import (
     JobSecret,
     Signer,
 )
-from tests.coordination.conftest import wait_for
 
 SECRET = "job-secret-for-tests-0123456789abcdef"
 WRONG = "a-different-secret-0123456789abcdef"

@@ -11,24 +11,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
 from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
 from ft.coordination import LighthouseClient, LighthouseServer, ManagerClient
 from ft.utils.auth import JobSecret
 
-from tests.coordination.conftest import Child
-from tests.security._slow_clients import assert_not_starved, raw_get, wait_for
+from tests.coordination._helpers import CoordinationChild
+from tests.procs import Proc, wait_for
+from tests.security._slow_clients import assert_not_starved, raw_get
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -72,12 +70,12 @@ def lighthouse(**kw) -> Iterator[LighthouseServer]:
         lh.shutdown(grace=0.1)
 
 
-def registered_victim(stack: ExitStack, lh: LighthouseServer, replica_id: str) -> Child:
+def registered_victim(stack: ExitStack, lh: LighthouseServer, replica_id: str) -> CoordinationChild:
     """A real ManagerServer child (Kill makes it exit with status 1, so a kill that got
     through is observable from outside) that the lighthouse knows, address and all, so that
     the dashboard's kill would reach it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FT_")}
-    child = Child("manager", replica_id, lh.address(), "1", env=env)
+    child = CoordinationChild("manager", replica_id, lh.address(), "1", env=env)
     stack.callback(child.kill)
     client = ManagerClient(child.address(), 5.0)
     stack.callback(client.close)
@@ -189,26 +187,14 @@ def _exited_unreaped(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
-@contextmanager
-def headless_chromium(url: str, profile: str, log: str) -> Iterator[subprocess.Popen]:
-    """Chromium loading ``url`` in its own process group; the whole group is killed and the
-    browser reaped on exit."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--disable-extensions", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
-             "--virtual-time-budget=20000", "--dump-dom", url],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
-    try:
-        yield proc
-    finally:
-        try:  # the leader is not reaped yet, so this group is still the browser's
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(15)
+def headless_chromium(url: str, profile: str, log: str) -> Proc:
+    """Chromium loading ``url`` in its own process group; ``kill`` (on the ExitStack) kills
+    the whole group and reaps the browser."""
+    return Proc([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--no-first-run", "--disable-extensions", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+                 "--virtual-time-budget=20000", "--dump-dom", url],
+                log_path=log, name="chromium", process_group=True)
 
 
 @pytest.mark.skipif(not CHROMIUM, reason="headless Chromium not installed (apt-get install -y "

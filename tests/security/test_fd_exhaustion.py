@@ -17,7 +17,6 @@ import os
 import re
 import resource
 import socket
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -26,10 +25,8 @@ import grpc
 import pytest
 
 from ft.coordination import LighthouseClient
-from ft.coordination.rpc_server import native_available
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from tests.coordination._helpers import TRANSPORTS
+from tests.procs import Proc, wait_for
 
 if not sys.platform.startswith("linux"):
     pytest.skip("counts the lighthouse's descriptors in /proc (Linux)", allow_module_level=True)
@@ -38,12 +35,6 @@ FD_LIMIT = 256
 # Idle connections opened: more than the lighthouse can hold; the rest wait in its listen queue.
 ATTACK_SOCKETS = FD_LIMIT + 40
 RECOVERY_S = 1.0  # the requirement: a new client is served within this long
-
-TRANSPORTS = [
-    pytest.param("native", marks=pytest.mark.skipif(
-        not native_available(), reason="native gRPC server not built (no gRPC C++)")),
-    "grpcio",
-]
 
 # Runs the CLI with RLIMIT_NOFILE lowered (what `prlimit --nofile=256` does), in this process
 # (exec), so that the pid the test watches is the lighthouse's.
@@ -54,17 +45,6 @@ _LIMITED = (
 )
 
 
-def _wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
 def _open_fds(pid: int) -> int:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
@@ -72,41 +52,20 @@ def _open_fds(pid: int) -> int:
         return -1
 
 
-def _start_lighthouse(transport: str, tmp_path, stack: ExitStack) -> subprocess.Popen:
+def _start_lighthouse(transport: str, tmp_path, stack: ExitStack) -> Proc:
     env = {k: v for k, v in os.environ.items()
            if k not in ("FT_JOB_SECRET", "FT_JOB_SECRET_FILE", "FT_AUTH_TOKEN", "FT_INSECURE",
                         "FT_LIGHTHOUSE_TRANSPORT")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    out = stack.enter_context(open(tmp_path / "lighthouse.out", "w"))
-    err = stack.enter_context(open(tmp_path / "lighthouse.err", "w"))
-    proc = subprocess.Popen(
+    return stack.enter_context(Proc(  # killed by its own id and reaped on the stack's exit
         [sys.executable, "-c", _LIMITED.format(n=FD_LIMIT),
          "--bind", "127.0.0.1:0", "--http_bind", "", "--min_replicas", "1",
          "--transport", transport, "--log_level", "WARNING"],
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
-
-    def reap() -> None:
-        if proc.poll() is None:
-            proc.kill()  # by its own id
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # pragma: no cover: a kill -9 that did not land
-            pass
-
-    stack.callback(reap)
-    return proc
+        env=env, log_path=tmp_path / "lighthouse.log", name=f"ft-lighthouse ({transport})"))
 
 
-def _grpc_port(proc: subprocess.Popen, tmp_path) -> int:
-    def ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"the lighthouse exited ({proc.returncode}): "
-                                 f"{(tmp_path / 'lighthouse.err').read_text()[-2000:]}")
-        m = re.search(r"ft-lighthouse ready grpc=http://127\.0\.0\.1:(\d+)",
-                      (tmp_path / "lighthouse.out").read_text())
-        return int(m.group(1)) if m else None
-
-    return _wait_for(ready, 60, "the lighthouse's ready line")
+def _grpc_port(proc: Proc) -> int:
+    ready = r"ft-lighthouse ready grpc=http://127\.0\.0\.1:(\d+)"
+    return int(re.search(ready, proc.wait_for_line(ready, 60)).group(1))
 
 
 def _heartbeat(port: int, timeout_s: float) -> None:
@@ -130,7 +89,7 @@ def test_fd_exhaustion_does_not_stop_the_lighthouse_accepting(transport, tmp_pat
             stack.callback(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
 
         proc = _start_lighthouse(transport, tmp_path, stack)
-        port = _grpc_port(proc, tmp_path)
+        port = _grpc_port(proc)
         _heartbeat(port, 10)  # serving before the attack
 
         # The attack: idle connections until the lighthouse has no descriptor left.
@@ -144,8 +103,8 @@ def test_fd_exhaustion_does_not_stop_the_lighthouse_accepting(transport, tmp_pat
         stack.callback(close_attack)
         for _ in range(ATTACK_SOCKETS):
             attack.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        _wait_for(lambda: _open_fds(proc.pid) >= FD_LIMIT, 10,
-                  f"the lighthouse to run out of descriptors ({_open_fds(proc.pid)} open)")
+        wait_for(lambda: _open_fds(proc.pid) >= FD_LIMIT, 10,
+                 f"the lighthouse to run out of descriptors ({_open_fds(proc.pid)} open)")
 
         # A client now cannot get in: its connection waits in the listen queue (EMFILE).
         with pytest.raises((TimeoutError, grpc.RpcError, OSError)):

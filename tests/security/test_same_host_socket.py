@@ -22,7 +22,7 @@ import torch
 from ft import _C
 from ft.checkpointing import HTTPTransport, same_host
 from ft.utils.auth import SAME_HOST_PURPOSE, JobSecret, Signer
-from tests.coordination.conftest import wait_for
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.skipif(not same_host.supported(), reason="Linux only")
 

@@ -10,42 +10,38 @@ from datetime import timedelta
 
 import pytest
 
-from ft.coordination import LighthouseClient, LighthouseServer
+from ft.coordination import LighthouseClient
 from ft.utils.tls import TLSConfig
 from tests.manager.test_default_configs import assert_bitwise_equal
-from tests.procs import Workers, make_store
 
 SECRET = "secure-job-secret-0123456789abcdef"
 
 
 @pytest.mark.parametrize("use_tls", [False, True], ids=["secret", "secret+tls"])
-def test_full_heal_with_the_job_secret_and_tls(test_pki, use_tls):
+def test_full_heal_with_the_job_secret_and_tls(test_pki, use_tls, replicas):
     tls = TLSConfig(cert_file=test_pki["cert"], key_file=test_pki["key"], ca_file=test_pki["ca"])
     # HTTP(S) heals: the same-host path (a local socket) would bypass the network path.
     env = {"FT_JOB_SECRET": SECRET, "FT_JOB_SECRET_FILE": "", "FT_CHECKPOINT_SAME_HOST": "0"}
     if use_tls:
         env.update(FT_TLS_CERT_FILE=test_pki["cert"], FT_TLS_KEY_FILE=test_pki["key"],
                    FT_TLS_CA_FILE=test_pki["ca"])
-    lh = LighthouseServer("127.0.0.1:0", 2, join_timeout_ms=500, quorum_tick_ms=20,
-                          heartbeat_timeout_ms=2000, http_bind="", secret=SECRET,
-                          tls=tls if use_tls else None)
     combo = {"name": "heal", "use_async_quorum": False, "init_sync": True, "min_replica_size": 2}
-    store = make_store()
-    try:
-        if use_tls:
-            assert lh._server.transport == "grpcio"
-            # no TLS, right secret: the handshake fails, nothing is said
-            with LighthouseClient(lh.address(), 1.0, secret=SECRET) as plain:
-                with pytest.raises((TimeoutError, Exception)):
-                    plain.heartbeat("plain", timeout=1.0)
-            assert "plain" not in lh._state.heartbeats
-        with Workers("tests.manager.workers:default_config_combos", 2, store, env=env,
-                     combos=[combo], target_step=3) as w:
-            store.set("lh/0", lh.address())
-            store.wait(["done/0/0", "done/0/1"], timedelta(seconds=90))
-            results = w.join(timeout=60)
-    finally:
-        lh.shutdown()
+    # The groups read the lighthouse's address from the store ("lh/0"), once it is set below.
+    w = replicas("tests.manager.workers:default_config_combos", 2, env=env, lh_addr_kwarg=None,
+                 lighthouse=dict(min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=2000,
+                                 secret=SECRET, tls=tls if use_tls else None),
+                 combos=[combo], target_step=3)
+    lh = w.lh
+    if use_tls:
+        assert lh._server.transport == "grpcio"
+        # no TLS, right secret: the handshake fails, nothing is said
+        with LighthouseClient(lh.address(), 1.0, secret=SECRET) as plain:
+            with pytest.raises((TimeoutError, Exception)):
+                plain.heartbeat("plain", timeout=1.0)
+        assert "plain" not in lh._state.heartbeats
+    w.store.set("lh/0", lh.address())
+    w.store.wait(["done/0/0", "done/0/1"], timedelta(seconds=90))
+    results = w.join(timeout=60)
     states = [r["heal"] for r in results]
     assert [s["step"] for s in states] == [3, 3], [s["trace"] for s in states]
     assert_bitwise_equal(states, "heal")
