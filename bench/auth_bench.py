@@ -1,7 +1,7 @@
 """What authentication costs: every measurement with the job secret off and on, in one run.
 
     .venv/bin/python -m bench.auth_bench [--groups 2 8 32] [--rounds 30] [--trials 3]
-        [--only quorum|step|heal]
+        [--only quorum|paired|step|cost|heal]
 
 Baseline: the same code with no secret, measured alternately with it (off, on, on, off, ...),
 so that drift on the machine falls on both sides. Reported: medians of the per-trial medians
@@ -12,6 +12,11 @@ and their ratio (on / off). Target: at most 1.03 for each.
    median round time, and CPU per round of the lighthouse ("cpu srv") and of all the groups
    together ("cpu cli"). On a machine with fewer cores than processes the CPU figures are the
    steadier measure of what the signatures cost.
+   paired: the direct round again, with the two sides measured in the same moments: two
+   lighthouses (one with the secret, one without) run side by side and every group asks both
+   in each round, in an order that flips every round. Machine drift, which the trials above
+   can only average out, falls on both sides of every pair; reported is the median of the
+   per-round ratios with its interquartile range.
 2. step: the ft loop of bench/manager_bench.py (Manager + ft DDP + async quorum, 2 groups,
    16 MiB MLP): median step time.
 3. cost: what a signature costs per request, measured alone (deterministic, unlike the
@@ -33,7 +38,7 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 SECRET = "auth-bench-secret-0123456789abcdef0123"
 
@@ -193,6 +198,91 @@ def bench_heal(mb: int, reps: int, trials: int) -> None:
     print(f"  {'':<28} {'throughput':<12} off {mb / off:7.0f} MiB/s   on {mb / on:7.0f} MiB/s")
 
 
+# --------------------------------------------------------------------------- paired rounds
+
+
+def _paired_caller(i: int, n: int, addrs: Dict[str, str], rounds: int, barrier, results) -> None:
+    """One simulated replica group (its own process) with two LighthouseClients: one signing
+    with the secret (to the lighthouse that has it) and one not (to the one that has none).
+    Every round asks both, in an order that flips every round."""
+    from ft.coordination import LighthouseClient
+
+    rid = f"group{i:03d}"
+    try:
+        clients = {"off": LighthouseClient(addrs["off"], timedelta(seconds=10), secret=None),
+                   "on": LighthouseClient(addrs["on"], timedelta(seconds=10), secret=SECRET)}
+        for c in clients.values():
+            c.heartbeat(rid, timeout=10)
+        times: Dict[str, list] = {"off": [], "on": []}
+        for r in range(rounds + 1):  # round 0 forms both quorums (warm-up)
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                barrier.wait(timeout=60)
+                t0 = time.perf_counter()
+                clients[mode].quorum(rid, timeout=30, step=1)
+                times[mode].append((t0, time.perf_counter()))
+        results.put((i, {m: v[1:] for m, v in times.items()}))
+    except BaseException as e:  # noqa: BLE001
+        results.put((i, repr(e)))
+        barrier.abort()
+
+
+def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
+    """The direct round with the secret off and on, paired: two lighthouses (one with the
+    secret, one without) run side by side, and every group asks both in each round, so the
+    two sides of every pair see the same machine at the same moment. Reported: the median
+    round of each side and the median and spread of the per-round ratio on / off."""
+    import multiprocessing as mp
+
+    from bench import quorum_bench
+
+    print(f"paired direct rounds ({rounds} pairs, {transport} lighthouses)")
+    for n in groups:
+        procs: Dict[str, Any] = {}
+        try:
+            for mode in ("off", "on"):
+                set_auth(mode == "on")  # the lighthouse process inherits it
+                procs[mode] = quorum_bench.start_lighthouse(n, 5000, 100, 60000, transport)
+            set_auth(False)
+            addrs = {m: p[1] for m, p in procs.items()}
+            ctx = mp.get_context("spawn")
+            barrier, results = ctx.Barrier(n), ctx.Queue()
+            callers = [ctx.Process(target=_paired_caller,
+                                   args=(i, n, addrs, rounds, barrier, results), daemon=True)
+                       for i in range(n)]
+            for p in callers:
+                p.start()
+            try:
+                per_group = {}
+                for _ in range(n):
+                    i, got = results.get(timeout=300)
+                    if isinstance(got, str):
+                        raise RuntimeError(f"caller {i} failed: {got}")
+                    per_group[i] = got
+            finally:
+                for p in callers:
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(5)
+        finally:
+            set_auth(False)
+            for proc, _ in procs.values():
+                quorum_bench.stop(proc)
+
+        def round_times(mode: str) -> List[float]:
+            return [max(per_group[g][mode][r][1] for g in per_group)
+                    - min(per_group[g][mode][r][0] for g in per_group) for r in range(rounds)]
+
+        off, on = round_times("off"), round_times("on")
+        ratios = sorted(b / a for a, b in zip(off, on))
+        q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
+        print(f"  {n} groups: off {statistics.median(off) * 1000:.3f} ms   on "
+              f"{statistics.median(on) * 1000:.3f} ms   ratio of medians "
+              f"{statistics.median(on) / statistics.median(off):.3f}   per-round ratio: median "
+              f"{statistics.median(ratios):.3f} (25-75 %: {q(0.25):.3f}-{q(0.75):.3f})",
+              flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32])
@@ -202,7 +292,8 @@ def main() -> None:
     p.add_argument("--heal-mb", type=int, default=128)
     p.add_argument("--heal-reps", type=int, default=5)
     p.add_argument("--transport", default=None, choices=["native", "grpcio"])
-    p.add_argument("--only", choices=["quorum", "step", "cost", "heal"], default=None)
+    p.add_argument("--only", choices=["quorum", "paired", "step", "cost", "heal"], default=None)
+    p.add_argument("--pairs", type=int, default=400, help="rounds per side for --only paired")
     p.add_argument("--cost-requests", type=int, default=5000)
     a = p.parse_args()
     if a.transport is None:
@@ -213,6 +304,8 @@ def main() -> None:
           "alternating")
     if a.only in (None, "quorum"):
         bench_quorum(a.groups, a.rounds, a.trials, a.transport)
+    if a.only in (None, "paired"):
+        bench_paired(a.groups, a.pairs, a.transport)
     if a.only in (None, "step"):
         bench_step(a.trials, a.steps)
     if a.only in (None, "cost"):
