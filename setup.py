@@ -12,7 +12,7 @@ Extensions:
   compiles with pybind11's own headers (``pybind11.get_include()``) and links gRPC C++ and
   libcrypto, not torch. Without it the lighthouse serves with grpcio.
 
-Build switches (environment; 1/ON/YES/TRUE and 0/OFF/NO/FALSE, as PyTorch's):
+Build switches (docs/building.md, "Build switches"; environment; 1/ON/YES/TRUE and 0/OFF/NO/FALSE, as PyTorch's):
 
     USE_CUDA=0                 no CUDA/NCCL path even against a CUDA torch
     USE_NCCL=0                 no NCCL path (FT_USE_NCCL=0 is an alias)

@@ -5,12 +5,10 @@
 
 #include <algorithm>
 #include <thread>
+#include <tuple>
 
-#ifdef FT_USE_NCCL
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-
-#include "nccl_comm.hpp"
-#endif
+#include "lane.hpp"
+#include "transport.hpp"
 
 namespace ft {
 
@@ -21,6 +19,15 @@ using std::chrono::milliseconds;
 // Generations whose NCCL communicators may wait for the Reaper at once (each
 // ~750 ms of ncclCommAbort there); beyond that, configure() aborts in place.
 constexpr size_t kMaxDeferredDeviceAborts = 4;
+
+// How long, beyond the op timeout, the Reaper waits for an aborted
+// generation's inner ops to finish before releasing its transports anyway.
+// The abort severed their sockets, so they normally end at once; the bound
+// matters only if an inner op ignores that, and then Gloo's own timeout
+// (timeout + max(1 s, timeout / 10), see makeGloo in bindings.cpp) ends it,
+// within 2 s for timeouts up to 20 s. Releasing sooner would destroy a
+// communicator under a running op.
+constexpr milliseconds kReapDrainGrace(2000);
 
 std::string messageOf(const std::exception_ptr& error) {
   try {
@@ -51,27 +58,7 @@ void checkTensor(const at::Tensor& t, const char* op) {
       ", strides ",
       t.strides(),
       "); call .contiguous() first");
-#ifdef FT_USE_NCCL
-  if (t.is_cuda()) {
-    return; // the NCCL lane checks dtype and device
-  }
-#else
-  if (t.is_cuda()) {
-    TORCH_CHECK_VALUE(
-        false,
-        "ft: ",
-        op,
-        ": got a CUDA tensor, but this build of ft has no NCCL path "
-        "(it was built against a CPU-only torch)");
-  }
-#endif
-  TORCH_CHECK_VALUE(
-      t.device().is_cpu(),
-      "ft: ",
-      op,
-      ": unsupported device ",
-      t.device(),
-      " (supported: cpu, and cuda in an NCCL build)");
+  checkTensorDevice(t, op);
 }
 
 // All tensors of one op: valid, and of one dtype and device.
@@ -117,18 +104,22 @@ std::vector<at::Tensor> flatten(
 // How a reduction runs on the transport. Gloo has no AVG: ft runs it as SUM and
 // divides on completion (`finalize`, empty when nothing is owed); NCCL reduces
 // natively (AVG included) and checks the op itself.
-struct TransportReduce {
-  c10d::ReduceOp op;
+template <typename Opts>
+struct TransportReduction {
+  Opts inner; // the caller's options, with the reduce op the transport runs
   std::function<void(int)> finalize;
 };
 
-TransportReduce transportReduce(
-    const c10d::ReduceOp& op,
+template <typename Opts>
+TransportReduction<Opts> onTransport(
+    const Opts& opts,
     std::vector<at::Tensor> outputs,
     const char* name,
     bool holdsResult = true) {
+  TransportReduction<Opts> reduction{opts, nullptr};
+  const c10d::ReduceOp& op = opts.reduceOp;
   if (!outputs.empty() && outputs.front().is_cuda()) {
-    return {op, nullptr};
+    return reduction;
   }
   TORCH_CHECK_NOT_IMPLEMENTED(
       op != c10d::ReduceOp::PREMUL_SUM,
@@ -136,7 +127,7 @@ TransportReduce transportReduce(
       name,
       ": ReduceOp.PREMUL_SUM is not supported on the Gloo path");
   if (op != c10d::ReduceOp::AVG) {
-    return {op, nullptr};
+    return reduction;
   }
   for (const auto& t : outputs) {
     TORCH_CHECK_TYPE(
@@ -147,15 +138,30 @@ TransportReduce transportReduce(
         ": ReduceOp.AVG needs floating-point tensors, got ",
         t.scalar_type());
   }
-  std::function<void(int)> divide;
   if (holdsResult) {
-    divide = [outputs = std::move(outputs)](int size) {
+    reduction.finalize = [outputs = std::move(outputs)](int size) {
       for (const auto& t : outputs) {
         t.div_(size);
       }
     };
   }
-  return {c10d::ReduceOp(c10d::ReduceOp::SUM), std::move(divide)};
+  reduction.inner.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return reduction;
+}
+
+// The inner op of an adapter: `method` called on the communicator the op is
+// dispatched to, with copies of the adapter's arguments (the c10d methods take
+// their tensor lists by mutable reference).
+template <typename... Params, typename... Args>
+Issue callOnInner(
+    c10::intrusive_ptr<c10d::Work> (c10d::Backend::*method)(Params...),
+    Args... args) {
+  return [method, args = std::make_tuple(std::move(args)...)](
+             c10d::Backend& inner) mutable {
+    return std::apply(
+        [&](auto&... arg) { return (inner.*method)(arg...); },
+        args);
+  };
 }
 
 BlockingRegion& blockingRegion() {
@@ -193,7 +199,9 @@ FtBackend::FtBackend(
     : c10d::Backend(rank, size),
       numLanes_(numLanes),
       timeoutMs_(timeout.count()),
-      reaper_(timeout + milliseconds(2000)) {
+      // As many workers as generations may wait there with a deferred device
+      // abort, so those are all aborted at once.
+      reaper_(timeout + kReapDrainGrace, kMaxDeferredDeviceAborts) {
   TORCH_CHECK_VALUE(
       numLanes >= 1 && numLanes <= 64,
       "ft: num_lanes must be in [1, 64], got ",
@@ -286,14 +294,13 @@ void FtBackend::configure(
     reaper_.reap(std::move(old));
   }
   timings.abortMs = msSince(started);
-  const auto glooStarted = Clock::now();
+  const auto connectStarted = Clock::now();
 
   const uint64_t epoch = abortEpoch_.load();
   const milliseconds timeout(timeoutMs_.load());
-  OwnedSockets sockets;
-  std::vector<Lane> lanes;
+  Transports transports;
   try {
-    lanes = buildGlooLanes(store, rank, size, numLanes_, timeout, &sockets);
+    transports = makeTransports(store, rank, size, numLanes_, timeout);
   } catch (const std::exception&) {
     C10_THROW_ERROR(
         DistBackendError,
@@ -302,19 +309,13 @@ void FtBackend::configure(
             std::to_string(timeout.count()) +
             " ms: " + messageOf(std::current_exception()));
   }
-  timings.glooMs = msSince(glooStarted);
-#ifdef FT_USE_NCCL
-  // Every lane gets an NCCL lane; its communicator is created below (eager)
-  // or on the lane's first CUDA op. Nothing here touches CUDA.
-  for (auto& lane : lanes) {
-    lane.nccl = c10::make_intrusive<NcclLane>(
-        c10::make_intrusive<c10d::PrefixStore>(
-            "nccl" + std::to_string(lane.index), store),
-        rank, size, lane.index, timeout);
-  }
-#endif
+  timings.glooMs = msSince(connectStarted);
   auto generation = std::make_shared<Generation>(
-      id, rank, size, std::move(lanes), std::move(sockets));
+      id,
+      rank,
+      size,
+      numLanes_,
+      std::move(transports));
   bool published = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -328,33 +329,31 @@ void FtBackend::configure(
     }
   }
   if (published) {
-#ifdef FT_USE_NCCL
     // Published first, so abort() from another thread reaches (and aborts)
     // a communicator whose init is in progress.
     const int device = cudaDevice_.load();
     if (device >= 0) {
-      const auto ncclStarted = Clock::now();
+      const auto deviceStarted = Clock::now();
       const auto deadline = started + timeout;
-      try {
-        for (int i = 0; i < generation->numLanes(); ++i) {
-          auto& nccl = static_cast<NcclLane&>(*generation->lane(i).nccl);
-          nccl.connect(device, deadline);
+      auto lease = generation->lease();
+      for (const auto& transport : lease.all()) {
+        try {
+          transport->connect(device, deadline);
+        } catch (const std::exception&) {
+          const std::string message = "configure(rank=" + std::to_string(rank) +
+              ", world_size=" + std::to_string(size) +
+              ") could not create its " + transport->name() +
+              " communicators within " + std::to_string(timeout.count()) +
+              " ms: " + messageOf(std::current_exception());
+          generation->abort(
+              Clock::now() >= deadline ? FailureKind::kDeadline
+                                       : FailureKind::kCommunication,
+              message);
+          C10_THROW_ERROR(DistBackendError, "ft: " + message);
         }
-      } catch (const std::exception&) {
-        const std::string message = "configure(rank=" + std::to_string(rank) +
-            ", world_size=" + std::to_string(size) +
-            ") could not create its NCCL communicators within " +
-            std::to_string(timeout.count()) +
-            " ms: " + messageOf(std::current_exception());
-        generation->abort(
-            Clock::now() >= deadline ? FailureKind::kDeadline
-                                     : FailureKind::kCommunication,
-            message);
-        C10_THROW_ERROR(DistBackendError, "ft: " + message);
       }
-      timings.ncclMs = msSince(ncclStarted);
+      timings.ncclMs = msSince(deviceStarted);
     }
-#endif
     timings.totalMs = msSince(started);
     std::lock_guard<std::mutex> lock(mutex_);
     lastTimings_ = timings;
@@ -369,11 +368,7 @@ void FtBackend::configure(
 
 void FtBackend::setCudaDevice(int device) {
   TORCH_CHECK_VALUE(device >= -1, "ft: bad CUDA device ", device);
-#ifndef FT_USE_NCCL
-  TORCH_CHECK_VALUE(
-      device == -1,
-      "ft: this build of ft has no NCCL path (built against a CPU-only torch)");
-#endif
+  checkCudaDeviceSupported(device);
   cudaDevice_.store(device);
 }
 
@@ -422,7 +417,7 @@ void FtBackend::setTimeout(std::chrono::milliseconds timeout) {
       timeout.count(),
       " ms");
   timeoutMs_.store(timeout.count());
-  reaper_.setDrainTimeout(timeout + milliseconds(2000));
+  reaper_.setDrainTimeout(timeout + kReapDrainGrace);
 }
 
 std::chrono::milliseconds FtBackend::timeout() const {
@@ -502,14 +497,15 @@ std::string describeSignature(const int64_t* sig) {
 
 void FtBackend::verifyAgreement(
     Generation& generation,
-    Lane& lane,
-    c10d::OpType opType,
-    const char* name,
+    const Generation::Lease& transports,
+    int lane,
+    const Op& op,
     const std::vector<at::Tensor>& tensors,
     std::chrono::milliseconds timeout) {
-  if (!symmetricOp(opType)) {
+  if (!symmetricOp(op.type)) {
     return;
   }
+  const char* name = op.name;
   int64_t numel = 0;
   int64_t shapeHash = 0;
   for (const auto& t : tensors) {
@@ -519,8 +515,9 @@ void FtBackend::verifyAgreement(
     }
   }
   const int64_t signature[kSignatureLength] = {
-      static_cast<int64_t>(opType),
-      tensors.empty() ? -1 : static_cast<int64_t>(tensors.front().scalar_type()),
+      static_cast<int64_t>(op.type),
+      tensors.empty() ? -1
+                      : static_cast<int64_t>(tensors.front().scalar_type()),
       static_cast<int64_t>(tensors.size()),
       numel,
       shapeHash};
@@ -532,7 +529,15 @@ void FtBackend::verifyAgreement(
   }
   std::vector<at::Tensor> in{mine};
   try {
-    blockingRegion()([&] { lane.gloo->allgather(all, in)->wait(timeout); });
+    Transport* cpu = transports.serving(c10::Device(c10::kCPU));
+    TORCH_CHECK(cpu != nullptr, "the generation was released");
+    auto gather = callOnInner(
+        &c10d::Backend::allgather,
+        all,
+        in,
+        c10d::AllgatherOptions());
+    blockingRegion()(
+        [&] { cpu->run(lane, gather, Clock::now() + timeout)->wait(timeout); });
   } catch (...) {
     const std::string message = std::string("agreement check before ") + name +
         " failed: " + messageOf(std::current_exception());
@@ -559,13 +564,13 @@ void FtBackend::verifyAgreement(
       "). Nothing was sent; the group is still usable");
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::launch(
-    c10d::OpType opType,
-    const char* name,
+c10::intrusive_ptr<c10d::Work> FtBackend::submit(
+    const Op& op,
     std::vector<at::Tensor> outputs,
     std::chrono::milliseconds optsTimeout,
     const Issue& issue,
     Finalize finalize) {
+  const char* name = op.name;
   auto generation = requireGeneration(name);
   if (auto failure = generation->failure()) {
     C10_THROW_ERROR(
@@ -576,63 +581,65 @@ c10::intrusive_ptr<c10d::Work> FtBackend::launch(
             "); call configure() to build a new one");
   }
   const int laneIndex = currentLane();
-  Lane& lane = generation->lane(laneIndex);
+  generation->checkLane(laneIndex);
   const milliseconds timeout =
       optsTimeout.count() > 0 ? optsTimeout : milliseconds(timeoutMs_.load());
+  // Held while the op is issued, so the Reaper cannot release the transports
+  // under it.
+  auto transports = generation->lease();
   if (checkAgreement_.load()) {
-    verifyAgreement(*generation, lane, opType, name, outputs, timeout);
+    verifyAgreement(*generation, transports, laneIndex, op, outputs, timeout);
   }
-  // Dispatch on the device: CUDA tensors go to the lane's NCCL communicator.
-  const bool onCuda = !outputs.empty() && outputs.front().is_cuda();
-  c10d::Backend* innerBackend = lane.gloo.get();
-  if (onCuda) {
-    TORCH_CHECK_VALUE(
-        lane.nccl,
-        "ft: ",
-        name,
-        ": got a CUDA tensor, but this build of ft has no NCCL path");
-    innerBackend = lane.nccl.get();
-  }
+  // Dispatch on the device: each transport serves one kind of tensor. No
+  // tensors (a CPU barrier) means the CPU transport.
+  const c10::Device device =
+      outputs.empty() ? c10::Device(c10::kCPU) : outputs.front().device();
+  Transport* transport = transports.serving(device);
+  // An empty lease means the generation was released (so aborted): track()
+  // refuses the op below.
+  TORCH_CHECK_VALUE(
+      transport != nullptr || transports.all().empty(),
+      "ft: ",
+      name,
+      ": this build of ft has no transport for ",
+      device.type(),
+      " tensors");
   auto work = c10::make_intrusive<FtWork>(
       generation->rank,
-      opType,
+      op.type,
       name,
       std::move(outputs),
       Clock::now() + timeout,
       timeout,
       laneIndex,
       generation->id);
-  if (!generation->track(work)) {
+  if (transport == nullptr || !generation->track(work)) {
     C10_THROW_ERROR(
         DistBackendError,
         std::string("ft: ") + name + " refused: generation " +
             std::to_string(generation->id) + " was aborted");
   }
 
-  // Before issuing: an NCCL lane may connect (or wait for a non-blocking
-  // call to settle) inside issue(), and the watchdog bounds that too.
+  // Before issuing: a transport may connect (or wait for a non-blocking call
+  // to settle) inside run(), and the watchdog bounds that too.
   watchdog_->poke(work->deadline());
   c10::intrusive_ptr<c10d::Work> inner;
   try {
-    blockingRegion()([&] { inner = issue(*innerBackend); });
-  } catch (const c10::DistBackendError&) {
-    // Only the NCCL lane raises this from issue(): its communicator failed,
-    // missed a deadline or was aborted, so the generation is unusable.
+    blockingRegion()(
+        [&] { inner = transport->run(laneIndex, issue, work->deadline()); });
+  } catch (...) {
     auto error = std::current_exception();
     work->fail(error);
-    if (onCuda) {
+    if (transport->failedBy(error)) {
+      // The communicator failed, missed the deadline or was aborted while the
+      // op was issued: the generation is unusable.
       generation->abort(
           FailureKind::kCommunication,
           std::string(name) + " on lane " + std::to_string(laneIndex) +
               " failed: " + messageOf(error));
     }
-    generation->innerDone(work.get());
-    std::rethrow_exception(error);
-  } catch (...) {
-    // The inner communicator validated and refused the op before sending
+    // Otherwise the transport validated and refused the op before sending
     // anything, so the generation stays usable.
-    auto error = std::current_exception();
-    work->fail(error);
     generation->innerDone(work.get());
     std::rethrow_exception(error);
   }
@@ -719,221 +726,205 @@ void FtBackend::checkPeer(int peer, const char* name, const char* role) const {
       ")");
 }
 
+void FtBackend::checkWorldMultiple(
+    const at::Tensor& whole,
+    const char* wholeRole,
+    const at::Tensor& part,
+    const char* partRole,
+    const char* name) const {
+  const int size = currentSize();
+  TORCH_CHECK_VALUE(
+      whole.numel() == part.numel() * size,
+      "ft: ",
+      name,
+      ": ",
+      wholeRole,
+      " has ",
+      whole.numel(),
+      " elements, expected ",
+      partRole,
+      " (",
+      part.numel(),
+      ") x world_size (",
+      size,
+      ")");
+}
+
+// The op adapters: each names itself once (its Op), checks its arguments, and
+// hands submit() the tensors it reports and the call the transport runs.
+
 c10::intrusive_ptr<c10d::Work> FtBackend::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  checkTensors(tensors, "broadcast");
-  checkRoot(opts.rootRank, "broadcast");
-  return launch(
-      c10d::OpType::BROADCAST, "broadcast", tensors, opts.timeout,
-      [tensors, opts](c10d::Backend& inner) mutable {
-        return inner.broadcast(tensors, opts);
-      });
+  const Op op{c10d::OpType::BROADCAST, "broadcast"};
+  checkTensors(tensors, op.name);
+  checkRoot(opts.rootRank, op.name);
+  auto call = callOnInner(&c10d::Backend::broadcast, tensors, opts);
+  return submit(op, tensors, opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  checkTensors(tensors, "allreduce");
-  auto reduce = transportReduce(opts.reduceOp, tensors, "allreduce");
-  c10d::AllreduceOptions innerOpts = opts;
-  innerOpts.reduceOp = reduce.op;
-  return launch(
-      c10d::OpType::ALLREDUCE, "allreduce", tensors, opts.timeout,
-      [tensors, innerOpts](c10d::Backend& inner) mutable {
-        return inner.allreduce(tensors, innerOpts);
-      },
-      reduce.finalize);
+  const Op op{c10d::OpType::ALLREDUCE, "allreduce"};
+  checkTensors(tensors, op.name);
+  auto [inner, finalize] = onTransport(opts, tensors, op.name);
+  auto call = callOnInner(&c10d::Backend::allreduce, tensors, inner);
+  return submit(op, tensors, opts.timeout, call, finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  checkTensors(tensors, "allreduce_coalesced");
-  auto reduce = transportReduce(opts.reduceOp, tensors, "allreduce_coalesced");
-  c10d::AllreduceCoalescedOptions innerOpts = opts;
-  innerOpts.reduceOp = reduce.op;
-  return launch(
-      c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors,
-      opts.timeout,
-      [tensors, innerOpts](c10d::Backend& inner) mutable {
-        return inner.allreduce_coalesced(tensors, innerOpts);
-      },
-      reduce.finalize);
+  const Op op{c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced"};
+  checkTensors(tensors, op.name);
+  auto [inner, finalize] = onTransport(opts, tensors, op.name);
+  auto call = callOnInner(&c10d::Backend::allreduce_coalesced, tensors, inner);
+  return submit(op, tensors, opts.timeout, call, finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::reduce(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOptions& opts) {
-  checkTensors(tensors, "reduce");
-  checkRoot(opts.rootRank, "reduce");
+  const Op op{c10d::OpType::REDUCE, "reduce"};
+  checkTensors(tensors, op.name);
+  checkRoot(opts.rootRank, op.name);
   // Only the root holds the reduced value.
-  auto reduce = transportReduce(
-      opts.reduceOp, tensors, "reduce", opts.rootRank == currentRank());
-  c10d::ReduceOptions innerOpts = opts;
-  innerOpts.reduceOp = reduce.op;
-  return launch(
-      c10d::OpType::REDUCE, "reduce", tensors, opts.timeout,
-      [tensors, innerOpts](c10d::Backend& inner) mutable {
-        return inner.reduce(tensors, innerOpts);
-      },
-      reduce.finalize);
+  const bool root = opts.rootRank == currentRank();
+  auto [inner, finalize] = onTransport(opts, tensors, op.name, root);
+  auto call = callOnInner(&c10d::Backend::reduce, tensors, inner);
+  return submit(op, tensors, opts.timeout, call, finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputTensors,
     std::vector<at::Tensor>& inputTensors,
     const c10d::AllgatherOptions& opts) {
-  checkTensors(inputTensors, "allgather");
-  checkTensorLists(outputTensors, "allgather");
-  return launch(
-      c10d::OpType::ALLGATHER, "allgather", flatten(outputTensors), opts.timeout,
-      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
-        return inner.allgather(outputTensors, inputTensors, opts);
-      });
+  const Op op{c10d::OpType::ALLGATHER, "allgather"};
+  checkTensors(inputTensors, op.name);
+  checkTensorLists(outputTensors, op.name);
+  auto call =
+      callOnInner(&c10d::Backend::allgather, outputTensors, inputTensors, opts);
+  return submit(op, flatten(outputTensors), opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::_allgather_base(
     at::Tensor& outputBuffer,
     at::Tensor& inputBuffer,
     const c10d::AllgatherOptions& opts) {
-  checkTensors({outputBuffer, inputBuffer}, "all_gather_into_tensor");
-  TORCH_CHECK_VALUE(
-      outputBuffer.numel() == inputBuffer.numel() * currentSize(),
-      "ft: all_gather_into_tensor: output has ",
-      outputBuffer.numel(),
-      " elements, expected input (",
-      inputBuffer.numel(),
-      ") x world_size (",
-      currentSize(),
-      ")");
-  return launch(
-      c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {outputBuffer},
-      opts.timeout,
-      [outputBuffer, inputBuffer, opts](c10d::Backend& inner) mutable {
-        return inner._allgather_base(outputBuffer, inputBuffer, opts);
-      });
+  const Op op{c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor"};
+  checkTensors({outputBuffer, inputBuffer}, op.name);
+  checkWorldMultiple(outputBuffer, "output", inputBuffer, "input", op.name);
+  auto call = callOnInner(
+      &c10d::Backend::_allgather_base,
+      outputBuffer,
+      inputBuffer,
+      opts);
+  return submit(op, {outputBuffer}, opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputTensorLists,
     std::vector<at::Tensor>& inputTensors,
     const c10d::AllgatherOptions& opts) {
-  checkTensors(inputTensors, "allgather_coalesced");
-  checkTensorLists(outputTensorLists, "allgather_coalesced");
-  return launch(
-      c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced",
-      flatten(outputTensorLists), opts.timeout,
-      [outputTensorLists, inputTensors, opts](c10d::Backend& inner) mutable {
-        return inner.allgather_coalesced(outputTensorLists, inputTensors, opts);
-      });
+  const Op op{c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced"};
+  checkTensors(inputTensors, op.name);
+  checkTensorLists(outputTensorLists, op.name);
+  auto call = callOnInner(
+      &c10d::Backend::allgather_coalesced,
+      outputTensorLists,
+      inputTensors,
+      opts);
+  return submit(op, flatten(outputTensorLists), opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  checkTensors(inputs, "allgather_into_tensor_coalesced");
-  checkTensors(outputs, "allgather_into_tensor_coalesced");
-  return launch(
-      c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", outputs,
-      opts.timeout,
-      [outputs, inputs, opts](c10d::Backend& inner) mutable {
-        return inner.allgather_into_tensor_coalesced(outputs, inputs, opts);
-      });
+  const Op op{c10d::OpType::COALESCED, "allgather_into_tensor_coalesced"};
+  checkTensors(inputs, op.name);
+  checkTensors(outputs, op.name);
+  auto call = callOnInner(
+      &c10d::Backend::allgather_into_tensor_coalesced,
+      outputs,
+      inputs,
+      opts);
+  return submit(op, outputs, opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputTensors,
     std::vector<at::Tensor>& inputTensors,
     const c10d::GatherOptions& opts) {
-  checkTensors(inputTensors, "gather");
-  checkTensorLists(outputTensors, "gather");
-  checkRoot(opts.rootRank, "gather");
-  return launch(
-      c10d::OpType::GATHER, "gather", flatten(outputTensors), opts.timeout,
-      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
-        return inner.gather(outputTensors, inputTensors, opts);
-      });
+  const Op op{c10d::OpType::GATHER, "gather"};
+  checkTensors(inputTensors, op.name);
+  checkTensorLists(outputTensors, op.name);
+  checkRoot(opts.rootRank, op.name);
+  auto call =
+      callOnInner(&c10d::Backend::gather, outputTensors, inputTensors, opts);
+  return submit(op, flatten(outputTensors), opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::scatter(
     std::vector<at::Tensor>& outputTensors,
     std::vector<std::vector<at::Tensor>>& inputTensors,
     const c10d::ScatterOptions& opts) {
-  checkTensors(outputTensors, "scatter");
-  checkTensorLists(inputTensors, "scatter");
-  checkRoot(opts.rootRank, "scatter");
-  return launch(
-      c10d::OpType::SCATTER, "scatter", outputTensors, opts.timeout,
-      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
-        return inner.scatter(outputTensors, inputTensors, opts);
-      });
+  const Op op{c10d::OpType::SCATTER, "scatter"};
+  checkTensors(outputTensors, op.name);
+  checkTensorLists(inputTensors, op.name);
+  checkRoot(opts.rootRank, op.name);
+  auto call =
+      callOnInner(&c10d::Backend::scatter, outputTensors, inputTensors, opts);
+  return submit(op, outputTensors, opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter(
     std::vector<at::Tensor>& outputTensors,
     std::vector<std::vector<at::Tensor>>& inputTensors,
     const c10d::ReduceScatterOptions& opts) {
-  checkTensors(outputTensors, "reduce_scatter");
-  checkTensorLists(inputTensors, "reduce_scatter");
-  auto reduce =
-      transportReduce(opts.reduceOp, outputTensors, "reduce_scatter");
-  c10d::ReduceScatterOptions innerOpts = opts;
-  innerOpts.reduceOp = reduce.op;
-  return launch(
-      c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputTensors,
-      opts.timeout,
-      [outputTensors, inputTensors, innerOpts](c10d::Backend& inner) mutable {
-        return inner.reduce_scatter(outputTensors, inputTensors, innerOpts);
-      },
-      reduce.finalize);
+  const Op op{c10d::OpType::REDUCE_SCATTER, "reduce_scatter"};
+  checkTensors(outputTensors, op.name);
+  checkTensorLists(inputTensors, op.name);
+  auto [inner, finalize] = onTransport(opts, outputTensors, op.name);
+  auto call = callOnInner(
+      &c10d::Backend::reduce_scatter,
+      outputTensors,
+      inputTensors,
+      inner);
+  return submit(op, outputTensors, opts.timeout, call, finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::_reduce_scatter_base(
     at::Tensor& outputBuffer,
     at::Tensor& inputBuffer,
     const c10d::ReduceScatterOptions& opts) {
-  checkTensors({outputBuffer, inputBuffer}, "reduce_scatter_tensor");
-  TORCH_CHECK_VALUE(
-      inputBuffer.numel() == outputBuffer.numel() * currentSize(),
-      "ft: reduce_scatter_tensor: input has ",
-      inputBuffer.numel(),
-      " elements, expected output (",
-      outputBuffer.numel(),
-      ") x world_size (",
-      currentSize(),
-      ")");
-  auto reduce =
-      transportReduce(opts.reduceOp, {outputBuffer}, "reduce_scatter_tensor");
-  c10d::ReduceScatterOptions innerOpts = opts;
-  innerOpts.reduceOp = reduce.op;
-  return launch(
-      c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
-      {outputBuffer}, opts.timeout,
-      [outputBuffer, inputBuffer, innerOpts](c10d::Backend& inner) mutable {
-        return inner._reduce_scatter_base(outputBuffer, inputBuffer, innerOpts);
-      },
-      reduce.finalize);
+  const Op op{c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor"};
+  checkTensors({outputBuffer, inputBuffer}, op.name);
+  checkWorldMultiple(inputBuffer, "input", outputBuffer, "output", op.name);
+  auto [inner, finalize] = onTransport(opts, {outputBuffer}, op.name);
+  auto call = callOnInner(
+      &c10d::Backend::_reduce_scatter_base,
+      outputBuffer,
+      inputBuffer,
+      inner);
+  return submit(op, {outputBuffer}, opts.timeout, call, finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  checkTensors(outputs, "reduce_scatter_tensor_coalesced");
-  checkTensors(inputs, "reduce_scatter_tensor_coalesced");
-  auto reduce = transportReduce(
-      opts.reduceOp, outputs, "reduce_scatter_tensor_coalesced");
-  c10d::ReduceScatterOptions innerOpts = opts;
-  innerOpts.reduceOp = reduce.op;
-  return launch(
-      kReduceScatterTensorCoalesced,
-      "reduce_scatter_tensor_coalesced", outputs, opts.timeout,
-      [outputs, inputs, innerOpts](c10d::Backend& inner) mutable {
-        return inner.reduce_scatter_tensor_coalesced(outputs, inputs, innerOpts);
-      },
-      reduce.finalize);
+  const Op op{kReduceScatterTensorCoalesced, "reduce_scatter_tensor_coalesced"};
+  checkTensors(outputs, op.name);
+  checkTensors(inputs, op.name);
+  auto [inner, finalize] = onTransport(opts, outputs, op.name);
+  auto call = callOnInner(
+      &c10d::Backend::reduce_scatter_tensor_coalesced,
+      outputs,
+      inputs,
+      inner);
+  return submit(op, outputs, opts.timeout, call, finalize);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::alltoall_base(
@@ -942,88 +933,83 @@ c10::intrusive_ptr<c10d::Work> FtBackend::alltoall_base(
     std::vector<int64_t>& outputSplitSizes,
     std::vector<int64_t>& inputSplitSizes,
     const c10d::AllToAllOptions& opts) {
-  checkTensors({outputBuffer, inputBuffer}, "all_to_all_single");
-  return launch(
-      c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {outputBuffer},
-      opts.timeout,
-      [outputBuffer, inputBuffer, outputSplitSizes, inputSplitSizes, opts](
-          c10d::Backend& inner) mutable {
-        return inner.alltoall_base(
-            outputBuffer, inputBuffer, outputSplitSizes, inputSplitSizes, opts);
-      });
+  const Op op{c10d::OpType::ALLTOALL_BASE, "all_to_all_single"};
+  checkTensors({outputBuffer, inputBuffer}, op.name);
+  auto call = callOnInner(
+      &c10d::Backend::alltoall_base,
+      outputBuffer,
+      inputBuffer,
+      outputSplitSizes,
+      inputSplitSizes,
+      opts);
+  return submit(op, {outputBuffer}, opts.timeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::alltoall(
     std::vector<at::Tensor>& outputTensors,
     std::vector<at::Tensor>& inputTensors,
     const c10d::AllToAllOptions& opts) {
-  checkTensors(outputTensors, "all_to_all");
-  checkTensors(inputTensors, "all_to_all");
-  return launch(
-      c10d::OpType::ALLTOALL, "all_to_all", outputTensors, opts.timeout,
-      [outputTensors, inputTensors, opts](c10d::Backend& inner) mutable {
-        return inner.alltoall(outputTensors, inputTensors, opts);
-      });
+  const Op op{c10d::OpType::ALLTOALL, "all_to_all"};
+  checkTensors(outputTensors, op.name);
+  checkTensors(inputTensors, op.name);
+  auto call =
+      callOnInner(&c10d::Backend::alltoall, outputTensors, inputTensors, opts);
+  return submit(op, outputTensors, opts.timeout, call);
 }
+
+// Point-to-point ops carry no options: the backend's timeout applies.
 
 c10::intrusive_ptr<c10d::Work> FtBackend::send(
     std::vector<at::Tensor>& tensors,
     int dstRank,
     int tag) {
-  checkTensors(tensors, "send");
-  checkPeer(dstRank, "send", "destination");
-  return launch(
-      c10d::OpType::SEND, "send", tensors, milliseconds(-1),
-      [tensors, dstRank, tag](c10d::Backend& inner) mutable {
-        return inner.send(tensors, dstRank, tag);
-      });
+  const Op op{c10d::OpType::SEND, "send"};
+  checkTensors(tensors, op.name);
+  checkPeer(dstRank, op.name, "destination");
+  auto call = callOnInner(&c10d::Backend::send, tensors, dstRank, tag);
+  return submit(op, tensors, c10d::kUnsetTimeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::recv(
     std::vector<at::Tensor>& tensors,
     int srcRank,
     int tag) {
-  checkTensors(tensors, "recv");
-  checkPeer(srcRank, "recv", "source");
-  return launch(
-      c10d::OpType::RECV, "recv", tensors, milliseconds(-1),
-      [tensors, srcRank, tag](c10d::Backend& inner) mutable {
-        return inner.recv(tensors, srcRank, tag);
-      });
+  const Op op{c10d::OpType::RECV, "recv"};
+  checkTensors(tensors, op.name);
+  checkPeer(srcRank, op.name, "source");
+  auto call = callOnInner(&c10d::Backend::recv, tensors, srcRank, tag);
+  return submit(op, tensors, c10d::kUnsetTimeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::recvAnysource(
     std::vector<at::Tensor>& tensors,
     int tag) {
-  checkTensors(tensors, "recv");
-  return launch(
-      c10d::OpType::RECVANYSOURCE, "recv (any source)", tensors,
-      milliseconds(-1),
-      [tensors, tag](c10d::Backend& inner) mutable {
-        return inner.recvAnysource(tensors, tag);
-      });
+  const Op op{c10d::OpType::RECVANYSOURCE, "recv (any source)"};
+  checkTensors(tensors, op.name);
+  auto call = callOnInner(&c10d::Backend::recvAnysource, tensors, tag);
+  return submit(op, tensors, c10d::kUnsetTimeout, call);
 }
 
 c10::intrusive_ptr<c10d::Work> FtBackend::barrier(
     const c10d::BarrierOptions& opts) {
-#ifdef FT_USE_NCCL
-  // A CUDA barrier runs over NCCL (and its wait() blocks the CPU) when the
-  // backend has a CUDA device; otherwise every barrier is a Gloo one.
+  const Op op{c10d::OpType::BARRIER, "barrier"};
+  // A CUDA barrier runs on the CUDA transport (and its wait() blocks the CPU)
+  // when the backend has a CUDA device (only an NCCL build lets one be set);
+  // otherwise every barrier is a CPU one.
   const int device = cudaDevice_.load();
   if (device >= 0 && opts.device && opts.device->is_cuda()) {
-    const int index = opts.device->has_index() ? opts.device->index() : device;
+    c10d::BarrierOptions onDevice = opts;
+    onDevice.device = at::Device(
+        at::kCUDA,
+        opts.device->has_index() ? opts.device->index() : device);
     auto token = at::empty(
-        {1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, index));
-    return launch(
-        c10d::OpType::BARRIER, "barrier", {token}, opts.timeout,
-        [index, opts](c10d::Backend& inner) {
-          return static_cast<NcclLane&>(inner).barrierOn(index, opts.timeout);
-        });
+        {1},
+        at::TensorOptions().dtype(at::kInt).device(*onDevice.device));
+    auto call = callOnInner(&c10d::Backend::barrier, onDevice);
+    return submit(op, {token}, opts.timeout, call);
   }
-#endif
-  return launch(
-      c10d::OpType::BARRIER, "barrier", {}, opts.timeout,
-      [opts](c10d::Backend& inner) mutable { return inner.barrier(opts); });
+  auto call = callOnInner(&c10d::Backend::barrier, opts);
+  return submit(op, {}, opts.timeout, call);
 }
 
 } // namespace ft

@@ -3,13 +3,15 @@
 // Contract:
 //  * One object lives for the whole job. configure() swaps in a new
 //    generation (fresh store prefix, new rank and world size) in the same
-//    process; the old one is aborted at once and torn down on the Reaper's
+//    process; the old one is aborted at once and torn down on a Reaper
 //    thread, off the caller's path.
-//  * Collectives dispatch on the tensors' device: CPU tensors run on the
-//    current lane's Gloo communicator; CUDA tensors need an NCCL build.
-//  * Every op has a deadline (its options' timeout, else the backend's),
-//    enforced by a C++ watchdog: a missed deadline aborts the generation and
-//    sets errored().
+//  * Collectives dispatch on the tensors' device to the transport serving it
+//    (transport.hpp), on the current lane: CPU tensors run on Gloo; CUDA
+//    tensors need an NCCL build.
+//  * Every op has one deadline (its options' timeout, else the backend's at
+//    the time of the call), carried into the transport and enforced by a C++
+//    watchdog, the only place that decides an op is late: a missed deadline
+//    aborts the generation and sets errored().
 //  * abort() may be called from any thread, fails every in-flight Work before
 //    it returns, and leaves the backend ready for the next configure().
 //  * errored() never blocks on communication.
@@ -189,40 +191,52 @@ class FtBackend : public c10d::Backend {
       const c10d::BarrierOptions& opts) override;
 
  private:
-  using Issue =
-      std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend& inner)>;
   // Runs on success only, with the generation's world size; the one place ft
   // writes into the caller's tensors after the inner op.
   using Finalize = std::function<void(int worldSize)>;
+  // An op as its adapter names it: the OpType torch sees and the name ft's
+  // errors use.
+  struct Op {
+    c10d::OpType type;
+    const char* name;
+  };
 
-  // Argument checks shared by the rooted and point-to-point ops (ValueError).
+  // Argument checks shared by the ops (ValueError): rooted, point-to-point,
+  // and the flat ops whose one buffer holds world_size times the other's.
   void checkRoot(int root, const char* name) const;
   void checkPeer(int peer, const char* name, const char* role) const;
+  void checkWorldMultiple(
+      const at::Tensor& whole,
+      const char* wholeRole,
+      const at::Tensor& part,
+      const char* partRole,
+      const char* name) const;
 
   // The one path every op takes: pick the generation and lane, register the
   // FtWork with its deadline, issue the inner op, and complete the FtWork
   // from the inner op's completion (running `finalize` only on success).
-  c10::intrusive_ptr<c10d::Work> launch(
-      c10d::OpType opType,
-      const char* name,
+  c10::intrusive_ptr<c10d::Work> submit(
+      const Op& op,
       std::vector<at::Tensor> outputs,
       std::chrono::milliseconds optsTimeout,
       const Issue& issue,
       Finalize finalize = Finalize());
+
+  // With checkAgreement(): an allgather of the op's signature on the lane's
+  // CPU transport, raising on every rank if they differ.
+  void verifyAgreement(
+      Generation& generation,
+      const Generation::Lease& transports,
+      int lane,
+      const Op& op,
+      const std::vector<at::Tensor>& tensors,
+      std::chrono::milliseconds timeout);
 
   std::shared_ptr<Generation> requireGeneration(const char* name) const;
   std::shared_ptr<Generation> currentGeneration() const;
   std::optional<Clock::time_point> sweepDeadlines();
 
   const int numLanes_;
-  void verifyAgreement(
-      Generation& generation,
-      Lane& lane,
-      c10d::OpType opType,
-      const char* name,
-      const std::vector<at::Tensor>& tensors,
-      std::chrono::milliseconds timeout);
-
   std::atomic<int64_t> timeoutMs_;
   std::atomic<bool> checkAgreement_{false};
   std::atomic<int> cudaDevice_{-1};

@@ -2,9 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#ifdef FT_USE_NCCL
-#include "nccl_comm.hpp"
-#endif
+#include <algorithm>
 
 namespace ft {
 
@@ -12,15 +10,15 @@ Generation::Generation(
     uint64_t id,
     int rank,
     int size,
-    std::vector<Lane> lanes,
-    OwnedSockets sockets)
+    int numLanes,
+    Transports transports)
     : id(id),
       rank(rank),
       size(size),
-      lanes_(std::move(lanes)),
-      sockets_(std::move(sockets)) {}
+      numLanes_(numLanes),
+      transports_(std::move(transports)) {}
 
-Lane& Generation::lane(int index) {
+void Generation::checkLane(int index) const {
   TORCH_CHECK_VALUE(
       index >= 0 && index < numLanes(),
       "ft: lane ",
@@ -30,7 +28,40 @@ Lane& Generation::lane(int index) {
       " lanes (0..",
       numLanes() - 1,
       "). Pass num_lanes when creating it.");
-  return lanes_[index];
+}
+
+Generation::Lease Generation::lease() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++leases_;
+  return Lease(*this, transports_);
+}
+
+Generation::Lease::~Lease() {
+  // Dropped before the count: releaseTransports() then holds the last
+  // reference, and the transport is destroyed on its thread.
+  transports_.clear();
+  std::lock_guard<std::mutex> lock(generation_.mutex_);
+  if (--generation_.leases_ == 0) {
+    generation_.leasesEnded_.notify_all();
+  }
+}
+
+Transport* Generation::Lease::serving(const c10::Device& device) const {
+  for (const auto& transport : transports_) {
+    if (transport->serves(device)) {
+      return transport.get();
+    }
+  }
+  return nullptr;
+}
+
+size_t Generation::socketCount() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t count = 0;
+  for (const auto& transport : transports_) {
+    count += transport->socketCount();
+  }
+  return count;
 }
 
 bool Generation::track(const c10::intrusive_ptr<FtWork>& work) {
@@ -59,66 +90,9 @@ void Generation::innerDone(FtWork* work) {
   releaseLater(std::move(released));
 }
 
-namespace {
-
-// Closes the lanes to new ops; true if no kernel of theirs can still touch a
-// caller's tensor.
-bool closeIfIdle(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) {
-  bool idle = true;
-#ifdef FT_USE_NCCL
-  for (const auto& comm : comms) {
-    try {
-      idle = static_cast<NcclLane*>(comm.get())->closeIfIdle() && idle;
-    } catch (const std::exception&) {
-      idle = false; // unsure: abort in place
-    }
-  }
-#endif
-  return idle; // a CPU-only build has no device lanes
-}
-
-// The lanes' NCCL communicators (none in a CPU-only build).
-std::vector<c10::intrusive_ptr<c10d::Backend>> deviceCommsOf(const std::vector<Lane>& lanes) {
-  std::vector<c10::intrusive_ptr<c10d::Backend>> comms;
-  for (const auto& lane : lanes) {
-    if (lane.nccl) {
-      comms.push_back(lane.nccl);
-    }
-  }
-  return comms;
-}
-
-} // namespace
-
-void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) noexcept {
-  auto abortOne = [](const c10::intrusive_ptr<c10d::Backend>& comm) noexcept {
-    try {
-      comm->abort();
-    } catch (const std::exception& e) {
-      // Best effort, like every abort: the communicator is unusable either way.
-      TORCH_WARN("ft: aborting a device communicator failed: ", e.what());
-    }
-  };
-  std::vector<std::thread> helpers;
-  for (size_t i = 1; i < comms.size(); ++i) {
-    try {
-      helpers.emplace_back([&abortOne, comm = comms[i]] { abortOne(comm); });
-    } catch (...) {
-      abortOne(comms[i]); // no thread to spare: abort it here
-    }
-  }
-  if (!comms.empty()) {
-    abortOne(comms.front());
-  }
-  for (auto& helper : helpers) {
-    helper.join();
-  }
-}
-
 bool Generation::abort(FailureKind kind, const std::string& message,
                        bool deferIdleDeviceAbort) {
   std::vector<c10::intrusive_ptr<FtWork>> victims;
-  std::vector<c10::intrusive_ptr<c10d::Backend>> deviceComms;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (failure_) {
@@ -129,21 +103,33 @@ bool Generation::abort(FailureKind kind, const std::string& message,
     for (auto& entry : inflight_) {
       victims.push_back(entry.second);
     }
-    deviceComms = deviceCommsOf(lanes_);
   }
+  // Empty if the Reaper already released them, which severed and aborted
+  // them first.
+  auto transports = lease();
   // Cut the wires first: a stuck inner op then fails promptly, and no more
   // bytes can arrive for a receive that was posted into a caller's tensor.
-  sockets_.sever();
+  for (const auto& transport : transports.all()) {
+    transport->sever();
+  }
   for (auto& work : victims) {
     work->fail(failureErrorFor(*work, message));
   }
   // Then stop the device side: ncclCommAbort ends the lanes' kernels (also a
   // communicator still initializing), so no more data lands in the caller's
-  // tensors once abort() returns; where none can (idle lanes, and the caller
-  // allows it) that waits for the Reaper. Works failed first, so waiters are
-  // released even if an abort is slow.
-  if (!(deferIdleDeviceAbort && closeIfIdle(deviceComms))) {
-    abortAll(deviceComms);
+  // tensors once abort() returns; where none can (idle transports, and the
+  // caller allows it) that waits for the Reaper. Works failed first, so
+  // waiters are released even if an abort is slow.
+  bool idle = deferIdleDeviceAbort;
+  if (idle) {
+    for (const auto& transport : transports.all()) {
+      idle = transport->closeIfIdle() && idle; // closes every one
+    }
+  }
+  if (!idle) {
+    for (const auto& transport : transports.all()) {
+      transport->abort();
+    }
   }
   return true;
 }
@@ -207,29 +193,51 @@ bool Generation::waitInnerDrained(Clock::time_point deadline) {
   return drained_.wait_until(lock, deadline, [&] { return inflight_.empty(); });
 }
 
-void Generation::releaseLanes() {
-  std::vector<Lane> lanes;
+void Generation::releaseTransports() {
+  Transports transports;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    lanes.swap(lanes_);
+    transports.swap(transports_);
   }
-  // A deferred device abort happens here (idempotent where it already did).
-  abortAll(deviceCommsOf(lanes));
-  // Destroying the inner communicators joins their threads.
-  lanes.clear();
+  // A deferred abort happens here (idempotent where abort() already did it).
+  for (const auto& transport : transports) {
+    transport->sever();
+    transport->abort();
+  }
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    leasesEnded_.wait(lock, [&] { return leases_ == 0; });
+  }
+  // Destroying the transports joins their communicators' threads.
+  transports.clear();
 }
 
-Reaper::Reaper(std::chrono::milliseconds drainTimeout)
-    : drainTimeout_(drainTimeout), thread_([this] { run(); }) {}
+Reaper::Reaper(std::chrono::milliseconds drainTimeout, size_t workers)
+    : drainTimeout_(drainTimeout) {
+  try {
+    for (size_t i = 0; i < std::max<size_t>(workers, 1); ++i) {
+      workers_.emplace_back([this] { run(); });
+    }
+  } catch (...) {
+    stopAndJoin(); // no joinable thread may outlive a failed constructor
+    throw;
+  }
+}
 
 Reaper::~Reaper() {
+  stopAndJoin();
+}
+
+void Reaper::stopAndJoin() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) {
-    thread_.join();
+  for (auto& worker : workers_) {
+    if (worker.joinable()) {
+      worker.join();
+    }
   }
 }
 
@@ -251,12 +259,14 @@ void Reaper::setDrainTimeout(std::chrono::milliseconds drainTimeout) {
 
 bool Reaper::waitIdle(Clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
-  return idle_.wait_until(lock, deadline, [&] { return queue_.empty() && !busy_; });
+  return idle_.wait_until(lock, deadline, [&] {
+    return queue_.empty() && busy_ == 0;
+  });
 }
 
 size_t Reaper::pending() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return queue_.size() + (busy_ ? 1 : 0);
+  return queue_.size() + busy_;
 }
 
 void Reaper::run() {
@@ -268,16 +278,16 @@ void Reaper::run() {
     }
     auto generation = std::move(queue_.front());
     queue_.pop_front();
-    busy_ = true;
+    ++busy_;
     const auto drainTimeout = drainTimeout_;
     lock.unlock();
     // The generation was aborted and its sockets severed, so inner ops fail
     // quickly; the bound only matters if Gloo ignores the severed sockets.
     generation->waitInnerDrained(Clock::now() + drainTimeout);
-    generation->releaseLanes();
+    generation->releaseTransports();
     generation.reset();
     lock.lock();
-    busy_ = false;
+    --busy_;
     idle_.notify_all();
   }
 }

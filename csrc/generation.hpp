@@ -1,15 +1,19 @@
 // Generation: one configuration of the ft backend (store prefix, rank, world
-// size) with its lanes and the ops in flight on them.
+// size) with its transports (each with one communicator per lane) and the
+// ops in flight on them.
 //
 // Contract:
 //  * abort() is idempotent and callable from any thread. The first call
-//    records the sticky error, severs the generation's sockets, and fails
-//    every in-flight FtWork before returning. Later ops on this generation
-//    are refused.
+//    records the sticky error, severs the transports, and fails every
+//    in-flight FtWork before returning, then aborts the transports (see
+//    transport.hpp). Later ops on this generation are refused.
 //  * track() refuses new work once aborted, so no op can slip in after abort.
-//  * Lanes (the inner communicators) are released only by releaseLanes(),
-//    which the Reaper calls on its own thread once inner ops have drained:
-//    a Gloo communicator must never be destroyed on one of its own threads.
+//  * The transports are used through a Lease and released only by
+//    releaseTransports(), which the Reaper calls on its own thread once inner
+//    ops have drained: it waits for every lease to end, so a transport is
+//    never destroyed on another thread (nor on one of its communicator's own).
+//  * Knows no transport by name: which ones exist is makeTransports()'s
+//    choice.
 #pragma once
 
 #include <condition_variable>
@@ -22,8 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "gloo_comm.hpp"
-#include "lane.hpp"
+#include "transport.hpp"
 #include "work.hpp"
 
 namespace ft {
@@ -47,18 +50,39 @@ class Generation {
       uint64_t id,
       int rank,
       int size,
-      std::vector<Lane> lanes,
-      OwnedSockets sockets);
+      int numLanes,
+      Transports transports);
 
   const uint64_t id;
   const int rank;
   const int size;
 
   int numLanes() const {
-    return static_cast<int>(lanes_.size());
+    return numLanes_;
   }
   // Throws a clear error for an out-of-range lane.
-  Lane& lane(int index);
+  void checkLane(int index) const;
+
+  // The transports, kept alive while the lease lives (empty once released).
+  class Lease {
+   public:
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease();
+    const Transports& all() const {
+      return transports_;
+    }
+    // The transport serving `device`, or null.
+    Transport* serving(const c10::Device& device) const;
+
+   private:
+    friend class Generation;
+    Lease(Generation& generation, Transports transports)
+        : generation_(generation), transports_(std::move(transports)) {}
+    Generation& generation_;
+    Transports transports_;
+  };
+  Lease lease();
 
   // Registers an op issued on an inner communicator. Returns false if the
   // generation is already aborted (the caller must not issue the op).
@@ -66,11 +90,11 @@ class Generation {
   // Called once the inner op has finished (successfully or not).
   void innerDone(FtWork* work);
 
-  // With `deferIdleDeviceAbort` and no kernel running, the NCCL communicators
-  // are aborted later by releaseLanes() (the Reaper) instead of before
-  // returning: nothing runs on the device then, so nothing can still land in
-  // a caller's tensor, and ncclCommAbort is slow (about 750 ms each on an H200
-  // with NCCL 2.28), which a reconfigure should not wait for.
+  // With `deferIdleDeviceAbort` and every transport idle (closeIfIdle), the
+  // transports are aborted later by releaseTransports() (the Reaper) instead
+  // of before returning: nothing runs on the device then, so nothing can
+  // still land in a caller's tensor, and ncclCommAbort is slow (about 750 ms
+  // each on an H200 with NCCL 2.28), which a reconfigure should not wait for.
   bool abort(FailureKind kind, const std::string& message,
              bool deferIdleDeviceAbort = false);
   std::optional<Failure> failure() const;
@@ -85,16 +109,18 @@ class Generation {
 
   // Blocks until no inner op is pending or `deadline` passes.
   bool waitInnerDrained(Clock::time_point deadline);
-  void releaseLanes();
-  size_t socketCount() const {
-    return sockets_.size();
-  }
+  // Severs and aborts the transports (idempotent where abort() did), waits
+  // for every lease to end, and destroys them on the calling thread.
+  void releaseTransports();
+  size_t socketCount() const;
 
  private:
-  std::vector<Lane> lanes_;
-  OwnedSockets sockets_;
+  const int numLanes_;
 
   mutable std::mutex mutex_;
+  Transports transports_;
+  int leases_ = 0;
+  std::condition_variable leasesEnded_;
   std::condition_variable drained_;
   // Every op whose inner op has not finished yet; the deadline applies to
   // those whose FtWork is not yet done.
@@ -102,14 +128,20 @@ class Generation {
   std::optional<Failure> failure_;
 };
 
-// Aborts device communicators concurrently (one thread each beyond the
-// first): each ncclCommAbort waits on its own proxy threads.
-void abortAll(const std::vector<c10::intrusive_ptr<c10d::Backend>>& comms) noexcept;
-
 // Tears down old generations off the caller's path.
+//
+// Contract:
+//  * reap() queues an aborted generation. Up to `workers` of them are torn
+//    down at once, each on one of the Reaper's threads: a generation's
+//    deferred device abort takes about 0.6 s (ncclCommAbort) and must not
+//    wait for another's, nor for another's drain.
+//  * The constructor starts every worker thread; the destructor tears down
+//    what is still queued, then joins them all.
+//  * pending() counts generations queued or being torn down; waitIdle()
+//    waits (bounded) until there are none.
 class Reaper {
  public:
-  explicit Reaper(std::chrono::milliseconds drainTimeout);
+  Reaper(std::chrono::milliseconds drainTimeout, size_t workers);
   ~Reaper();
   void reap(std::shared_ptr<Generation> generation);
   void setDrainTimeout(std::chrono::milliseconds drainTimeout);
@@ -119,14 +151,15 @@ class Reaper {
 
  private:
   void run();
+  void stopAndJoin();
   std::mutex mutex_;
   std::condition_variable cv_;
   std::condition_variable idle_;
   std::deque<std::shared_ptr<Generation>> queue_;
   std::chrono::milliseconds drainTimeout_;
-  bool busy_ = false;
+  size_t busy_ = 0; // generations being torn down
   bool stop_ = false;
-  std::thread thread_;
+  std::vector<std::thread> workers_;
 };
 
 } // namespace ft

@@ -110,13 +110,61 @@ void OwnedSockets::sever() const {
   }
 }
 
-std::vector<Lane> buildGlooLanes(
+namespace {
+
+class GlooTransport final : public Transport {
+ public:
+  GlooTransport(
+      std::vector<c10::intrusive_ptr<c10d::Backend>> lanes,
+      OwnedSockets sockets)
+      : lanes_(std::move(lanes)), sockets_(std::move(sockets)) {}
+
+  const char* name() const override {
+    return "Gloo";
+  }
+  bool serves(const c10::Device& device) const override {
+    return device.is_cpu();
+  }
+  void connect(int /*device*/, Clock::time_point /*deadline*/) override {
+    // Every lane connected when the transport was built.
+  }
+  // The deadline is the watchdog's to enforce: Gloo's own timeout is only a
+  // backstop past it (see makeGloo in bindings.cpp).
+  c10::intrusive_ptr<c10d::Work>
+  run(int lane, const Issue& issue, Clock::time_point /*deadline*/) override {
+    return issue(*lanes_.at(lane));
+  }
+  // Gloo refuses a bad op synchronously, before anything is sent; its
+  // communication failures arrive through the op's Work.
+  bool failedBy(const std::exception_ptr& /*error*/) const override {
+    return false;
+  }
+  // Gloo has no abort: severing the sockets is all of it. A stuck op then
+  // fails at once, and nothing more can arrive for a caller's tensor.
+  void sever() noexcept override {
+    sockets_.sever();
+  }
+  bool closeIfIdle() noexcept override {
+    return true;
+  }
+  void abort() noexcept override {}
+  size_t socketCount() const override {
+    return sockets_.size();
+  }
+
+ private:
+  const std::vector<c10::intrusive_ptr<c10d::Backend>> lanes_;
+  const OwnedSockets sockets_;
+};
+
+} // namespace
+
+std::shared_ptr<Transport> connectGloo(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     int numLanes,
-    std::chrono::milliseconds timeout,
-    OwnedSockets* sockets) {
+    std::chrono::milliseconds timeout) {
   GlooFactory factory;
   {
     std::lock_guard<std::mutex> lock(factoryMutex);
@@ -124,16 +172,14 @@ std::vector<Lane> buildGlooLanes(
   }
   TORCH_CHECK(factory, "ft: no Gloo factory installed (import ft first)");
   const auto before = OwnedSockets::snapshot();
-  std::vector<Lane> lanes;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
   lanes.reserve(numLanes);
   for (int i = 0; i < numLanes; ++i) {
     auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
         "lane" + std::to_string(i), store);
-    lanes.push_back(Lane{i, factory(laneStore, rank, size, timeout)});
+    lanes.push_back(factory(laneStore, rank, size, timeout));
   }
-  if (sockets != nullptr) {
-    *sockets = OwnedSockets::fromNewEpolls(before, OwnedSockets::snapshot());
-  }
+  auto sockets = OwnedSockets::fromNewEpolls(before, OwnedSockets::snapshot());
   // Gloo's full-mesh connect can return on one rank while its peer is still
   // finishing the handshake. Wait until every rank is done, so that a quick
   // reconfigure (which severs this generation's sockets) cannot break a peer
@@ -142,7 +188,7 @@ std::vector<Lane> buildGlooLanes(
     store->set("ft_all_connected", std::vector<uint8_t>{1});
   }
   store->wait({"ft_all_connected"}, timeout);
-  return lanes;
+  return std::make_shared<GlooTransport>(std::move(lanes), std::move(sockets));
 }
 
 } // namespace ft

@@ -1,5 +1,5 @@
 // CPU transport: inner Gloo communicators, one per lane, and the sockets they
-// own.
+// own (a Transport, see transport.hpp).
 //
 // torch ships no Gloo headers, so the inner ProcessGroupGloo is built through
 // torch's own Python binding; bindings.cpp installs that constructor as the
@@ -19,9 +19,10 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <vector>
 
-#include "lane.hpp"
+#include "transport.hpp"
 
 namespace ft {
 
@@ -68,14 +69,14 @@ class OwnedSockets {
   std::vector<Socket> sockets_;
 };
 
-// Builds `numLanes` Gloo communicators under per-lane store prefixes.
+// The Gloo transport: `numLanes` Gloo communicators under per-lane store
+// prefixes ("lane<k>/"), and the sockets they opened, severed on abort.
 // Blocks until every peer has connected or `timeout` passes (then throws).
-std::vector<Lane> buildGlooLanes(
+std::shared_ptr<Transport> connectGloo(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     int numLanes,
-    std::chrono::milliseconds timeout,
-    OwnedSockets* sockets);
+    std::chrono::milliseconds timeout);
 
 } // namespace ft

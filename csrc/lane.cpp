@@ -1,5 +1,7 @@
 #include "lane.hpp"
 
+#include <c10/util/Exception.h>
+
 namespace ft {
 
 namespace {

@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <atomic>
 #include <condition_variable>
@@ -26,8 +27,61 @@ namespace ft {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using std::chrono::microseconds;
 using std::chrono::milliseconds;
+
+// Poll intervals. Every wait below is bounded by the op's deadline (or the
+// configure()'s) and ends early on abort(); these only set how often it looks.
+//
+// Rank 0's unique id travels through the store, whose own wait abort() could
+// not interrupt; each check is a store round trip, so it is coarse.
+constexpr milliseconds kUniqueIdPoll(5);
+// A non-blocking ncclCommInitRankConfig reports progress only through
+// ncclCommGetAsyncError, polled with commMutex released so abort() gets in.
+// Init takes tens of milliseconds at least.
+constexpr milliseconds kInitPoll(1);
+// An enqueue on a non-blocking communicator settles within microseconds, on
+// the caller's path.
+constexpr microseconds kSettlePoll(100);
+// A blocking wait() whose own bound comes before the op's deadline: c10
+// futures have no timed wait. A barrier's wait() is on the caller's path.
+constexpr microseconds kCompletionPoll(200);
+// The poller checks completion events, which have no host callback it could
+// make NCCL calls from, while ops are pending.
+constexpr microseconds kEventPoll(100);
+// abort() waiting for the lane stream to empty: what is left there is copies
+// or kernels ending, which take microseconds to milliseconds.
+constexpr microseconds kDrainPoll(200);
+
+// How long abort() waits, after ncclCommAbort, for the work still queued on
+// the lane stream (an allgather's copy-out of its flat buffer, say) to run,
+// so that none of it writes into a caller's tensor after abort() returned.
+// Bounded because that work may sit behind the caller's own stream (each op
+// waits for it first), whose work ft does not control; past the bound abort()
+// returns with a warning.
+constexpr milliseconds kAbortDrainBound(5000);
+
+// The deadline of the op this thread is issuing: NcclTransport::run() sets it
+// around the c10d call, whose signature has no room for it, and runOp() waits
+// against it (a lazy connect, a call settling). It is the op's FtWork's
+// deadline, so the watchdog and the lane give up at the same moment.
+thread_local const Clock::time_point* tlsOpDeadline = nullptr;
+
+class OpDeadlineScope {
+ public:
+  explicit OpDeadlineScope(const Clock::time_point& deadline)
+      : previous_(tlsOpDeadline) {
+    tlsOpDeadline = &deadline;
+  }
+  ~OpDeadlineScope() {
+    tlsOpDeadline = previous_;
+  }
+  OpDeadlineScope(const OpDeadlineScope&) = delete;
+  OpDeadlineScope& operator=(const OpDeadlineScope&) = delete;
+
+ private:
+  const Clock::time_point* const previous_;
+};
 
 [[noreturn]] void throwBackend(const std::string& message) {
   C10_THROW_ERROR(DistBackendError, "ft: " + message);
@@ -200,16 +254,14 @@ int ncclLinkedVersion() {
 class NcclWork;
 
 struct NcclLane::State {
-  State(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int lane,
-        milliseconds timeout)
-      : store(std::move(store)), rank(rank), size(size), lane(lane), timeout(timeout) {}
+  State(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int lane)
+      : store(std::move(store)), rank(rank), size(size), lane(lane) {}
   ~State();
 
   const c10::intrusive_ptr<c10d::Store> store;
   const int rank;
   const int size;
   const int lane;
-  const milliseconds timeout;
 
   std::mutex initMutex; // one connect() at a time
   // Serializes every call on `comm` (enqueue, async-error poll, abort).
@@ -254,6 +306,9 @@ struct NcclLane::State {
   }
 
   void abortComm();
+  // After abortComm(): waits, until `until` at most, for every op being
+  // enqueued to finish and for the lane stream to empty.
+  void drainStream(Clock::time_point until);
   // Waits while a non-blocking call on `comm` is in progress. `lock` holds
   // commMutex on entry and on return.
   ncclResult_t settle(
@@ -275,15 +330,18 @@ class NcclWork : public c10d::Work {
       int device,
       std::vector<at::Tensor> outputs,
       std::vector<at::Tensor> inputs,
-      bool blockingWait)
+      bool blockingWait,
+      Clock::time_point deadline)
       : c10d::Work(rank, opType),
         state_(std::move(state)),
         device_(device),
+        deadline_(deadline),
         outputs_(std::move(outputs)),
         inputs_(std::move(inputs)),
         blockingWait_(blockingWait),
-        future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {
+        future_(
+            c10::make_intrusive<c10::ivalue::Future>(
+                c10::ListType::create(c10::TensorType::get()))) {
     ready = state_->takeEvent();
     end = state_->takeEvent();
   }
@@ -329,18 +387,21 @@ class NcclWork : public c10d::Work {
     return future_;
   }
 
-  // Blocks the CPU until the poller has seen the op finish (the backend's
-  // deadline watchdog aborts a hung op, which ends this wait).
+  // Blocks the CPU until the poller has seen the op finish, or the caller's
+  // own `timeout` passes. Against the op's deadline: the backend's watchdog
+  // aborts a late op then and the poller fails the future, so a wait allowed
+  // to last that long just sleeps on the future.
   bool block(std::chrono::milliseconds timeout) {
-    if (timeout == kNoTimeout) {
+    const auto until = timeout == kNoTimeout ? Clock::time_point::max()
+                                             : Clock::now() + timeout;
+    if (until >= deadline_) {
       future_->wait();
     } else {
-      const auto until = Clock::now() + timeout;
       while (!future_->completed()) {
         if (Clock::now() >= until) {
           throwBackend("wait() timed out after " + std::to_string(timeout.count()) + " ms");
         }
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        std::this_thread::sleep_for(kCompletionPoll);
       }
     }
     if (future_->hasError()) {
@@ -370,6 +431,7 @@ class NcclWork : public c10d::Work {
  private:
   std::shared_ptr<NcclLane::State> state_;
   const int device_;
+  const Clock::time_point deadline_; // the op's
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> inputs_;
   const bool blockingWait_;
@@ -424,7 +486,7 @@ ncclResult_t NcclLane::State::settle(
     const char* what) {
   while (r == ncclInProgress) {
     lock.unlock();
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::this_thread::sleep_for(kSettlePoll);
     lock.lock();
     if (aborted.load() || comm == nullptr) {
       throwBackend(std::string(what) + " on NCCL lane " + std::to_string(lane) +
@@ -529,7 +591,7 @@ void NcclLane::State::pollLoop() {
     }
     lock.lock();
     if (!pending.empty() && finished == 0) {
-      pollCv.wait_for(lock, std::chrono::microseconds(100));
+      pollCv.wait_for(lock, kEventPoll);
     }
   }
 }
@@ -538,10 +600,9 @@ NcclLane::NcclLane(
     c10::intrusive_ptr<c10d::Store> store,
     int rank,
     int size,
-    int lane,
-    milliseconds timeout)
+    int lane)
     : c10d::Backend(rank, size),
-      state_(std::make_shared<State>(std::move(store), rank, size, lane, timeout)) {}
+      state_(std::make_shared<State>(std::move(store), rank, size, lane)) {}
 
 NcclLane::~NcclLane() {
   state_->abortComm();
@@ -595,6 +656,38 @@ int NcclLane::device() const {
 
 void NcclLane::abort() {
   state_->abortComm();
+  state_->drainStream(Clock::now() + kAbortDrainBound);
+}
+
+void NcclLane::State::drainStream(Clock::time_point until) {
+  // Ops reach the stream only once the lane has connected, and `stream` was
+  // set before `connected`.
+  if (!connected.load()) {
+    return;
+  }
+  const int dev = device.load();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  while (true) {
+    // An op being enqueued may still add to the stream (see closeIfIdle).
+    if (launching.load() == 0) {
+      const cudaError_t q = cudaStreamQuery(stream);
+      // NotReady must not linger as the caller's last error.
+      (void)cudaGetLastError();
+      if (q != cudaErrorNotReady) {
+        return; // empty, or failed: nothing more runs there either way
+      }
+    }
+    if (Clock::now() >= until) {
+      TORCH_WARN(
+          "ft: NCCL lane ",
+          lane,
+          ": its stream still held work ",
+          kAbortDrainBound.count(),
+          " ms after the abort; it may yet write into its ops' tensors");
+      return;
+    }
+    std::this_thread::sleep_for(kDrainPoll);
+  }
 }
 
 void NcclLane::connect(int device, Clock::time_point deadline) {
@@ -643,7 +736,7 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
       if (Clock::now() >= deadline) {
         throwBackend(where + " missed its deadline waiting for rank 0's unique id");
       }
-      std::this_thread::sleep_for(milliseconds(5));
+      std::this_thread::sleep_for(kUniqueIdPoll);
     }
     auto bytes = s.store->get("uid");
     TORCH_CHECK(bytes.size() == sizeof(uid), "ft: ", where, ": bad unique id in the store");
@@ -690,7 +783,7 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
                      "the communicator was aborted");
       }
       lock.unlock();
-      std::this_thread::sleep_for(milliseconds(1));
+      std::this_thread::sleep_for(kInitPoll);
       lock.lock();
     }
   }
@@ -725,7 +818,10 @@ static c10::intrusive_ptr<c10d::Work> runOp(
   std::vector<at::Tensor> all = spec.inputs;
   all.insert(all.end(), spec.outputs.begin(), spec.outputs.end());
   const int device = deviceOf(all, spec.name);
-  const auto deadline = Clock::now() + s.timeout;
+  TORCH_INTERNAL_ASSERT(
+      tlsOpDeadline != nullptr,
+      "ft: an NCCL op issued outside NcclTransport::run()");
+  const Clock::time_point deadline = *tlsOpDeadline;
   lane.connect(device, deadline);
 
   const auto dev = static_cast<c10::DeviceIndex>(device);
@@ -733,7 +829,14 @@ static c10::intrusive_ptr<c10d::Work> runOp(
   auto caller = c10::cuda::getCurrentCUDAStream(dev);
   auto laneStream = c10::cuda::getStreamFromExternal(s.stream, dev);
   auto work = c10::make_intrusive<NcclWork>(
-      s.rank, spec.type, statePtr, device, spec.outputs, spec.inputs, spec.blockingWait);
+      s.rank,
+      spec.type,
+      statePtr,
+      device,
+      spec.outputs,
+      spec.inputs,
+      spec.blockingWait,
+      deadline);
   // Counted until this function returns, whichever way (see closeIfIdle).
   struct Launching {
     std::atomic<int>& count;
@@ -1090,7 +1193,12 @@ c10::intrusive_ptr<c10d::Work> NcclLane::recv(
   return runOp(state_, *this, std::move(spec));
 }
 
-c10::intrusive_ptr<c10d::Work> NcclLane::barrierOn(int device, milliseconds /*timeout*/) {
+c10::intrusive_ptr<c10d::Work> NcclLane::barrier(
+    const c10d::BarrierOptions& opts) {
+  TORCH_CHECK_VALUE(
+      opts.device && opts.device->is_cuda() && opts.device->has_index(),
+      "ft: barrier: the NCCL lane needs the CUDA device to run on");
+  const int device = opts.device->index();
   auto token = at::zeros(
       {1}, at::TensorOptions().dtype(at::kInt).device(at::Device(at::kCUDA, device)));
   OpSpec spec{c10d::OpType::BARRIER, "barrier", {token}, {token}};
@@ -1099,6 +1207,104 @@ c10::intrusive_ptr<c10d::Work> NcclLane::barrierOn(int device, milliseconds /*ti
   };
   spec.blockingWait = true;
   return runOp(state_, *this, std::move(spec));
+}
+
+namespace {
+
+class NcclTransport final : public Transport {
+ public:
+  explicit NcclTransport(std::vector<c10::intrusive_ptr<NcclLane>> lanes)
+      : lanes_(std::move(lanes)) {}
+
+  const char* name() const override {
+    return "NCCL";
+  }
+  bool serves(const c10::Device& device) const override {
+    return device.is_cuda();
+  }
+  void connect(int device, Clock::time_point deadline) override {
+    for (const auto& lane : lanes_) {
+      lane->connect(device, deadline);
+    }
+  }
+  c10::intrusive_ptr<c10d::Work>
+  run(int lane, const Issue& issue, Clock::time_point deadline) override {
+    OpDeadlineScope scope(deadline);
+    return issue(*lanes_.at(lane));
+  }
+  // The lane raises DistBackendError only when its communicator failed,
+  // missed a deadline or was aborted; other errors refused the op up front.
+  bool failedBy(const std::exception_ptr& error) const override {
+    try {
+      std::rethrow_exception(error);
+    } catch (const c10::DistBackendError&) {
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+  // Nothing to cut without blocking: abort() ends the kernels.
+  void sever() noexcept override {}
+  bool closeIfIdle() noexcept override {
+    bool idle = true;
+    for (const auto& lane : lanes_) {
+      try {
+        idle = lane->closeIfIdle() && idle;
+      } catch (...) {
+        idle = false; // unsure: abort in place
+      }
+    }
+    return idle;
+  }
+  // Concurrently (one thread per lane beyond the first): each ncclCommAbort
+  // waits on its own proxy threads.
+  void abort() noexcept override {
+    auto abortOne = [](NcclLane& lane) noexcept {
+      try {
+        lane.abort();
+      } catch (const std::exception& e) {
+        // Best effort, like every abort: the communicator is unusable
+        // either way.
+        TORCH_WARN("ft: aborting an NCCL communicator failed: ", e.what());
+      }
+    };
+    std::vector<std::thread> helpers;
+    for (size_t i = 1; i < lanes_.size(); ++i) {
+      try {
+        helpers.emplace_back(
+            [&abortOne, lane = lanes_[i]] { abortOne(*lane); });
+      } catch (...) {
+        abortOne(*lanes_[i]); // no thread to spare: abort it here
+      }
+    }
+    if (!lanes_.empty()) {
+      abortOne(*lanes_.front());
+    }
+    for (auto& helper : helpers) {
+      helper.join();
+    }
+  }
+
+ private:
+  const std::vector<c10::intrusive_ptr<NcclLane>> lanes_;
+};
+
+} // namespace
+
+std::shared_ptr<Transport> makeNcclTransport(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    int numLanes) {
+  std::vector<c10::intrusive_ptr<NcclLane>> lanes;
+  lanes.reserve(numLanes);
+  for (int i = 0; i < numLanes; ++i) {
+    auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
+        "nccl" + std::to_string(i),
+        store);
+    lanes.push_back(c10::make_intrusive<NcclLane>(laneStore, rank, size, i));
+  }
+  return std::make_shared<NcclTransport>(std::move(lanes));
 }
 
 } // namespace ft

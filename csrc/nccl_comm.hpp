@@ -3,18 +3,26 @@
 // events. Compiled only in an NCCL build (FT_USE_NCCL).
 //
 // Contract:
-//  * An NcclLane is a c10d::Backend, so FtBackend::launch() treats it like
-//    the lane's Gloo communicator: it only picks `lane.gloo` or `lane.nccl`
-//    by the tensors' device.
+//  * makeNcclTransport() is the CUDA tensors' Transport (transport.hpp): one
+//    NcclLane per lane. An NcclLane is a c10d::Backend, so the op adapters'
+//    calls (Issue) run on it as on a Gloo communicator.
 //  * The communicator is created by connect(): eagerly by configure() when
 //    the backend has a CUDA device, else on the lane's first CUDA op. The
 //    init is non-blocking (ncclCommInitRankConfig with blocking = 0) and is
 //    polled against a deadline; the unique id travels through the
 //    generation's store prefix (key "uid" under "nccl<lane>/").
+//  * One deadline: an op waits (a lazy connect, a call settling, a blocking
+//    wait()) against the deadline NcclTransport::run() was given, its
+//    FtWork's, so a per-op timeout and set_timeout() reach the lane. The lane
+//    keeps no timeout of its own; the backend's watchdog decides an op is
+//    late, and the lane gives up at that same moment.
 //  * abort() (any thread, idempotent) calls ncclCommAbort, also on a
 //    communicator whose init is still in progress; nothing is issued on the
-//    lane afterwards. The generation calls it on abort, on a missed deadline
-//    and on reconfigure.
+//    lane afterwards. It then waits (bounded, kAbortDrainBound) until the
+//    lane stream is empty: work queued behind the aborted kernels, such as an
+//    allgather's copy-out, would otherwise write into the caller's outputs
+//    after abort() returned. The generation calls it (through the transport)
+//    on abort, on a missed deadline and on reconfigure.
 //  * Stream semantics: an op records an event on the caller's current
 //    stream, makes the lane stream wait on it, runs on the lane stream, and
 //    records a completion event there. Tensors are recordStream()ed on the
@@ -39,6 +47,8 @@
 #include <memory>
 #include <string>
 
+#include "transport.hpp"
+
 namespace ft {
 
 // NCCL_VERSION_CODE of the linked library (ncclGetVersion), e.g. 23007.
@@ -49,12 +59,7 @@ int ncclLiveStreams();
 
 class NcclLane : public c10d::Backend {
  public:
-  NcclLane(
-      c10::intrusive_ptr<c10d::Store> store,
-      int rank,
-      int size,
-      int lane,
-      std::chrono::milliseconds timeout);
+  NcclLane(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int lane);
   ~NcclLane() override;
 
   // Creates the communicator on CUDA device `device` unless it exists (then
@@ -126,16 +131,24 @@ class NcclLane : public c10d::Backend {
       std::vector<at::Tensor>& tensors,
       int srcRank,
       int tag) override;
-  // Not a c10d override: FtBackend hands the device it resolved.
-  c10::intrusive_ptr<c10d::Work> barrierOn(
-      int device,
-      std::chrono::milliseconds timeout);
+  // An allreduce of one int on `opts.device` (FtBackend resolves it); its
+  // wait() blocks the CPU.
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts) override;
 
   struct State;
 
  private:
   std::shared_ptr<State> state_;
 };
+
+// The NCCL transport: one NcclLane per lane, under the store prefixes
+// "nccl<lane>/". Connects nothing yet.
+std::shared_ptr<Transport> makeNcclTransport(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    int numLanes);
 
 } // namespace ft
 

@@ -53,3 +53,22 @@ def test_lane_1_completes_while_lane_0_waits_for_a_peer():
     assert r0["lane0_completed_before_peer"] is False
     assert (r0["lane1_result"] == 4.0).all()
     assert (r0["lane0_result"] == 2.0).all()
+
+
+def test_per_op_timeout_and_set_timeout_reach_the_gloo_transport():
+    group_s, op_s, set_s = 30.0, 1.0, 1.5
+    with Workers(
+        "tests.backend.workers:per_op_deadlines",
+        2,
+        group_timeout_s=group_s,
+        op_timeout_s=op_s,
+        set_timeout_s=set_s,
+    ) as w:
+        r0, _ = w.join(timeout=120)
+    # Each op failed at its own deadline, far before the group's creation-time 30 s.
+    for key, timeout_s in (("per_op", op_s), ("set_timeout", set_s)):
+        error = r0[f"{key}_error"]
+        expected = f"missed its deadline of {int(timeout_s * 1000)} ms"
+        assert error is not None and expected in error, r0
+        assert 0.9 * timeout_s <= r0[f"{key}_elapsed"] < timeout_s + 3.0, r0
+        assert "ProcessGroupTimeout" in r0[f"{key}_errored"], r0

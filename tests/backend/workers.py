@@ -421,6 +421,42 @@ def abort_latency(rank, world_size, port, n_ops=4):
             "errored": repr(pg.errored())}
 
 
+def per_op_deadlines(
+    rank, world_size, port, group_timeout_s=30.0, op_timeout_s=1.0, set_timeout_s=1.5
+):
+    """Rank 0 issues allreduces rank 1 never joins. The first carries its own timeout
+    (shorter than the group's); after a reconfigure, set_timeout() shortens the group's,
+    and the next op (no timeout of its own) must fail at that one."""
+    store = connect_store(port)
+    pg = ft_group(rank, world_size, port, prefix="deadline0", timeout_s=group_timeout_s)
+    if rank == 1:
+        store.wait(["reconfigure"], timedelta(seconds=60))
+        pg.configure(f"{ADDR}:{port}/deadline1", "test", rank, world_size)
+        store.wait(["done"], timedelta(seconds=60))
+        return {}
+    res = {}
+
+    def timed_failure(key, opts):
+        start = time.monotonic()
+        try:
+            pg.allreduce([torch.ones(4)], opts).wait()
+            res[f"{key}_error"] = None
+        except Exception as e:
+            res[f"{key}_error"] = str(e)
+        res[f"{key}_elapsed"] = time.monotonic() - start
+        res[f"{key}_errored"] = repr(pg.errored())
+
+    opts = dist.AllreduceOptions()
+    opts.timeout = timedelta(seconds=op_timeout_s)
+    timed_failure("per_op", opts)
+    store.set("reconfigure", "1")
+    pg.configure(f"{ADDR}:{port}/deadline1", "test", rank, world_size)
+    pg.set_timeout(timedelta(seconds=set_timeout_s))
+    timed_failure("set_timeout", dist.AllreduceOptions())
+    store.set("done", "1")
+    return res
+
+
 # --- lanes -------------------------------------------------------------------
 
 

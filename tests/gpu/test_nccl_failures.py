@@ -80,8 +80,8 @@ def test_50_reconfigures_leak_no_memory_or_streams():
         gc.collect()
         return pg.backend._reaper_pending() == 0 and ft._C._nccl_live_streams() <= pg.num_lanes
 
-    # Old generations' communicators are aborted by the reaper, one generation at a time
-    # (ncclCommAbort: ~750 ms each on an H200; at most 4 wait there), so a tight loop
+    # Old generations' communicators are aborted by the reaper, up to 4 generations at a
+    # time (ncclCommAbort: ~750 ms each on an H200; at most 4 wait there), so a tight loop
     # leaves a backlog to settle.
     for _ in range(10):  # warm-up: caches, NCCL's own one-time allocations
         cycle()
