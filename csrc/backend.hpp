@@ -1,4 +1,5 @@
-// FtBackend: the c10d::Backend registered with torch as "ft".
+// FtBackend: the c10d::Backend registered with torch as "ft" (docs/design.md,
+// "Abort and generations").
 //
 // Contract:
 //  * One object lives for the whole job. configure() swaps in a new

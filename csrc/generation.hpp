@@ -1,6 +1,7 @@
 // Generation: one configuration of the ft backend (store prefix, rank, world
 // size) with its transports (each with one communicator per lane) and the
 // ops in flight on them.
+// (docs/design.md, "Generations", "Abort", "The Reaper")
 //
 // Contract:
 //  * abort() is idempotent and callable from any thread. The first call

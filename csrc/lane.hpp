@@ -1,4 +1,5 @@
 // Lanes: independent channels inside one generation of the ft backend.
+// (docs/design.md, "Lanes")
 //
 // Every transport has its own inner communicator per lane, so an op stuck on
 // one lane (say, behind a stopped peer) never delays an op issued on another.

@@ -1,6 +1,7 @@
 // Transport: how one kind of tensor (CPU, CUDA) reaches the peers, on every
 // lane of one generation. The core (FtBackend, Generation) sees only this
-// interface; gloo_comm.cpp and nccl_comm.cpp implement it.
+// interface; gloo_comm.cpp and nccl_comm.cpp implement it (docs/design.md,
+// "Abort and generations").
 //
 // Contract:
 //  * makeTransports() (transport.cpp) is the one place that knows which

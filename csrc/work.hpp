@@ -1,4 +1,4 @@
-// FtWork: the Work handed to torch for every ft collective.
+// FtWork: the Work handed to torch for every ft collective (docs/design.md, "Abort").
 //
 // Contract:
 //  * Exactly one of succeed() / fail() takes effect; the other returns false.
