@@ -81,7 +81,7 @@ if BUILD_EXTENSIONS:
                 "ft: the extension compiles against torch, which is not installed here. Install "
                 "torch first and build with --no-build-isolation, or let pip build with build "
                 "isolation (pip install .), or set FT_BUILD_EXTENSIONS=0 for a pure-Python "
-                "install (no backend; the lighthouse only).")
+                "install (no backend; the lighthouse only).") from None
         # An sdist needs no compiler and no torch: MANIFEST.in lists the sources.
 
 
@@ -224,14 +224,14 @@ def grpc_server_extension():
         libs = subprocess.check_output(["pkg-config", "--libs", "grpc++", "libcrypto"], text=True).split()
     except (OSError, subprocess.CalledProcessError):
         if wanted:
-            raise SystemExit("ft: FT_NATIVE_GRPC=1 but gRPC C++ or OpenSSL was not found (pkg-config grpc++ libcrypto)")
+            raise SystemExit("ft: FT_NATIVE_GRPC=1 but gRPC C++ or OpenSSL was not found (pkg-config grpc++ libcrypto)") from None
         print("ft: gRPC C++ or OpenSSL not found (pkg-config grpc++ libcrypto): the lighthouse will use grpcio")
         return None
     try:
         import pybind11
     except ImportError:
         if wanted:
-            raise SystemExit("ft: FT_NATIVE_GRPC=1 but pybind11 is not installed (pip install pybind11)")
+            raise SystemExit("ft: FT_NATIVE_GRPC=1 but pybind11 is not installed (pip install pybind11)") from None
         print("ft: pybind11 not installed: no native gRPC server, the lighthouse will use grpcio")
         return None
     return Extension(

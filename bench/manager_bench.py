@@ -217,7 +217,7 @@ def wait_all(procs: List[subprocess.Popen], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
-            raise RuntimeError("a bench child overran")
+            raise RuntimeError("a bench child overran") from None
 
 
 def wait_until(pred, timeout: float, what: str) -> None:

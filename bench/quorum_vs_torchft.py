@@ -138,7 +138,7 @@ class Lighthouse:
                 except OSError:
                     if time.monotonic() > deadline or self.proc.poll() is not None:
                         self.stop()
-                        raise RuntimeError("torchft lighthouse did not start")
+                        raise RuntimeError("torchft lighthouse did not start") from None
                     time.sleep(0.05)
         self.address = f"http://127.0.0.1:{port}"
 

@@ -297,7 +297,7 @@ def ft_mode(world: int, iters: int) -> int:
         model = make_model()
         opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam,
                                                    lr=1e-4)
-        for it in range(iters):
+        for _ in range(iters):
             opt.zero_grad()
             fill_grads(model)
             mig0 = opt.stats["migrated_bytes"]

@@ -39,7 +39,6 @@ import functools
 import json
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import grpc

@@ -352,7 +352,8 @@ class ManagerServer:
                 rnd.init_sync,
             )
         except ValueError as e:
-            raise _fail(grpc.StatusCode.INTERNAL, f"lighthouse answered a bad quorum: {e}")
+            raise _fail(grpc.StatusCode.INTERNAL,
+                        f"lighthouse answered a bad quorum: {e}") from None
 
     def checkpoint_metadata(self, rank: int) -> str:
         """The checkpoint metadata ``rank`` sent with its latest Quorum request."""

@@ -391,7 +391,7 @@ class RpcServer:
             method.handler(request, call)
         except CallAborted:
             pass
-        except Exception as e:  # noqa: BLE001: the server must survive any handler bug
+        except Exception as e:  # noqa: BLE001 (the server must survive any handler bug)
             logger.exception("%s failed", call.method)
             call.finish(grpc.StatusCode.INTERNAL, f"{call.method}: {type(e).__name__}: {e}")
 

@@ -28,7 +28,7 @@ def test_local_misuse_is_rejected_clearly_and_group_keeps_working():
         "lane_out_of_range": "lane 7 does not exist",
         "all_gather_into_tensor_size": "all_gather_into_tensor",
     }
-    for rank, r in enumerate(results):
+    for r in results:
         for case, needle in expected.items():
             assert r[case] is not None, f"{case}: no error raised"
             assert needle in r[case], f"{case}: {r[case]}"
@@ -44,7 +44,7 @@ def test_mismatched_sizes_across_ranks_are_caught_before_any_data_moves():
     with Workers("tests.backend.workers:mismatched_sizes", 2,
                  env={"FT_CHECK_AGREEMENT": "1"}) as w:
         results = w.join(timeout=60)
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["error"].startswith("ValueError"), r
         assert "ranks disagree" in r["error"] and "4 elements" in r["error"] and "8 elements" in r["error"], r
         assert r["errored"] == "None", r

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 

@@ -10,7 +10,6 @@ import os
 import socket
 import struct
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List

@@ -9,7 +9,7 @@ import hashlib
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 from torch import nn
@@ -139,7 +139,6 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
             nn.functional.mse_loss(model(x), y).backward()
             if cfg.get("step_sleep"):
                 time.sleep(cfg["step_sleep"])
-            commits_before = getattr(algo, "commits", None)
             syncs_before = getattr(algo, "syncs", None)
             step_before = manager.current_step()
             inner.step()  # the hook may sync here

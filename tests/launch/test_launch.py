@@ -62,7 +62,7 @@ def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
         except subprocess.TimeoutExpired:
             proc.kill()  # its children notice and exit (parent watch)
             out, _ = proc.communicate(timeout=10)
-        raise AssertionError(f"ft-launch overran {wait_s}s:\n{out[-8000:]}")
+        raise AssertionError(f"ft-launch overran {wait_s}s:\n{out[-8000:]}") from None
     result = {}
     if os.path.exists(summary):
         with open(summary) as f:

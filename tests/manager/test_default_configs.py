@@ -13,7 +13,6 @@ The participation rule behind it is table-tested in tests/coordination/test_quor
 from __future__ import annotations
 
 import itertools
-import time
 from datetime import timedelta
 
 import pytest

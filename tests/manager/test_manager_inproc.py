@@ -84,7 +84,7 @@ def test_fixed_with_spares_numerics() -> None:
 
         out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
         # replica ids sort as g0 < g1 < g2: g2 is the spare and contributes zeros
-        for vals, n, participating, committed, batches, prank in out:
+        for vals, n, _participating, committed, batches, _prank in out:
             assert vals == [15.0] * 4  # (10 + 20) / 2
             assert n == 2 and committed and batches == 2
         assert [o[2] for o in out] == [True, True, False]
@@ -98,7 +98,7 @@ def test_init_sync_false_seeded_identical_init_no_heal() -> None:
     lh = lighthouse(min_replicas=2)
     loads: List[int] = []
     models = []
-    for i in range(2):
+    for _ in range(2):
         torch.manual_seed(7)
         models.append(torch.nn.Linear(3, 2))
     ms = values(in_threads([

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -93,9 +93,10 @@ def test_kill_restart_heals_and_ends_identical(transport: str, async_quorum: boo
         assert solo, "survivors did not commit while the other group was down"
 
 
-def one_wave(n_groups: int, stop_at: int, lh_kw: Dict[str, Any] = {}, timeout: float = 90,
-             **kw: Any) -> List[Dict[str, Any]]:
-    lh = {"min_replicas": 1, "heartbeat_timeout_ms": 2000, "join_timeout_ms": 1000, **lh_kw}
+def one_wave(n_groups: int, stop_at: int, lh_kw: Optional[Dict[str, Any]] = None,
+             timeout: float = 90, **kw: Any) -> List[Dict[str, Any]]:
+    lh = {"min_replicas": 1, "heartbeat_timeout_ms": 2000, "join_timeout_ms": 1000,
+          **(lh_kw or {})}
     ports = [free_port() for _ in range(n_groups)]
     with Replicas(TARGET, n_groups, lighthouse=lh, ports=ports, stop_at=stop_at,
                   wait_ready=n_groups, **kw) as w:

@@ -168,7 +168,7 @@ def test_ft_rounds_follow_torchs_schedule_and_commit_everywhere():
     assert [t[1] for t in a["trace"]] == [0, 1, 1, 2, 2, 3]
     assert a["sent"] == [2, 4, 6]  # a healing peer gets the counter as it is after the round
     assert a["mgr_step"] == 3 and a["failed"] == 0
-    for (sa, ra, ca, pa), (sb, rb, cb, pb) in zip(a["trace"], b["trace"]):
+    for (sa, ra, ca, _), (sb, rb, cb, _) in zip(a["trace"], b["trace"]):
         assert (sa, ra, ca) == (sb, rb, cb)
     for i in (1, 3, 5):  # right after each round: both replicas hold the average
         assert all(torch.equal(x, y) for x, y in zip(a["trace"][i][3], b["trace"][i][3]))

@@ -48,7 +48,7 @@ def test_one_rank_matches_plain_adam(pg1):
     b = copy.deepcopy(a)
     za = ZeroRedundancyOptimizer(a.parameters(), torch.optim.Adam, lr=0.01)
     ob = torch.optim.Adam(b.parameters(), lr=0.01)
-    for i in range(3):
+    for _ in range(3):
         x = torch.randn(4, 5)
         for m, o in ((a, za), (b, ob)):
             m(x).pow(2).sum().backward()
@@ -237,7 +237,7 @@ def test_load_mismatched_state_dicts(pg1):
     _, sgd = _trained(pg1, torch.optim.SGD, lr=0.1, momentum=0.9)
     cases.append(("other optimizer", sgd.state_dict(), "another optimizer"))
     before = {k: {n: t.clone() for n, t in v.items()} for k, v in z.optim.state.items()}
-    for label, sd, match in cases:
+    for _label, sd, match in cases:
         with pytest.raises(ValueError, match=match):
             z.load_state_dict(sd)
     # Nothing was loaded by the failed calls.

@@ -114,7 +114,7 @@ def test_fd_exhaustion_does_not_stop_the_lighthouse_accepting(transport, tmp_pat
         closed = time.monotonic()
         try:
             _heartbeat(port, 5)
-        except Exception as e:  # noqa: BLE001: report how long it failed for
+        except Exception as e:  # noqa: BLE001 (report how long it failed for)
             pytest.fail(f"{transport}: a new client's heartbeat failed {time.monotonic() - closed:.1f}s "
                         f"after the attack's sockets closed: {type(e).__name__}: {e}")
         took = time.monotonic() - closed

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import torch
