@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA build lane (issue 3).
+# CUDA build lane (docs/building.md, "The CUDA build lane").
 #
 # Builds ft against the CUDA 13.0 build of torch 2.14.1 and the CUDA 13.0
 # toolkit on this GPU-less machine, with the NCCL path compiled in

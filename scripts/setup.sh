@@ -34,7 +34,7 @@ if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 && [ "$
     > .venv/apt-chromium.log 2>&1 \
     || echo "setup: chromium not installed (see .venv/apt-chromium.log); the browser tests will skip"
 fi
-# The build switches of setup.py (README: "Build switches": MAX_JOBS, DEBUG, USE_NCCL, ...)
+# The build switches of setup.py (docs/building.md, "Build switches": MAX_JOBS, DEBUG, USE_NCCL, ...)
 # pass through from the environment.
 .venv/bin/python setup.py build_ext --inplace > .venv/build.log 2>&1 \
   || { tail -50 .venv/build.log >&2; echo "setup: build failed (log: .venv/build.log)" >&2; exit 1; }
