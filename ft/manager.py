@@ -60,6 +60,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from ft.collectives import allreduce_quantized
 from ft.checkpointing import CheckpointTransport, HTTPTransport, RWLock
+from ft.checkpointing.dtensor_codec import restore_dtensors
 from ft.coordination import (
     FailureNotification,
     LighthouseClient,
@@ -905,6 +906,10 @@ class Manager:
                         "torchft::manager::_checkpoint_transport::recv_checkpoint"):
                     got = self._healer.receive(quorum, self._rank, self._timeout,
                                                self._load_state_dict_fns)
+                # DTensors arrive as their pieces; they become DTensors again on this rank's
+                # own meshes, checked against its own state (docs/design.md, "HSDP").
+                got.state["user"] = restore_dtensors(
+                    got.state["user"], lambda: self._manager_state_dict()["user"])
                 self._pending_state_dict = got.state
                 self._watch.phase("step", f"collectives with {quorum.replica_ids}")
                 self.load_state_dict(got.state["torchft"])

@@ -332,6 +332,21 @@ class ProcessGroup(_TorchProcessGroup):
         ``torch.distributed.destroy_process_group`` does). Must be registered first."""
         dist.destroy_process_group(self)
 
+    # torch keeps a group's name on its backends (C++), and a wrapper group has none: the name
+    # torch gives it at register() would be lost, and DeviceMesh, DTensor and functional
+    # collectives find a group by that name. So the name is also kept here, in Python.
+    def _set_group_name(self, name: str) -> None:
+        self._ft_group_name = name
+        try:
+            super()._set_group_name(name)
+        except RuntimeError:
+            pass  # no backend to hold it (a wrapper): the Python copy is the name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_ft_group_name", None)
+        return name if name is not None else super().group_name
+
     def abort(self, errored: bool = True) -> None:
         """Fails in-flight ops. ``errored=False`` marks a planned abort (before a
         reconfigure), which is not logged as a failure."""
@@ -1326,3 +1341,17 @@ class ProcessGroupBabyXCCL(ProcessGroupBaby):
         raise RuntimeError(
             "ProcessGroupBabyXCCL: ft's backend has no XCCL path; use ft.ProcessGroupXCCL "
             "(torch's XCCL group, reconfigured and aborted by ft)")
+
+
+# -- torchft's device-mesh names, re-exported as torchft's process_group does -------------
+
+_DEVICE_MESH_NAMES = ("ft_init_device_mesh", "ManagedDeviceMesh", "extend_device_mesh")
+
+
+def __getattr__(name: str) -> Any:
+    # Resolved on first use: ft.device_mesh imports this module (and torch's DeviceMesh).
+    if name in _DEVICE_MESH_NAMES:
+        from ft import device_mesh
+
+        return getattr(device_mesh, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

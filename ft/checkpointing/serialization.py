@@ -23,6 +23,13 @@ Node encoding (compact JSON arrays, first element is the tag)::
 Dict keys are nodes too (so ``int`` keys of optimizer state survive exactly); they must be
 hashable scalars (int, float, bool, None, str, bytes) or tuples of them.
 
+A DTensor is ``["DT", i, meta]``: tensor ``i`` is its local tensor (sent, checksummed and fetched
+in ranges like any other) and ``meta`` says where that piece sits (mesh shape and dimension
+names, the sender's coordinate, the placements, the global shape). ``unflatten`` gives it back as
+a :class:`ft.checkpointing.dtensor_codec.ReceivedDTensor`, which becomes a DTensor only on the
+receiver's own mesh, after the checks of ``dtensor_codec.restore_dtensors`` (the Manager runs
+them when a heal arrives). No other tensor subclass is sent.
+
 The receiver validates everything (tags, types, dtypes against a whitelist, shapes, byte counts,
 strides, tensor indices, nesting depth) and raises :class:`CheckpointFormatError` otherwise.
 """
@@ -33,6 +40,7 @@ import base64
 import json
 import math
 import mmap
+import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -140,17 +148,38 @@ def _dense_stride_ok(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return all(s >= 0 for s in stride)
 
 
+def _is_dtensor(t: Any) -> bool:
+    # No DTensor exists unless torch.distributed.tensor was imported: check without importing.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 class _Flattener:
     def __init__(self) -> None:
         self.tensors: List[torch.Tensor] = []
         self.specs: List[TensorSpec] = []
         self._index: Dict[int, int] = {}
+        self._dtensors: Dict[int, List[Any]] = {}  # id(DTensor) -> its node (sent once)
+        self._keep: List[Any] = []  # keeps the objects whose id() is a key above alive
+
+    def dtensor(self, t: torch.Tensor, path: List[Any]) -> List[Any]:
+        key = id(t)
+        if key not in self._dtensors:
+            from ft.checkpointing import dtensor_codec
+
+            local, meta = dtensor_codec.encode(t, path)
+            self._keep.append(local)
+            self._dtensors[key] = ["DT", self.tensor(local, path)[1], meta]
+        return self._dtensors[key]
 
     def tensor(self, t: torch.Tensor, path: List[Any]) -> List[Any]:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            if _is_dtensor(t):
+                return self.dtensor(t, path)
             raise TypeError(
                 f"{_path_str(path)}: tensor subclass {type(t).__name__} is not supported by "
-                "the checkpoint transport (convert it to a plain tensor)"
+                "the checkpoint transport (DTensor is; convert others to a plain tensor)"
             )
         if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
             raise TypeError(
@@ -360,6 +389,21 @@ _NOT_SCALAR = object()
 class _Unflattener:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = tensors
+        self._dtensors: Dict[int, Tuple[Any, Any]] = {}  # tensor index -> (meta, leaf)
+
+    def dtensor(self, node: List[Any]) -> Any:
+        if len(node) != 3 or not _is_int(node[1]) or not 0 <= node[1] < len(self.tensors):
+            raise _fail(f"bad DTensor node {node!r:.60}")
+        i, meta = node[1], node[2]
+        if i in self._dtensors:  # one DTensor reached by several keys: one object, as sent
+            if self._dtensors[i][0] != meta:
+                raise _fail(f"tensor {i} is the local tensor of two different DTensors")
+            return self._dtensors[i][1]
+        from ft.checkpointing import dtensor_codec
+
+        leaf = dtensor_codec.parse(meta, self.tensors[i])
+        self._dtensors[i] = (meta, leaf)
+        return leaf
 
     def key(self, node: Any, depth: int) -> Any:
         if type(node) is not list or not node or type(node[0]) is not str:
@@ -389,6 +433,8 @@ class _Unflattener:
         if type(node) is not list or not node or type(node[0]) is not str:
             raise _fail(f"bad node {node!r:.60}")
         tag = node[0]
+        if tag == "DT":
+            return self.dtensor(node)
         if tag == "T":
             if len(node) != 2 or not _is_int(node[1]) or not 0 <= node[1] < len(self.tensors):
                 raise _fail(f"bad tensor reference {node!r:.60}")

@@ -31,9 +31,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SKIPPED_MODULES: Dict[str, str] = {
-    "ft.device_mesh": (
-        "ManagedDeviceMesh subclasses torch's DeviceMesh internals (_MeshLayout, "
-        "_mesh_resources) and fakes a world-size-1 replicate dimension; not ported"),
     "ft.quantization": (
         "torchft's fused FP8 Triton kernels (CUDA only); ft.collectives quantizes with plain "
         "torch ops (int8 / fp8, blockwise) instead"),
