@@ -48,6 +48,7 @@ from torch.distributed import ReduceOp
 from ft.collectives import BucketedAllreduce
 from ft.process_group import lane
 from ft.protocols import ManagerLike
+from ft.utils.tensors import clone_state
 
 __all__ = [
     "LocalSGD",
@@ -580,20 +581,10 @@ class DiLoCo(_OnOptimizerStep):
         for frag in self._fragments:
             out[f"backup/{frag.index}"] = {n: b.clone() for n, b in frag.backup.items()}
             if self._shared_outer is None:
-                out[f"outer/{frag.index}"] = _clone_state(frag.outer_optimizer.state_dict())
+                out[f"outer/{frag.index}"] = clone_state(frag.outer_optimizer.state_dict())
         if self._shared_outer is not None:
-            out["outer"] = _clone_state(self._shared_outer.state_dict())
+            out["outer"] = clone_state(self._shared_outer.state_dict())
         return out
-
-
-def _clone_state(sd: Any) -> Any:
-    if torch.is_tensor(sd):
-        return sd.detach().clone()
-    if isinstance(sd, dict):
-        return {k: _clone_state(v) for k, v in sd.items()}
-    if isinstance(sd, (list, tuple)):
-        return type(sd)(_clone_state(v) for v in sd)
-    return sd
 
 
 def extract_local_tensor(t: torch.Tensor) -> torch.Tensor:

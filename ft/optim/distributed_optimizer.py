@@ -63,6 +63,8 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
+from ft.utils.tensors import clone_state
+
 __all__ = ["DistributedOptimizer", "RemoteOptimizerError", "StepNotApplied",
            "StepPartiallyApplied"]
 
@@ -94,16 +96,6 @@ class StepPartiallyApplied(RemoteOptimizerError):
 
 
 # --------------------------------------------------------------------------- owner side
-
-
-def _clone_state(obj: Any) -> Any:
-    if torch.is_tensor(obj):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone_state(v) for v in obj)
-    return obj
 
 
 class _Prepared:
@@ -140,8 +132,8 @@ class _LocalOptimizer:
             self._pending = None  # a stale prepare (its driver died before committing)
             state = self.optim.state
             old_values = [p.detach().clone() for p in self.params]
-            old_state = {p: _clone_state(state[p]) for p in self.params if p in state}
-            old_hyper = _clone_state(self._hyper())
+            old_state = {p: clone_state(state[p]) for p in self.params if p in state}
+            old_hyper = clone_state(self._hyper())
             old_grads = [p.grad for p in self.params]
             try:
                 for p in self.params:

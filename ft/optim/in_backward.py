@@ -57,7 +57,6 @@ instead. When that is too much, use ``ft.Optimizer``, which holds only the gradi
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Type, Union
@@ -65,6 +64,8 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple, Ty
 import torch
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from ft.utils.tensors import clone_state
 
 if TYPE_CHECKING:
     from ft.manager import Manager
@@ -172,11 +173,6 @@ def _optimizers(param: torch.Tensor) -> List[torch.optim.Optimizer]:
     return param._in_backward_optimizers  # type: ignore[attr-defined,no-any-return]
 
 
-def _clone_state(state: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-            for k, v in state.items()}
-
-
 def _get_states(param: torch.Tensor) -> List[_State]:
     # ``opt.state`` is a defaultdict: test membership, since indexing would add an entry.
     return [opt.state[param] if param in opt.state else None for opt in _optimizers(param)]
@@ -204,7 +200,7 @@ def _step_out_of_place(param: torch.Tensor, grad: torch.Tensor, rec: _Record) ->
         pending = rec.pending
         if pending is None:
             pending = _Pending(data=param.detach().clone(),
-                               states=[None if s is None else _clone_state(s)
+                               states=[None if s is None else clone_state(s)
                                        for s in _get_states(param)])
         live_data, live_states = param.data, _get_states(param)
         try:

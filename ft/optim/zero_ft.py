@@ -98,16 +98,13 @@ from torch.distributed import ReduceOp
 from ft.optim.partition import Partition, buddy_rank, partition_params
 from ft.optim.zero import check_optimizer_class
 from ft.protocols import ManagerLike
+from ft.utils.tensors import clone_state
 
 __all__ = ["FaultTolerantZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 _NOT_HYPER = ("params", "param_names")
-
-
-def _clone_state(st: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
 
 
 class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -178,7 +175,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
     def shard_state(self, which: str = "owned") -> Dict[int, Dict[str, Any]]:
         """Copies of the held entries, by global parameter index: ``owned``, ``standby``, ``all``."""
         idx = {"owned": self._owned, "standby": self._standby, "all": sorted(self._held)}[which]
-        return {i: _clone_state(self._held[i]) for i in idx}
+        return {i: clone_state(self._held[i]) for i in idx}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors this replica holds (own + standby shards)."""
@@ -384,7 +381,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 old_data = [self._params[i].data for i in self._owned]
                 for i in self._owned:
                     p = self._params[i]
-                    new = _clone_state(self._held[i])
+                    new = clone_state(self._held[i])
                     self._held[i] = new
                     if self._own_opt is not None:
                         self._own_opt.state[p] = new

@@ -14,6 +14,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from ft.utils.tensors import clone_state
 from tests.procs import connect_store
 
 
@@ -35,16 +36,6 @@ def digest(obj: Any) -> str:
 
     walk(obj)
     return h.hexdigest()[:16]
-
-
-def _clone(o: Any) -> Any:
-    if torch.is_tensor(o):
-        return o.detach().clone()
-    if isinstance(o, dict):
-        return {k: _clone(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return type(o)(_clone(v) for v in o)
-    return o
 
 
 def make_manager(rank: int, lh_addr: str, pg_lanes: int, load, save, tag: str,
@@ -80,7 +71,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     n_frag = cfg.get("n_frag", 1)
 
     def save():
-        return _clone({"model": model.state_dict(), "inner": inner.state_dict()})
+        return clone_state({"model": model.state_dict(), "inner": inner.state_dict()})
 
     def load(sd):
         model.load_state_dict(sd["model"])

@@ -17,6 +17,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch import nn
 
+from ft.utils.tensors import clone_state
 from tests.procs import connect_store
 
 _MODULES: Dict[str, nn.Module] = {}
@@ -39,18 +40,8 @@ def _params(name: str) -> List[torch.Tensor]:
     return [p.detach().clone() for p in _MODULES[name].parameters()]
 
 
-def _clone(o: Any) -> Any:
-    if torch.is_tensor(o):
-        return o.detach().clone()
-    if isinstance(o, dict):
-        return {k: _clone(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return type(o)(_clone(v) for v in o)
-    return o
-
-
 def _optim_state(opt_rref: Any) -> Dict[str, Any]:
-    return _clone(opt_rref.local_value().optim.state_dict())
+    return clone_state(opt_rref.local_value().optim.state_dict())
 
 
 class RaisesOnWorker2(torch.optim.SGD):

@@ -150,7 +150,8 @@ def _task(counter: int, group: int):
 def ft_train(rank: int, world_size: int, store_port: int, *, lh_addr: str, period: int,
              warmup: int, step_sleep: float, fail_at: Optional[int] = None,
              seed: int = 0, wait_ready: int = 0, max_iters: int = 3000) -> Dict[str, Any]:
-    from tests.diloco.mp_workers import _clone, digest, make_manager
+    from tests.diloco.mp_workers import digest, make_manager
+    from ft.utils.tensors import clone_state
 
     from ft.optim.post_localsgd import FaultTolerantModelAverager, PostLocalSGDOptimizer
 
@@ -164,7 +165,7 @@ def ft_train(rank: int, world_size: int, store_port: int, *, lh_addr: str, perio
     loads: List[int] = []
 
     def save():
-        return _clone({"model": model.state_dict(), "inner": inner.state_dict()})
+        return clone_state({"model": model.state_dict(), "inner": inner.state_dict()})
 
     def load(sd):
         loads.append(1)

@@ -17,7 +17,7 @@ import sysconfig
 import tarfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import pytest
 
@@ -113,3 +113,26 @@ def expected_sdist_members() -> List[str]:
     found |= {"CMakeLists.txt", "LICENSE", "README.md", "pyproject.toml", "setup.py",
               "MANIFEST.in", "constraints.txt", "examples/deploy/Dockerfile.lighthouse", "PKG-INFO"}
     return sorted(found)
+
+
+def smoke_installed(python: Path, venv: Path, tmp_path: Path) -> Dict[str, Any]:
+    """Runs smoke_installed.py with ``python`` from a folder outside the tree (so that only the
+    installed package can be imported); checks that ft and its extension came from ``venv``,
+    that a 2-process allreduce on the "ft" backend gave the sum, and that the distribution
+    pins the torch it was built against. Returns the script's report for further checks."""
+    import json
+    import shutil
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir(exist_ok=True)
+    smoke = shutil.copy(HERE / "smoke_installed.py", outside / "smoke_installed.py")
+    r = run([python, smoke], cwd=outside, env=clean_env(), timeout=300)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    site = str(venv_site_packages(venv))
+    assert out["ft_file"].startswith(site) and out["c_file"].startswith(site), out
+    assert out["allreduce"] == [[3.0] * 8, [3.0] * 8], out
+    major_minor = ".".join(out["torch"].split("+")[0].split(".")[:2])
+    assert f"torch=={major_minor}.*" in out["requires"], out["requires"]
+    out["outside"] = outside
+    return out
+

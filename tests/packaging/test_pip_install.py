@@ -13,7 +13,6 @@ Compiles ft._C once (the wheel leaves the native gRPC server out by default).
 
 from __future__ import annotations
 
-import json
 import shutil
 
 from tests.packaging import _util
@@ -32,16 +31,8 @@ def test_pip_install_dot_in_a_fresh_venv_with_build_isolation(tmp_path):
     r = _util.run([python, "-m", "pip", "install", "."], cwd=src, env=env, timeout=1200)
     print(f"pip install . (isolated build + dependencies): {r.seconds:.0f}s")
 
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
-    smoke = shutil.copy(_util.HERE / "smoke_installed.py", outside / "smoke_installed.py")
-    r = _util.run([python, smoke], cwd=outside, env=_util.clean_env(), timeout=300)
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    site = str(_util.venv_site_packages(venv))
-    assert out["ft_file"].startswith(site) and out["c_file"].startswith(site), out
-    assert out["allreduce"] == [[3.0] * 8, [3.0] * 8], out
-    major_minor = ".".join(out["torch"].split("+")[0].split(".")[:2])
-    assert f"torch=={major_minor}.*" in out["requires"], out["requires"]
+    out = _util.smoke_installed(python, venv, tmp_path)
+    outside = out["outside"]
     assert not out["native_grpc"], "a wheel includes the native gRPC server only on request"
     h = _util.run([venv / "bin" / "ft-lighthouse", "--help"], cwd=outside,
                   env=_util.clean_env(), timeout=120)
