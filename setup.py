@@ -35,6 +35,7 @@ Requirements: a wheel (and the metadata pip prepares for one) requires ``torch==
 major.minor it was compiled against, since torch's C++ ABI changes between minor releases; the
 sdist declares the range of pyproject.toml and marks Requires-Dist dynamic (PEP 643).
 """
+
 import glob
 import os
 import subprocess
@@ -65,8 +66,15 @@ def env_flag(name, default=None):
 # the values of their options (harmless: only command names are looked up).
 COMMANDS = {a for a in sys.argv[1:] if not a.startswith("-")}
 # Commands that make something installable, whose metadata carries the torch pin.
-INSTALLABLE_COMMANDS = {"bdist_wheel", "dist_info", "editable_wheel", "develop", "install",
-                        "bdist_egg", "bdist"}
+INSTALLABLE_COMMANDS = {
+    "bdist_wheel",
+    "dist_info",
+    "editable_wheel",
+    "develop",
+    "install",
+    "bdist_egg",
+    "bdist",
+}
 BUILDING_WHEEL = "bdist_wheel" in COMMANDS
 BUILD_EXTENSIONS = env_flag("FT_BUILD_EXTENSIONS", True)
 
@@ -75,13 +83,22 @@ if BUILD_EXTENSIONS:
     try:
         import torch
     except ImportError:
-        if COMMANDS & {"build", "build_ext", "bdist_wheel", "bdist", "bdist_egg", "develop",
-                       "install", "editable_wheel"}:
+        if COMMANDS & {
+            "build",
+            "build_ext",
+            "bdist_wheel",
+            "bdist",
+            "bdist_egg",
+            "develop",
+            "install",
+            "editable_wheel",
+        }:
             raise SystemExit(
                 "ft: the extension compiles against torch, which is not installed here. Install "
                 "torch first and build with --no-build-isolation, or let pip build with build "
                 "isolation (pip install .), or set FT_BUILD_EXTENSIONS=0 for a pure-Python "
-                "install (no backend; the lighthouse only).") from None
+                "install (no backend; the lighthouse only)."
+            ) from None
         # An sdist needs no compiler and no torch: MANIFEST.in lists the sources.
 
 
@@ -108,8 +125,12 @@ def optimization_flags():
 
 
 def _has_nccl(inc, lib):
-    return (inc and lib and os.path.exists(os.path.join(inc, "nccl.h"))
-            and os.path.exists(os.path.join(lib, "libnccl.so.2")))
+    return (
+        inc
+        and lib
+        and os.path.exists(os.path.join(inc, "nccl.h"))
+        and os.path.exists(os.path.join(lib, "libnccl.so.2"))
+    )
 
 
 def find_nccl():
@@ -126,13 +147,16 @@ def find_nccl():
         libs = [lib_env] if lib_env else [os.path.join(home, "lib"), os.path.join(home, "lib64")]
         found = [(inc, lib) for lib in libs if _has_nccl(inc, lib)]
         if not found:
-            raise SystemExit(f"ft: no nccl.h in {inc} or no libnccl.so.2 in {', '.join(libs)} "
-                             "(NCCL_INCLUDE_DIR / NCCL_LIB_DIR)")
+            raise SystemExit(
+                f"ft: no nccl.h in {inc} or no libnccl.so.2 in {', '.join(libs)} "
+                "(NCCL_INCLUDE_DIR / NCCL_LIB_DIR)"
+            )
         return found[0]
     if os.environ.get("NCCL_HOME"):
         home = os.environ["NCCL_HOME"]
-        candidates += [(os.path.join(home, "include"), os.path.join(home, d))
-                       for d in ("lib", "lib64")]
+        candidates += [
+            (os.path.join(home, "include"), os.path.join(home, d)) for d in ("lib", "lib64")
+        ]
     try:
         import nvidia  # noqa: F401
 
@@ -142,9 +166,15 @@ def find_nccl():
                 candidates.append((os.path.join(root, "include"), os.path.join(root, "lib")))
     except ImportError:
         pass
-    candidates += [("/usr/include", d) for d in
-                   ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
-                    "/usr/lib")]
+    candidates += [
+        ("/usr/include", d)
+        for d in (
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+        )
+    ]
     candidates.append(("/usr/local/include", "/usr/local/lib"))
     for inc, lib in candidates:
         if _has_nccl(inc, lib):
@@ -152,7 +182,9 @@ def find_nccl():
     raise SystemExit(
         "ft: CUDA torch found but no NCCL headers/library (looked in %s); install the "
         "nvidia-nccl wheel, set NCCL_HOME or NCCL_INCLUDE_DIR/NCCL_LIB_DIR, or build without "
-        "NCCL (USE_NCCL=0)" % ", ".join(sorted({c[0] for c in candidates} | {c[1] for c in candidates})))
+        "NCCL (USE_NCCL=0)"
+        % ", ".join(sorted({c[0] for c in candidates} | {c[1] for c in candidates}))
+    )
 
 
 def find_cuda_home():
@@ -216,22 +248,34 @@ def grpc_server_extension():
     if wanted is False:
         return None
     if wanted is None and BUILDING_WHEEL and not env_flag("FT_WHEEL_NATIVE_GRPC", False):
-        print("ft: wheel without the native gRPC server (it would need libgrpc++ where the wheel "
-              "is installed; FT_WHEEL_NATIVE_GRPC=1 builds it in): the lighthouse will use grpcio")
+        print(
+            "ft: wheel without the native gRPC server (it would need libgrpc++ where the wheel "
+            "is installed; FT_WHEEL_NATIVE_GRPC=1 builds it in): the lighthouse will use grpcio"
+        )
         return None
     try:
-        cflags = subprocess.check_output(["pkg-config", "--cflags", "grpc++", "libcrypto"], text=True).split()
-        libs = subprocess.check_output(["pkg-config", "--libs", "grpc++", "libcrypto"], text=True).split()
+        cflags = subprocess.check_output(
+            ["pkg-config", "--cflags", "grpc++", "libcrypto"], text=True
+        ).split()
+        libs = subprocess.check_output(
+            ["pkg-config", "--libs", "grpc++", "libcrypto"], text=True
+        ).split()
     except (OSError, subprocess.CalledProcessError):
         if wanted:
-            raise SystemExit("ft: FT_NATIVE_GRPC=1 but gRPC C++ or OpenSSL was not found (pkg-config grpc++ libcrypto)") from None
-        print("ft: gRPC C++ or OpenSSL not found (pkg-config grpc++ libcrypto): the lighthouse will use grpcio")
+            raise SystemExit(
+                "ft: FT_NATIVE_GRPC=1 but gRPC C++ or OpenSSL was not found (pkg-config grpc++ libcrypto)"
+            ) from None
+        print(
+            "ft: gRPC C++ or OpenSSL not found (pkg-config grpc++ libcrypto): the lighthouse will use grpcio"
+        )
         return None
     try:
         import pybind11
     except ImportError:
         if wanted:
-            raise SystemExit("ft: FT_NATIVE_GRPC=1 but pybind11 is not installed (pip install pybind11)") from None
+            raise SystemExit(
+                "ft: FT_NATIVE_GRPC=1 but pybind11 is not installed (pip install pybind11)"
+            ) from None
         print("ft: pybind11 not installed: no native gRPC server, the lighthouse will use grpcio")
         return None
     return Extension(

@@ -52,13 +52,15 @@ def set_auth(on: bool) -> None:
         os.environ.pop("FT_JOB_SECRET", None)
 
 
-def alternate(measure: Callable[[], Dict[str, float]], trials: int) -> Dict[str, Dict[str, List[float]]]:
+def alternate(
+    measure: Callable[[], Dict[str, float]], trials: int
+) -> Dict[str, Dict[str, List[float]]]:
     """Runs ``measure`` with the secret off and on, alternately, ``trials`` times each."""
     out: Dict[str, Dict[str, List[float]]] = {"off": {}, "on": {}}
     for trial in range(trials):
         # The order flips every trial, so that whatever the previous run leaves behind (exiting
         # processes, a warm cache) falls on both sides.
-        for mode in (("off", "on") if trial % 2 == 0 else ("on", "off")):
+        for mode in ("off", "on") if trial % 2 == 0 else ("on", "off"):
             set_auth(mode == "on")
             for k, v in measure().items():
                 out[mode].setdefault(k, []).append(v)
@@ -69,10 +71,13 @@ def alternate(measure: Callable[[], Dict[str, float]], trials: int) -> Dict[str,
 def report(title: str, res: Dict[str, Dict[str, List[float]]], unit: str = "ms") -> None:
     for key in res["off"]:
         off, on = statistics.median(res["off"][key]), statistics.median(res["on"][key])
-        print(f"  {title:<28} {key:<12} off {off:9.3f} {unit}   on {on:9.3f} {unit}   "
-              f"ratio {on / off:6.3f}   (trials off: "
-              f"{', '.join(f'{v:.2f}' for v in res['off'][key])}; on: "
-              f"{', '.join(f'{v:.2f}' for v in res['on'][key])})", flush=True)
+        print(
+            f"  {title:<28} {key:<12} off {off:9.3f} {unit}   on {on:9.3f} {unit}   "
+            f"ratio {on / off:6.3f}   (trials off: "
+            f"{', '.join(f'{v:.2f}' for v in res['off'][key])}; on: "
+            f"{', '.join(f'{v:.2f}' for v in res['on'][key])})",
+            flush=True,
+        )
 
 
 def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) -> None:
@@ -80,14 +85,18 @@ def bench_quorum(groups: List[int], rounds: int, trials: int, transport: str) ->
 
     print(f"quorum round ({rounds} rounds per trial, {trials} trials, {transport} lighthouse)")
     for n in groups:
+
         def measure() -> Dict[str, float]:
             r = quorum_bench.bench_rounds(n, rounds, transport)
-            return {"lighthouse": r["lighthouse_median_ms"], "full stack": r["full_median_ms"],
-                    # CPU per round: the lighthouse process, and all the groups' processes
-                    "lh cpu srv": r["lighthouse_server_cpu_ms"],
-                    "lh cpu cli": r["lighthouse_client_cpu_ms"],
-                    "full cpu srv": r["full_server_cpu_ms"],
-                    "full cpu cli": r["full_client_cpu_ms"]}
+            return {
+                "lighthouse": r["lighthouse_median_ms"],
+                "full stack": r["full_median_ms"],
+                # CPU per round: the lighthouse process, and all the groups' processes
+                "lh cpu srv": r["lighthouse_server_cpu_ms"],
+                "lh cpu cli": r["lighthouse_client_cpu_ms"],
+                "full cpu srv": r["full_server_cpu_ms"],
+                "full cpu cli": r["full_client_cpu_ms"],
+            }
 
         report(f"{n} groups", alternate(measure, trials))
 
@@ -104,11 +113,21 @@ def bench_step(trials: int, steps: int) -> None:
 
     def measure() -> Dict[str, float]:
         counter[0] += 1
-        lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.groups, http_bind="",
-                              join_timeout_ms=5000, quorum_tick_ms=100, heartbeat_timeout_ms=1000)
+        lh = LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=args.groups,
+            http_bind="",
+            join_timeout_ms=5000,
+            quorum_tick_ms=100,
+            heartbeat_timeout_ms=1000,
+        )
         names = [f"ft{counter[0]}-{g}" for g in range(args.groups)]
-        procs = [manager_bench.spawn(args, tmp, g, "ft", manager_bench.free_port(), args.steps,
-                                     names[g], lh.address()) for g in range(args.groups)]
+        procs = [
+            manager_bench.spawn(
+                args, tmp, g, "ft", manager_bench.free_port(), args.steps, names[g], lh.address()
+            )
+            for g in range(args.groups)
+        ]
         try:
             manager_bench.wait_all(procs, 300)
         finally:
@@ -116,7 +135,9 @@ def bench_step(trials: int, steps: int) -> None:
             lh.shutdown()
         return {"step": manager_bench.median_step(tmp, names, args.warmup) * 1000}
 
-    print(f"training step (2 groups x 1 rank, 16 MiB MLP, {steps} steps per trial, {trials} trials)")
+    print(
+        f"training step (2 groups x 1 rank, 16 MiB MLP, {steps} steps per trial, {trials} trials)"
+    )
     report("ft Manager + ft DDP", alternate(measure, trials))
 
 
@@ -162,11 +183,15 @@ def bench_cost(requests: int) -> None:
     finally:
         quorum_bench.stop(proc)
     print(f"cost of a signature per request ({n} signatures; RPC CPU over {requests} heartbeats)")
-    print(f"  client: sign {sign_us:.1f} us, against {client_us:.0f} us of CPU per RPC without "
-          f"a secret: {sign_us / client_us * 100:.1f} %")
-    print(f"  server: native C++ check {native_verify_us:.1f} us (grpcio's Python check "
-          f"{python_verify_us:.1f} us), against {server_us:.0f} us of CPU per RPC: "
-          f"{native_verify_us / server_us * 100:.1f} %")
+    print(
+        f"  client: sign {sign_us:.1f} us, against {client_us:.0f} us of CPU per RPC without "
+        f"a secret: {sign_us / client_us * 100:.1f} %"
+    )
+    print(
+        f"  server: native C++ check {native_verify_us:.1f} us (grpcio's Python check "
+        f"{python_verify_us:.1f} us), against {server_us:.0f} us of CPU per RPC: "
+        f"{native_verify_us / server_us * 100:.1f} %"
+    )
 
 
 def bench_heal(mb: int, reps: int, trials: int) -> None:
@@ -191,7 +216,9 @@ def bench_heal(mb: int, reps: int, trials: int) -> None:
             src.disallow_checkpoint()
         return {"transfer": statistics.median(times) * 1000}
 
-    print(f"heal transfer (HTTP path, 4 connections, {mb} MiB, {reps} reps per trial, {trials} trials)")
+    print(
+        f"heal transfer (HTTP path, 4 connections, {mb} MiB, {reps} reps per trial, {trials} trials)"
+    )
     res = alternate(measure, trials)
     report("HTTPTransport", res)
     off, on = (statistics.median(res[m]["transfer"]) / 1000 for m in ("off", "on"))
@@ -209,13 +236,15 @@ def _paired_caller(i: int, n: int, addrs: Dict[str, str], rounds: int, barrier, 
 
     rid = f"group{i:03d}"
     try:
-        clients = {"off": LighthouseClient(addrs["off"], timedelta(seconds=10), secret=None),
-                   "on": LighthouseClient(addrs["on"], timedelta(seconds=10), secret=SECRET)}
+        clients = {
+            "off": LighthouseClient(addrs["off"], timedelta(seconds=10), secret=None),
+            "on": LighthouseClient(addrs["on"], timedelta(seconds=10), secret=SECRET),
+        }
         for c in clients.values():
             c.heartbeat(rid, timeout=10)
         times: Dict[str, list] = {"off": [], "on": []}
         for r in range(rounds + 1):  # round 0 forms both quorums (warm-up)
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 barrier.wait(timeout=60)
                 t0 = time.perf_counter()
                 clients[mode].quorum(rid, timeout=30, step=1)
@@ -246,9 +275,12 @@ def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
             addrs = {m: p[1] for m, p in procs.items()}
             ctx = mp.get_context("spawn")
             barrier, results = ctx.Barrier(n), ctx.Queue()
-            callers = [ctx.Process(target=_paired_caller,
-                                   args=(i, n, addrs, rounds, barrier, results), daemon=True)
-                       for i in range(n)]
+            callers = [
+                ctx.Process(
+                    target=_paired_caller, args=(i, n, addrs, rounds, barrier, results), daemon=True
+                )
+                for i in range(n)
+            ]
             for p in callers:
                 p.start()
             try:
@@ -270,17 +302,22 @@ def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
                 quorum_bench.stop(proc)
 
         def round_times(mode: str) -> List[float]:
-            return [max(per_group[g][mode][r][1] for g in per_group)
-                    - min(per_group[g][mode][r][0] for g in per_group) for r in range(rounds)]
+            return [
+                max(per_group[g][mode][r][1] for g in per_group)
+                - min(per_group[g][mode][r][0] for g in per_group)
+                for r in range(rounds)
+            ]
 
         off, on = round_times("off"), round_times("on")
         ratios = sorted(b / a for a, b in zip(off, on))
         q = lambda f: ratios[min(len(ratios) - 1, int(f * len(ratios)))]  # noqa: E731
-        print(f"  {n} groups: off {statistics.median(off) * 1000:.3f} ms   on "
-              f"{statistics.median(on) * 1000:.3f} ms   ratio of medians "
-              f"{statistics.median(on) / statistics.median(off):.3f}   per-round ratio: median "
-              f"{statistics.median(ratios):.3f} (25-75 %: {q(0.25):.3f}-{q(0.75):.3f})",
-              flush=True)
+        print(
+            f"  {n} groups: off {statistics.median(off) * 1000:.3f} ms   on "
+            f"{statistics.median(on) * 1000:.3f} ms   ratio of medians "
+            f"{statistics.median(on) / statistics.median(off):.3f}   per-round ratio: median "
+            f"{statistics.median(ratios):.3f} (25-75 %: {q(0.25):.3f}-{q(0.75):.3f})",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -300,8 +337,10 @@ def main() -> None:
         from ft.coordination.rpc_server import native_available
 
         a.transport = "native" if native_available() else "grpcio"
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; secret off vs on, "
-          "alternating")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; secret off vs on, "
+        "alternating"
+    )
     if a.only in (None, "quorum"):
         bench_quorum(a.groups, a.rounds, a.trials, a.transport)
     if a.only in (None, "paired"):

@@ -32,8 +32,9 @@ def worker(mode: str, rank: int, world: int, port: int, iters: int, sizes: list)
 
     import ft
 
-    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                     timeout=timedelta(seconds=60))
+    store = TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     out = {}
     if mode == "allreduce":
         ref = dist.ProcessGroupGloo(PrefixStore("ref", store), rank, world, timedelta(seconds=60))
@@ -96,13 +97,19 @@ def worker(mode: str, rank: int, world: int, port: int, iters: int, sizes: list)
 def run(mode: str, world: int, iters: int, sizes: list) -> list:
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
     procs = []
     for rank in range(world):
         args = json.dumps([mode, rank, world, store.port, iters, sizes])
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.backend_bench", "--worker", args],
-                                      stdout=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.backend_bench", "--worker", args],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         return [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
     finally:
@@ -120,7 +127,9 @@ def main() -> None:
         from bench import backend_bench_cuda
 
         sys.exit(backend_bench_cuda.main())
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -140,8 +149,10 @@ def main() -> None:
         med = max(r["median"] for r in run("reconfigure", world, args.iters, sizes))
         print(f"reconfigure latency, world {world}: median {med * 1e3:.2f} ms")
     ab = run("abort", 2, max(5, args.iters // 3), sizes)[0]
-    print(f"abort() to every pending Work failed (4 pending ops on 2 lanes): "
-          f"median {ab['median'] * 1e3:.2f} ms, max {ab['max'] * 1e3:.2f} ms")
+    print(
+        f"abort() to every pending Work failed (4 pending ops on 2 lanes): "
+        f"median {ab['median'] * 1e3:.2f} ms, max {ab['max'] * 1e3:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,13 @@ def main() -> int:
         return 1
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = store.port
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "nccl": list(ft._C.nccl_version()), "launch": {}, "reconfigure": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "nccl": list(ft._C.nccl_version()),
+        "launch": {},
+        "reconfigure": {},
+    }
 
     pg = ft.ProcessGroupNCCL(timeout=timedelta(seconds=30))
     pg.configure(f"127.0.0.1:{port}/bench-0", "bench", 0, 1)
@@ -100,8 +105,10 @@ def main() -> int:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
         results["reconfigure"][case] = {
-            key: {"median": sorted(s[key] for s in steps)[len(steps) // 2],
-                  "max": max(s[key] for s in steps)}
+            key: {
+                "median": sorted(s[key] for s in steps)[len(steps) // 2],
+                "max": max(s[key] for s in steps),
+            }
             for key in ("abort_ms", "gloo_ms", "nccl_ms", "total_ms")
         }
         t0 = time.perf_counter()
@@ -109,15 +116,19 @@ def main() -> int:
             time.sleep(0.01)
         results["reconfigure"][case]["reaper_drain_s"] = time.perf_counter() - t0
 
-    print(f"{'size':>6} {'ft issue us':>12} {'torch issue us':>15} {'ratio':>6} "
-          f"{'ft e2e us':>10} {'torch e2e us':>13} {'ratio':>6}")
+    print(
+        f"{'size':>6} {'ft issue us':>12} {'torch issue us':>15} {'ratio':>6} "
+        f"{'ft e2e us':>10} {'torch e2e us':>13} {'ratio':>6}"
+    )
     for name, r in results["launch"].items():
         ft_r, th = r["ft"], r["torch_nccl"]
         r["issue_ratio"] = ft_r["issue_us_median"] / th["issue_us_median"]
         r["end_to_end_ratio"] = ft_r["end_to_end_us_per_op"] / th["end_to_end_us_per_op"]
-        print(f"{name:>6} {ft_r['issue_us_median']:12.1f} {th['issue_us_median']:15.1f} "
-              f"{r['issue_ratio']:6.2f} {ft_r['end_to_end_us_per_op']:10.1f} "
-              f"{th['end_to_end_us_per_op']:13.1f} {r['end_to_end_ratio']:6.2f}")
+        print(
+            f"{name:>6} {ft_r['issue_us_median']:12.1f} {th['issue_us_median']:15.1f} "
+            f"{r['issue_ratio']:6.2f} {ft_r['end_to_end_us_per_op']:10.1f} "
+            f"{th['end_to_end_us_per_op']:13.1f} {r['end_to_end_ratio']:6.2f}"
+        )
     print("reconfigure (ms):", json.dumps(results["reconfigure"]))
     if args.json:
         with open(args.json, "w") as f:

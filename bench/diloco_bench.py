@@ -95,23 +95,36 @@ class SlowLinkManager(ft.Manager):
             return _DoneWork()
         if not self.delay:
             return super().allreduce(t, should_quantize=should_quantize, reduce_op=reduce_op)
-        return _DelayedWork(super().allreduce(t, should_quantize=should_quantize,
-                                              reduce_op=reduce_op), self.delay)
+        return _DelayedWork(
+            super().allreduce(t, should_quantize=should_quantize, reduce_op=reduce_op), self.delay
+        )
 
 
-def make_manager(rank: int, args, run: str, delay: float = 0.0,
-                 no_comm: bool = False) -> SlowLinkManager:
+def make_manager(
+    rank: int, args, run: str, delay: float = 0.0, no_comm: bool = False
+) -> SlowLinkManager:
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=60), num_lanes=2)
     m = SlowLinkManager(
-        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2,
-        use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=2,
+        use_async_quorum=False,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=0,
         # make_model() seeds identically on both replicas: no step-0 heal needed (a no_comm
         # run has no collective that would hold the source until the receiver has fetched).
         init_sync=False,
-        lighthouse_addr=args.lighthouse, replica_id=f"{run}-r{rank}", hostname="127.0.0.1",
-        timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=60),
+        lighthouse_addr=args.lighthouse,
+        replica_id=f"{run}-r{rank}",
+        hostname="127.0.0.1",
+        timeout=timedelta(seconds=60),
+        quorum_timeout=timedelta(seconds=60),
         checkpoint_transport=ft.checkpointing.HTTPTransport(
-            timeout=timedelta(seconds=60), num_chunks=2, advertise_host="127.0.0.1"),
+            timeout=timedelta(seconds=60), num_chunks=2, advertise_host="127.0.0.1"
+        ),
     )
     m.delay, m.no_comm = delay, no_comm
     return m
@@ -128,7 +141,7 @@ def make_model(width: int, depth: int) -> nn.Sequential:
 def fragments_of(model: nn.Sequential, n: int):
     mods = list(model)
     k = len(mods) // n
-    return [nn.Sequential(*mods[i * k:(i + 1) * k if i < n - 1 else len(mods)]) for i in range(n)]
+    return [nn.Sequential(*mods[i * k : (i + 1) * k if i < n - 1 else len(mods)]) for i in range(n)]
 
 
 def inner_step(model, opt, x):
@@ -153,9 +166,16 @@ def train_diloco(rank, args, *, n_frag, tau, delay=0.0, no_comm=False, quant=Fal
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
     try:
-        with DiLoCo(mgr, fragments_of(model, n_frag), inner, outer, sync_every=args.sync_every,
-                    fragment_sync_delay=tau, should_quantize=quant,
-                    use_bucketization=args.bucketize) as diloco:
+        with DiLoCo(
+            mgr,
+            fragments_of(model, n_frag),
+            inner,
+            outer,
+            sync_every=args.sync_every,
+            fragment_sync_delay=tau,
+            should_quantize=quant,
+            use_bucketization=args.bucketize,
+        ) as diloco:
             for _ in range(args.sync_every):  # warm up (first quorum, heal, lanes, threads)
                 inner_step(model, inner, x)
             b0, t0, w0 = wchar(), time.perf_counter(), diloco.comm_wait_seconds
@@ -203,27 +223,34 @@ def worker(rank: int, args) -> dict:
     if args.what in ("all", "overlap"):
         steps = args.overlap_steps
         # Calibrate on the median of a few no-communication runs (the first is slow).
-        base0 = sorted(train_diloco(rank, args, n_frag=2, tau=1, no_comm=True, steps=steps)[0]
-                       for _ in range(3))[1]
+        base0 = sorted(
+            train_diloco(rank, args, n_frag=2, tau=1, no_comm=True, steps=steps)[0]
+            for _ in range(3)
+        )[1]
         # Injected delay per fragment allreduce, on top of the real Gloo op.
         D = args.delay_factor * base0
         runs = {"nocomm": [], "tau1": [], "tau0": []}
         waits = {"tau1": [], "tau0": []}
         for _ in range(args.repeats):  # interleaved, medians: the host is shared
-            runs["nocomm"].append(train_diloco(rank, args, n_frag=2, tau=1, no_comm=True,
-                                               steps=steps)[0])
+            runs["nocomm"].append(
+                train_diloco(rank, args, n_frag=2, tau=1, no_comm=True, steps=steps)[0]
+            )
             for tau in (1, 0):
                 dt, _, waited = train_diloco(rank, args, n_frag=2, tau=tau, delay=D, steps=steps)
                 runs[f"tau{tau}"].append(dt)
                 waits[f"tau{tau}"].append(waited)
-        med = {k: sorted(v)[len(v) // 2] for k, v in {**runs, **{f"wait_{k}": v for k, v in
-                                                                   waits.items()}}.items()}
+        med = {
+            k: sorted(v)[len(v) // 2]
+            for k, v in {**runs, **{f"wait_{k}": v for k, v in waits.items()}}.items()
+        }
         base, t1, t0 = med["nocomm"], med["tau1"], med["tau0"]
         w1, w0 = med["wait_tau1"], med["wait_tau0"]
         injected_per_step = D * 2 / H  # 2 fragment syncs per sync_every inner steps
         out["overlap"] = dict(
-            inner_step_nocomm_ms=base * 1e3, inner_step_tau1_ms=t1 * 1e3,
-            inner_step_tau0_ms=t0 * 1e3, injected_delay_per_sync_ms=D * 1e3,
+            inner_step_nocomm_ms=base * 1e3,
+            inner_step_tau1_ms=t1 * 1e3,
+            inner_step_tau0_ms=t0 * 1e3,
+            injected_delay_per_sync_ms=D * 1e3,
             injected_per_inner_step_ms=injected_per_step * 1e3,
             # Direct: time blocked on fragment allreduces at sync points, per inner step. With
             # tau = 0 all of the communication (real op + injected delay) is waited for.
@@ -260,11 +287,19 @@ def main() -> None:
     p.add_argument("--overlap_steps", type=int, default=32)
     p.add_argument("--outer_steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--delay_factor", type=float, default=0.5,
-                   help="injected delay per fragment allreduce, in inner-step times (tau=1 can "
-                        "hide at most one inner step of real op + delay)")
-    p.add_argument("--bucketize", type=int, default=1,
-                   help="DiLoCo use_bucketization (1: one flat allreduce per fragment)")
+    p.add_argument(
+        "--delay_factor",
+        type=float,
+        default=0.5,
+        help="injected delay per fragment allreduce, in inner-step times (tau=1 can "
+        "hide at most one inner step of real op + delay)",
+    )
+    p.add_argument(
+        "--bucketize",
+        type=int,
+        default=1,
+        help="DiLoCo use_bucketization (1: one flat allreduce per fragment)",
+    )
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--lighthouse", default=None)
     p.add_argument("--json", default=None)
@@ -284,14 +319,29 @@ def main() -> None:
     # Every run leaves two replicas behind whose heartbeats expire: not worth a warning here.
     logging.getLogger("ft").setLevel(logging.ERROR)
     # A short join timeout: each run's new replicas need not wait for the previous run's.
-    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=200,
-                          quorum_tick_ms=20, heartbeat_timeout_ms=2000, http_bind="")
+    lh = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=2,
+        join_timeout_ms=200,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=2000,
+        http_bind="",
+    )
 
     tmp = tempfile.mkdtemp(prefix="diloco-bench-")
     procs = []
     for r in range(2):
-        cmd = [sys.executable, "-m", "bench.diloco_bench", "--rank", str(r), "--lighthouse", lh.address(),
-               "--json", os.path.join(tmp, f"{r}.json")] + sys.argv[1:]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.diloco_bench",
+            "--rank",
+            str(r),
+            "--lighthouse",
+            lh.address(),
+            "--json",
+            os.path.join(tmp, f"{r}.json"),
+        ] + sys.argv[1:]
         procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     try:
         codes = [pr.wait(timeout=900) for pr in procs]
@@ -305,8 +355,10 @@ def main() -> None:
         sys.exit(f"bench workers failed: {codes}")
     with open(os.path.join(tmp, "0.json")) as f:
         res = json.load(f)
-    print(f"model: {res['params']:,} fp32 parameters; 2 replicas on loopback (lighthouse + "
-          f"ft.Manager + ft.ProcessGroupGloo, 2 lanes); sync_every={args.sync_every}")
+    print(
+        f"model: {res['params']:,} fp32 parameters; 2 replicas on loopback (lighthouse + "
+        f"ft.Manager + ft.ProcessGroupGloo, 2 lanes); sync_every={args.sync_every}"
+    )
     if "overlap" in res:
         o = res["overlap"]
         print("\noverlap (rank 0):")

@@ -86,9 +86,13 @@ def child(args: argparse.Namespace) -> None:
     out: Dict[str, Any] = {"t_exec": t_exec, "steps": []}
 
     if args.mode == "plain":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                rank=args.group, world_size=args.groups,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{args.port}",
+            rank=args.group,
+            world_size=args.groups,
+            timeout=timedelta(seconds=60),
+        )
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt: Any = opt_inner
         step_fn = None
@@ -97,15 +101,25 @@ def child(args: argparse.Namespace) -> None:
 
         pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout))
         manager = ft.Manager(
-            pg=pg, min_replica_size=1,
-            load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
-                                        opt_inner.load_state_dict(sd["optim"])),
+            pg=pg,
+            min_replica_size=1,
+            load_state_dict=lambda sd: (
+                model.load_state_dict(sd["model"]),
+                opt_inner.load_state_dict(sd["optim"]),
+            ),
             state_dict=lambda: {"model": model.state_dict(), "optim": opt_inner.state_dict()},
-            use_async_quorum=not args.sync, rank=0, world_size=1, store_addr="127.0.0.1",
-            store_port=args.port, lighthouse_addr=args.lighthouse, replica_id=f"g{args.group}",
-            hostname="127.0.0.1", timeout=timedelta(seconds=args.pg_timeout),
+            use_async_quorum=not args.sync,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=args.port,
+            lighthouse_addr=args.lighthouse,
+            replica_id=f"g{args.group}",
+            hostname="127.0.0.1",
+            timeout=timedelta(seconds=args.pg_timeout),
             checkpoint_transport=ft.checkpointing.HTTPTransport(
-                timeout=timedelta(seconds=30), num_chunks=4, advertise_host="127.0.0.1"),
+                timeout=timedelta(seconds=30), num_chunks=4, advertise_host="127.0.0.1"
+            ),
         )
         out["t_ready"] = time.time()
         ddp = ft.DistributedDataParallel(manager, model)
@@ -123,10 +137,15 @@ def child(args: argparse.Namespace) -> None:
         tb = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
-        out["steps"].append({"dt": t1 - t0, "wall": time.time(),
-                             "phases": [ta - t0, tb - ta, t1 - tb],
-                             "cpu": time.process_time() - c0,
-                             "step": step_fn() if step_fn else i})
+        out["steps"].append(
+            {
+                "dt": t1 - t0,
+                "wall": time.time(),
+                "phases": [ta - t0, tb - ta, t1 - tb],
+                "cpu": time.process_time() - c0,
+                "step": step_fn() if step_fn else i,
+            }
+        )
         if args.progress:
             with open(args.progress, "w") as f:
                 f.write(str(step_fn() if step_fn else i))
@@ -139,26 +158,64 @@ def child(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ parent
 
 
-def child_argv(args: argparse.Namespace, tmp: str, group: int, mode: str, port: int,
-               steps: int, name: str, lighthouse: str = "", extra: List[str] = ()) -> List[str]:
+def child_argv(
+    args: argparse.Namespace,
+    tmp: str,
+    group: int,
+    mode: str,
+    port: int,
+    steps: int,
+    name: str,
+    lighthouse: str = "",
+    extra: List[str] = (),
+) -> List[str]:
     """A child's command line after the interpreter (``-m bench.manager_bench ...``)."""
-    return ["-m", "bench.manager_bench", "--child", "--mode", mode,
-            "--group", str(group), "--groups", str(args.groups), "--port", str(port),
-            "--steps", str(steps), "--lighthouse", lighthouse,
-            "--out", os.path.join(tmp, f"{name}.json"),
-            "--progress", os.path.join(tmp, f"{name}.progress"),
-            "--stop-file", os.path.join(tmp, "stop"), *extra]
+    return [
+        "-m",
+        "bench.manager_bench",
+        "--child",
+        "--mode",
+        mode,
+        "--group",
+        str(group),
+        "--groups",
+        str(args.groups),
+        "--port",
+        str(port),
+        "--steps",
+        str(steps),
+        "--lighthouse",
+        lighthouse,
+        "--out",
+        os.path.join(tmp, f"{name}.json"),
+        "--progress",
+        os.path.join(tmp, f"{name}.progress"),
+        "--stop-file",
+        os.path.join(tmp, "stop"),
+        *extra,
+    ]
 
 
 def child_env() -> Dict[str, str]:
-    return dict(os.environ, BENCH_T_EXEC=repr(time.time()), PYTHONPATH=ROOT,
-                FT_ADVERTISE_HOST="127.0.0.1")
+    return dict(
+        os.environ, BENCH_T_EXEC=repr(time.time()), PYTHONPATH=ROOT, FT_ADVERTISE_HOST="127.0.0.1"
+    )
 
 
-def spawn(args: argparse.Namespace, tmp: str, group: int, mode: str, port: int, steps: int,
-          name: str, lighthouse: str = "", extra: List[str] = ()) -> subprocess.Popen:
-    cmd = [sys.executable] + child_argv(args, tmp, group, mode, port, steps, name, lighthouse,
-                                        extra)
+def spawn(
+    args: argparse.Namespace,
+    tmp: str,
+    group: int,
+    mode: str,
+    port: int,
+    steps: int,
+    name: str,
+    lighthouse: str = "",
+    extra: List[str] = (),
+) -> subprocess.Popen:
+    cmd = [sys.executable] + child_argv(
+        args, tmp, group, mode, port, steps, name, lighthouse, extra
+    )
     log = open(os.path.join(tmp, f"{name}.log"), "w")
     return subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
 
@@ -167,9 +224,14 @@ def start_standby() -> subprocess.Popen:
     """A warm standby as ft-launch keeps one (ft/launch/standby.py); returns once it is ready."""
     from ft.launch import standby
 
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "ft.launch.standby"],
-                            env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "ft.launch.standby"],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     if line != standby.READY:
@@ -265,17 +327,26 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
     cpu: Dict[str, List[float]] = {}
     for trial in range(args.trials):
         port = free_port()
-        procs = [spawn(args, tmp, g, "plain", port, args.steps, f"plain{trial}-{g}")
-                 for g in range(args.groups)]
+        procs = [
+            spawn(args, tmp, g, "plain", port, args.steps, f"plain{trial}-{g}")
+            for g in range(args.groups)
+        ]
         try:
             wait_all(procs, 300)
         finally:
             reap(procs)
-        lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=args.groups, http_bind="",
-                              join_timeout_ms=5000, quorum_tick_ms=100,
-                              heartbeat_timeout_ms=args.hb_ms)
-        procs = [spawn(args, tmp, g, "ft", free_port(), args.steps, f"ft{trial}-{g}",
-                       lh.address()) for g in range(args.groups)]
+        lh = LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=args.groups,
+            http_bind="",
+            join_timeout_ms=5000,
+            quorum_tick_ms=100,
+            heartbeat_timeout_ms=args.hb_ms,
+        )
+        procs = [
+            spawn(args, tmp, g, "ft", free_port(), args.steps, f"ft{trial}-{g}", lh.address())
+            for g in range(args.groups)
+        ]
         try:
             wait_all(procs, 300)
         finally:
@@ -287,20 +358,30 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
             phases[mode] = median_phases(tmp, names, args.warmup)
             cpu.setdefault(mode, []).append(median_cpu(tmp, names, args.warmup))
     plain, ftm = statistics.median(res["plain"]), statistics.median(res["ft"])
-    print(f"per-step time, {args.groups} groups x 1 rank, 4.2M-param MLP (16 MiB), "
-          f"{args.steps} steps ({args.warmup} warm-up), {args.trials} trial(s), alternating")
-    print(f"  plain torch Gloo DDP : {plain * 1000:8.2f} ms   (trials: "
-          f"{', '.join(f'{v * 1000:.1f}' for v in res['plain'])})")
-    print(f"  ft Manager + ft DDP  : {ftm * 1000:8.2f} ms   (trials: "
-          f"{', '.join(f'{v * 1000:.1f}' for v in res['ft'])})")
+    print(
+        f"per-step time, {args.groups} groups x 1 rank, 4.2M-param MLP (16 MiB), "
+        f"{args.steps} steps ({args.warmup} warm-up), {args.trials} trial(s), alternating"
+    )
+    print(
+        f"  plain torch Gloo DDP : {plain * 1000:8.2f} ms   (trials: "
+        f"{', '.join(f'{v * 1000:.1f}' for v in res['plain'])})"
+    )
+    print(
+        f"  ft Manager + ft DDP  : {ftm * 1000:8.2f} ms   (trials: "
+        f"{', '.join(f'{v * 1000:.1f}' for v in res['ft'])})"
+    )
     print(f"  ratio ft / plain     : {ftm / plain:8.3f}x")
     pc, fc = statistics.median(cpu["plain"]), statistics.median(cpu["ft"])
-    print(f"  CPU per step, per training process: plain {pc * 1000:.2f} ms, ft {fc * 1000:.2f} ms"
-          f" ({fc / pc:.3f}x; the lighthouse's CPU is not included)")
+    print(
+        f"  CPU per step, per training process: plain {pc * 1000:.2f} ms, ft {fc * 1000:.2f} ms"
+        f" ({fc / pc:.3f}x; the lighthouse's CPU is not included)"
+    )
     for mode in ("plain", "ft"):
         z, fb, st = (v * 1000 for v in phases[mode])
-        print(f"  {mode:>5} phases (last trial, medians): zero_grad {z:.2f} ms, "
-              f"forward+backward {fb:.2f} ms, step {st:.2f} ms")
+        print(
+            f"  {mode:>5} phases (last trial, medians): zero_grad {z:.2f} ms, "
+            f"forward+backward {fb:.2f} ms, step {st:.2f} ms"
+        )
 
 
 def bench_failures(args: argparse.Namespace, tmp: str) -> None:
@@ -308,12 +389,30 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
 
     from ft.coordination import LighthouseServer
 
-    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_bind="",
-                          join_timeout_ms=1000, quorum_tick_ms=100, heartbeat_timeout_ms=args.hb_ms)
+    lh = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        http_bind="",
+        join_timeout_ms=1000,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=args.hb_ms,
+    )
     long_steps = 100000
     names = [f"f-{g}" for g in range(args.groups)]
-    procs = [spawn(args, tmp, g, "ft", free_port(), long_steps, names[g], lh.address(),
-                   extra=["--pg-timeout", "60"]) for g in range(args.groups)]
+    procs = [
+        spawn(
+            args,
+            tmp,
+            g,
+            "ft",
+            free_port(),
+            long_steps,
+            names[g],
+            lh.address(),
+            extra=["--pg-timeout", "60"],
+        )
+        for g in range(args.groups)
+    ]
     try:
         wait_until(lambda: min(progress(tmp, n) for n in names) >= 5, 300, "warm-up")
         # --- kill -9, then restart (recovery latency)
@@ -324,8 +423,19 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         s = progress(tmp, names[0])
         wait_until(lambda: progress(tmp, names[0]) >= s + 5, 120, "survivors after kill")
         restarted = "f-restart"
-        procs.append(spawn(args, tmp, victim, "ft", free_port(), long_steps, restarted,
-                           lh.address(), extra=["--pg-timeout", "60"]))
+        procs.append(
+            spawn(
+                args,
+                tmp,
+                victim,
+                "ft",
+                free_port(),
+                long_steps,
+                restarted,
+                lh.address(),
+                extra=["--pg-timeout", "60"],
+            )
+        )
         wait_until(lambda: progress(tmp, restarted) >= 3, 300, "restarted group")
         # --- the same kill and restart, the new group being a warm standby (as ft-launch does)
         standby_proc = start_standby()
@@ -338,10 +448,21 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         s = progress(tmp, names[0])
         wait_until(lambda: progress(tmp, names[0]) >= s + 5, 120, "survivors after kill")
         warm = "f-warm-restart"
-        activate_standby(standby_proc, child_argv(args, tmp, victim, "ft", free_port(),
-                                                  long_steps, warm, lh.address(),
-                                                  extra=["--pg-timeout", "60"]),
-                         os.path.join(tmp, f"{warm}.log"))
+        activate_standby(
+            standby_proc,
+            child_argv(
+                args,
+                tmp,
+                victim,
+                "ft",
+                free_port(),
+                long_steps,
+                warm,
+                lh.address(),
+                extra=["--pg-timeout", "60"],
+            ),
+            os.path.join(tmp, f"{warm}.log"),
+        )
         wait_until(lambda: progress(tmp, warm) >= 3, 300, "group restarted from a standby")
         # --- SIGSTOP
         s = progress(tmp, names[0])
@@ -349,7 +470,7 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         os.kill(procs[-1].pid, signal.SIGSTOP)
         wait_until(lambda: progress(tmp, names[0]) >= s + 5, 120, "survivors after stop")
         open(os.path.join(tmp, "stop"), "w").close()
-        wait_all(procs[: victim], 120)
+        wait_all(procs[:victim], 120)
     finally:
         reap(procs)
         lh.shutdown()
@@ -368,7 +489,7 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
             gaps.append(max(b - a for a, b in zip(seq, seq[1:])))
         return max(gaps)
 
-    normal = statistics.median(s["dt"] for s in survivors[0]["steps"][args.warmup:])
+    normal = statistics.median(s["dt"] for s in survivors[0]["steps"][args.warmup :])
     stall_kill = longest_gap(t_kill, t_kill2)  # the kill, the cold restart and its heal
     stall_kill2 = longest_gap(t_kill2, t_stop)  # the kill, the warm restart and its heal
     stall_stop = longest_gap(t_stop, float("inf"))
@@ -376,9 +497,13 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
     # recovery breakdown from the restarted process's Manager log records (its stdout is gone,
     # so re-run a short restart measurement from the events captured before SIGSTOP is not
     # possible; the restarted child's json is written only at exit) -> use the log file.
-    recs = [("cold restart: a new process", parse_recovery(os.path.join(tmp, f"{restarted}.log"))),
-            ("warm restart: a standby that had imported torch and ft (ft-launch's default)",
-             parse_recovery(os.path.join(tmp, f"{warm}.log")))]
+    recs = [
+        ("cold restart: a new process", parse_recovery(os.path.join(tmp, f"{restarted}.log"))),
+        (
+            "warm restart: a standby that had imported torch and ft (ft-launch's default)",
+            parse_recovery(os.path.join(tmp, f"{warm}.log")),
+        ),
+    ]
 
     n = 2 * 4200000 * 4
     src = torch.empty(n // 4)
@@ -387,24 +512,38 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         src.clone()
     copy = (time.perf_counter() - t0) / 5
 
-    print(f"failures, {args.groups} groups, heartbeat_timeout {args.hb_ms} ms, pg timeout 60 s; "
-          f"normal step {normal * 1000:.1f} ms")
-    print(f"  survivors' longest stall, kill -9 : {stall_kill * 1000:8.1f} ms (cold restart), "
-          f"{stall_kill2 * 1000:.1f} ms (warm restart)")
-    print(f"  survivors' longest stall, SIGSTOP : {stall_stop * 1000:8.1f} ms   "
-          f"(bound: heartbeat timeout + one step = {args.hb_ms + normal * 1000:.0f} ms)")
+    print(
+        f"failures, {args.groups} groups, heartbeat_timeout {args.hb_ms} ms, pg timeout 60 s; "
+        f"normal step {normal * 1000:.1f} ms"
+    )
+    print(
+        f"  survivors' longest stall, kill -9 : {stall_kill * 1000:8.1f} ms (cold restart), "
+        f"{stall_kill2 * 1000:.1f} ms (warm restart)"
+    )
+    print(
+        f"  survivors' longest stall, SIGSTOP : {stall_stop * 1000:8.1f} ms   "
+        f"(bound: heartbeat timeout + one step = {args.hb_ms + normal * 1000:.0f} ms)"
+    )
     for title, rec in recs:
         if not rec:
             print(f"  {title}: no recovery records found")
             continue
         total = rec["commit"] - rec["exec"]
-        print(f"  recovery of the restarted group (state: 16 MiB params + 16 MiB momentum), {title}:")
-        print(f"    process start (exec or activation -> Manager ready) : {(rec['ready'] - rec['exec']) * 1000:8.1f} ms")
-        print(f"    quorum (start_quorum -> configured)   : {(rec['configured'] - rec['ready']) * 1000:8.1f} ms")
+        print(
+            f"  recovery of the restarted group (state: 16 MiB params + 16 MiB momentum), {title}:"
+        )
+        print(
+            f"    process start (exec or activation -> Manager ready) : {(rec['ready'] - rec['exec']) * 1000:8.1f} ms"
+        )
+        print(
+            f"    quorum (start_quorum -> configured)   : {(rec['configured'] - rec['ready']) * 1000:8.1f} ms"
+        )
         print(f"    transfer (fetch checkpoint)           : {rec['transfer_ms']:8.1f} ms")
         if "metadata_ms" in rec:
             print(f"      of which the source's metadata RPC  : {rec['metadata_ms']:8.1f} ms")
-        print(f"    load (apply state)                    : {(rec['applied'] - rec['received']) * 1000:8.1f} ms")
+        print(
+            f"    load (apply state)                    : {(rec['applied'] - rec['received']) * 1000:8.1f} ms"
+        )
         print(f"    start -> first committed step         : {total * 1000:8.1f} ms")
         print(f"    local memory copy of the same 32 MiB  : {copy * 1000:8.1f} ms")
 
@@ -419,7 +558,7 @@ def parse_recovery(path: str) -> Dict[str, float]:
     for line in lines:
         if not line.startswith("BENCHEV "):
             continue
-        ev = json.loads(line[len("BENCHEV "):])
+        ev = json.loads(line[len("BENCHEV ") :])
         e, t = ev["event"], ev["t"]
         if e == "exec":
             out["exec"] = t
@@ -459,15 +598,23 @@ def main() -> None:
     p.add_argument("--only", choices=["overhead", "failures"], default=None)
     args = p.parse_args()
     if args.child:
-        print("BENCHEV " + json.dumps({"event": "exec", "t": float(os.environ["BENCH_T_EXEC"]),
-                                       "msg": ""}), flush=True)
+        print(
+            "BENCHEV "
+            + json.dumps({"event": "exec", "t": float(os.environ["BENCH_T_EXEC"]), "msg": ""}),
+            flush=True,
+        )
 
         class Echo(logging.Handler):
             def emit(self, record: logging.LogRecord) -> None:
                 f = getattr(record, "ft", None)
                 if f is not None:
-                    print("BENCHEV " + json.dumps({"event": f["event"], "t": record.created,
-                                                   "msg": record.getMessage()}), flush=True)
+                    print(
+                        "BENCHEV "
+                        + json.dumps(
+                            {"event": f["event"], "t": record.created, "msg": record.getMessage()}
+                        ),
+                        flush=True,
+                    )
 
         logging.getLogger("ft.manager").addHandler(Echo())
         child(args)

@@ -49,9 +49,17 @@ def run(transport: str, lighthouse_addr: str, rounds: int) -> tuple:
     from ft.coordination import ManagerServer
     from ft.coordination.manager_server import LocalManagerClient
 
-    server = ManagerServer(f"bench-{transport}", lighthouse_addr, "127.0.0.1", "127.0.0.1:0",
-                           "store", 2, timedelta(milliseconds=100), timedelta(seconds=10),
-                           transport=transport)
+    server = ManagerServer(
+        f"bench-{transport}",
+        lighthouse_addr,
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "store",
+        2,
+        timedelta(milliseconds=100),
+        timedelta(seconds=10),
+        transport=transport,
+    )
     local = LocalManagerClient(server)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
@@ -86,8 +94,9 @@ def server_transport(server) -> str:  # type: ignore[no-untyped-def]
 def lighthouse(addr_out, stop) -> None:  # type: ignore[no-untyped-def]
     from ft.coordination import LighthouseServer
 
-    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100, quorum_tick_ms=10,
-                          heartbeat_timeout_ms=5000)
+    lh = LighthouseServer(
+        "127.0.0.1:0", 1, join_timeout_ms=100, quorum_tick_ms=10, heartbeat_timeout_ms=5000
+    )
     addr_out.put(lh.address())
     stop.wait(600)
     lh.shutdown(0.1)
@@ -113,16 +122,20 @@ def main() -> None:
         lh.join(10)
         if lh.is_alive():
             lh.kill()
-    print(f"ManagerServer, group of 2 ranks, {a.rounds} steps (Quorum + ShouldCommit per step); "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"ManagerServer, group of 2 ranks, {a.rounds} steps (Quorum + ShouldCommit per step); "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'server':8s} {'step round trip (rank 1)':>26s} {'server process CPU/step':>25s}")
     for transport, wall, cpu, actual in rows:
         assert actual == transport, (actual, transport)
         print(f"{transport:8s} {wall * 1e3:23.2f} ms {cpu * 1e3:22.2f} ms")
     nat = [r for r in rows if r[0] == "native"]
     gio = [r for r in rows if r[0] == "grpcio"]
-    print(f"native / grpcio: round trip {statistics.mean(r[1] for r in nat) / statistics.mean(r[1] for r in gio):.2f}x, "
-          f"CPU {statistics.mean(r[2] for r in nat) / statistics.mean(r[2] for r in gio):.2f}x")
+    print(
+        f"native / grpcio: round trip {statistics.mean(r[1] for r in nat) / statistics.mean(r[1] for r in gio):.2f}x, "
+        f"CPU {statistics.mean(r[2] for r in nat) / statistics.mean(r[2] for r in gio):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -83,10 +83,13 @@ def partition_group(seconds: float):
         job.advance(3, timeout=120)
         t1 = time.time()
         first = victim.first_commit_after(t_back, above=0)
-        return {"stall": max(g.longest_stall(t0, t_back) for g in survivors),
-                "restore_to_commit": (first - t_back) if first else None,
-                "lost": max(g.uncommitted(t0, t1) for g in survivors),
-                "rate": survivors[0].goodput(t0, t1)}
+        return {
+            "stall": max(g.longest_stall(t0, t_back) for g in survivors),
+            "restore_to_commit": (first - t_back) if first else None,
+            "lost": max(g.uncommitted(t0, t1) for g in survivors),
+            "rate": survivors[0].goodput(t0, t1),
+        }
+
     return run
 
 
@@ -102,10 +105,13 @@ def lighthouse_outage(seconds: float):
         a = job.groups[0]
         first = a.first_commit_after(t_back, above=a.step() - 3)
         # No goodput here: over a window that is mostly outage it only restates the pause.
-        return {"stall": max(g.longest_stall(t0, t1) for g in job.groups),
-                "restore_to_commit": (first - t_back) if first else None,
-                "lost": max(g.uncommitted(t0, t1) for g in job.groups),
-                "exits": sum(g.proc.poll() is not None for g in job.groups)}
+        return {
+            "stall": max(g.longest_stall(t0, t1) for g in job.groups),
+            "restore_to_commit": (first - t_back) if first else None,
+            "lost": max(g.uncommitted(t0, t1) for g in job.groups),
+            "exits": sum(g.proc.poll() is not None for g in job.groups),
+        }
+
     return run
 
 
@@ -120,10 +126,13 @@ def kill_restart(delay: float):
         job.advance(3, timeout=120)
         t1 = time.time()
         first = victim.first_commit_after(t_start, above=0)
-        return {"stall": max(g.longest_stall(t0, t1) for g in job.groups[:-1]),
-                "restore_to_commit": (first - t_start) if first else None,
-                "lost": max(g.uncommitted(t0, t1) for g in job.groups[:-1]),
-                "rate": job.groups[0].goodput(t0, t1)}
+        return {
+            "stall": max(g.longest_stall(t0, t1) for g in job.groups[:-1]),
+            "restore_to_commit": (first - t_start) if first else None,
+            "lost": max(g.uncommitted(t0, t1) for g in job.groups[:-1]),
+            "rate": job.groups[0].goodput(t0, t1),
+        }
+
     return run
 
 
@@ -136,9 +145,12 @@ def packet_loss(p: float, steps: int = 20):
         job.advance(steps, timeout=300)
         t1 = time.time()
         before, during = step_times(job, t_before, t0), step_times(job, t0, t1)
-        return {"step_ratio": statistics.mean(during) / statistics.mean(before),
-                "median_ratio": statistics.median(during) / statistics.median(before),
-                "rate": job.groups[0].goodput(t0, t1)}
+        return {
+            "step_ratio": statistics.mean(during) / statistics.mean(before),
+            "median_ratio": statistics.median(during) / statistics.median(before),
+            "rate": job.groups[0].goodput(t0, t1),
+        }
+
     return run
 
 
@@ -162,8 +174,11 @@ def soak(seconds: float, every: float = 20.0):
                 faults.append("partition")
         job.advance(3, timeout=180)
         t1 = time.time()
-        return {"faults": f"{faults.count('kill')} kills, {faults.count('partition')} partitions",
-                "rate": job.groups[0].goodput(t0, t1)}
+        return {
+            "faults": f"{faults.count('kill')} kills, {faults.count('partition')} partitions",
+            "rate": job.groups[0].goodput(t0, t1),
+        }
+
     return run
 
 
@@ -180,20 +195,27 @@ def main() -> None:
         ("lighthouse unreachable 10 s (2 groups)", 2, lighthouse_outage(10.0)),
         ("kill -9, restart 5 s later (2 groups)", 2, kill_restart(5.0)),
         ("2 % packet loss on one link (2 groups)", 2, packet_loss(0.02)),
-        (f"soak: kill or partition every 20 s for {args.soak_s:.0f} s (3 groups)", 3,
-         soak(args.soak_s)),
+        (
+            f"soak: kill or partition every 20 s for {args.soak_s:.0f} s (3 groups)",
+            3,
+            soak(args.soak_s),
+        ),
     ]
     for name, groups, fault in scenarios:
         if args.only and args.only not in name:
             continue
         r = scenario(name, groups, fault)
         fields = []
-        for k, fmt in (("stall", "survivors' stall {:.2f} s"),
-                       ("restore_to_commit", "restore -> first commit {:.2f} s"),
-                       ("lost", "steps lost {}"), ("exits", "processes exited {}"),
-                       ("step_ratio", "mean step time x{:.2f}"),
-                       ("median_ratio", "median x{:.2f}"),
-                       ("faults", "{}"), ("goodput", "goodput {:.0%}")):
+        for k, fmt in (
+            ("stall", "survivors' stall {:.2f} s"),
+            ("restore_to_commit", "restore -> first commit {:.2f} s"),
+            ("lost", "steps lost {}"),
+            ("exits", "processes exited {}"),
+            ("step_ratio", "mean step time x{:.2f}"),
+            ("median_ratio", "median x{:.2f}"),
+            ("faults", "{}"),
+            ("goodput", "goodput {:.0%}"),
+        ):
             if r.get(k) is not None:
                 fields.append(fmt.format(r[k]))
         print(f"{name}: " + "; ".join(fields) + "; final state identical", flush=True)

@@ -39,14 +39,38 @@ from ft.coordination import LighthouseClient
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the lighthouse's cwd
 
 
-def start_lighthouse(min_replicas: int, heartbeat_timeout_ms: int, tick_ms: int, join_timeout_ms: int,
-                     transport: str = "auto"):
+def start_lighthouse(
+    min_replicas: int,
+    heartbeat_timeout_ms: int,
+    tick_ms: int,
+    join_timeout_ms: int,
+    transport: str = "auto",
+):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ft.coordination.cli", "--bind", "127.0.0.1:0",
-         "--min_replicas", str(min_replicas), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
-         "--quorum_tick_ms", str(tick_ms), "--join_timeout_ms", str(join_timeout_ms),
-         "--http_bind", "", "--log_level", "ERROR", "--transport", transport],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "ft.coordination.cli",
+            "--bind",
+            "127.0.0.1:0",
+            "--min_replicas",
+            str(min_replicas),
+            "--heartbeat_timeout_ms",
+            str(heartbeat_timeout_ms),
+            "--quorum_tick_ms",
+            str(tick_ms),
+            "--join_timeout_ms",
+            str(join_timeout_ms),
+            "--http_bind",
+            "",
+            "--log_level",
+            "ERROR",
+            "--transport",
+            transport,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     line = proc.stdout.readline()
     if not line.startswith("ft-lighthouse ready"):
@@ -90,8 +114,9 @@ def timed_rounds(n: int, rounds: int, ask) -> list:
     return [max(ends[r]) - starts[r] for r in range(rounds)]
 
 
-def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results,
-            server_pid: int) -> None:
+def _caller(
+    i: int, n: int, addr: str, kind: str, rounds: int, barrier, results, server_pid: int
+) -> None:
     """One simulated replica group, in its own process (as in a real job).
 
     kind "heartbeat": a trivial RPC (the floor); "lighthouse": LighthouseClient.quorum;
@@ -105,8 +130,16 @@ def _caller(i: int, n: int, addr: str, kind: str, rounds: int, barrier, results,
     server = None
     try:
         if kind == "full":
-            server = ManagerServer(rid, addr, "127.0.0.1", "127.0.0.1:0", f"store{i}", 1,
-                                   timedelta(milliseconds=100), timedelta(seconds=10))
+            server = ManagerServer(
+                rid,
+                addr,
+                "127.0.0.1",
+                "127.0.0.1:0",
+                f"store{i}",
+                1,
+                timedelta(milliseconds=100),
+                timedelta(seconds=10),
+            )
             client = LocalManagerClient(server)
             ask = lambda: client._quorum(0, 1, "", False, timedelta(seconds=30))  # noqa: E731
         else:
@@ -155,8 +188,9 @@ def process_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str, server_pid: int,
-                    cpu: dict = None) -> list:
+def timed_rounds_mp(
+    n: int, rounds: int, addr: str, kind: str, server_pid: int, cpu: dict = None
+) -> list:
     """Each round: n processes ask at once; returns each round's first-ask -> last-answer.
 
     ``cpu``, when given, receives CPU ms per round: ``client_ms`` (the callers', summed over
@@ -164,8 +198,14 @@ def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str, server_pid: int,
     """
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_caller, args=(i, n, addr, kind, rounds, barrier, results, server_pid),
-                         daemon=True) for i in range(n)]
+    procs = [
+        ctx.Process(
+            target=_caller,
+            args=(i, n, addr, kind, rounds, barrier, results, server_pid),
+            daemon=True,
+        )
+        for i in range(n)
+    ]
     for p in procs:
         p.start()
     try:
@@ -184,8 +224,10 @@ def timed_rounds_mp(n: int, rounds: int, addr: str, kind: str, server_pid: int,
     if cpu is not None:
         cpu["client_ms"] = sum(client_cpu.values()) * 1000
         cpu["server_ms"] = server_cpu[0] * 1000
-    return [max(per_group[g][r][1] for g in per_group) - min(per_group[g][r][0] for g in per_group)
-            for r in range(rounds)]
+    return [
+        max(per_group[g][r][1] for g in per_group) - min(per_group[g][r][0] for g in per_group)
+        for r in range(rounds)
+    ]
 
 
 def bench_rounds(n: int, rounds: int, transport: str) -> dict:
@@ -256,8 +298,11 @@ def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int, transport:
             t_dead = last_hb[victim]
             survivors = ids[:-1]
             q_end = []
-            timed_rounds(len(survivors), 1,
-                         lambda i: (lh.quorum(survivors[i], timeout=30), q_end.append(time.perf_counter())))
+            timed_rounds(
+                len(survivors),
+                1,
+                lambda i: (lh.quorum(survivors[i], timeout=30), q_end.append(time.perf_counter())),
+            )
             got.wait(30)
             sub.close()
             for rid in survivors:
@@ -286,8 +331,13 @@ def main() -> None:
     p.add_argument("--heartbeat_timeout_ms", type=int, default=1000)
     p.add_argument("--tick_ms", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="fewer rounds and trials")
-    p.add_argument("--transports", nargs="+", default=None, choices=["native", "grpcio"],
-                   help="lighthouse gRPC servers to measure (default: native when built, and grpcio)")
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=None,
+        choices=["native", "grpcio"],
+        help="lighthouse gRPC servers to measure (default: native when built, and grpcio)",
+    )
     a = p.parse_args()
     if a.quick:
         a.rounds, a.trials = 10, 1
@@ -295,27 +345,42 @@ def main() -> None:
         from ft.coordination.rpc_server import native_available
 
         a.transports = (["native"] if native_available() else []) + ["grpcio"]
-    print(f"quorum round, unchanged membership ({a.rounds} rounds; the lighthouse and every group "
-          "in its own process)")
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; baseline = the same "
-          "callers doing one trivial RPC (Heartbeat) each")
-    print(f"{'server':>7} {'groups':>6} {'baseline':>10} {'lighthouse':>11} {'p90':>9} {'ratio':>6}"
-          f" {'full stack':>11} {'p90':>9}")
+    print(
+        f"quorum round, unchanged membership ({a.rounds} rounds; the lighthouse and every group "
+        "in its own process)"
+    )
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; baseline = the same "
+        "callers doing one trivial RPC (Heartbeat) each"
+    )
+    print(
+        f"{'server':>7} {'groups':>6} {'baseline':>10} {'lighthouse':>11} {'p90':>9} {'ratio':>6}"
+        f" {'full stack':>11} {'p90':>9}"
+    )
     for n in a.groups:
         for transport in a.transports:
             r = bench_rounds(n, a.rounds, transport)
-            print(f"{transport:>7} {n:>6} {r['floor_median_ms']:>7.2f} ms"
-                  f" {r['lighthouse_median_ms']:>8.2f} ms {r['lighthouse_p90_ms']:>6.2f} ms"
-                  f" {r['lighthouse_median_ms'] / r['floor_median_ms']:>5.2f}x"
-                  f" {r['full_median_ms']:>8.2f} ms {r['full_p90_ms']:>6.2f} ms", flush=True)
+            print(
+                f"{transport:>7} {n:>6} {r['floor_median_ms']:>7.2f} ms"
+                f" {r['lighthouse_median_ms']:>8.2f} ms {r['lighthouse_p90_ms']:>6.2f} ms"
+                f" {r['lighthouse_median_ms'] / r['floor_median_ms']:>5.2f}x"
+                f" {r['full_median_ms']:>8.2f} ms {r['full_p90_ms']:>6.2f} ms",
+                flush=True,
+            )
     d = bench_death(a.heartbeat_timeout_ms, a.tick_ms, a.trials, a.transports[0])
     bound = a.heartbeat_timeout_ms + a.tick_ms
-    print(f"\nmember death (heartbeats stop, {a.transports[0]} server), heartbeat_timeout {a.heartbeat_timeout_ms} ms, tick "
-          f"{a.tick_ms} ms, {a.trials} trials, 4 groups; bound heartbeat_timeout + tick = {bound} ms")
-    print(f"  last heartbeat -> failure notification: median {d['notify_median_ms']:.0f} ms, "
-          f"max {d['notify_max_ms']:.0f} ms")
-    print(f"  last heartbeat -> survivors' next quorum: median {d['quorum_median_ms']:.0f} ms, "
-          f"max {d['quorum_max_ms']:.0f} ms")
+    print(
+        f"\nmember death (heartbeats stop, {a.transports[0]} server), heartbeat_timeout {a.heartbeat_timeout_ms} ms, tick "
+        f"{a.tick_ms} ms, {a.trials} trials, 4 groups; bound heartbeat_timeout + tick = {bound} ms"
+    )
+    print(
+        f"  last heartbeat -> failure notification: median {d['notify_median_ms']:.0f} ms, "
+        f"max {d['notify_max_ms']:.0f} ms"
+    )
+    print(
+        f"  last heartbeat -> survivors' next quorum: median {d['quorum_median_ms']:.0f} ms, "
+        f"max {d['quorum_max_ms']:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -59,14 +59,25 @@ def torchft_python() -> Optional[str]:
         return py
     try:
         subprocess.run([sys.executable, "-m", "venv", VENV], check=True, timeout=120)
-        site = subprocess.run([py, "-c", "import site; print(site.getsitepackages()[0])"],
-                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
-        ours = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
-                              check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+        site = subprocess.run(
+            [py, "-c", "import site; print(site.getsitepackages()[0])"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
+        ours = subprocess.run(
+            [sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
         with open(os.path.join(site, "ft-bench-base.pth"), "w") as f:
             f.write(ours + "\n")  # torch, grpcio, protobuf: this venv's
-        subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", TORCHFT], check=True,
-                       timeout=600)
+        subprocess.run(
+            [py, "-m", "pip", "install", "-q", "--no-deps", TORCHFT], check=True, timeout=600
+        )
     except (OSError, subprocess.SubprocessError) as e:
         print(f"torchft baseline skipped: could not install {TORCHFT} into {VENV}: {e}")
         return None
@@ -103,15 +114,35 @@ class Lighthouse:
     def __init__(self, kind: str, groups: int, secret: bool) -> None:
         self.kind = kind
         port = free_port()
-        flags = ["--min_replicas", str(groups), "--join_timeout_ms", "60000",
-                 "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
+        flags = [
+            "--min_replicas",
+            str(groups),
+            "--join_timeout_ms",
+            "60000",
+            "--quorum_tick_ms",
+            "100",
+            "--heartbeat_timeout_ms",
+            "5000",
+        ]
         env = dict(os.environ)
         env.pop("FT_JOB_SECRET", None)
         if kind == "ft":
             if secret:
                 env["FT_JOB_SECRET"] = SECRET
-            cmd = [sys.executable, "-m", "ft.coordination.cli", "--bind", f"127.0.0.1:{port}",
-                   "--http_bind", "", "--log_level", "ERROR", "--transport", "native", *flags]
+            cmd = [
+                sys.executable,
+                "-m",
+                "ft.coordination.cli",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--http_bind",
+                "",
+                "--log_level",
+                "ERROR",
+                "--transport",
+                "native",
+                *flags,
+            ]
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
             line = self.proc.stdout.readline()
             if not line.startswith("ft-lighthouse ready"):
@@ -124,12 +155,15 @@ class Lighthouse:
             # imports this module (``bench``) through PYTHONPATH=ROOT.
             script = os.path.join(VENV, "serve_torchft_lighthouse.py")
             with open(script, "w") as f:
-                f.write("from bench.quorum_vs_torchft import import_torchft_native\n"
-                        "import_torchft_native().lighthouse_main()\n")
+                f.write(
+                    "from bench.quorum_vs_torchft import import_torchft_native\n"
+                    "import_torchft_native().lighthouse_main()\n"
+                )
             env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
             cmd = [sys.executable, script, "--bind", f"127.0.0.1:{port}", *flags]
-            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             deadline = time.monotonic() + 30
             while True:  # ready once it accepts connections
                 try:
@@ -161,12 +195,16 @@ def make_client(kind: str, address: str, secret: bool):
         from ft.coordination import LighthouseClient
 
         c = LighthouseClient(address, timedelta(seconds=10), secret=SECRET if secret else None)
-        return (lambda rid: c.quorum(rid, timeout=timedelta(seconds=60), step=1),
-                lambda rid: c.heartbeat(rid, timeout=timedelta(seconds=5)))
+        return (
+            lambda rid: c.quorum(rid, timeout=timedelta(seconds=60), step=1),
+            lambda rid: c.heartbeat(rid, timeout=timedelta(seconds=5)),
+        )
     tf = import_torchft_native()
     c = tf.LighthouseClient(address, timedelta(seconds=10))
-    return (lambda rid: c.quorum(rid, timedelta(seconds=60), step=1),
-            lambda rid: c.heartbeat(rid, timedelta(seconds=5)))
+    return (
+        lambda rid: c.quorum(rid, timedelta(seconds=60), step=1),
+        lambda rid: c.heartbeat(rid, timedelta(seconds=5)),
+    )
 
 
 def rounds(n: int, count: int, ask: List[Callable[[], object]]) -> List[float]:
@@ -175,7 +213,9 @@ def rounds(n: int, count: int, ask: List[Callable[[], object]]) -> List[float]:
     return timed_rounds(n, count + 1, lambda i: ask[i]())[1:]
 
 
-def measure_round(client: str, server: str, n: int, count: int, secret: bool) -> Tuple[float, float]:
+def measure_round(
+    client: str, server: str, n: int, count: int, secret: bool
+) -> Tuple[float, float]:
     lh = Lighthouse(server, n, secret and server == "ft")
     try:
         use_secret = secret and server == "ft" and client == "ft"
@@ -228,8 +268,10 @@ def main() -> None:
     have_torchft = import_torchft_native() is not None
     kinds = ["ft", "torchft"] if have_torchft else ["ft"]
     pairs = [(c, s) for s in kinds for c in kinds]
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; ft secret "
-          f"{'on' if a.secret else 'off'}; torchft {'0.2.0' if have_torchft else 'not installed'}")
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; ft secret "
+        f"{'on' if a.secret else 'off'}; torchft {'0.2.0' if have_torchft else 'not installed'}"
+    )
     print(f"steady quorum round, median of {a.rounds} (lighthouse CPU per round in brackets)")
     print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>34}" for c, s in pairs))
     for n in a.groups:
@@ -238,12 +280,17 @@ def main() -> None:
             ms, cpu = measure_round(c, s, n, a.rounds, a.secret)
             cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms CPU]".rjust(34))
         print(f"{n:>6}  " + "  ".join(cells), flush=True)
-    print(f"\nheartbeats, {a.heartbeats} back to back from one client: lighthouse CPU per "
-          "heartbeat, latency, and the lighthouse's cores for 1024 groups at 10 Hz")
+    print(
+        f"\nheartbeats, {a.heartbeats} back to back from one client: lighthouse CPU per "
+        "heartbeat, latency, and the lighthouse's cores for 1024 groups at 10 Hz"
+    )
     for c, s in pairs:
         cpu_us, lat_us = measure_heartbeat(c, s, a.heartbeats, a.secret)
-        print(f"  {c:>7} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency"
-              f" -> {cpu_us * 10240 / 1e6:5.2f} cores at 10,240 heartbeats/s", flush=True)
+        print(
+            f"  {c:>7} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency"
+            f" -> {cpu_us * 10240 / 1e6:5.2f} cores at 10,240 heartbeats/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -92,9 +92,23 @@ def child(mode: str, mb: int, reps: int, port: int) -> None:
 def spawn(mode: str, mb: int, reps: int, port: int = 0) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-m", "bench.transport_bench", "--child", mode, "--mb", str(mb),
-         "--reps", str(reps), "--port", str(port)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "bench.transport_bench",
+            "--child",
+            mode,
+            "--mb",
+            str(mb),
+            "--reps",
+            str(reps),
+            "--port",
+            str(port),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -130,8 +144,9 @@ def same_host_throughput(mb: int, reps: int) -> tuple:
     try:
         url = json.loads(proc.stdout.readline())["url"]  # type: ignore[union-attr]
         with HTTPTransport(TIMEOUT, 1, advertise_host="127.0.0.1") as rx:  # (source prepared)
-            out = paired_times(lambda: rx.recv_checkpoint(0, url, 1, TIMEOUT),
-                               fresh_copier(tensors), reps)
+            out = paired_times(
+                lambda: rx.recv_checkpoint(0, url, 1, TIMEOUT), fresh_copier(tensors), reps
+            )
             assert rx.last_recv_path == "same-host", rx.last_recv_path
         return out
     finally:
@@ -162,8 +177,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mb", type=int, default=16)
     p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--throughput-mb", type=int, default=128,
-                   help="also time the same-host path on a state this large (0: skip)")
+    p.add_argument(
+        "--throughput-mb",
+        type=int,
+        default=128,
+        help="also time the same-host path on a state this large (0: skip)",
+    )
     p.add_argument("--child", default=None)
     p.add_argument("--port", type=int, default=0)
     a = p.parse_args()
@@ -191,7 +210,9 @@ def main() -> None:
     flat = torch.cat(tensors).view(torch.uint8).numpy()
     t_crc = median_time(lambda: zlib.crc32(flat), a.reps)
     rows.append(("zlib.crc32 of the same bytes", t_crc))
-    rows.append(("ft crc32c of the same bytes (used)", median_time(lambda: ser.crc32c(flat), a.reps)))
+    rows.append(
+        ("ft crc32c of the same bytes (used)", median_time(lambda: ser.crc32c(flat), a.reps))
+    )
 
     proc = spawn("tcp", a.mb, a.reps)
     try:
@@ -232,11 +253,12 @@ def main() -> None:
                 got = rx.recv_checkpoint(0, url, 1, TIMEOUT)
                 path = rx.last_recv_path
             assert path == ("same-host" if chunks == 0 else "http"), path
-            assert all(
-                torch.equal(x, y) for x, y in zip(tensors, got["user"]["model"].values())
+            assert all(torch.equal(x, y) for x, y in zip(tensors, got["user"]["model"].values()))
+            name = (
+                "HTTPTransport, same-host path"
+                if chunks == 0
+                else (f"HTTPTransport, HTTP, {chunks} chunk(s)")
             )
-            name = "HTTPTransport, same-host path" if chunks == 0 else (
-                f"HTTPTransport, HTTP, {chunks} chunk(s)")
             rows.append((name, t))
     finally:
         proc.stdin.write("quit\n")  # type: ignore[union-attr]
@@ -259,37 +281,51 @@ def main() -> None:
     finally:
         proc.wait(60)
 
-    print(f"state dict: {mib:.1f} MiB in {len(tensors)} tensors; {a.reps} runs each; "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"state dict: {mib:.1f} MiB in {len(tensors)} tensors; {a.reps} runs each; "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     clone, memcpy = t_copy[0], t_memcpy[0]
-    print(f"{'method':34s} {'median ms':>9s} {'min ms':>7s} {'MiB/s':>7s} "
-          f"{'/clone':>7s} {'/copy_':>7s}")
+    print(
+        f"{'method':34s} {'median ms':>9s} {'min ms':>7s} {'MiB/s':>7s} "
+        f"{'/clone':>7s} {'/copy_':>7s}"
+    )
     for name, (med, best) in rows:
-        print(f"{name:34s} {med * 1e3:9.1f} {best * 1e3:7.1f} {mib / med:7.0f} "
-              f"{med / clone:6.1f}x {med / memcpy:6.1f}x")
+        print(
+            f"{name:34s} {med * 1e3:9.1f} {best * 1e3:7.1f} {mib / med:7.0f} "
+            f"{med / clone:6.1f}x {med / memcpy:6.1f}x"
+        )
     http_best = min(med for name, (med, _) in rows if name.startswith("HTTPTransport, HTTP"))
     local = next(med for name, (med, _) in rows if name.endswith("same-host path"))
     pg = next(med for name, (med, _) in rows if name.startswith("PG"))
     paired = next(med for name, (med, _) in rows if name.endswith("paired"))
-    print(f"{mib:.0f} MiB recovery transfer: same-host {local * 1e3:.1f} ms, HTTP "
-          f"{http_best * 1e3:.1f} ms (best chunking), PG/Gloo {pg * 1e3:.1f} ms; target < 1 s: "
-          f"{'met' if max(local, http_best, pg) < 1 else 'MISSED'}")
+    print(
+        f"{mib:.0f} MiB recovery transfer: same-host {local * 1e3:.1f} ms, HTTP "
+        f"{http_best * 1e3:.1f} ms (best chunking), PG/Gloo {pg * 1e3:.1f} ms; target < 1 s: "
+        f"{'met' if max(local, http_best, pg) < 1 else 'MISSED'}"
+    )
     q = len(pair_ratios)
-    print(f"same-host transfer vs a local copy of the same bytes: {local / paired:.2f}x a copy "
-          f"into fresh (huge-page) memory timed alternately with it (per-pair ratio: median "
-          f"{pair_ratios[q // 2]:.2f}x, quartiles {pair_ratios[q // 4]:.2f}x to "
-          f"{pair_ratios[3 * q // 4]:.2f}x), {local / clone:.2f}x torch.clone, "
-          f"{local / memcpy:.2f}x copy_ into preallocated memory (target <= 2x)")
-    print(f"the source's preparation for same-host receivers (huge-page copy of its tensors and "
-          f"checksums, on a background thread from send_checkpoint): {prepare_ms:.1f} ms")
+    print(
+        f"same-host transfer vs a local copy of the same bytes: {local / paired:.2f}x a copy "
+        f"into fresh (huge-page) memory timed alternately with it (per-pair ratio: median "
+        f"{pair_ratios[q // 2]:.2f}x, quartiles {pair_ratios[q // 4]:.2f}x to "
+        f"{pair_ratios[3 * q // 4]:.2f}x), {local / clone:.2f}x torch.clone, "
+        f"{local / memcpy:.2f}x copy_ into preallocated memory (target <= 2x)"
+    )
+    print(
+        f"the source's preparation for same-host receivers (huge-page copy of its tensors and "
+        f"checksums, on a background thread from send_checkpoint): {prepare_ms:.1f} ms"
+    )
     if big is not None:
         (t_big, _), (c_big, _), r_big = big
         n = a.throughput_mb
-        print(f"same-host throughput on {n} MiB (fixed per-transfer costs amortized): "
-              f"{n / t_big:.0f} MiB/s, {t_big * 1e3:.1f} ms, {t_big / c_big:.2f}x a copy into "
-              f"fresh memory timed alternately with it ({c_big * 1e3:.1f} ms; per-pair median "
-              f"{r_big[len(r_big) // 2]:.2f}x)")
+        print(
+            f"same-host throughput on {n} MiB (fixed per-transfer costs amortized): "
+            f"{n / t_big:.0f} MiB/s, {t_big * 1e3:.1f} ms, {t_big / c_big:.2f}x a copy into "
+            f"fresh memory timed alternately with it ({c_big * 1e3:.1f} ms; per-pair median "
+            f"{r_big[len(r_big) // 2]:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,12 @@ def make_model(blocks: int = 6, d: int = 512, ffn: int = 1536) -> nn.Module:
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for st in opt.state.values()
-               for v in st.values() if torch.is_tensor(v))
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
 
 
 def fill_grads(model: nn.Module) -> None:
@@ -75,8 +79,15 @@ def timed_step(opt) -> float:
     return time.perf_counter() - t0
 
 
-def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: int,
-           dims: tuple = (6, 512, 1536)) -> None:
+def worker(
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    warmup: int,
+    iters: int,
+    dims: tuple = (6, 512, 1536),
+) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
     from ft.optim import ZeroRedundancyOptimizer as FtZero
@@ -85,8 +96,9 @@ def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: i
     if backend == "ft":
         import ft  # noqa: F401  (registers the "ft" backend)
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=120))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     report = {"world": world, "backend": backend, "configs": {}}
     try:
         base = make_model(*dims)
@@ -96,10 +108,12 @@ def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: i
             m_ft, m_t = copy.deepcopy(base), copy.deepcopy(base)
             fill_grads(m_ft)
             fill_grads(m_t)
-            z_ft = FtZero(m_ft.parameters(), torch.optim.Adam, lr=1e-4,
-                          parameters_as_bucket_view=bucket)
-            z_t = TorchZero(m_t.parameters(), torch.optim.Adam, lr=1e-4,
-                            parameters_as_bucket_view=bucket)
+            z_ft = FtZero(
+                m_ft.parameters(), torch.optim.Adam, lr=1e-4, parameters_as_bucket_view=bucket
+            )
+            z_t = TorchZero(
+                m_t.parameters(), torch.optim.Adam, lr=1e-4, parameters_as_bucket_view=bucket
+            )
             times = {"ft": [], "torch": []}
             for i in range(warmup + iters):
                 order = [("ft", z_ft), ("torch", z_t)]
@@ -116,13 +130,16 @@ def worker(rank: int, world: int, port: int, backend: str, warmup: int, iters: i
             t_med = statistics.median(t_all[1].tolist())
             # Paired: the two steps of one iteration ran back to back, under the same load.
             paired = statistics.median((t_all[0] / t_all[1]).tolist())
-            mine = torch.tensor([state_bytes(z_ft.optim), state_bytes(z_t.optim)],
-                                dtype=torch.int64)
+            mine = torch.tensor(
+                [state_bytes(z_ft.optim), state_bytes(z_t.optim)], dtype=torch.int64
+            )
             per_rank = [torch.zeros_like(mine) for _ in range(world)]
             dist.all_gather(per_rank, mine)
             same = all(torch.equal(a, b) for a, b in zip(m_ft.parameters(), m_t.parameters()))
             report["configs"][f"bucket_view={bucket}"] = {
-                "ft_ms": ft_med * 1e3, "torch_ms": t_med * 1e3, "ratio": ft_med / t_med,
+                "ft_ms": ft_med * 1e3,
+                "torch_ms": t_med * 1e3,
+                "ratio": ft_med / t_med,
                 "paired_ratio": paired,
                 "ft_state_bytes_per_rank": [int(t[0]) for t in per_rank],
                 "torch_state_bytes_per_rank": [int(t[1]) for t in per_rank],
@@ -145,7 +162,8 @@ OVERLAP_CONFIGS = ("ft", "ft_overlap", "ft_overlap_interleaved", "torch_overlap"
 
 def overlap_worker(rank: int, world: int, port: int, args) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
-        hook_with_zero_step as torch_hook)
+        hook_with_zero_step as torch_hook,
+    )
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -156,8 +174,9 @@ def overlap_worker(rank: int, world: int, port: int, args) -> None:
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=120))
-    dist.init_process_group("ft", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "ft", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     try:
         base = make_model(args.blocks, args.d, args.ffn)
         runs = {}
@@ -168,9 +187,11 @@ def overlap_worker(rank: int, world: int, port: int, args) -> None:
             Z = TorchZero if name.startswith("torch") else FtZero
             zero = Z(ddp.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=1e-4)
             if overlap:
-                hook = {"ft_overlap": hook_with_zero_step,
-                        "ft_overlap_interleaved": hook_with_zero_step_interleaved,
-                        "torch_overlap": torch_hook}[name]
+                hook = {
+                    "ft_overlap": hook_with_zero_step,
+                    "ft_overlap_interleaved": hook_with_zero_step_interleaved,
+                    "torch_overlap": torch_hook,
+                }[name]
                 ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
             runs[name] = (model, ddp, zero, overlap)
         g = torch.Generator().manual_seed(100 + rank)
@@ -199,14 +220,19 @@ def overlap_worker(rank: int, world: int, port: int, args) -> None:
         same = all(torch.equal(a, b) for a, b in zip(ft_ov, runs["torch_overlap"][0].parameters()))
         same_t = torch.tensor([int(same)])
         dist.all_reduce(same_t, op=dist.ReduceOp.MIN)
-        report = {"world": world, "params": sum(p.numel() for p in base.parameters()),
-                  "buckets": len(runs["ft_overlap"][2]._overlap_info.params_per_bucket),
-                  "ft_vs_torch_overlap_bitwise": bool(same_t.item()), "configs": {}}
+        report = {
+            "world": world,
+            "params": sum(p.numel() for p in base.parameters()),
+            "buckets": len(runs["ft_overlap"][2]._overlap_info.params_per_bucket),
+            "ft_vs_torch_overlap_bitwise": bool(same_t.item()),
+            "configs": {},
+        }
         ref_med = statistics.median(t_all[ref].tolist())
         for k, name in enumerate(OVERLAP_CONFIGS):
             med = statistics.median(t_all[k].tolist())
             report["configs"][name] = {
-                "ms": med * 1e3, "ratio": med / ref_med,
+                "ms": med * 1e3,
+                "ratio": med / ref_med,
                 "paired": statistics.median((t_all[k] / t_all[ref]).tolist()),
             }
         if rank == 0:
@@ -217,29 +243,61 @@ def overlap_worker(rank: int, world: int, port: int, args) -> None:
 
 
 def overlap_report(rep: dict, args) -> None:
-    print(f"ZeRO overlap bench: {rep['world']} ranks, backend ft, {rep['params'] / 1e6:.2f}M "
-          f"params, {rep['buckets']} DDP buckets of {args.bucket_mb} MB, batch {args.batch}, Adam, "
-          f"{args.iters} iterations after {args.warmup} warm-up (median, slowest rank)")
+    print(
+        f"ZeRO overlap bench: {rep['world']} ranks, backend ft, {rep['params'] / 1e6:.2f}M "
+        f"params, {rep['buckets']} DDP buckets of {args.bucket_mb} MB, batch {args.batch}, Adam, "
+        f"{args.iters} iterations after {args.warmup} warm-up (median, slowest rank)"
+    )
     print(f"{'config':<26}{'iter ms':>10}{'/torch_ov':>11}{'paired':>9}")
     for name, c in rep["configs"].items():
         print(f"{name:<26}{c['ms']:>10.2f}{c['ratio']:>11.3f}{c['paired']:>9.3f}")
-    print(f"ft_overlap and torch_overlap parameters bitwise equal: "
-          f"{rep['ft_vs_torch_overlap_bitwise']}")
+    print(
+        f"ft_overlap and torch_overlap parameters bitwise equal: "
+        f"{rep['ft_vs_torch_overlap_bitwise']}"
+    )
 
 
 def launch(args) -> int:
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=args.timeout),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=args.timeout), wait_for_workers=False
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "bench.zero_bench", "--world", str(args.world), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--backend", args.backend, "--port", str(store.port),
-           "--blocks", str(args.blocks), "--d", str(args.d), "--ffn", str(args.ffn),
-           "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.zero_bench",
+        "--world",
+        str(args.world),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--backend",
+        args.backend,
+        "--port",
+        str(store.port),
+        "--blocks",
+        str(args.blocks),
+        "--d",
+        str(args.d),
+        "--ffn",
+        str(args.ffn),
+        "--batch",
+        str(args.batch),
+        "--bucket-mb",
+        str(args.bucket_mb),
+    ]
     if args.overlap:
         cmd.append("--overlap")
-    procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env,
-                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                              text=True) for r in range(args.world)]
+    procs = [
+        subprocess.Popen(
+            cmd + ["--rank", str(r)],
+            env=env,
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(args.world)
+    ]
     try:
         out, _ = procs[0].communicate(timeout=args.timeout)
         codes = [procs[0].returncode] + [p.wait(timeout=30) for p in procs[1:]]
@@ -252,24 +310,33 @@ def launch(args) -> int:
         print(f"ranks failed with exit codes {codes}", file=sys.stderr)
         return 1
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-    rep = json.loads(line[len("RESULT "):])
+    rep = json.loads(line[len("RESULT ") :])
     if args.overlap:
         overlap_report(rep, args)
         return 0
     n, plain = rep["world"], rep["plain_adam_state_bytes"]
-    print(f"ZeroRedundancyOptimizer bench: {n} ranks, backend {rep['backend']}, "
-          f"{rep['params'] / 1e6:.2f}M params, Adam, {args.iters} iterations (median, slowest rank)")
-    print(f"{'config':<24}{'ft ms':>10}{'torch ms':>10}{'ft/torch':>10}{'paired':>10}"
-          "  bitwise-equal")
+    print(
+        f"ZeroRedundancyOptimizer bench: {n} ranks, backend {rep['backend']}, "
+        f"{rep['params'] / 1e6:.2f}M params, Adam, {args.iters} iterations (median, slowest rank)"
+    )
+    print(
+        f"{'config':<24}{'ft ms':>10}{'torch ms':>10}{'ft/torch':>10}{'paired':>10}  bitwise-equal"
+    )
     for name, c in rep["configs"].items():
-        print(f"{name:<24}{c['ft_ms']:>10.2f}{c['torch_ms']:>10.2f}{c['ratio']:>10.3f}"
-              f"{c['paired_ratio']:>10.3f}  {c['params_bitwise_equal']}")
+        print(
+            f"{name:<24}{c['ft_ms']:>10.2f}{c['torch_ms']:>10.2f}{c['ratio']:>10.3f}"
+            f"{c['paired_ratio']:>10.3f}  {c['params_bitwise_equal']}"
+        )
     c = rep["configs"]["bucket_view=False"]
     worst = max(c["ft_state_bytes_per_rank"])
-    print(f"optimizer state per rank (bytes): ft {c['ft_state_bytes_per_rank']}, "
-          f"torch {c['torch_state_bytes_per_rank']}, plain Adam {plain}")
-    print(f"largest rank / plain Adam = {worst / plain:.4f} "
-          f"(1/N = {1 / n:.4f}; target <= {1 / n + 0.05:.4f})")
+    print(
+        f"optimizer state per rank (bytes): ft {c['ft_state_bytes_per_rank']}, "
+        f"torch {c['torch_state_bytes_per_rank']}, plain Adam {plain}"
+    )
+    print(
+        f"largest rank / plain Adam = {worst / plain:.4f} "
+        f"(1/N = {1 / n:.4f}; target <= {1 / n + 0.05:.4f})"
+    )
     return 0
 
 
@@ -287,16 +354,27 @@ def ft_mode(world: int, iters: int) -> int:
     from tests.manager.inproc import make_manager
 
     torch.set_num_threads(1)
-    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=world, join_timeout_ms=1000,
-                          quorum_tick_ms=20, heartbeat_timeout_ms=5000, http_bind="")
+    lh = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=world,
+        join_timeout_ms=1000,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=5000,
+        http_bind="",
+    )
     out: dict = {}
 
     def run(r: int) -> None:
-        m = make_manager(lh.address(), f"b{r}", use_async_quorum=False, init_sync=False,
-                         timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120))
+        m = make_manager(
+            lh.address(),
+            f"b{r}",
+            use_async_quorum=False,
+            init_sync=False,
+            timeout=timedelta(seconds=120),
+            quorum_timeout=timedelta(seconds=120),
+        )
         model = make_model()
-        opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam,
-                                                   lr=1e-4)
+        opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam, lr=1e-4)
         for _ in range(iters):
             opt.zero_grad()
             fill_grads(model)
@@ -306,8 +384,12 @@ def ft_mode(world: int, iters: int) -> int:
             dt = time.perf_counter() - t0
             out.setdefault(r, []).append((dt, opt.stats["migrated_bytes"] - mig0))
         out[f"bytes{r}"] = opt.state_bytes()
-        out[f"own{r}"] = sum(v.numel() * v.element_size() for st in opt.state.values()
-                             for v in st.values() if torch.is_tensor(v))
+        out[f"own{r}"] = sum(
+            v.numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        )
         out[f"param{r}"] = opt.stats["param_bytes"] // max(1, opt.stats["steps"])
         out[f"committed{r}"] = m.current_step()
         m.shutdown(wait=False)
@@ -325,20 +407,32 @@ def ft_mode(world: int, iters: int) -> int:
     full = state_bytes(popt)
     held = [out[f"bytes{r}"] for r in range(world)]
     own = [out[f"own{r}"] for r in range(world)]
-    print(f"fault-tolerant mode, {world} replicas, {iters} steps "
-          f"(committed {[out[f'committed{r}'] for r in range(world)]})")
+    print(
+        f"fault-tolerant mode, {world} replicas, {iters} steps "
+        f"(committed {[out[f'committed{r}'] for r in range(world)]})"
+    )
     print(f"plain Adam state: {full} bytes")
-    print(f"held per replica (own + buddy): {held} -> max/plain = {max(held) / full:.4f} "
-          f"(2/N = {2 / world:.4f})")
+    print(
+        f"held per replica (own + buddy): {held} -> max/plain = {max(held) / full:.4f} "
+        f"(2/N = {2 / world:.4f})"
+    )
     print(f"own shard per replica: {own} -> max/plain = {max(own) / full:.4f}")
-    print(f"transient during step (+ copy of own shard): max/plain = "
-          f"{max(h + o for h, o in zip(held, own)) / full:.4f}")
-    print(f"buddy copy bytes per step (state migrated) after the first step: "
-          f"{[sum(b for _, b in out[r][1:]) // max(1, iters - 1) for r in range(world)]}")
+    print(
+        f"transient during step (+ copy of own shard): max/plain = "
+        f"{max(h + o for h, o in zip(held, own)) / full:.4f}"
+    )
+    print(
+        f"buddy copy bytes per step (state migrated) after the first step: "
+        f"{[sum(b for _, b in out[r][1:]) // max(1, iters - 1) for r in range(world)]}"
+    )
     print(f"first step (initial layout) migrated: {[out[r][0][1] for r in range(world)]}")
-    print(f"parameter exchange per step (allreduce input bytes per replica): "
-          f"{[out[f'param{r}'] for r in range(world)]}")
-    print(f"median step ms: {[round(statistics.median(d for d, _ in out[r]) * 1e3, 1) for r in range(world)]}")
+    print(
+        f"parameter exchange per step (allreduce input bytes per replica): "
+        f"{[out[f'param{r}'] for r in range(world)]}"
+    )
+    print(
+        f"median step ms: {[round(statistics.median(d for d, _ in out[r]) * 1e3, 1) for r in range(world)]}"
+    )
     return 0
 
 
@@ -351,13 +445,20 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--rank", type=int, default=None)
     ap.add_argument("--port", type=int, default=None)
-    ap.add_argument("--ft", action="store_true",
-                    help="fault-tolerant mode (Manager + buddy copy): memory and bytes per step")
-    ap.add_argument("--overlap", action="store_true",
-                    help="iteration time with overlap_with_ddp: ft vs ft overlapped vs torch "
-                         "overlapped (backend ft)")
-    ap.add_argument("--blocks", type=int, default=6,
-                    help="MLP blocks of the model (plain and overlap modes)")
+    ap.add_argument(
+        "--ft",
+        action="store_true",
+        help="fault-tolerant mode (Manager + buddy copy): memory and bytes per step",
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="iteration time with overlap_with_ddp: ft vs ft overlapped vs torch "
+        "overlapped (backend ft)",
+    )
+    ap.add_argument(
+        "--blocks", type=int, default=6, help="MLP blocks of the model (plain and overlap modes)"
+    )
     ap.add_argument("--d", type=int, default=512, help="model width")
     ap.add_argument("--ffn", type=int, default=1536, help="hidden width of each block")
     ap.add_argument("--batch", type=int, default=32, help="overlap mode: batch size")
@@ -373,8 +474,15 @@ def main() -> int:
     if args.overlap:
         overlap_worker(args.rank, args.world, args.port, args)
         return 0
-    worker(args.rank, args.world, args.port, args.backend, args.warmup, args.iters,
-           (args.blocks, args.d, args.ffn))
+    worker(
+        args.rank,
+        args.world,
+        args.port,
+        args.backend,
+        args.warmup,
+        args.iters,
+        (args.blocks, args.d, args.ffn),
+    )
     return 0
 
 

@@ -211,7 +211,8 @@ FtBackend::FtBackend(
       "ft: timeout must be positive, got ",
       timeout.count(),
       " ms");
-  watchdog_ = std::make_unique<DeadlineWatchdog>([this] { return sweepDeadlines(); });
+  watchdog_ =
+      std::make_unique<DeadlineWatchdog>([this] { return sweepDeadlines(); });
   std::lock_guard<std::mutex> lock(liveBackendsMutex);
   liveBackends.push_back(this);
 }
@@ -241,7 +242,8 @@ std::shared_ptr<Generation> FtBackend::currentGeneration() const {
   return generation_;
 }
 
-std::shared_ptr<Generation> FtBackend::requireGeneration(const char* name) const {
+std::shared_ptr<Generation> FtBackend::requireGeneration(
+    const char* name) const {
   auto generation = currentGeneration();
   TORCH_CHECK(
       generation != nullptr,
@@ -454,8 +456,7 @@ size_t FtBackend::reaperPending() {
 
 std::optional<Clock::time_point> FtBackend::sweepDeadlines() {
   auto generation = currentGeneration();
-  return generation ? generation->enforceDeadlines(Clock::now())
-                    : std::nullopt;
+  return generation ? generation->enforceDeadlines(Clock::now()) : std::nullopt;
 }
 
 namespace {
@@ -548,8 +549,8 @@ void FtBackend::verifyAgreement(
   for (int r = 0; r < generation.size; ++r) {
     const int64_t* theirs = all[0][r].data_ptr<int64_t>();
     if (!std::equal(signature, signature + kSignatureLength, theirs)) {
-      disagreement += "; rank " + std::to_string(r) + " calls " +
-          describeSignature(theirs);
+      disagreement +=
+          "; rank " + std::to_string(r) + " calls " + describeSignature(theirs);
     }
   }
   TORCH_CHECK_VALUE(
@@ -576,9 +577,8 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
     C10_THROW_ERROR(
         DistBackendError,
         std::string("ft: ") + name + " refused: generation " +
-            std::to_string(generation->id) +
-            " has failed (" + failure->message +
-            "); call configure() to build a new one");
+            std::to_string(generation->id) + " has failed (" +
+            failure->message + "); call configure() to build a new one");
   }
   const int laneIndex = currentLane();
   generation->checkLane(laneIndex);
@@ -649,30 +649,33 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
 
   std::weak_ptr<Generation> weakGeneration = generation;
   const int size = generation->size;
-  auto onInnerDone = [weakGeneration, work, size, finalize = std::move(finalize)](
-                         std::exception_ptr error) {
-    auto generation = weakGeneration.lock();
-    if (error) {
-      const std::string message =
-          "inner communicator error: " + messageOf(error);
-      if (generation) {
-        if (auto failure = generation->failure()) {
-          // Already failed (a missed deadline, abort(), ...): this error is most likely
-          // the consequence of the abort severing the sockets; report the cause.
-          error = generation->failureErrorFor(*work, failure->message);
+  auto onInnerDone =
+      [weakGeneration, work, size, finalize = std::move(finalize)](
+          std::exception_ptr error) {
+        auto generation = weakGeneration.lock();
+        if (error) {
+          const std::string message =
+              "inner communicator error: " + messageOf(error);
+          if (generation) {
+            if (auto failure = generation->failure()) {
+              // Already failed (a missed deadline, abort(), ...): this error is
+              // most likely the consequence of the abort severing the sockets;
+              // report the cause.
+              error = generation->failureErrorFor(*work, failure->message);
+            } else {
+              generation->abort(FailureKind::kCommunication, message);
+            }
+          }
+          work->fail(error);
         } else {
-          generation->abort(FailureKind::kCommunication, message);
+          work->succeed(
+              finalize ? std::function<void()>([&] { finalize(size); })
+                       : std::function<void()>());
         }
-      }
-      work->fail(error);
-    } else {
-      work->succeed(finalize ? std::function<void()>([&] { finalize(size); })
-                             : std::function<void()>());
-    }
-    if (generation) {
-      generation->innerDone(work.get());
-    }
-  };
+        if (generation) {
+          generation->innerDone(work.get());
+        }
+      };
 
   c10::intrusive_ptr<c10::ivalue::Future> innerFuture;
   try {
@@ -959,10 +962,8 @@ c10::intrusive_ptr<c10d::Work> FtBackend::alltoall(
 
 // Point-to-point ops carry no options: the backend's timeout applies.
 
-c10::intrusive_ptr<c10d::Work> FtBackend::send(
-    std::vector<at::Tensor>& tensors,
-    int dstRank,
-    int tag) {
+c10::intrusive_ptr<c10d::Work>
+FtBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Op op{c10d::OpType::SEND, "send"};
   checkTensors(tensors, op.name);
   checkPeer(dstRank, op.name, "destination");
@@ -970,10 +971,8 @@ c10::intrusive_ptr<c10d::Work> FtBackend::send(
   return submit(op, tensors, c10d::kUnsetTimeout, call);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::recv(
-    std::vector<at::Tensor>& tensors,
-    int srcRank,
-    int tag) {
+c10::intrusive_ptr<c10d::Work>
+FtBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Op op{c10d::OpType::RECV, "recv"};
   checkTensors(tensors, op.name);
   checkPeer(srcRank, op.name, "source");

@@ -49,8 +49,8 @@ void setBlockingRegion(BlockingRegion region);
 struct ReconfigureTimings {
   uint64_t generation = 0;
   double abortMs = 0; // aborting the old generation (ncclCommAbort included)
-  double glooMs = 0; // connecting the Gloo lanes
-  double ncclMs = 0; // creating the NCCL communicators (eager init only)
+  double glooMs = 0;  // connecting the Gloo lanes
+  double ncclMs = 0;  // creating the NCCL communicators (eager init only)
   double totalMs = 0;
 };
 
@@ -63,12 +63,17 @@ class FtBackend : public c10d::Backend {
  public:
   // rank/size are torch's view at creation; the live values are
   // currentRank()/currentSize() (torch < 2.14 keeps Backend::size_ const).
-  FtBackend(int rank, int size, std::chrono::milliseconds timeout, int numLanes);
+  FtBackend(
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      int numLanes);
   ~FtBackend() override;
 
   // Builds a new generation on `store` (already carrying a fresh prefix).
   // Blocks until every peer has connected or the timeout passes.
-  void configure(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
+  void
+  configure(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size);
   void abort() override;
   // Ends the current generation: its ops fail, its communicators are reaped.
   // A later configure() builds a new one (torchft's groups reconfigure after
@@ -177,14 +182,10 @@ class FtBackend : public c10d::Backend {
       std::vector<at::Tensor>& outputTensors,
       std::vector<at::Tensor>& inputTensors,
       const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(
-      std::vector<at::Tensor>& tensors,
-      int dstRank,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(
-      std::vector<at::Tensor>& tensors,
-      int srcRank,
-      int tag) override;
+  c10::intrusive_ptr<c10d::Work>
+  send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work>
+  recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(
       std::vector<at::Tensor>& tensors,
       int tag) override;
@@ -248,7 +249,7 @@ class FtBackend : public c10d::Backend {
   // Bumped by abort(); a configure() that was building when abort() came in
   // discards what it built.
   std::atomic<uint64_t> abortEpoch_{0};
-  bool exiting_ = false;  // set by shutdownForExit(): configure() refuses
+  bool exiting_ = false; // set by shutdownForExit(): configure() refuses
 
   Reaper reaper_;
   // Last member: destroyed first, so the sweep never sees a dead backend.

@@ -29,8 +29,8 @@ c10::intrusive_ptr<c10d::Backend> makeGloo(
   py::object factory =
       py::module_::import("ft.process_group").attr("_new_gloo");
   // Gloo's own timeout is a backstop: ft's watchdog fires first.
-  const auto innerTimeout = timeout + std::max(
-      std::chrono::milliseconds(1000), timeout / 10);
+  const auto innerTimeout =
+      timeout + std::max(std::chrono::milliseconds(1000), timeout / 10);
   py::object pg = factory(store, rank, size, innerTimeout);
   auto backend = pg.cast<c10::intrusive_ptr<c10d::Backend>>();
   pg = py::object(); // drop the Python wrapper while we hold the GIL
@@ -70,26 +70,37 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef FT_USE_NCCL
   m.attr("has_nccl") = true;
-  m.def("nccl_version", []() -> py::object {
-    const int code = ft::ncclLinkedVersion(); // calls ncclGetVersion
-    // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
-    return py::make_tuple(code / 10000, (code % 10000) / 100, code % 100);
-  }, "Version of the linked NCCL library (ncclGetVersion), as a tuple.");
-  m.def("_nccl_live_streams", &ft::ncclLiveStreams,
-        "Lane CUDA streams created and not yet destroyed (leak checks).");
+  m.def(
+      "nccl_version",
+      []() -> py::object {
+        const int code = ft::ncclLinkedVersion(); // calls ncclGetVersion
+        // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
+        return py::make_tuple(code / 10000, (code % 10000) / 100, code % 100);
+      },
+      "Version of the linked NCCL library (ncclGetVersion), as a tuple.");
+  m.def(
+      "_nccl_live_streams",
+      &ft::ncclLiveStreams,
+      "Lane CUDA streams created and not yet destroyed (leak checks).");
 #else
   m.attr("has_nccl") = false;
-  m.def("nccl_version", []() -> py::object { return py::none(); },
-        "None: this build of ft has no NCCL path.");
+  m.def(
+      "nccl_version",
+      []() -> py::object { return py::none(); },
+      "None: this build of ft has no NCCL path.");
 #endif
 
-  m.def("set_current_lane", &ft::setCurrentLane, py::arg("lane"),
-        "Selects the lane the calling thread's next ops run on.");
+  m.def(
+      "set_current_lane",
+      &ft::setCurrentLane,
+      py::arg("lane"),
+      "Selects the lane the calling thread's next ops run on.");
   m.def("get_current_lane", &ft::currentLane);
   m.def(
       "crc32c",
       [](py::object data, uint32_t value) {
-        // PyBUF_SIMPLE: contiguous bytes only (a strided view is refused, not misread).
+        // PyBUF_SIMPLE: contiguous bytes only (a strided view is refused, not
+        // misread).
         Py_buffer view;
         if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) {
           throw py::error_already_set();
@@ -104,19 +115,22 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("data"),
       py::arg("value") = 0,
-      "CRC-32C of a contiguous buffer, continuing from `value` (GIL released).");
+      "CRC-32C of a contiguous buffer, continuing from `value` (GIL "
+      "released).");
   m.def(
       "copy_from_process",
       [](int pid, const py::list& ranges) {
-        // ranges: [[(remote_address, writable contiguous buffer), ...], ...]. Every buffer is
-        // pinned (PyBUF_WRITABLE) before the GIL is released for the whole copy: one release
-        // per transfer, not one per piece, so a busy training thread cannot slow it down.
+        // ranges: [[(remote_address, writable contiguous buffer), ...], ...].
+        // Every buffer is pinned (PyBUF_WRITABLE) before the GIL is released
+        // for the whole copy: one release per transfer, not one per piece, so a
+        // busy training thread cannot slow it down.
         struct Piece {
           uint64_t remote;
           Py_buffer view;
         };
         std::vector<std::vector<Piece>> plan;
-        // Every buffer taken is released on every way out (the GIL is held again by then).
+        // Every buffer taken is released on every way out (the GIL is held
+        // again by then).
         struct ReleaseAll {
           std::vector<std::vector<Piece>>& plan;
           ~ReleaseAll() {
@@ -135,8 +149,12 @@ PYBIND11_MODULE(_C, m) {
               throw py::value_error("each piece is (remote_address, buffer)");
             }
             Piece piece{pair[0].cast<uint64_t>(), {}};
-            plan.back().reserve(plan.back().size() + 1); // no throw between get and push
-            if (PyObject_GetBuffer(pair[1].ptr(), &piece.view, PyBUF_WRITABLE) != 0) {
+            plan.back().reserve(
+                plan.back().size() + 1); // no throw between get and push
+            if (PyObject_GetBuffer(
+                    pair[1].ptr(),
+                    &piece.view,
+                    PyBUF_WRITABLE) != 0) {
               throw py::error_already_set();
             }
             plan.back().push_back(piece);
@@ -147,7 +165,9 @@ PYBIND11_MODULE(_C, m) {
           pieces.emplace_back();
           for (auto& piece : range) {
             pieces.back().push_back(
-                {piece.remote, piece.view.buf, static_cast<size_t>(piece.view.len)});
+                {piece.remote,
+                 piece.view.buf,
+                 static_cast<size_t>(piece.view.len)});
           }
         }
         std::vector<uint32_t> crcs;
@@ -160,80 +180,113 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("pid"),
       py::arg("ranges"),
-      "Copies each range's pieces (remote_address -> buffer) out of process `pid` with "
-      "process_vm_readv and returns (CRC-32C of each completed range, errno of the first "
-      "failure or 0); the range that failed is the one after the last CRC. GIL released.");
+      "Copies each range's pieces (remote_address -> buffer) out of process "
+      "`pid` with "
+      "process_vm_readv and returns (CRC-32C of each completed range, errno of "
+      "the first "
+      "failure or 0); the range that failed is the one after the last CRC. GIL "
+      "released.");
   m.def(
       "allow_process_to_read",
       [](int pid) { return ft::allowProcessToRead(static_cast<pid_t>(pid)); },
       py::arg("pid"),
-      "prctl(PR_SET_PTRACER, pid): lets `pid` read this process under Yama ptrace_scope 1 "
+      "prctl(PR_SET_PTRACER, pid): lets `pid` read this process under Yama "
+      "ptrace_scope 1 "
       "(0: nobody). Returns 0 or the errno (EINVAL where there is no Yama).");
-  m.def("_shutdown_all", &ft::shutdownAllBackends, py::arg("timeout"),
-        py::call_guard<py::gil_scoped_release>(),
-        "At exit: shut down every backend and wait for their teardown.");
-  m.def("_drain_releaser",
-        [](bool finalizing) {
-          if (finalizing) {
-            py::gil_scoped_release noGil;
-            ft::quiesceReleaser();
-          }
-          ft::drainReleaser(finalizing);
-        },
-        py::arg("finalizing"),
-        "At exit: stop the releaser thread and drop queued op references "
-        "here, where the GIL is held.");
+  m.def(
+      "_shutdown_all",
+      &ft::shutdownAllBackends,
+      py::arg("timeout"),
+      py::call_guard<py::gil_scoped_release>(),
+      "At exit: shut down every backend and wait for their teardown.");
+  m.def(
+      "_drain_releaser",
+      [](bool finalizing) {
+        if (finalizing) {
+          py::gil_scoped_release noGil;
+          ft::quiesceReleaser();
+        }
+        ft::drainReleaser(finalizing);
+      },
+      py::arg("finalizing"),
+      "At exit: stop the releaser thread and drop queued op references "
+      "here, where the GIL is held.");
 
   py::class_<ft::FtBackend, c10d::Backend, c10::intrusive_ptr<ft::FtBackend>>(
-      m, "FtBackend")
-      .def(py::init([](int rank, int size, std::chrono::milliseconds timeout,
-                       int numLanes) {
-             return c10::make_intrusive<ft::FtBackend>(rank, size, timeout, numLanes);
-           }),
-           py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("num_lanes") = 2)
-      .def("configure", &ft::FtBackend::configure, py::arg("store"),
-           py::arg("rank"), py::arg("world_size"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("abort", &ft::FtBackend::abort,
-           py::call_guard<py::gil_scoped_release>())
-      .def("shutdown", &ft::FtBackend::shutdown,
-           py::call_guard<py::gil_scoped_release>())
-      .def("errored",
-           [](const ft::FtBackend& self) -> py::object {
-             auto failure = self.errored();
-             if (!failure) {
-               return py::none();
-             }
-             return py::make_tuple(kindName(failure->kind), failure->message);
-           })
+      m,
+      "FtBackend")
+      .def(
+          py::init([](int rank,
+                      int size,
+                      std::chrono::milliseconds timeout,
+                      int numLanes) {
+            return c10::make_intrusive<ft::FtBackend>(
+                rank,
+                size,
+                timeout,
+                numLanes);
+          }),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"),
+          py::arg("num_lanes") = 2)
+      .def(
+          "configure",
+          &ft::FtBackend::configure,
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("world_size"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abort",
+          &ft::FtBackend::abort,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "shutdown",
+          &ft::FtBackend::shutdown,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "errored",
+          [](const ft::FtBackend& self) -> py::object {
+            auto failure = self.errored();
+            if (!failure) {
+              return py::none();
+            }
+            return py::make_tuple(kindName(failure->kind), failure->message);
+          })
       .def("set_timeout", &ft::FtBackend::setTimeout, py::arg("timeout"))
       .def_property_readonly("timeout", &ft::FtBackend::timeout)
-      .def_property("check_agreement", &ft::FtBackend::checkAgreement,
-                    &ft::FtBackend::setCheckAgreement)
+      .def_property(
+          "check_agreement",
+          &ft::FtBackend::checkAgreement,
+          &ft::FtBackend::setCheckAgreement)
       .def("current_rank", &ft::FtBackend::currentRank)
       .def("current_size", &ft::FtBackend::currentSize)
       .def("generation", &ft::FtBackend::generationId)
       .def("configured", &ft::FtBackend::configured)
       .def_property_readonly("num_lanes", &ft::FtBackend::numLanes)
-      .def("set_cuda_device", &ft::FtBackend::setCudaDevice, py::arg("device"),
-           "CUDA device whose NCCL communicators configure() creates "
-           "eagerly (-1: connect each lane on its first CUDA op).")
+      .def(
+          "set_cuda_device",
+          &ft::FtBackend::setCudaDevice,
+          py::arg("device"),
+          "CUDA device whose NCCL communicators configure() creates "
+          "eagerly (-1: connect each lane on its first CUDA op).")
       .def_property_readonly("cuda_device", &ft::FtBackend::cudaDevice)
-      .def("last_reconfigure_timings",
-           [](const ft::FtBackend& self) {
-             const auto t = self.lastReconfigureTimings();
-             py::dict d;
-             d["generation"] = t.generation;
-             d["abort_ms"] = t.abortMs;
-             d["gloo_ms"] = t.glooMs;
-             d["nccl_ms"] = t.ncclMs;
-             d["total_ms"] = t.totalMs;
-             return d;
-           },
-           "Milliseconds each step of the last configure() took: aborting "
-           "the old generation (ncclCommAbort included), connecting Gloo, "
-           "creating NCCL communicators (eager init), and the total.")
+      .def(
+          "last_reconfigure_timings",
+          [](const ft::FtBackend& self) {
+            const auto t = self.lastReconfigureTimings();
+            py::dict d;
+            d["generation"] = t.generation;
+            d["abort_ms"] = t.abortMs;
+            d["gloo_ms"] = t.glooMs;
+            d["nccl_ms"] = t.ncclMs;
+            d["total_ms"] = t.totalMs;
+            return d;
+          },
+          "Milliseconds each step of the last configure() took: aborting "
+          "the old generation (ncclCommAbort included), connecting Gloo, "
+          "creating NCCL communicators (eager init), and the total.")
       .def("_generation_socket_count", &ft::FtBackend::generationSocketCount)
       .def("_reaper_pending", &ft::FtBackend::reaperPending);
 }

@@ -33,17 +33,20 @@ uint32_t softwareCrc(const uint8_t* p, size_t n, uint32_t c) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Hardware path. The CRC instruction has a latency of ~3 cycles and a throughput of one per
-// cycle, so one dependency chain runs at a third of what the unit can do (~8 GB/s here). The
-// buffer is therefore cut into blocks of three streams of kStream bytes, checksummed as three
-// independent chains in one loop, and the three results are combined: the CRC register is
-// linear over GF(2), so crc(A || B) = shift(crc(A), |B|) ^ crc0(B), where shift() advances a
-// register over |B| zero bytes and crc0 starts from a zero register. shift() over a fixed
-// kStream is itself linear in the register: four table lookups.
+// Hardware path. The CRC instruction has a latency of ~3 cycles and a
+// throughput of one per cycle, so one dependency chain runs at a third of what
+// the unit can do (~8 GB/s here). The buffer is therefore cut into blocks of
+// three streams of kStream bytes, checksummed as three independent chains in
+// one loop, and the three results are combined: the CRC register is linear over
+// GF(2), so crc(A || B) = shift(crc(A), |B|) ^ crc0(B), where shift() advances
+// a register over |B| zero bytes and crc0 starts from a zero register. shift()
+// over a fixed kStream is itself linear in the register: four table lookups.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define FT_HW_CRC 1
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("sse4.2"))), apply_to = function)
+#pragma clang attribute push(          \
+    __attribute__((target("sse4.2"))), \
+    apply_to = function)
 #else
 #pragma GCC push_options
 #pragma GCC target("sse4.2")
@@ -83,7 +86,8 @@ uint32_t hwLinear(const uint8_t* p, size_t n, uint32_t c) {
   return c;
 }
 
-// shift(c) over kStream zero bytes, as tables[k][byte k of c] XORed over the four bytes.
+// shift(c) over kStream zero bytes, as tables[k][byte k of c] XORed over the
+// four bytes.
 struct ShiftTables {
   uint32_t t[4][256];
   ShiftTables() {
@@ -108,7 +112,8 @@ struct ShiftTables {
     }
   }
   uint32_t shift(uint32_t c) const {
-    return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^ t[3][c >> 24];
+    return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^
+        t[3][c >> 24];
   }
 };
 
@@ -136,7 +141,8 @@ uint32_t hardwareCrc(const uint8_t* p, size_t n, uint32_t c) {
 #endif
 #endif
 
-// Outside the sse4.2 region: this runs before anyone knows the instruction exists.
+// Outside the sse4.2 region: this runs before anyone knows the instruction
+// exists.
 bool haveHardwareCrc() {
 #if defined(__x86_64__)
   static const bool have = __builtin_cpu_supports("sse4.2");

@@ -1,5 +1,5 @@
-// DeadlineWatchdog: one thread that enforces op deadlines in C++ (docs/design.md,
-// "Deadlines and the watchdog").
+// DeadlineWatchdog: one thread that enforces op deadlines in C++
+// (docs/design.md, "Deadlines and the watchdog").
 //
 // Contract:
 //  * `sweep` is called on the watchdog thread whenever the earliest known

@@ -90,8 +90,10 @@ void Generation::innerDone(FtWork* work) {
   releaseLater(std::move(released));
 }
 
-bool Generation::abort(FailureKind kind, const std::string& message,
-                       bool deferIdleDeviceAbort) {
+bool Generation::abort(
+    FailureKind kind,
+    const std::string& message,
+    bool deferIdleDeviceAbort) {
   std::vector<c10::intrusive_ptr<FtWork>> victims;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -140,8 +142,9 @@ std::exception_ptr Generation::failureErrorFor(
   try {
     C10_THROW_ERROR(
         DistBackendError,
-        "ft: " + work.description() + " on lane " + std::to_string(work.lane()) +
-            " of generation " + std::to_string(id) + " failed: " + message);
+        "ft: " + work.description() + " on lane " +
+            std::to_string(work.lane()) + " of generation " +
+            std::to_string(id) + " failed: " + message);
   } catch (...) {
     return std::current_exception();
   }

@@ -34,8 +34,8 @@ namespace ft {
 
 enum class FailureKind : int {
   kNone = 0,
-  kAborted = 1, // abort() by the user, or a reconfigure
-  kDeadline = 2, // an op missed its deadline
+  kAborted = 1,       // abort() by the user, or a reconfigure
+  kDeadline = 2,      // an op missed its deadline
   kCommunication = 3, // the inner communicator reported an error
   kShutdown = 4,
 };
@@ -96,13 +96,17 @@ class Generation {
   // of before returning: nothing runs on the device then, so nothing can
   // still land in a caller's tensor, and ncclCommAbort is slow (about 750 ms
   // each on an H200 with NCCL 2.28), which a reconfigure should not wait for.
-  bool abort(FailureKind kind, const std::string& message,
-             bool deferIdleDeviceAbort = false);
+  bool abort(
+      FailureKind kind,
+      const std::string& message,
+      bool deferIdleDeviceAbort = false);
   std::optional<Failure> failure() const;
-  // The error an in-flight `work` fails with once the generation failed: it names the
-  // cause (a missed deadline, an abort, ...), not the transport error that cutting the
-  // wires then produces in the inner op.
-  std::exception_ptr failureErrorFor(const FtWork& work, const std::string& message) const;
+  // The error an in-flight `work` fails with once the generation failed: it
+  // names the cause (a missed deadline, an abort, ...), not the transport error
+  // that cutting the wires then produces in the inner op.
+  std::exception_ptr failureErrorFor(
+      const FtWork& work,
+      const std::string& message) const;
 
   // Aborts the generation if an in-flight op is past its deadline. Returns the
   // earliest remaining deadline.

@@ -9,9 +9,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -92,7 +92,7 @@ OwnedSockets OwnedSockets::fromNewEpolls(
 
 void OwnedSockets::sever() const {
   for (const auto& s : sockets_) {
-    struct stat st {};
+    struct stat st{};
     if (fstat(s.fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
         static_cast<unsigned long>(st.st_ino) != s.inode) {
       continue; // closed, or the number now belongs to someone else
@@ -176,7 +176,8 @@ std::shared_ptr<Transport> connectGloo(
   lanes.reserve(numLanes);
   for (int i = 0; i < numLanes; ++i) {
     auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
-        "lane" + std::to_string(i), store);
+        "lane" + std::to_string(i),
+        store);
     lanes.push_back(factory(laneStore, rank, size, timeout));
   }
   auto sockets = OwnedSockets::fromNewEpolls(before, OwnedSockets::snapshot());

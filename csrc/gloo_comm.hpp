@@ -56,7 +56,9 @@ class OwnedSockets {
   static FdTable snapshot();
   // The sockets registered in epoll instances that `after` has and `before`
   // had not.
-  static OwnedSockets fromNewEpolls(const FdTable& before, const FdTable& after);
+  static OwnedSockets fromNewEpolls(
+      const FdTable& before,
+      const FdTable& after);
 
   // shutdown(SHUT_RDWR) on every connected socket that is still the one we
   // recorded. Safe to call more than once, from any thread.

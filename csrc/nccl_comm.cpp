@@ -126,12 +126,18 @@ ncclDataType_t ncclTypeOf(at::ScalarType type, const char* op) {
       return ncclUint8;
     default:
       TORCH_CHECK_TYPE(
-          false, "ft: ", op, ": dtype ", type, " is not supported on the NCCL path");
+          false,
+          "ft: ",
+          op,
+          ": dtype ",
+          type,
+          " is not supported on the NCCL path");
   }
   return ncclFloat32; // unreachable
 }
 
-ncclRedOp_t ncclOpOf(const c10d::ReduceOp& op, at::ScalarType type, const char* name) {
+ncclRedOp_t
+ncclOpOf(const c10d::ReduceOp& op, at::ScalarType type, const char* name) {
   if (type == at::kBool) {
     // NCCL has no bool: SUM/MAX are "any", PRODUCT/MIN are "all" on bytes.
     if (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::MAX) {
@@ -227,7 +233,9 @@ cudaStream_t acquireLaneStream(int device) {
     }
   }
   cudaStream_t stream = nullptr;
-  checkCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  checkCuda(
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+      "cudaStreamCreate");
   liveStreams.fetch_add(1);
   return stream;
 }
@@ -247,7 +255,10 @@ int ncclLiveStreams() {
 int ncclLinkedVersion() {
   int version = 0;
   ncclResult_t r = ncclGetVersion(&version);
-  TORCH_CHECK(r == ncclSuccess, "ft: ncclGetVersion failed: ", ncclGetErrorString(r));
+  TORCH_CHECK(
+      r == ncclSuccess,
+      "ft: ncclGetVersion failed: ",
+      ncclGetErrorString(r));
   return version;
 }
 
@@ -295,7 +306,9 @@ struct NcclLane::State {
     }
     cudaEvent_t e = nullptr;
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device.load()));
-    checkCuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    checkCuda(
+        cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+        "cudaEventCreate");
     return e;
   }
   void giveEvent(cudaEvent_t e) {
@@ -358,8 +371,9 @@ class NcclWork : public c10d::Work {
     return future_->completed() && !future_->hasError();
   }
   std::exception_ptr exception() const override {
-    return future_->completed() && future_->hasError() ? future_->exception_ptr()
-                                                       : nullptr;
+    return future_->completed() && future_->hasError()
+        ? future_->exception_ptr()
+        : nullptr;
   }
   std::vector<at::Tensor> result() override {
     return outputs_;
@@ -375,7 +389,9 @@ class NcclWork : public c10d::Work {
     // The caller's current stream waits for the op; the CPU does not.
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     auto current = c10::cuda::getCurrentCUDAStream(device_);
-    checkCuda(cudaStreamWaitEvent(current.stream(), end, 0), "cudaStreamWaitEvent");
+    checkCuda(
+        cudaStreamWaitEvent(current.stream(), end, 0),
+        "cudaStreamWaitEvent");
     return true;
   }
 
@@ -399,7 +415,9 @@ class NcclWork : public c10d::Work {
     } else {
       while (!future_->completed()) {
         if (Clock::now() >= until) {
-          throwBackend("wait() timed out after " + std::to_string(timeout.count()) + " ms");
+          throwBackend(
+              "wait() timed out after " + std::to_string(timeout.count()) +
+              " ms");
         }
         std::this_thread::sleep_for(kCompletionPoll);
       }
@@ -410,7 +428,9 @@ class NcclWork : public c10d::Work {
     // Order the caller's stream after the op too.
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
     auto current = c10::cuda::getCurrentCUDAStream(device_);
-    checkCuda(cudaStreamWaitEvent(current.stream(), end, 0), "cudaStreamWaitEvent");
+    checkCuda(
+        cudaStreamWaitEvent(current.stream(), end, 0),
+        "cudaStreamWaitEvent");
     return true;
   }
 
@@ -489,15 +509,17 @@ ncclResult_t NcclLane::State::settle(
     std::this_thread::sleep_for(kSettlePoll);
     lock.lock();
     if (aborted.load() || comm == nullptr) {
-      throwBackend(std::string(what) + " on NCCL lane " + std::to_string(lane) +
-                   " was aborted");
+      throwBackend(
+          std::string(what) + " on NCCL lane " + std::to_string(lane) +
+          " was aborted");
     }
     if (Clock::now() >= deadline) {
       lock.unlock();
       abortComm();
       lock.lock();
-      throwBackend(std::string(what) + " on NCCL lane " + std::to_string(lane) +
-                   " missed its deadline; the communicator was aborted");
+      throwBackend(
+          std::string(what) + " on NCCL lane " + std::to_string(lane) +
+          " missed its deadline; the communicator was aborted");
     }
     ncclResult_t state = ncclSuccess;
     ncclResult_t q = ncclCommGetAsyncError(comm, &state);
@@ -509,20 +531,25 @@ ncclResult_t NcclLane::State::settle(
 void NcclLane::State::pollLoop() {
   const int dev = device.load();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
-  auto laneStream = c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(dev));
+  auto laneStream = c10::cuda::getStreamFromExternal(
+      stream,
+      static_cast<c10::DeviceIndex>(dev));
   std::unique_lock<std::mutex> lock(pollMutex);
   while (true) {
     pollCv.wait(lock, [&] { return stopPoller || !pending.empty(); });
     if (pending.empty()) {
       return;
     }
-    std::vector<c10::intrusive_ptr<NcclWork>> batch(pending.begin(), pending.end());
+    std::vector<c10::intrusive_ptr<NcclWork>> batch(
+        pending.begin(),
+        pending.end());
     const bool stopping = stopPoller;
     lock.unlock();
 
     std::string failure;
     if (aborted.load()) {
-      failure = "the NCCL communicator of lane " + std::to_string(lane) + " was aborted";
+      failure = "the NCCL communicator of lane " + std::to_string(lane) +
+          " was aborted";
     } else if (stopping) {
       failure = "the NCCL lane " + std::to_string(lane) + " was released";
     } else {
@@ -539,7 +566,8 @@ void NcclLane::State::pollLoop() {
     }
 
     size_t finished = 0;
-    std::vector<std::pair<c10::intrusive_ptr<NcclWork>, std::exception_ptr>> done;
+    std::vector<std::pair<c10::intrusive_ptr<NcclWork>, std::exception_ptr>>
+        done;
     for (auto& work : batch) {
       std::exception_ptr error;
       if (!failure.empty()) {
@@ -556,8 +584,9 @@ void NcclLane::State::pollLoop() {
         if (q != cudaSuccess) {
           (void)cudaGetLastError();
           try {
-            throwBackend(std::string("CUDA error on NCCL lane ") + std::to_string(lane) +
-                         ": " + cudaGetErrorString(q));
+            throwBackend(
+                std::string("CUDA error on NCCL lane ") + std::to_string(lane) +
+                ": " + cudaGetErrorString(q));
           } catch (...) {
             error = std::current_exception();
           }
@@ -646,7 +675,8 @@ bool NcclLane::closeIfIdle() {
   // ops (also those of an op that failed after enqueueing, never in `pending`).
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(s.device.load()));
   const cudaError_t q = cudaStreamQuery(s.stream);
-  (void)cudaGetLastError(); // NotReady must not linger as the caller's last error
+  (void)
+      cudaGetLastError(); // NotReady must not linger as the caller's last error
   return q == cudaSuccess;
 }
 
@@ -708,10 +738,13 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
     return;
   }
   if (s.aborted.load()) {
-    throwBackend("NCCL lane " + std::to_string(s.lane) + " was aborted before it connected");
+    throwBackend(
+        "NCCL lane " + std::to_string(s.lane) +
+        " was aborted before it connected");
   }
-  const std::string where = "NCCL init of lane " + std::to_string(s.lane) + " (rank " +
-      std::to_string(s.rank) + " of " + std::to_string(s.size) + ")";
+  const std::string where = "NCCL init of lane " + std::to_string(s.lane) +
+      " (rank " + std::to_string(s.rank) + " of " + std::to_string(s.size) +
+      ")";
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   if (s.stream == nullptr) {
     s.device.store(device);
@@ -723,7 +756,8 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
   if (s.rank == 0) {
     ncclResult_t r = ncclGetUniqueId(&uid);
     if (r != ncclSuccess) {
-      throwBackend(where + ": ncclGetUniqueId failed: " + ncclGetErrorString(r));
+      throwBackend(
+          where + ": ncclGetUniqueId failed: " + ncclGetErrorString(r));
     }
     const auto* bytes = reinterpret_cast<const uint8_t*>(&uid);
     s.store->set("uid", std::vector<uint8_t>(bytes, bytes + sizeof(uid)));
@@ -731,15 +765,21 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
     // Poll, so abort() and the deadline can end the wait.
     while (!s.store->check({"uid"})) {
       if (s.aborted.load()) {
-        throwBackend(where + " was aborted while waiting for rank 0's unique id");
+        throwBackend(
+            where + " was aborted while waiting for rank 0's unique id");
       }
       if (Clock::now() >= deadline) {
-        throwBackend(where + " missed its deadline waiting for rank 0's unique id");
+        throwBackend(
+            where + " missed its deadline waiting for rank 0's unique id");
       }
       std::this_thread::sleep_for(kUniqueIdPoll);
     }
     auto bytes = s.store->get("uid");
-    TORCH_CHECK(bytes.size() == sizeof(uid), "ft: ", where, ": bad unique id in the store");
+    TORCH_CHECK(
+        bytes.size() == sizeof(uid),
+        "ft: ",
+        where,
+        ": bad unique id in the store");
     std::memcpy(&uid, bytes.data(), sizeof(uid));
   }
 
@@ -751,14 +791,16 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
       throwBackend(where + " was aborted");
     }
     ncclComm_t comm = nullptr;
-    ncclResult_t r = ncclCommInitRankConfig(&comm, s.size, uid, s.rank, &config);
+    ncclResult_t r =
+        ncclCommInitRankConfig(&comm, s.size, uid, s.rank, &config);
     if (comm != nullptr) {
       s.comm = comm; // reachable by abort() while the init is in progress
     }
     if (r != ncclSuccess && r != ncclInProgress) {
       lock.unlock();
       s.abortComm();
-      throwBackend(where + ": ncclCommInitRankConfig failed: " + ncclGetErrorString(r));
+      throwBackend(
+          where + ": ncclCommInitRankConfig failed: " + ncclGetErrorString(r));
     }
     while (true) {
       if (s.aborted.load() || s.comm == nullptr) {
@@ -779,8 +821,10 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
       if (Clock::now() >= deadline) {
         lock.unlock();
         s.abortComm();
-        throwBackend(where + " missed its deadline (a peer never joined); "
-                     "the communicator was aborted");
+        throwBackend(
+            where +
+            " missed its deadline (a peer never joined); "
+            "the communicator was aborted");
       }
       lock.unlock();
       std::this_thread::sleep_for(kInitPoll);
@@ -849,7 +893,9 @@ static c10::intrusive_ptr<c10d::Work> runOp(
   } launching(s.launching);
 
   checkCuda(cudaEventRecord(work->ready, caller.stream()), "cudaEventRecord");
-  checkCuda(cudaStreamWaitEvent(s.stream, work->ready, 0), "cudaStreamWaitEvent");
+  checkCuda(
+      cudaStreamWaitEvent(s.stream, work->ready, 0),
+      "cudaStreamWaitEvent");
   {
     c10::cuda::CUDAStreamGuard streamGuard(laneStream);
     if (spec.pre) {
@@ -858,19 +904,22 @@ static c10::intrusive_ptr<c10d::Work> runOp(
     {
       std::unique_lock<std::mutex> lock(s.commMutex);
       if (s.aborted.load() || s.comm == nullptr) {
-        throwBackend(std::string(spec.name) + ": NCCL lane " + std::to_string(s.lane) +
-                     " was aborted");
+        throwBackend(
+            std::string(spec.name) + ": NCCL lane " + std::to_string(s.lane) +
+            " was aborted");
       }
       ncclResult_t r = spec.nccl(s.comm, s.stream);
       // Non-blocking communicator: the kernels are on the stream only once
       // the call has settled.
       r = s.settle(r, lock, deadline, spec.name);
       if (r != ncclSuccess) {
-        const std::string msg = s.comm ? ncclMessage(r, s.comm) : ncclGetErrorString(r);
+        const std::string msg =
+            s.comm ? ncclMessage(r, s.comm) : ncclGetErrorString(r);
         lock.unlock();
         s.abortComm();
-        throwBackend(std::string(spec.name) + " on NCCL lane " + std::to_string(s.lane) +
-                     " failed: " + msg);
+        throwBackend(
+            std::string(spec.name) + " on NCCL lane " + std::to_string(s.lane) +
+            " failed: " + msg);
       }
     }
     if (spec.post) {
@@ -882,7 +931,9 @@ static c10::intrusive_ptr<c10d::Work> runOp(
   // stream is done with it.
   for (const auto& t : all) {
     if (t.storage().data_ptr().get() != nullptr) {
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), laneStream);
+      c10::cuda::CUDACachingAllocator::recordStream(
+          t.storage().data_ptr(),
+          laneStream);
     }
   }
   {
@@ -898,7 +949,8 @@ c10::intrusive_ptr<c10d::Work> NcclLane::allreduce(
     const c10d::AllreduceOptions& opts) {
   TORCH_CHECK_VALUE(!tensors.empty(), "ft: allreduce: no tensors");
   const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "allreduce");
-  const auto op = ncclOpOf(opts.reduceOp, tensors.front().scalar_type(), "allreduce");
+  const auto op =
+      ncclOpOf(opts.reduceOp, tensors.front().scalar_type(), "allreduce");
   OpSpec spec{c10d::OpType::ALLREDUCE, "allreduce", tensors, tensors};
   spec.nccl = [tensors, dtype, op](ncclComm_t comm, cudaStream_t stream) {
     if (tensors.size() == 1) {
@@ -929,10 +981,13 @@ c10::intrusive_ptr<c10d::Work> NcclLane::reduce(
     const c10d::ReduceOptions& opts) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "ft: reduce: expected one tensor");
   const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "reduce");
-  const auto op = ncclOpOf(opts.reduceOp, tensors.front().scalar_type(), "reduce");
+  const auto op =
+      ncclOpOf(opts.reduceOp, tensors.front().scalar_type(), "reduce");
   const int root = static_cast<int>(opts.rootRank);
   OpSpec spec{c10d::OpType::REDUCE, "reduce", tensors, tensors};
-  spec.nccl = [t = tensors.front(), dtype, op, root](ncclComm_t comm, cudaStream_t stream) {
+  spec.nccl = [t = tensors.front(), dtype, op, root](
+                  ncclComm_t comm,
+                  cudaStream_t stream) {
     return ncclReduce(ptr(t), ptr(t), t.numel(), dtype, op, root, comm, stream);
   };
   return runOp(state_, *this, std::move(spec));
@@ -966,7 +1021,10 @@ c10::intrusive_ptr<c10d::Work> NcclLane::allgather(
   const auto& outs = outputTensors.front();
   TORCH_CHECK_VALUE(
       static_cast<int>(outs.size()) == getSize(),
-      "ft: allgather: expected ", getSize(), " output tensors, got ", outs.size());
+      "ft: allgather: expected ",
+      getSize(),
+      " output tensors, got ",
+      outs.size());
   for (const auto& o : outs) {
     TORCH_CHECK_VALUE(
         o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
@@ -977,13 +1035,17 @@ c10::intrusive_ptr<c10d::Work> NcclLane::allgather(
   OpSpec spec{c10d::OpType::ALLGATHER, "allgather", inputTensors, outs};
   const int64_t n = in.numel();
   const int size = getSize();
-  spec.pre = [flat, in, n, size] { *flat = at::empty({n * size}, in.options()); };
+  spec.pre = [flat, in, n, size] {
+    *flat = at::empty({n * size}, in.options());
+  };
   spec.nccl = [flat, in, n, dtype](ncclComm_t comm, cudaStream_t stream) {
     return ncclAllGather(ptr(in), ptr(*flat), n, dtype, comm, stream);
   };
   spec.post = [flat, outs, n] {
     for (size_t i = 0; i < outs.size(); ++i) {
-      outs[i].view({-1}).copy_(flat->narrow(0, static_cast<int64_t>(i) * n, n), true);
+      outs[i].view({-1}).copy_(
+          flat->narrow(0, static_cast<int64_t>(i) * n, n),
+          true);
     }
     flat->reset();
   };
@@ -997,10 +1059,16 @@ c10::intrusive_ptr<c10d::Work> NcclLane::_allgather_base(
   TORCH_CHECK_TYPE(
       outputBuffer.scalar_type() == inputBuffer.scalar_type(),
       "ft: all_gather_into_tensor: input and output dtypes differ");
-  const auto dtype = ncclTypeOf(inputBuffer.scalar_type(), "all_gather_into_tensor");
-  OpSpec spec{c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {inputBuffer},
-              {outputBuffer}};
-  spec.nccl = [out = outputBuffer, in = inputBuffer, dtype](ncclComm_t comm, cudaStream_t stream) {
+  const auto dtype =
+      ncclTypeOf(inputBuffer.scalar_type(), "all_gather_into_tensor");
+  OpSpec spec{
+      c10d::OpType::_ALLGATHER_BASE,
+      "all_gather_into_tensor",
+      {inputBuffer},
+      {outputBuffer}};
+  spec.nccl = [out = outputBuffer,
+               in = inputBuffer,
+               dtype](ncclComm_t comm, cudaStream_t stream) {
     return ncclAllGather(ptr(in), ptr(out), in.numel(), dtype, comm, stream);
   };
   return runOp(state_, *this, std::move(spec));
@@ -1013,12 +1081,24 @@ c10::intrusive_ptr<c10d::Work> NcclLane::allgather_into_tensor_coalesced(
   TORCH_CHECK_VALUE(
       outputs.size() == inputs.size() && !inputs.empty(),
       "ft: allgather_into_tensor_coalesced: need as many outputs as inputs");
-  const auto dtype = ncclTypeOf(inputs.front().scalar_type(), "allgather_into_tensor_coalesced");
-  OpSpec spec{c10d::OpType::COALESCED, "allgather_into_tensor_coalesced", inputs, outputs};
+  const auto dtype = ncclTypeOf(
+      inputs.front().scalar_type(),
+      "allgather_into_tensor_coalesced");
+  OpSpec spec{
+      c10d::OpType::COALESCED,
+      "allgather_into_tensor_coalesced",
+      inputs,
+      outputs};
   spec.nccl = [outputs, inputs, dtype](ncclComm_t comm, cudaStream_t stream) {
     ncclGroupStart();
     for (size_t i = 0; i < inputs.size(); ++i) {
-      ncclAllGather(ptr(inputs[i]), ptr(outputs[i]), inputs[i].numel(), dtype, comm, stream);
+      ncclAllGather(
+          ptr(inputs[i]),
+          ptr(outputs[i]),
+          inputs[i].numel(),
+          dtype,
+          comm,
+          stream);
     }
     return ncclGroupEnd();
   };
@@ -1036,16 +1116,24 @@ c10::intrusive_ptr<c10d::Work> NcclLane::reduce_scatter(
   const auto& ins = inputTensors.front();
   TORCH_CHECK_VALUE(
       static_cast<int>(ins.size()) == getSize(),
-      "ft: reduce_scatter: expected ", getSize(), " input tensors, got ", ins.size());
+      "ft: reduce_scatter: expected ",
+      getSize(),
+      " input tensors, got ",
+      ins.size());
   for (const auto& i : ins) {
     TORCH_CHECK_VALUE(
         i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
-        "ft: reduce_scatter: every input must match the output's size and dtype");
+        "ft: reduce_scatter: every input must match the output's size and "
+        "dtype");
   }
   const auto dtype = ncclTypeOf(out.scalar_type(), "reduce_scatter");
   const auto op = ncclOpOf(opts.reduceOp, out.scalar_type(), "reduce_scatter");
   auto flat = std::make_shared<at::Tensor>();
-  OpSpec spec{c10d::OpType::REDUCE_SCATTER, "reduce_scatter", ins, outputTensors};
+  OpSpec spec{
+      c10d::OpType::REDUCE_SCATTER,
+      "reduce_scatter",
+      ins,
+      outputTensors};
   const int64_t n = out.numel();
   spec.pre = [flat, ins, n] {
     std::vector<at::Tensor> views;
@@ -1069,13 +1157,28 @@ c10::intrusive_ptr<c10d::Work> NcclLane::_reduce_scatter_base(
   TORCH_CHECK_TYPE(
       outputBuffer.scalar_type() == inputBuffer.scalar_type(),
       "ft: reduce_scatter_tensor: input and output dtypes differ");
-  const auto dtype = ncclTypeOf(outputBuffer.scalar_type(), "reduce_scatter_tensor");
-  const auto op = ncclOpOf(opts.reduceOp, outputBuffer.scalar_type(), "reduce_scatter_tensor");
-  OpSpec spec{c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {inputBuffer},
-              {outputBuffer}};
-  spec.nccl = [out = outputBuffer, in = inputBuffer, dtype, op](ncclComm_t comm,
-                                                                  cudaStream_t stream) {
-    return ncclReduceScatter(ptr(in), ptr(out), out.numel(), dtype, op, comm, stream);
+  const auto dtype =
+      ncclTypeOf(outputBuffer.scalar_type(), "reduce_scatter_tensor");
+  const auto op = ncclOpOf(
+      opts.reduceOp,
+      outputBuffer.scalar_type(),
+      "reduce_scatter_tensor");
+  OpSpec spec{
+      c10d::OpType::_REDUCE_SCATTER_BASE,
+      "reduce_scatter_tensor",
+      {inputBuffer},
+      {outputBuffer}};
+  spec.nccl = [out = outputBuffer, in = inputBuffer, dtype, op](
+                  ncclComm_t comm,
+                  cudaStream_t stream) {
+    return ncclReduceScatter(
+        ptr(in),
+        ptr(out),
+        out.numel(),
+        dtype,
+        op,
+        comm,
+        stream);
   };
   return runOp(state_, *this, std::move(spec));
 }
@@ -1087,19 +1190,33 @@ c10::intrusive_ptr<c10d::Work> NcclLane::reduce_scatter_tensor_coalesced(
   TORCH_CHECK_VALUE(
       outputs.size() == inputs.size() && !inputs.empty(),
       "ft: reduce_scatter_tensor_coalesced: need as many outputs as inputs");
-  const auto dtype = ncclTypeOf(outputs.front().scalar_type(), "reduce_scatter_tensor_coalesced");
+  const auto dtype = ncclTypeOf(
+      outputs.front().scalar_type(),
+      "reduce_scatter_tensor_coalesced");
   const auto op = ncclOpOf(
-      opts.reduceOp, outputs.front().scalar_type(), "reduce_scatter_tensor_coalesced");
-  OpSpec spec{kReduceScatterTensorCoalesced,
-              "reduce_scatter_tensor_coalesced", inputs, outputs};
-  spec.nccl = [outputs, inputs, dtype, op](ncclComm_t comm, cudaStream_t stream) {
-    ncclGroupStart();
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      ncclReduceScatter(ptr(inputs[i]), ptr(outputs[i]), outputs[i].numel(), dtype, op, comm,
-                        stream);
-    }
-    return ncclGroupEnd();
-  };
+      opts.reduceOp,
+      outputs.front().scalar_type(),
+      "reduce_scatter_tensor_coalesced");
+  OpSpec spec{
+      kReduceScatterTensorCoalesced,
+      "reduce_scatter_tensor_coalesced",
+      inputs,
+      outputs};
+  spec.nccl =
+      [outputs, inputs, dtype, op](ncclComm_t comm, cudaStream_t stream) {
+        ncclGroupStart();
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          ncclReduceScatter(
+              ptr(inputs[i]),
+              ptr(outputs[i]),
+              outputs[i].numel(),
+              dtype,
+              op,
+              comm,
+              stream);
+        }
+        return ncclGroupEnd();
+      };
   return runOp(state_, *this, std::move(spec));
 }
 
@@ -1115,22 +1232,31 @@ c10::intrusive_ptr<c10d::Work> NcclLane::alltoall_base(
       "ft: all_to_all_single: input and output dtypes differ");
   const auto dtype = ncclTypeOf(inputBuffer.scalar_type(), "all_to_all_single");
   // Offsets and counts in elements; splits are in rows of dim 0.
-  auto layout = [size](const at::Tensor& t, const std::vector<int64_t>& splits,
-                       const char* which) {
+  auto layout = [size](
+                    const at::Tensor& t,
+                    const std::vector<int64_t>& splits,
+                    const char* which) {
     std::vector<int64_t> counts(size), offsets(size);
     const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
     const int64_t rowElems = rows > 0 ? t.numel() / rows : 0;
     if (splits.empty()) {
       TORCH_CHECK_VALUE(
-          rows % size == 0, "ft: all_to_all_single: ", which, " dim 0 (", rows,
-          ") is not divisible by world_size ", size);
+          rows % size == 0,
+          "ft: all_to_all_single: ",
+          which,
+          " dim 0 (",
+          rows,
+          ") is not divisible by world_size ",
+          size);
       for (int p = 0; p < size; ++p) {
         counts[p] = rows / size * rowElems;
         offsets[p] = p * counts[p];
       }
     } else {
       TORCH_CHECK_VALUE(
-          static_cast<int>(splits.size()) == size, "ft: all_to_all_single: ", which,
+          static_cast<int>(splits.size()) == size,
+          "ft: all_to_all_single: ",
+          which,
           " split sizes need world_size entries");
       int64_t at = 0;
       for (int p = 0; p < size; ++p) {
@@ -1139,27 +1265,53 @@ c10::intrusive_ptr<c10d::Work> NcclLane::alltoall_base(
         at += counts[p];
       }
       TORCH_CHECK_VALUE(
-          at <= t.numel(), "ft: all_to_all_single: ", which, " split sizes exceed the tensor");
+          at <= t.numel(),
+          "ft: all_to_all_single: ",
+          which,
+          " split sizes exceed the tensor");
     }
     return std::make_pair(counts, offsets);
   };
-  auto [sendCounts, sendOffsets] = layout(inputBuffer, inputSplitSizes, "input");
-  auto [recvCounts, recvOffsets] = layout(outputBuffer, outputSplitSizes, "output");
+  auto [sendCounts, sendOffsets] =
+      layout(inputBuffer, inputSplitSizes, "input");
+  auto [recvCounts, recvOffsets] =
+      layout(outputBuffer, outputSplitSizes, "output");
   const size_t elem = inputBuffer.element_size();
-  OpSpec spec{c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {inputBuffer}, {outputBuffer}};
-  spec.nccl = [in = inputBuffer, out = outputBuffer, sendCounts = sendCounts,
-               sendOffsets = sendOffsets, recvCounts = recvCounts,
-               recvOffsets = recvOffsets, elem, dtype, size](ncclComm_t comm,
-                                                             cudaStream_t stream) {
+  OpSpec spec{
+      c10d::OpType::ALLTOALL_BASE,
+      "all_to_all_single",
+      {inputBuffer},
+      {outputBuffer}};
+  spec.nccl = [in = inputBuffer,
+               out = outputBuffer,
+               sendCounts = sendCounts,
+               sendOffsets = sendOffsets,
+               recvCounts = recvCounts,
+               recvOffsets = recvOffsets,
+               elem,
+               dtype,
+               size](ncclComm_t comm, cudaStream_t stream) {
     auto* src = static_cast<char*>(ptr(in));
     auto* dst = static_cast<char*>(ptr(out));
     ncclGroupStart();
     for (int p = 0; p < size; ++p) {
       if (sendCounts[p] > 0) {
-        ncclSend(src + sendOffsets[p] * elem, sendCounts[p], dtype, p, comm, stream);
+        ncclSend(
+            src + sendOffsets[p] * elem,
+            sendCounts[p],
+            dtype,
+            p,
+            comm,
+            stream);
       }
       if (recvCounts[p] > 0) {
-        ncclRecv(dst + recvOffsets[p] * elem, recvCounts[p], dtype, p, comm, stream);
+        ncclRecv(
+            dst + recvOffsets[p] * elem,
+            recvCounts[p],
+            dtype,
+            p,
+            comm,
+            stream);
       }
     }
     return ncclGroupEnd();
@@ -1167,27 +1319,27 @@ c10::intrusive_ptr<c10d::Work> NcclLane::alltoall_base(
   return runOp(state_, *this, std::move(spec));
 }
 
-c10::intrusive_ptr<c10d::Work> NcclLane::send(
-    std::vector<at::Tensor>& tensors,
-    int dstRank,
-    int /*tag*/) {
+c10::intrusive_ptr<c10d::Work>
+NcclLane::send(std::vector<at::Tensor>& tensors, int dstRank, int /*tag*/) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "ft: send: expected one tensor");
   const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "send");
   OpSpec spec{c10d::OpType::SEND, "send", tensors, {}};
-  spec.nccl = [t = tensors.front(), dtype, dstRank](ncclComm_t comm, cudaStream_t stream) {
+  spec.nccl = [t = tensors.front(),
+               dtype,
+               dstRank](ncclComm_t comm, cudaStream_t stream) {
     return ncclSend(ptr(t), t.numel(), dtype, dstRank, comm, stream);
   };
   return runOp(state_, *this, std::move(spec));
 }
 
-c10::intrusive_ptr<c10d::Work> NcclLane::recv(
-    std::vector<at::Tensor>& tensors,
-    int srcRank,
-    int /*tag*/) {
+c10::intrusive_ptr<c10d::Work>
+NcclLane::recv(std::vector<at::Tensor>& tensors, int srcRank, int /*tag*/) {
   TORCH_CHECK_VALUE(tensors.size() == 1, "ft: recv: expected one tensor");
   const auto dtype = ncclTypeOf(tensors.front().scalar_type(), "recv");
   OpSpec spec{c10d::OpType::RECV, "recv", {}, tensors};
-  spec.nccl = [t = tensors.front(), dtype, srcRank](ncclComm_t comm, cudaStream_t stream) {
+  spec.nccl = [t = tensors.front(),
+               dtype,
+               srcRank](ncclComm_t comm, cudaStream_t stream) {
     return ncclRecv(ptr(t), t.numel(), dtype, srcRank, comm, stream);
   };
   return runOp(state_, *this, std::move(spec));
@@ -1200,10 +1352,19 @@ c10::intrusive_ptr<c10d::Work> NcclLane::barrier(
       "ft: barrier: the NCCL lane needs the CUDA device to run on");
   const int device = opts.device->index();
   auto token = at::zeros(
-      {1}, at::TensorOptions().dtype(at::kInt).device(at::Device(at::kCUDA, device)));
+      {1},
+      at::TensorOptions().dtype(at::kInt).device(
+          at::Device(at::kCUDA, device)));
   OpSpec spec{c10d::OpType::BARRIER, "barrier", {token}, {token}};
   spec.nccl = [token](ncclComm_t comm, cudaStream_t stream) {
-    return ncclAllReduce(ptr(token), ptr(token), 1, ncclInt32, ncclSum, comm, stream);
+    return ncclAllReduce(
+        ptr(token),
+        ptr(token),
+        1,
+        ncclInt32,
+        ncclSum,
+        comm,
+        stream);
   };
   spec.blockingWait = true;
   return runOp(state_, *this, std::move(spec));

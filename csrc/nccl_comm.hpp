@@ -123,14 +123,10 @@ class NcclLane : public c10d::Backend {
       std::vector<int64_t>& outputSplitSizes,
       std::vector<int64_t>& inputSplitSizes,
       const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(
-      std::vector<at::Tensor>& tensors,
-      int dstRank,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(
-      std::vector<at::Tensor>& tensors,
-      int srcRank,
-      int tag) override;
+  c10::intrusive_ptr<c10d::Work>
+  send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work>
+  recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   // An allreduce of one int on `opts.device` (FtBackend resolves it); its
   // wait() blocks the CPU.
   c10::intrusive_ptr<c10d::Work> barrier(

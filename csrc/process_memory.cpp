@@ -15,19 +15,22 @@
 
 namespace ft {
 
-int readProcessMemory(pid_t pid, uint64_t remoteAddress, void* dst, size_t size) {
+int readProcessMemory(
+    pid_t pid,
+    uint64_t remoteAddress,
+    void* dst,
+    size_t size) {
 #if defined(__linux__)
   auto* out = static_cast<char*>(dst);
   size_t done = 0;
   while (done < size) {
-    // One call moves at most MAX_RW_COUNT (~2 GiB) and stops early at an unmapped page:
-    // loop so that large tensors and partial reads both finish or fail with a reason.
-    struct iovec local {
-      out + done, size - done
-    };
-    struct iovec remote {
-      reinterpret_cast<void*>(static_cast<uintptr_t>(remoteAddress + done)), size - done
-    };
+    // One call moves at most MAX_RW_COUNT (~2 GiB) and stops early at an
+    // unmapped page: loop so that large tensors and partial reads both finish
+    // or fail with a reason.
+    struct iovec local{out + done, size - done};
+    struct iovec remote{
+        reinterpret_cast<void*>(static_cast<uintptr_t>(remoteAddress + done)),
+        size - done};
     ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
     if (n < 0) {
       if (errno == EINTR) {
@@ -57,7 +60,8 @@ int copyAndChecksum(
   std::mutex mu;
   std::condition_variable copiedCv;
   size_t copied = 0; // ranges fully copied, guarded by mu
-  bool copyEnded = false; // no more ranges will be copied (done or failed), guarded by mu
+  bool copyEnded =
+      false; // no more ranges will be copied (done or failed), guarded by mu
   std::vector<uint32_t> rangeCrcs(ranges.size(), 0);
   auto checksumRange = [&](size_t k) {
     uint32_t crc = 0;
@@ -66,8 +70,9 @@ int copyAndChecksum(
     }
     rangeCrcs[k] = crc;
   };
-  // A single range gains nothing from a second thread; without a thread to spare (EAGAIN
-  // under a thread limit) this one checksums each range after copying it.
+  // A single range gains nothing from a second thread; without a thread to
+  // spare (EAGAIN under a thread limit) this one checksums each range after
+  // copying it.
   bool pipelined = ranges.size() > 1;
   std::thread checksummer;
   if (pipelined) {

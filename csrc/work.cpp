@@ -40,9 +40,10 @@ FtWork::FtWork(
       lane_(lane),
       generation_(generation),
       deviceOp_(!devicesOf(outputs_).empty()),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()),
-          devicesOf(outputs_))) {}
+      future_(
+          c10::make_intrusive<c10::ivalue::Future>(
+              c10::ListType::create(c10::TensorType::get()),
+              devicesOf(outputs_))) {}
 
 bool FtWork::isCompleted() {
   return done();

@@ -1,8 +1,10 @@
-// FtWork: the Work handed to torch for every ft collective (docs/design.md, "Abort").
+// FtWork: the Work handed to torch for every ft collective (docs/design.md,
+// "Abort").
 //
 // Contract:
 //  * Exactly one of succeed() / fail() takes effect; the other returns false.
-//  * The finalizer passed to succeed() (the only place ft itself writes into the
+//  * The finalizer passed to succeed() (the only place ft itself writes into
+//  the
 //    caller's tensors after the inner op, e.g. AVG's division or copying a
 //    staged result out) runs under the same lock that fail() takes, so once
 //    fail() has returned the finalizer can never run: an aborted op never

@@ -27,8 +27,9 @@ def member(rank: int, port: int) -> None:
 
     import ft
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=10))
     if rank < 3:
         pg.configure(f"127.0.0.1:{port}/gen1", "demo", rank, 3)
@@ -43,12 +44,18 @@ def member(rank: int, port: int) -> None:
         try:
             dist.all_reduce(t, group=pg)
         except Exception as e:
-            print(f"[rank {rank}] allreduce with a dead peer failed after "
-                  f"{(time.monotonic() - start) * 1e3:.0f} ms: {str(e).splitlines()[0][:90]}...", flush=True)
+            print(
+                f"[rank {rank}] allreduce with a dead peer failed after "
+                f"{(time.monotonic() - start) * 1e3:.0f} ms: {str(e).splitlines()[0][:90]}...",
+                flush=True,
+            )
         print(f"[rank {rank}] errored() = {pg.errored()!r:.80}", flush=True)
         start = time.monotonic()
         pg.configure(f"127.0.0.1:{port}/gen2", "demo", rank, 2)
-        print(f"[rank {rank}] reconfigured to world 2 in {(time.monotonic() - start) * 1e3:.1f} ms", flush=True)
+        print(
+            f"[rank {rank}] reconfigured to world 2 in {(time.monotonic() - start) * 1e3:.1f} ms",
+            flush=True,
+        )
         t = torch.full((4,), float(rank + 1))
         dist.all_reduce(t, group=pg)
         print(f"[rank {rank}] generation 2 (world 2): allreduce -> {t[0].item():.0f}", flush=True)
@@ -61,14 +68,18 @@ def member(rank: int, port: int) -> None:
     pg.configure(f"127.0.0.1:{port}/gen3", "demo", new_rank, 3)
     t = torch.full((4,), float(new_rank + 1))
     dist.all_reduce(t, group=pg)
-    print(f"[rank {new_rank}] generation 3 (world 3, with a new process): allreduce -> {t[0].item():.0f}", flush=True)
+    print(
+        f"[rank {new_rank}] generation 3 (world 3, with a new process): allreduce -> {t[0].item():.0f}",
+        flush=True,
+    )
 
 
 def main() -> None:
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     procs = {}
 
     def wait_keys(keys, timeout_s: float = 60.0) -> None:
@@ -97,8 +108,12 @@ def main() -> None:
         for slot in ("rank0", "rank1", "newcomer"):
             procs[slot].wait(timeout=60)
         ok = all(procs[s].returncode == 0 for s in ("rank0", "rank1", "newcomer"))
-        print("[demo] done: survivors kept their processes, reconfigured in place, and regrew to 3"
-              if ok else "[demo] FAILED", flush=True)
+        print(
+            "[demo] done: survivors kept their processes, reconfigured in place, and regrew to 3"
+            if ok
+            else "[demo] FAILED",
+            flush=True,
+        )
         sys.exit(0 if ok else 1)
     finally:
         for p in procs.values():

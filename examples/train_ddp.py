@@ -74,8 +74,10 @@ def make_spirals(n_per_class: int, seed: int, noise: float = 0.06):
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(2, 128), nn.SiLU(),
-        nn.Linear(128, 128), nn.SiLU(),
+        nn.Linear(2, 128),
+        nn.SiLU(),
+        nn.Linear(128, 128),
+        nn.SiLU(),
         nn.Linear(128, NUM_CLASSES),
     )
 
@@ -129,23 +131,39 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--min-replica-size", type=int, default=1)
     p.add_argument("--async-quorum", action="store_true", help="overlap the quorum with compute")
-    p.add_argument("--transport", choices=("http", "pg"), default="http",
-                   help="how a recovering group receives the live state")
+    p.add_argument(
+        "--transport",
+        choices=("http", "pg"),
+        default="http",
+        help="how a recovering group receives the live state",
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
     p.add_argument("--quorum-timeout", type=float, default=60.0)
-    p.add_argument("--final-wait", type=float, default=60.0,
-                   help="seconds to wait at the end for every replica group to rejoin")
-    p.add_argument("--exit-linger", type=_non_negative, default=1.0,
-                   help="seconds to stay connected after the last step, for peers still "
-                        "finishing it")
+    p.add_argument(
+        "--final-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait at the end for every replica group to rejoin",
+    )
+    p.add_argument(
+        "--exit-linger",
+        type=_non_negative,
+        default=1.0,
+        help="seconds to stay connected after the last step, for peers still finishing it",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="pad every step (demo pacing)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--debug-hash", action="store_true",
-                   help="add the state hash to every step record (to find a divergence)")
+    p.add_argument(
+        "--debug-hash",
+        action="store_true",
+        help="add the state hash to every step record (to find a divergence)",
+    )
     args = p.parse_args()
 
-    logging.basicConfig(level=os.environ.get("FT_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("FT_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     worker.install_chaos_handlers()
 
     group_id = int(os.environ.get("REPLICA_GROUP_ID", "0"))
@@ -162,8 +180,13 @@ def main() -> int:
     x_test, y_test = x_test.to(device), y_test.to(device)
     dataset = TensorDataset(x_train, y_train)
     sampler = ft.DistributedSampler(
-        dataset, replica_rank=group_id, num_replica_groups=num_groups,
-        group_rank=rank, num_replicas=world_size, shuffle=True, seed=args.seed,
+        dataset,
+        replica_rank=group_id,
+        num_replica_groups=num_groups,
+        group_rank=rank,
+        num_replicas=world_size,
+        shuffle=True,
+        seed=args.seed,
     )
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
@@ -174,11 +197,19 @@ def main() -> int:
     group_pg = None
     if world_size > 1:
         store = dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]) + 1,
-            world_size, is_master=rank == 0, timeout=timedelta(seconds=60),
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ["MASTER_PORT"]) + 1,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=60),
         )
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=max(60.0, args.timeout * 6)))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=max(60.0, args.timeout * 6)),
+        )
         group_pg = dist.group.WORLD
 
     healed = {}
@@ -226,6 +257,7 @@ def main() -> int:
         # should_commit().
         if "from" in healed:
             worker.emit("heal", from_step=healed.pop("from"), to_step=manager.current_step())
+
     final_since = None
     announced_final = False
     try:
@@ -237,8 +269,12 @@ def main() -> int:
             step = manager.current_step()
             report_heal()
             if args.debug_hash:
-                worker.emit("debug", step=step, pre_hash=state_hash(net, inner_opt)[:12],
-                            model_hash=state_hash(net, None)[:12])
+                worker.emit(
+                    "debug",
+                    step=step,
+                    pre_hash=state_hash(net, inner_opt)[:12],
+                    model_hash=state_hash(net, None)[:12],
+                )
 
             # Stop when this step count is reached and every group is back, or when asked to
             # (the flag is averaged below, so everyone in the quorum takes the same decision).
@@ -246,7 +282,9 @@ def main() -> int:
             if at_end and final_since is None:
                 final_since = time.monotonic()
             everyone_back = manager.num_participants() >= num_groups
-            waited_out = final_since is not None and time.monotonic() - final_since > args.final_wait
+            waited_out = (
+                final_since is not None and time.monotonic() - final_since > args.final_wait
+            )
             want_stop = worker.stop_requested() or (at_end and (everyone_back or waited_out))
             if (at_end or want_stop) and not announced_final:
                 announced_final = True
@@ -266,8 +304,9 @@ def main() -> int:
                 grads = b"".join(q.grad.detach().cpu().numpy().tobytes() for q in net.parameters())
                 worker.emit("debug", step=step, grad_hash=hashlib.sha256(grads).hexdigest()[:12])
 
-            ctrl = torch.tensor([float(want_stop), float(at_end), loss.detach().item()],
-                                device=device)
+            ctrl = torch.tensor(
+                [float(want_stop), float(at_end), loss.detach().item()], device=device
+            )
             manager.allreduce(ctrl).wait()
             if group_pg is not None:  # the ranks of this group average too
                 flat = [ctrl] + [q.grad for q in net.parameters() if q.grad is not None]
@@ -280,10 +319,16 @@ def main() -> int:
                 # No update: a barrier step that shows every participant holds the state.
                 committed = manager.should_commit()
                 report_heal()
-                worker.emit("step", step=manager.current_step(), loss=round(mean_loss, 5),
-                            participants=manager.num_participants(),
-                            quorum_id=manager.quorum_id(), committed=committed, injected=injected,
-                            barrier=True)
+                worker.emit(
+                    "step",
+                    step=manager.current_step(),
+                    loss=round(mean_loss, 5),
+                    participants=manager.num_participants(),
+                    quorum_id=manager.quorum_id(),
+                    committed=committed,
+                    injected=injected,
+                    barrier=True,
+                )
                 if committed and stop_now > 0:
                     trained = min(step, args.steps)  # no update happens at or after args.steps
                     break
@@ -294,26 +339,45 @@ def main() -> int:
             committed = manager.current_step() > step
             report_heal()
             extra = {"hash": state_hash(net, inner_opt)[:12]} if args.debug_hash else {}
-            worker.emit("step", step=manager.current_step(), loss=round(mean_loss, 5),
-                        participants=manager.num_participants(), quorum_id=manager.quorum_id(),
-                        committed=committed, injected=injected, **extra)
+            worker.emit(
+                "step",
+                step=manager.current_step(),
+                loss=round(mean_loss, 5),
+                participants=manager.num_participants(),
+                quorum_id=manager.quorum_id(),
+                committed=committed,
+                injected=injected,
+                **extra,
+            )
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     except BaseException as e:  # noqa: BLE001 - the launcher restarts the whole group
         import traceback
 
         traceback.print_exc()
-        print(f"train_ddp: group {group_id} rank {rank}: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+        print(
+            f"train_ddp: group {group_id} rank {rank}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(1)  # do not linger in teardown: the group is restarted as a whole
 
     test_loss, acc = evaluate(net, x_test, y_test)
     digest = state_hash(net, inner_opt)
-    worker.emit("done", step=trained, manager_step=manager.current_step(), hash=digest,
-                accuracy=round(acc, 4), test_loss=round(test_loss, 5))
-    print(f"train_ddp: group {group_id} rank {rank} done after {trained} steps: "
-          f"test loss {test_loss:.4f}, accuracy {acc:.1%}, state sha256 {digest}", flush=True)
+    worker.emit(
+        "done",
+        step=trained,
+        manager_step=manager.current_step(),
+        hash=digest,
+        accuracy=round(acc, 4),
+        test_loss=round(test_loss, 5),
+    )
+    print(
+        f"train_ddp: group {group_id} rank {rank} done after {trained} steps: "
+        f"test loss {test_loss:.4f}, accuracy {acc:.1%}, state sha256 {digest}",
+        flush=True,
+    )
     _write_hash(group_id, rank, digest)
     # The other groups may still be reading the last allreduce from us: exiting now would reset
     # those connections, discard what they have not read yet and fail their final step (they
@@ -323,8 +387,6 @@ def main() -> int:
     if group_pg is not None:
         dist.destroy_process_group()
     return 0
-
-
 
 
 def _non_negative(text: str) -> float:

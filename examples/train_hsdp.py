@@ -66,8 +66,9 @@ def make_spirals(n_per_class: int, seed: int, noise: float = 0.06):
 
 
 def make_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(2, 128), nn.SiLU(), nn.Linear(128, 128), nn.SiLU(),
-                         nn.Linear(128, NUM_CLASSES))
+    return nn.Sequential(
+        nn.Linear(2, 128), nn.SiLU(), nn.Linear(128, 128), nn.SiLU(), nn.Linear(128, NUM_CLASSES)
+    )
 
 
 def full_state_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -111,16 +112,26 @@ def main() -> int:
     p.add_argument("--min-replica-size", type=int, default=1)
     p.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
     p.add_argument("--quorum-timeout", type=float, default=60.0)
-    p.add_argument("--final-wait", type=float, default=60.0,
-                   help="seconds to wait at the end for every replica group to rejoin")
-    p.add_argument("--exit-linger", type=float, default=1.0,
-                   help="seconds to stay connected after the last step, for peers still in it")
+    p.add_argument(
+        "--final-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait at the end for every replica group to rejoin",
+    )
+    p.add_argument(
+        "--exit-linger",
+        type=float,
+        default=1.0,
+        help="seconds to stay connected after the last step, for peers still in it",
+    )
     p.add_argument("--step-sleep", type=float, default=0.0, help="pad every step (demo pacing)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    logging.basicConfig(level=os.environ.get("FT_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("FT_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     worker.install_chaos_handlers()
     torch.set_num_threads(1)
 
@@ -131,18 +142,33 @@ def main() -> int:
     worker.emit("start", attempt=int(os.environ.get("FT_LAUNCH_ATTEMPT", "1")), device="cpu")
 
     # The group's own process group: FSDP2 shards over it. MASTER_PORT is the Manager's store.
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                          int(os.environ.get("MASTER_PORT", "29500")) + 1, world_size,
-                          is_master=rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=max(60.0, args.timeout * 6)))
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ.get("MASTER_PORT", "29500")) + 1,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=60),
+    )
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=max(60.0, args.timeout * 6)),
+    )
 
     x_train, y_train = make_spirals(2000, seed=1234)
     x_test, y_test = make_spirals(500, seed=4321)
     dataset = TensorDataset(x_train, y_train)
-    sampler = ft.DistributedSampler(dataset, replica_rank=group_id, num_replica_groups=num_groups,
-                                    group_rank=rank, num_replicas=world_size, shuffle=True,
-                                    seed=args.seed)
+    sampler = ft.DistributedSampler(
+        dataset,
+        replica_rank=group_id,
+        num_replica_groups=num_groups,
+        group_rank=rank,
+        num_replicas=world_size,
+        shuffle=True,
+        seed=args.seed,
+    )
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     torch.manual_seed(args.seed)  # same initial weights everywhere (init_sync also heals them)
@@ -162,15 +188,24 @@ def main() -> int:
 
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
     manager = ft.Manager(
-        pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
-        min_replica_size=args.min_replica_size, use_async_quorum=False,
-        replica_id=f"train_hsdp_{group_id}", rank=rank, world_size=world_size,
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=args.min_replica_size,
+        use_async_quorum=False,
+        replica_id=f"train_hsdp_{group_id}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=args.timeout),
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
     )
-    mesh = ft_init_device_mesh(device_type="cpu", mesh_shape=(num_groups, world_size),
-                               mesh_dim_names=("dp_replicate", "dp_shard"), replicate_dim=0,
-                               manager=manager)
+    mesh = ft_init_device_mesh(
+        device_type="cpu",
+        mesh_shape=(num_groups, world_size),
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+        replicate_dim=0,
+        manager=manager,
+    )
     for layer in (net[0], net[2], net[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -205,8 +240,9 @@ def main() -> int:
                 final_since = time.monotonic()
                 worker.emit("final", step=step)
             everyone_back = manager.num_participants() >= num_groups
-            waited_out = (final_since is not None
-                          and time.monotonic() - final_since > args.final_wait)
+            waited_out = (
+                final_since is not None and time.monotonic() - final_since > args.final_wait
+            )
             want_stop = worker.stop_requested() or (at_end and (everyone_back or waited_out))
 
             injected = worker.take_injected_allreduce_failure()
@@ -227,10 +263,16 @@ def main() -> int:
             if stop_now > 0 or end_now > 0:
                 committed = manager.should_commit()  # an update-free step: everyone agrees
                 report_heal()
-                worker.emit("step", step=manager.current_step(), loss=round(mean_loss, 5),
-                            participants=manager.num_participants(),
-                            quorum_id=manager.quorum_id(), committed=committed,
-                            injected=injected, barrier=True)
+                worker.emit(
+                    "step",
+                    step=manager.current_step(),
+                    loss=round(mean_loss, 5),
+                    participants=manager.num_participants(),
+                    quorum_id=manager.quorum_id(),
+                    committed=committed,
+                    injected=injected,
+                    barrier=True,
+                )
                 if committed and stop_now > 0:
                     trained = min(step, args.steps)
                     break
@@ -240,25 +282,43 @@ def main() -> int:
             optimizer.step()  # commits only if every participant succeeded
             committed = manager.current_step() > step
             report_heal()
-            worker.emit("step", step=manager.current_step(), loss=round(mean_loss, 5),
-                        participants=manager.num_participants(), quorum_id=manager.quorum_id(),
-                        committed=committed, injected=injected)
+            worker.emit(
+                "step",
+                step=manager.current_step(),
+                loss=round(mean_loss, 5),
+                participants=manager.num_participants(),
+                quorum_id=manager.quorum_id(),
+                committed=committed,
+                injected=injected,
+            )
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     except BaseException as e:  # noqa: BLE001 - the launcher restarts the whole group
         import traceback
 
         traceback.print_exc()
-        print(f"train_hsdp: group {group_id} rank {rank}: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+        print(
+            f"train_hsdp: group {group_id} rank {rank}: {type(e).__name__}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)  # a group with a dead rank cannot go on: it is restarted as a whole
 
     test_loss, acc = evaluate(net, x_test, y_test)
     digest = full_state_hash(net, inner)
-    worker.emit("done", step=trained, manager_step=manager.current_step(), hash=digest,
-                accuracy=round(acc, 4), test_loss=round(test_loss, 5))
-    print(f"train_hsdp: group {group_id} rank {rank} done after {trained} steps: test loss "
-          f"{test_loss:.4f}, accuracy {acc:.1%}, full state sha256 {digest}", flush=True)
+    worker.emit(
+        "done",
+        step=trained,
+        manager_step=manager.current_step(),
+        hash=digest,
+        accuracy=round(acc, 4),
+        test_loss=round(test_loss, 5),
+    )
+    print(
+        f"train_hsdp: group {group_id} rank {rank} done after {trained} steps: test loss "
+        f"{test_loss:.4f}, accuracy {acc:.1%}, full state sha256 {digest}",
+        flush=True,
+    )
     time.sleep(args.exit_linger)  # peers may still be reading the last allreduce from us
     manager.shutdown()
     dist.destroy_process_group()

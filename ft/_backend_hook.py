@@ -35,7 +35,9 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: it lets the other finders find ``torch``, then wraps that one
     loader's ``exec_module`` so that the registration runs right after torch's own code."""
 
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None):
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
+    ):
         if fullname != _TORCH:
             return None
         _disarm()
@@ -55,8 +57,11 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
             try:
                 _register()
             except Exception as e:  # noqa: BLE001  (never break the user's `import torch`)
-                warnings.warn(f"ft: the torch.distributed backend 'ft' could not be registered: {e!r}",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"ft: the torch.distributed backend 'ft' could not be registered: {e!r}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
         spec.loader.exec_module = exec_then_register  # this loader object loads only torch
         return spec

@@ -81,9 +81,7 @@ class Bucket:
     segments: Tuple[Segment, ...]
 
 
-def plan_buckets(
-    tensors: Sequence[torch.Tensor], cap_bytes: Optional[int]
-) -> List[Bucket]:
+def plan_buckets(tensors: Sequence[torch.Tensor], cap_bytes: Optional[int]) -> List[Bucket]:
     """Splits `tensors` into buckets of at most `cap_bytes` bytes each.
 
     Tensors are grouped by (dtype, device) in order of first appearance; each
@@ -152,8 +150,8 @@ class BucketedAllreduce:
             else:
                 buf = torch.empty(b.numel, dtype=b.dtype, device=b.device)
                 for s in b.segments:
-                    buf[s.bucket_offset:s.bucket_offset + s.length].copy_(
-                        flats[s.index][s.tensor_offset:s.tensor_offset + s.length]
+                    buf[s.bucket_offset : s.bucket_offset + s.length].copy_(
+                        flats[s.index][s.tensor_offset : s.tensor_offset + s.length]
                     )
             self._pending.append((b, buf, allreduce_fn(buf)))
         self._flats = flats
@@ -166,8 +164,8 @@ class BucketedAllreduce:
         for b, buf, work in self._pending:
             work.wait()
             for s in b.segments:
-                dst = self._flats[s.index][s.tensor_offset:s.tensor_offset + s.length]
-                src = buf[s.bucket_offset:s.bucket_offset + s.length]
+                dst = self._flats[s.index][s.tensor_offset : s.tensor_offset + s.length]
+                src = buf[s.bucket_offset : s.bucket_offset + s.length]
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
         self._pending = []
@@ -275,8 +273,10 @@ def _lane_worker(pg: object, lane_index: int) -> _LaneWorker:
         return w
 
 
-def _reduce_op_of(opts: Union[dist.AllreduceOptions, dist.ReduceScatterOptions, ReduceOp,
-                              "ReduceOp.RedOpType"], what: str = "allreduce"):
+def _reduce_op_of(
+    opts: Union[dist.AllreduceOptions, dist.ReduceScatterOptions, ReduceOp, "ReduceOp.RedOpType"],
+    what: str = "allreduce",
+):
     if isinstance(opts, (dist.AllreduceOptions, dist.ReduceScatterOptions)):
         op = opts.reduceOp
     else:
@@ -299,7 +299,7 @@ def _quantized_allreduce_blocking(
     flat = torch.zeros(world * chunk, dtype=torch.float32, device=device)
     off = 0
     for t in tensors:
-        flat[off:off + t.numel()].copy_(t.reshape(-1))
+        flat[off : off + t.numel()].copy_(t.reshape(-1))
         off += t.numel()
 
     # Phase 1 (reduce-scatter): rank r receives everyone's quantized chunk r.
@@ -322,7 +322,7 @@ def _quantized_allreduce_blocking(
 
     off = 0
     for t in tensors:
-        t.copy_(result[off:off + t.numel()].view_as(t))
+        t.copy_(result[off : off + t.numel()].view_as(t))
         off += t.numel()
 
 
@@ -398,11 +398,13 @@ def get_padded_sizes(tensors: List[torch.Tensor], world_size: int) -> List[torch
 def _check_same_device_dtype(tensors: Sequence[torch.Tensor], what: str) -> None:
     for t in tensors[1:]:
         if t.device != tensors[0].device:
-            raise ValueError(f"{what} needs all tensors on one device, got "
-                             f"{tensors[0].device} and {t.device}")
+            raise ValueError(
+                f"{what} needs all tensors on one device, got {tensors[0].device} and {t.device}"
+            )
         if t.dtype != tensors[0].dtype:
-            raise ValueError(f"{what} needs all tensors of one dtype, got "
-                             f"{tensors[0].dtype} and {t.dtype}")
+            raise ValueError(
+                f"{what} needs all tensors of one dtype, got {tensors[0].dtype} and {t.dtype}"
+            )
 
 
 def allocate_reduce_scatter_output(
@@ -422,7 +424,11 @@ def allocate_reduce_scatter_output(
 
 
 def _quantized_reduce_scatter_blocking(
-    output: torch.Tensor, inputs: List[torch.Tensor], op, pg, block_size: int,
+    output: torch.Tensor,
+    inputs: List[torch.Tensor],
+    op,
+    pg,
+    block_size: int,
     dtype: torch.dtype,
 ) -> None:
     world = pg.size()
@@ -431,8 +437,10 @@ def _quantized_reduce_scatter_blocking(
     shares = [s.numel() // world for s in padded]  # elements per rank, per tensor
     total = sum(shares)
     if output.numel() != total:
-        raise ValueError(f"reduce_scatter_quantized: output has {output.numel()} elements, "
-                         f"this rank's share is {total} (allocate_reduce_scatter_output)")
+        raise ValueError(
+            f"reduce_scatter_quantized: output has {output.numel()} elements, "
+            f"this rank's share is {total} (allocate_reduce_scatter_output)"
+        )
     chunk = max(1, math.ceil(total / block_size)) * block_size  # per destination rank
     # Row d of `flat` is what rank d receives: its rows of every (zero-padded) tensor.
     flat = torch.zeros(world, chunk, dtype=torch.float32, device=device)
@@ -440,7 +448,7 @@ def _quantized_reduce_scatter_blocking(
     for t, size, share in zip(inputs, padded, shares):
         rows = torch.zeros(size, dtype=torch.float32, device=device)
         rows[: t.shape[0]].copy_(t.reshape(t.shape[0], *size[1:]))
-        flat[:, off:off + share].copy_(rows.view(world, share))
+        flat[:, off : off + share].copy_(rows.view(world, share))
         off += share
 
     q, scale = quantize_blockwise(flat.view(-1), block_size, dtype)
@@ -488,18 +496,21 @@ def reduce_scatter_quantized(
     _check_same_device_dtype(inputs, "reduce_scatter_quantized")
     if not inputs[0].is_floating_point():
         raise ValueError(
-            f"quantized reduce-scatter needs floating-point tensors, got {inputs[0].dtype}")
+            f"quantized reduce-scatter needs floating-point tensors, got {inputs[0].dtype}"
+        )
     if output.device != inputs[0].device:
-        raise ValueError(f"reduce_scatter_quantized: output is on {output.device}, inputs on "
-                         f"{inputs[0].device}")
+        raise ValueError(
+            f"reduce_scatter_quantized: output is on {output.device}, inputs on {inputs[0].device}"
+        )
     if inputs[0].is_cuda:
         (sync_stream or torch.cuda.current_stream(inputs[0].device)).synchronize()
     fut = torch.futures.Future()
 
     def job() -> None:
         try:
-            _quantized_reduce_scatter_blocking(output, inputs, op, process_group, block_size,
-                                               wire_dtype)
+            _quantized_reduce_scatter_blocking(
+                output, inputs, op, process_group, block_size, wire_dtype
+            )
         except BaseException as e:  # noqa: BLE001 - delivered through the future
             fut.set_exception(e)
             return

@@ -77,9 +77,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         self.register_comm_hook(manager, self._comm_hook)
 
     @staticmethod
-    def _comm_hook(
-        state: "Manager", bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
+    def _comm_hook(state: "Manager", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return state.allreduce(bucket.buffer()).get_future()
 
 

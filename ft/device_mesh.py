@@ -109,8 +109,10 @@ class ManagedDeviceMesh(DeviceMesh):
         names = tuple(mesh_dim_names)
         inner_ndim = mesh.ndim if mesh is not None else 0
         if len(names) != inner_ndim + 1:
-            raise ValueError(f"mesh_dim_names {names} must name the {inner_ndim} dimension(s) of "
-                             f"mesh plus the replicate dimension")
+            raise ValueError(
+                f"mesh_dim_names {names} must name the {inner_ndim} dimension(s) of "
+                f"mesh plus the replicate dimension"
+            )
         if not 0 <= replicate_dim < len(names):
             raise ValueError(f"replicate_dim {replicate_dim} is out of range for {names}")
         if not isinstance(replicate_size, int) or replicate_size < 1:
@@ -119,15 +121,19 @@ class ManagedDeviceMesh(DeviceMesh):
         device = source.device_type if source is not None else device_type
         if device is None:
             raise ValueError("ManagedDeviceMesh needs mesh, parent or device_type")
-        groups: List[Any] = ([mesh.get_group(i) for i in range(inner_ndim)]
-                             if mesh is not None else [])
+        groups: List[Any] = (
+            [mesh.get_group(i) for i in range(inner_ndim)] if mesh is not None else []
+        )
         groups.insert(replicate_dim, replicate_pg)
         # torch's public constructor for a mesh of existing groups builds the state; this
         # object takes it over (DeviceMesh keeps all of it in its instance dict). Always a
         # list: given one group alone, from_group wants the group's own ranks as the mesh.
         built = DeviceMesh.from_group(
-            groups, device, mesh=_stacked_ranks(mesh, replicate_dim, replicate_size),
-            mesh_dim_names=names)
+            groups,
+            device,
+            mesh=_stacked_ranks(mesh, replicate_dim, replicate_size),
+            mesh_dim_names=names,
+        )
         self.__dict__.update(built.__dict__)
         self.replicate_dim = replicate_dim
         self.parent = parent
@@ -183,8 +189,9 @@ def ft_init_device_mesh(
     shape = [int(n) for n in mesh_shape]
     names = [str(n) for n in mesh_dim_names]
     if len(shape) != len(names):
-        raise ValueError(f"mesh_shape {tuple(shape)} and mesh_dim_names {tuple(names)} differ "
-                         f"in length")
+        raise ValueError(
+            f"mesh_shape {tuple(shape)} and mesh_dim_names {tuple(names)} differ in length"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"mesh_dim_names must be unique, got {tuple(names)}")
     if not -len(shape) <= replicate_dim < len(shape):
@@ -194,12 +201,19 @@ def ft_init_device_mesh(
     replicate_name = names.pop(replicate_dim)
     if not dist.is_initialized():
         dist.init_process_group()  # from the environment, as init_device_mesh would
-    inner = (init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-             if shape else None)
+    inner = (
+        init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)) if shape else None
+    )
     group = _managed_group(manager, replicate_name)
     names.insert(replicate_dim, replicate_name)
-    return ManagedDeviceMesh(inner, tuple(names), group, replicate_dim,
-                             replicate_size=max(1, replicate_size), device_type=device_type)
+    return ManagedDeviceMesh(
+        inner,
+        tuple(names),
+        group,
+        replicate_dim,
+        replicate_size=max(1, replicate_size),
+        device_type=device_type,
+    )
 
 
 def extend_device_mesh(mesh: DeviceMesh, pg: Any, name: str = "dp", dim: int = 0) -> DeviceMesh:
@@ -213,5 +227,6 @@ def extend_device_mesh(mesh: DeviceMesh, pg: Any, name: str = "dp", dim: int = 0
     groups.insert(dim, pg)
     names = list(mesh.mesh_dim_names or [f"dim_{i}" for i in range(mesh.ndim)])
     names.insert(dim, name)
-    return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh.unsqueeze(dim),
-                                 mesh_dim_names=tuple(names))
+    return DeviceMesh.from_group(
+        groups, mesh.device_type, mesh=mesh.mesh.unsqueeze(dim), mesh_dim_names=tuple(names)
+    )

@@ -132,8 +132,9 @@ def future_timeout(fut: Future, timeout: timedelta) -> Future:
         return True
 
     def expire() -> None:
-        settle(lambda: out.set_exception(
-            TimeoutError(f"future did not complete within {delay:g}s")))
+        settle(
+            lambda: out.set_exception(TimeoutError(f"future did not complete within {delay:g}s"))
+        )
 
     handle = _TIMER.schedule(delay, expire)
 

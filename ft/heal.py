@@ -55,14 +55,16 @@ class ReceivedCheckpoint:
 class Healer:
     """Sends and fetches the live state of one replica group (see the module docstring)."""
 
-    def __init__(self, transport: CheckpointTransport[Dict[str, Any]],
-                 connect_timeout: timedelta) -> None:
+    def __init__(
+        self, transport: CheckpointTransport[Dict[str, Any]], connect_timeout: timedelta
+    ) -> None:
         self.transport = transport
         self._connect_timeout = connect_timeout
         self._peer_clients: Dict[str, ManagerClient] = {}
 
-    def send(self, quorum: QuorumResult, state_dict: Callable[[], Dict[str, Any]],
-             timeout: timedelta) -> None:
+    def send(
+        self, quorum: QuorumResult, state_dict: Callable[[], Dict[str, Any]], timeout: timedelta
+    ) -> None:
         if not quorum.recover_dst_replica_ranks:
             return
         try:
@@ -76,22 +78,31 @@ class Healer:
             self.transport.abandon_checkpoint(quorum.max_step, f"{type(e).__name__}: {e}")
             raise
 
-    def receive(self, quorum: QuorumResult, group_rank: int, timeout: timedelta,
-                required_keys: Collection[str]) -> ReceivedCheckpoint:
+    def receive(
+        self,
+        quorum: QuorumResult,
+        group_rank: int,
+        timeout: timedelta,
+        required_keys: Collection[str],
+    ) -> ReceivedCheckpoint:
         src = quorum.recover_src_replica_rank
         if src is None or not quorum.recover_src_manager_address:
-            raise ValueError(f"quorum {quorum.quorum_id} asks this replica to heal but names no "
-                             f"source (rank {src!r}, address "
-                             f"{quorum.recover_src_manager_address!r})")
+            raise ValueError(
+                f"quorum {quorum.quorum_id} asks this replica to heal but names no "
+                f"source (rank {src!r}, address "
+                f"{quorum.recover_src_manager_address!r})"
+            )
         t0 = time.monotonic()
         peer = self._peer_client(quorum.recover_src_manager_address)
         metadata = peer.checkpoint_metadata(group_rank, timeout=timeout)
         metadata_s = time.monotonic() - t0
         state = self.transport.recv_checkpoint(
-            src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout)
+            src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout
+        )
         check_checkpoint(state, required_keys)
-        return ReceivedCheckpoint(state, metadata, metadata_s,
-                                  getattr(self.transport, "last_recv_path", None))
+        return ReceivedCheckpoint(
+            state, metadata, metadata_s, getattr(self.transport, "last_recv_path", None)
+        )
 
     def close(self) -> None:
         for peer in self._peer_clients.values():

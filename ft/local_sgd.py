@@ -81,7 +81,9 @@ class StreamingPlan:
     prepare_at: int  # P - tau: the inner step (1-based, within a period) that sends
 
 
-def streaming_plan(sync_every: int, n_fragments: int, fragment_sync_delay: int = 0) -> StreamingPlan:
+def streaming_plan(
+    sync_every: int, n_fragments: int, fragment_sync_delay: int = 0
+) -> StreamingPlan:
     """Validates the DiLoCo schedule parameters and returns the plan.
 
     P = sync_every / n_fragments must be a whole number, and
@@ -161,8 +163,12 @@ def _load_optimizer_state(opt: torch.optim.Optimizer, sd: Dict[str, Any]) -> Non
             continue
         shape = _local(p.detach()).shape
         for k, v in list(st.items()):
-            if k != "step" and torch.is_tensor(v) and not hasattr(v, "device_mesh") \
-                    and v.shape == shape:
+            if (
+                k != "step"
+                and torch.is_tensor(v)
+                and not hasattr(v, "device_mesh")
+                and v.shape == shape
+            ):
                 st[k] = _like_param(p, v)
 
 
@@ -298,8 +304,7 @@ class LocalSGD(_OnOptimizerStep):
         _check_placements(self._params)
         self._backup: Optional[Dict[str, torch.Tensor]] = None
         if keep_backup:
-            self._backup = {n: _make_backup(p, backup_device, pin_memory)
-                            for n, p in self._params}
+            self._backup = {n: _make_backup(p, backup_device, pin_memory) for n, p in self._params}
             manager.register_state_dict_fn("LocalSGD", self._load_state_dict, self._state_dict)
         self._local_step = 0
         self._total_steps = 0
@@ -332,7 +337,10 @@ class LocalSGD(_OnOptimizerStep):
         averages = [_local(p.detach()).clone() for _, p in self._params]
         try:
             _allreduce_all(
-                self._manager, averages, self._should_quantize, self._bucket_cap,
+                self._manager,
+                averages,
+                self._should_quantize,
+                self._bucket_cap,
                 self._use_bucketization,
             ).wait()
         except Exception as e:  # the Manager reports its own errors; this is belt and braces
@@ -418,7 +426,9 @@ class DiLoCo(_OnOptimizerStep):
         model_fragments = list(model_fragments)
         self._plan = streaming_plan(sync_every, len(model_fragments), fragment_sync_delay)
         if not 0.0 <= float(fragment_update_alpha) <= 1.0:
-            raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+            raise ValueError(
+                f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}"
+            )
         if manager.use_async_quorum:
             raise ValueError(
                 "DiLoCo requires a Manager with use_async_quorum=False: the fragment to sync is "
@@ -446,7 +456,8 @@ class DiLoCo(_OnOptimizerStep):
         self._use_bucketization = _bucketization(use_bucketization)
         self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
         self._fragments = [
-            _Fragment(i, m, outer[i], backup_device, pin_memory) for i, m in enumerate(model_fragments)
+            _Fragment(i, m, outer[i], backup_device, pin_memory)
+            for i, m in enumerate(model_fragments)
         ]
         self._local_step = 0
         self._pending: Optional[Tuple[int, List[torch.Tensor], Any]] = None
@@ -514,7 +525,10 @@ class DiLoCo(_OnOptimizerStep):
         pseudo = frag.pseudo_gradients()
         with lane(self.lane_for(f)):
             handle = _allreduce_all(
-                self._manager, pseudo, self._should_quantize, self._bucket_cap,
+                self._manager,
+                pseudo,
+                self._should_quantize,
+                self._bucket_cap,
                 self._use_bucketization,
             )
         self._pending = (f, pseudo, handle)
@@ -559,7 +573,9 @@ class DiLoCo(_OnOptimizerStep):
         mine = {id(p) for _, p in frag.params}
         missing = mine - set(saved)
         if missing:
-            raise ValueError(f"the outer optimizer of fragment {frag.index} does not hold all its parameters")
+            raise ValueError(
+                f"the outer optimizer of fragment {frag.index} does not hold all its parameters"
+            )
         try:
             for (_, p), g in zip(frag.params, pseudo):
                 p.grad = _like_param(p, g)

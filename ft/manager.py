@@ -42,7 +42,6 @@ import inspect
 import logging
 import os
 import pickle
-import socket
 import threading
 import time
 import traceback
@@ -52,7 +51,7 @@ from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -124,8 +123,7 @@ def get_timeout(timeout_sec_env: Optional[str], default_timeout_sec: timedelta) 
     try:
         return timedelta(seconds=float(timeout_sec_env))
     except ValueError:
-        raise ValueError(
-            f"a timeout in seconds was expected, got {timeout_sec_env!r}") from None
+        raise ValueError(f"a timeout in seconds was expected, got {timeout_sec_env!r}") from None
 
 
 # --------------------------------------------------------------------------- errors
@@ -208,9 +206,11 @@ def _traceback_type_for(original: type) -> type:
         made = _traceback_types.get(original)
         if made is None:
             try:
-                made = type(f"ExceptionWithTraceback[{original.__qualname__}]",
-                            (ExceptionWithTraceback, original),
-                            {"__module__": __name__})
+                made = type(
+                    f"ExceptionWithTraceback[{original.__qualname__}]",
+                    (ExceptionWithTraceback, original),
+                    {"__module__": __name__},
+                )
             except TypeError:  # final type or layout conflict
                 made = ExceptionWithTraceback
             _traceback_types[original] = made
@@ -239,8 +239,11 @@ def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futur
     ``timeout`` from now (``fut`` itself is left alone)."""
     if fut.done():
         return fut
-    devices = ([torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-               if torch.cuda.is_available() else None)
+    devices = (
+        [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else None
+    )
     out: torch.futures.Future = torch.futures.Future(devices=devices)
     lock = threading.Lock()
     settled = [False]
@@ -253,8 +256,11 @@ def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futur
         set_outcome()
 
     def expire() -> None:
-        settle(lambda: out.set_exception(
-            TimeoutError(f"future not completed within {timeout.total_seconds():g}s")))
+        settle(
+            lambda: out.set_exception(
+                TimeoutError(f"future not completed within {timeout.total_seconds():g}s")
+            )
+        )
 
     timer = threading.Timer(max(0.0, to_seconds(timeout) or 0.0), expire)
     timer.daemon = True
@@ -314,9 +320,11 @@ def _keyword_parameters(fn: Callable[..., Any]) -> Any:
 
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return _All()
-    return frozenset(p.name for p in params
-                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                   inspect.Parameter.KEYWORD_ONLY))
+    return frozenset(
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
 
 
 class _Log:
@@ -325,7 +333,9 @@ class _Log:
     def __init__(self, manager: "Manager") -> None:
         self._m = manager
 
-    def _emit(self, level: int, event: str, msg: str, exc_info: bool = False, **fields: Any) -> None:
+    def _emit(
+        self, level: int, event: str, msg: str, exc_info: bool = False, **fields: Any
+    ) -> None:
         if not logger.isEnabledFor(level):
             return
         m = self._m
@@ -427,13 +437,14 @@ class Manager:
         # Manager(timeout=) bounds every collective, as in torchft, through the one deadline
         # the backend already enforces per op: the tighter of the two wins.
         pg_timeout = getattr(pg, "timeout", None)
-        if isinstance(pg_timeout, timedelta) and hasattr(pg, "set_timeout") \
-                and self._timeout < pg_timeout:
+        if (
+            isinstance(pg_timeout, timedelta)
+            and hasattr(pg, "set_timeout")
+            and self._timeout < pg_timeout
+        ):
             pg.set_timeout(self._timeout)
         self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, to_timedelta(quorum_timeout))
-        self._connect_timeout = _env_timeout(
-            CONNECT_TIMEOUT_SEC_ENV, to_timedelta(connect_timeout)
-        )
+        self._connect_timeout = _env_timeout(CONNECT_TIMEOUT_SEC_ENV, to_timedelta(connect_timeout))
         env_retries = os.environ.get(QUORUM_RETRIES_ENV)
         if env_retries:
             quorum_retries = int(env_retries)
@@ -470,8 +481,10 @@ class Manager:
         self._healer: Optional[Healer] = None  # made with the transport, in _setup_group
         self._watch = ProgressWatch(
             self._quorum_timeout.total_seconds(),
-            lambda: (f"replica {self._replica_id} step={self._step} quorum_id={self._quorum_id} "
-                     f"members={sorted(self._quorum_replica_ids)}"),
+            lambda: (
+                f"replica {self._replica_id} step={self._step} quorum_id={self._quorum_id} "
+                f"members={sorted(self._quorum_replica_ids)}"
+            ),
         )
 
         if load_state_dict is not None and state_dict is not None:
@@ -484,17 +497,23 @@ class Manager:
 
         # The default transport is made once the advertised host is known (_setup_group), so
         # that it listens on that interface only.
-        self._checkpoint_transport: Optional[CheckpointTransport[Dict[str, Any]]] = checkpoint_transport
+        self._checkpoint_transport: Optional[CheckpointTransport[Dict[str, Any]]] = (
+            checkpoint_transport
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-async-quorum")
 
         try:
-            self._setup_group(store_addr, store_port, port, hostname, heartbeat_interval,
-                              quorum_retries)
+            self._setup_group(
+                store_addr, store_port, port, hostname, heartbeat_interval, quorum_retries
+            )
         except BaseException:
             self._teardown(wait=False)
             raise
-        self._log.info("start", f"manager ready (world_size={self._world_size}, "
-                       f"lighthouse={lighthouse_addr}, async_quorum={use_async_quorum})")
+        self._log.info(
+            "start",
+            f"manager ready (world_size={self._world_size}, "
+            f"lighthouse={lighthouse_addr}, async_quorum={use_async_quorum})",
+        )
 
     # ---------------------------------------------------------------- setup / teardown
 
@@ -510,15 +529,20 @@ class Manager:
         lighthouse_host, _ = split_hostport(self._lighthouse_addr)
         if hostname is None:
             hostname = net.advertise_host(toward=lighthouse_host)
-        net.check_reachable_advertisement(hostname, lighthouse_host, f"replica {self._replica_id!r}")
+        net.check_reachable_advertisement(
+            hostname, lighthouse_host, f"replica {self._replica_id!r}"
+        )
         if not os.environ.get(net.ADVERTISE_ENV):
             # The checkpoint transport, the store address and Gloo advertise the same host.
             net.set_process_advertise_host(hostname)
         self._advertise_host = hostname
         if self._checkpoint_transport is None:
             self._checkpoint_transport = HTTPTransport(
-                timeout=self._timeout, num_chunks=0, advertise_host=hostname,
-                bind_host=net.bind_host_for(hostname).strip("[]"))
+                timeout=self._timeout,
+                num_chunks=0,
+                advertise_host=hostname,
+                bind_host=net.bind_host_for(hostname).strip("[]"),
+            )
         self._healer = Healer(self._checkpoint_transport, self._connect_timeout)
         store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
         if store_port is None:
@@ -532,16 +556,27 @@ class Manager:
         store: Optional[TCPStore] = None
         if self._rank == 0 and not use_agent_store:
             try:
-                store = TCPStore(store_addr, store_port, is_master=True,
-                                 wait_for_workers=False, timeout=store_timeout)
+                store = TCPStore(
+                    store_addr,
+                    store_port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=store_timeout,
+                )
             except Exception as e:
                 if store_port == 0:
                     raise
-                logger.info("could not host the store on port %d (%s); connecting to it",
-                            store_port, e)
+                logger.info(
+                    "could not host the store on port %d (%s); connecting to it", store_port, e
+                )
         if store is None:
-            store = TCPStore(store_addr, store_port, is_master=False,
-                             wait_for_workers=False, timeout=store_timeout)
+            store = TCPStore(
+                store_addr,
+                store_port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=store_timeout,
+            )
         self._store = store
         self._store_addr = store_addr
         self._store_port = store.port
@@ -561,7 +596,8 @@ class Manager:
                 # Other groups dial the primary's store: a loopback MASTER_ADDR is advertised
                 # as this replica's host (the store server listens on every interface).
                 store_addr=join_hostport(
-                    hostname if net.is_loopback(store_addr) else store_addr, self._store_port),
+                    hostname if net.is_loopback(store_addr) else store_addr, self._store_port
+                ),
                 world_size=self._world_size,
                 heartbeat_interval=heartbeat_interval,
                 connect_timeout=self._connect_timeout,
@@ -575,7 +611,8 @@ class Manager:
             self._replica_id = prefixed.get(REPLICA_ID_KEY).decode()
         # Rank 0 hosts the ManagerServer and calls it directly (no loopback gRPC per step).
         self._client: GroupServerClient = (
-            LocalManagerClient(self._manager) if self._rank == 0
+            LocalManagerClient(self._manager)
+            if self._rank == 0
             else ManagerClient(addr, connect_timeout=self._connect_timeout)
         )
 
@@ -636,8 +673,11 @@ class Manager:
     ) -> None:
         """Deprecated (as in torchft): registers the functions under the key
         ``"set_state_dict_fns"``; use :meth:`register_state_dict_fn`."""
-        warnings.warn("Manager.set_state_dict_fns is deprecated; use register_state_dict_fn",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Manager.set_state_dict_fns is deprecated; use register_state_dict_fn",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
     def allow_state_dict_read(self) -> None:
@@ -695,8 +735,9 @@ class Manager:
             # caused) are consequences, and the first names the root cause.
             # torchft's type, which also keeps the original's type (see ExceptionWithTraceback)
             try:
-                self._errored = (e if isinstance(e, ExceptionWithTraceback)
-                                 else ExceptionWithTraceback(e))
+                self._errored = (
+                    e if isinstance(e, ExceptionWithTraceback) else ExceptionWithTraceback(e)
+                )
             except Exception:  # noqa: BLE001  (reporting an error must never raise)
                 self._errored = ExceptionWithTraceback(RuntimeError(f"{type(e).__name__}: {e}"))
             self._log.error("error", f"{type(e).__name__}: {e}")
@@ -778,7 +819,10 @@ class Manager:
         self._pending_state_dict = None
         quorum_timeout = to_timedelta(timeout) if timeout is not None else self._quorum_timeout
         self._quorum_future = self._executor.submit(
-            self._async_quorum_on_device, _caller_cuda_device(), allow_heal, shrink_only,
+            self._async_quorum_on_device,
+            _caller_cuda_device(),
+            allow_heal,
+            shrink_only,
             quorum_timeout,
         )
         if not self._use_async_quorum:
@@ -806,8 +850,9 @@ class Manager:
     @torch.profiler.record_function("torchft::manager::_async_quorum")
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         t0 = time.monotonic()
-        self._watch.phase("quorum", f"lighthouse {self._lighthouse_addr} (through the group's "
-                                    f"ManagerServer)")
+        self._watch.phase(
+            "quorum", f"lighthouse {self._lighthouse_addr} (through the group's ManagerServer)"
+        )
         try:
             quorum = self._quorum_call(shrink_only, quorum_timeout)
         except BaseException as e:
@@ -835,8 +880,11 @@ class Manager:
             use_async_quorum=self._use_async_quorum,
             allow_heal=allow_heal,
             init_sync=self._init_sync,
-            spares_above=(self._min_replica_size
-                          if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES else None),
+            spares_above=(
+                self._min_replica_size
+                if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES
+                else None
+            ),
         )
         self._participation = plan
 
@@ -856,11 +904,17 @@ class Manager:
             commit_failures=quorum.commit_failures,
         )
         if reconfigure:
-            records.record(records.QUORUMS, replica_id=self._replica_id, rank=self._rank,
-                           quorum_id=quorum.quorum_id, step=quorum.max_step)
+            records.record(
+                records.QUORUMS,
+                replica_id=self._replica_id,
+                rank=self._rank,
+                quorum_id=quorum.quorum_id,
+                step=quorum.max_step,
+            )
             store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._rank}"
-            self._watch.phase("configure", f"store {quorum.store_address} with replicas "
-                                           f"{quorum.replica_ids}")
+            self._watch.phase(
+                "configure", f"store {quorum.store_address} with replicas {quorum.replica_ids}"
+            )
             t1 = time.monotonic()
             extras = {
                 "quorum_id": quorum.quorum_id,
@@ -868,8 +922,9 @@ class Manager:
                 "group_world_size": self._world_size,
                 # This rank's peers across the replica groups, as job-wide ranks (replica r's
                 # group rank g is r * group_world_size + g), for the backend's logs.
-                "global_ranks": [r * self._world_size + self._rank
-                                 for r in range(quorum.replica_world_size)],
+                "global_ranks": [
+                    r * self._world_size + self._rank for r in range(quorum.replica_world_size)
+                ],
             }
             try:
                 with torch.profiler.record_function("torchft::manager::_pg::configure"):
@@ -884,42 +939,58 @@ class Manager:
                 self._log.error("configure", f"pg.configure({store_prefixed_addr}) failed")
                 self._report_error(e, abort=True)
                 return
-            self._log.info("configure", f"process group configured in "
-                           f"{(time.monotonic() - t1) * 1000:.1f} ms", store=store_prefixed_addr)
+            self._log.info(
+                "configure",
+                f"process group configured in {(time.monotonic() - t1) * 1000:.1f} ms",
+                store=store_prefixed_addr,
+            )
 
         self._watch.phase("step", f"collectives with {quorum.replica_ids}")
         if not allow_heal:
             return
         try:
             if quorum.recover_dst_replica_ranks:
-                self._log.info("heal_send", f"sending the checkpoint to replica ranks "
-                               f"{quorum.recover_dst_replica_ranks}", max_step=quorum.max_step)
+                self._log.info(
+                    "heal_send",
+                    f"sending the checkpoint to replica ranks {quorum.recover_dst_replica_ranks}",
+                    max_step=quorum.max_step,
+                )
                 with torch.profiler.record_function(
-                        "torchft::manager::_checkpoint_transport::send_checkpoint"):
+                    "torchft::manager::_checkpoint_transport::send_checkpoint"
+                ):
                     self._healer.send(quorum, self._manager_state_dict, self._timeout)
             if quorum.heal:
                 self._healing = True
                 t2 = time.monotonic()
-                self._watch.phase("heal", f"replica rank {quorum.recover_src_replica_rank} at "
-                                          f"{quorum.recover_src_manager_address}")
+                self._watch.phase(
+                    "heal",
+                    f"replica rank {quorum.recover_src_replica_rank} at "
+                    f"{quorum.recover_src_manager_address}",
+                )
                 with torch.profiler.record_function(
-                        "torchft::manager::_checkpoint_transport::recv_checkpoint"):
-                    got = self._healer.receive(quorum, self._rank, self._timeout,
-                                               self._load_state_dict_fns)
+                    "torchft::manager::_checkpoint_transport::recv_checkpoint"
+                ):
+                    got = self._healer.receive(
+                        quorum, self._rank, self._timeout, self._load_state_dict_fns
+                    )
                 # DTensors arrive as their pieces; they become DTensors again on this rank's
                 # own meshes, checked against its own state (docs/design.md, "HSDP").
                 got.state["user"] = restore_dtensors(
-                    got.state["user"], lambda: self._manager_state_dict()["user"])
+                    got.state["user"], lambda: self._manager_state_dict()["user"]
+                )
                 self._pending_state_dict = got.state
                 self._watch.phase("step", f"collectives with {quorum.replica_ids}")
                 self.load_state_dict(got.state["torchft"])
                 self._step = quorum.max_step
-                self._log.info("heal_recv", f"received the checkpoint from replica rank "
-                               f"{quorum.recover_src_replica_rank} ({got.metadata}) in "
-                               f"{(time.monotonic() - t2) * 1000:.1f} ms (metadata "
-                               f"{got.metadata_s * 1000:.1f} ms)"
-                               + (f" ({got.path} path)" if got.path else ""),
-                               max_step=quorum.max_step)
+                self._log.info(
+                    "heal_recv",
+                    f"received the checkpoint from replica rank "
+                    f"{quorum.recover_src_replica_rank} ({got.metadata}) in "
+                    f"{(time.monotonic() - t2) * 1000:.1f} ms (metadata "
+                    f"{got.metadata_s * 1000:.1f} ms)"
+                    + (f" ({got.path} path)" if got.path else ""),
+                    max_step=quorum.max_step,
+                )
         except Exception as e:  # noqa: BLE001
             self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
             self._pending_state_dict = None
@@ -1025,8 +1096,14 @@ class Manager:
         should_commit = self._client.should_commit(
             self._rank, self._step, local_should_commit, timeout=t
         )
-        records.record(records.COMMITS, replica_id=self._replica_id, rank=self._rank,
-                       quorum_id=self._quorum_id, step=self._step, commit_result=should_commit)
+        records.record(
+            records.COMMITS,
+            replica_id=self._replica_id,
+            rank=self._rank,
+            quorum_id=self._quorum_id,
+            step=self._step,
+            commit_result=should_commit,
+        )
         # Transfers of this step's state must end before the caller mutates it.
         self._checkpoint_transport.disallow_checkpoint()
 
@@ -1045,8 +1122,10 @@ class Manager:
                 commit_failures=self._commit_failures,
             )
             if self._max_retries is not None and self._commit_failures > self._max_retries:
-                msg = (f"should_commit failed {self._commit_failures} times in a row, "
-                       f"exceeding max_retries={self._max_retries}")
+                msg = (
+                    f"should_commit failed {self._commit_failures} times in a row, "
+                    f"exceeding max_retries={self._max_retries}"
+                )
                 self._log.error("max_retries", msg)
                 raise RuntimeError(msg)
         return should_commit
@@ -1114,6 +1193,7 @@ class Manager:
         return self._manager.address() if self._manager is not None else None
 
     def __repr__(self) -> str:
-        return (f"Manager(replica_id={self._replica_id!r}, rank={self._rank}, "
-                f"quorum_id={self._quorum_id}, step={self._step})")
-
+        return (
+            f"Manager(replica_id={self._replica_id!r}, rank={self._rank}, "
+            f"quorum_id={self._quorum_id}, step={self._step})"
+        )

@@ -45,8 +45,10 @@ def _resource_attributes(name: str) -> Dict[str, Any]:
     with open(path) as f:
         table = json.load(f)
     if not isinstance(table, dict):
-        raise ValueError(f"{RESOURCE_ATTRIBUTES_ENV}={path!r} must hold a JSON object of "
-                         f"logger name -> attributes")
+        raise ValueError(
+            f"{RESOURCE_ATTRIBUTES_ENV}={path!r} must hold a JSON object of "
+            f"logger name -> attributes"
+        )
     return dict(table.get(name, {}))
 
 
@@ -69,7 +71,8 @@ def setup_logger(name: str) -> None:
         raise ImportError(
             f"{USE_OTEL_ENV} is on, but OpenTelemetry is not installed ({e}); install "
             f"opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http, or unset "
-            f"{USE_OTEL_ENV}") from e
+            f"{USE_OTEL_ENV}"
+        ) from e
 
     with _lock:
         if name in _providers:
@@ -81,7 +84,8 @@ def setup_logger(name: str) -> None:
         provider.add_log_record_processor(SimpleLogRecordProcessor(ConsoleLogExporter()))
         provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter(timeout=5)))
         logging.getLogger(name).addHandler(
-            LoggingHandler(level=logging.NOTSET, logger_provider=provider))
+            LoggingHandler(level=logging.NOTSET, logger_provider=provider)
+        )
         _providers[name] = provider
 
 

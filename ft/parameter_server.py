@@ -84,7 +84,10 @@ class ParameterServer(ABC):
         check_exposure(bind, None, insecure, "the parameter server")
         self._advertise = advertise
         self.store = TCPStore(
-            host_name=advertise, port=store_port, is_master=True, wait_for_workers=False,
+            host_name=advertise,
+            port=store_port,
+            is_master=True,
+            wait_for_workers=False,
         )
         ps = self
 
@@ -117,12 +120,17 @@ class ParameterServer(ABC):
                 self.wfile.flush()
 
         self._server = BoundedHTTPServer(
-            (bind, port), Handler, idle_timeout_s=10.0, max_connections=max_sessions,
+            (bind, port),
+            Handler,
+            idle_timeout_s=10.0,
+            max_connections=max_sessions,
             name="ft-parameter-server",
         )
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-            daemon=True, name="ft-parameter-server",
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            daemon=True,
+            name="ft-parameter-server",
         )
         self._thread.start()
         logger.info("parameter server listening at %s", self.address())

@@ -207,8 +207,11 @@ def _probe(host: str, port: int, deadline: Deadline) -> None:
     def connect(remaining: float) -> None:
         socket.create_connection((host, port), timeout=remaining).close()
 
-    retry_until(connect, deadline,
-                retry_on=lambda e: isinstance(e, OSError) and not isinstance(e, TimeoutError))
+    retry_until(
+        connect,
+        deadline,
+        retry_on=lambda e: isinstance(e, OSError) and not isinstance(e, TimeoutError),
+    )
 
 
 # (thread, port, sockets before it) of store connects abandoned at their deadline: joined at exit
@@ -236,9 +239,13 @@ def _connect_store(host: str, port: int, deadline: Deadline) -> TCPStore:
 
     def connect() -> None:
         try:
-            box["store"] = TCPStore(host, port, is_master=False,
-                                   timeout=timedelta(seconds=store_timeout),
-                                   wait_for_workers=False)
+            box["store"] = TCPStore(
+                host,
+                port,
+                is_master=False,
+                timeout=timedelta(seconds=store_timeout),
+                wait_for_workers=False,
+            )
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
@@ -307,7 +314,8 @@ class ProcessGroup(_TorchProcessGroup):
             raise RuntimeError(
                 f"{type(self).__name__}.register({name!r}) needs torch.distributed's default "
                 f"process group (call torch.distributed.init_process_group first): torch's "
-                f"group registry belongs to it")
+                f"group registry belongs to it"
+            )
         group_name = f"{self.getBackendName()}:{name}"
 
         def creator(store: Any, rank: int, world_size: int, timeout: timedelta) -> "ProcessGroup":
@@ -425,8 +433,9 @@ class ProcessGroupFt(ProcessGroup):
         """
         deadline = Deadline.after(self._timeout)
         if global_ranks is not None and len(global_ranks) != world_size:
-            raise ValueError(f"global_ranks has {len(global_ranks)} entries for world_size "
-                             f"{world_size}")
+            raise ValueError(
+                f"global_ranks has {len(global_ranks)} entries for world_size {world_size}"
+            )
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -447,8 +456,10 @@ class ProcessGroupFt(ProcessGroup):
             _configuring.deadline = None
 
     def _client_store(self, host: str, port: int, deadline: Deadline) -> TCPStore:
-        what = (f"ft: cannot reach the store at {host}:{port} within "
-                f"{self._timeout.total_seconds():.1f}s")
+        what = (
+            f"ft: cannot reach the store at {host}:{port} within "
+            f"{self._timeout.total_seconds():.1f}s"
+        )
         if not self._store_lock.acquire(timeout=_lock_timeout(deadline)):
             raise dist.DistStoreError(f"{what}: another configure() held the store")
         try:
@@ -474,11 +485,19 @@ class ProcessGroupFt(ProcessGroup):
         ``errored`` (torchft's flag) only decides whether the abort is logged as a failure;
         the abort is the same either way."""
         if errored:
-            logger.info("process group aborted (replica_id=%s rank=%s quorum_id=%s "
-                        "global_ranks=%s)", self._replica_id, self.rank(), self._quorum_id,
-                        self._global_ranks)
-            records.record(records.ERRORS, replica_id=self._replica_id, rank=self.rank(),
-                           error="process_group_abort")
+            logger.info(
+                "process group aborted (replica_id=%s rank=%s quorum_id=%s global_ranks=%s)",
+                self._replica_id,
+                self.rank(),
+                self._quorum_id,
+                self._global_ranks,
+            )
+            records.record(
+                records.ERRORS,
+                replica_id=self._replica_id,
+                rank=self.rank(),
+                error="process_group_abort",
+            )
         self._backend.abort()
 
     def shutdown(self) -> None:
@@ -549,8 +568,9 @@ class ProcessGroupNCCL(ProcessGroupFt):
     otherwise lanes connect on their first CUDA op.
     """
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  *args, **kwargs) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, *args, **kwargs
+    ) -> None:
         if _C.has_nccl and torch.cuda.is_available():
             self._backend.set_cuda_device(torch.cuda.current_device())
         super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
@@ -656,8 +676,11 @@ def trigger_nccl_fr_trace_through_pipe(rank: int) -> bool:
     """
     prefix = os.environ.get(TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR, "")
     if not prefix:
-        logger.info("[rank %d] no flight-recorder dump: %s is not set", rank,
-                    TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR)
+        logger.info(
+            "[rank %d] no flight-recorder dump: %s is not set",
+            rank,
+            TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR,
+        )
         return False
     path = f"{prefix}{rank}.pipe"
     try:
@@ -691,19 +714,22 @@ def create_store_client(store_addr: str, timeout: timedelta) -> Store:
         store = _connect_store(host, port, Deadline.after(timeout))
     except Exception as e:  # noqa: BLE001 - re-raised naming the address
         raise dist.DistStoreError(
-            f"cannot reach the store at {host}:{port} within "
-            f"{timeout.total_seconds():.1f}s: {e}") from e
+            f"cannot reach the store at {host}:{port} within {timeout.total_seconds():.1f}s: {e}"
+        ) from e
     return PrefixStore(prefix, store)
 
 
-def _configure_group(pg: Any, store_addr: str, replica_id: str, rank: int, world_size: int,
-                     extra: Dict[str, Any]) -> None:
+def _configure_group(
+    pg: Any, store_addr: str, replica_id: str, rank: int, world_size: int, extra: Dict[str, Any]
+) -> None:
     """``pg.configure(...)``, passing on only the keyword arguments it accepts: the Manager
     passes ft's extras (quorum_id, group_rank, ...), a torchft-style group takes four."""
     configure = getattr(pg, "configure", None)
     if configure is None:
-        raise TypeError(f"cannot configure {pg!r}: it has no configure() method (wrap a "
-                        f"reconfigurable group such as ft.ProcessGroupGloo)")
+        raise TypeError(
+            f"cannot configure {pg!r}: it has no configure() method (wrap a "
+            f"reconfigurable group such as ft.ProcessGroupGloo)"
+        )
     if extra:
         try:
             params = inspect.signature(configure).parameters
@@ -746,8 +772,9 @@ class ProcessGroupWrapper(ProcessGroup):
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  **kwargs: Any) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
+    ) -> None:
         self._replica_id = replica_id
         self._rank = rank
         if not self._owns_pg:
@@ -759,12 +786,14 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _TorchProcessGroup:
         raise NotImplementedError(
-            f"{type(self).__name__} wraps no group: pass pg=... or implement _create_pg()")
+            f"{type(self).__name__} wraps no group: pass pg=... or implement _create_pg()"
+        )
 
     def abort(self, errored: bool = True) -> None:
         if errored:
-            logger.info("process group aborted (replica_id=%s rank=%s)", self._replica_id,
-                        self._rank)
+            logger.info(
+                "process group aborted (replica_id=%s rank=%s)", self._replica_id, self._rank
+            )
         pg = self._pg
         if pg is None:
             return
@@ -796,7 +825,8 @@ class ProcessGroupWrapper(ProcessGroup):
         pg = self._pg
         if pg is None:
             raise RuntimeError(
-                f"{type(self).__name__} has no process group yet: call configure() first")
+                f"{type(self).__name__} has no process group yet: call configure() first"
+            )
         return pg
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -829,8 +859,9 @@ class ProcessGroupWrapper(ProcessGroup):
     def _wrap_work(self, work: dist.Work, opts: Any) -> dist.Work:
         return work
 
-    def _dispatch(self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any,
-                  opts: Any) -> dist.Work:
+    def _dispatch(
+        self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any, opts: Any
+    ) -> dist.Work:
         parent = self.parent
         with self._run_context():
             work = call(parent)
@@ -839,19 +870,23 @@ class ProcessGroupWrapper(ProcessGroup):
     # -- ops: torchft's list, then the tensor-in/tensor-out ops torch's front end and
     # ft.collectives call (the "_base" and "_single" names) --------------------------------
 
-    def allgather(self, output_tensors: List[List[torch.Tensor]],
-                  input_tensor: List[torch.Tensor], opts: Any) -> dist.Work:
+    def allgather(
+        self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: Any
+    ) -> dist.Work:
         opts = self._opts_hook(opts)
-        return self._dispatch(lambda pg: pg.allgather(output_tensors, input_tensor, opts),
-                              output_tensors, opts)
+        return self._dispatch(
+            lambda pg: pg.allgather(output_tensors, input_tensor, opts), output_tensors, opts
+        )
 
-    def allgather_into_tensor_coalesced(self, output_tensors: List[torch.Tensor],
-                                        input_tensors: List[torch.Tensor],
-                                        opts: Any) -> dist.Work:
+    def allgather_into_tensor_coalesced(
+        self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
+    ) -> dist.Work:
         opts = self._opts_hook(opts)
         return self._dispatch(
             lambda pg: pg.allgather_into_tensor_coalesced(output_tensors, input_tensors, opts),
-            output_tensors, opts)
+            output_tensors,
+            opts,
+        )
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
         opts = self._opts_hook(opts)
@@ -861,14 +896,22 @@ class ProcessGroupWrapper(ProcessGroup):
         opts = self._opts_hook(opts)
         return self._dispatch(lambda pg: pg.allreduce_coalesced(tensors, opts), tensors, opts)
 
-    def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor,
-                      output_split_sizes: List[int], input_split_sizes: List[int],
-                      opts: Any) -> dist.Work:
+    def alltoall_base(
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: List[int],
+        input_split_sizes: List[int],
+        opts: Any,
+    ) -> dist.Work:
         opts = self._opts_hook(opts)
         return self._dispatch(
-            lambda pg: pg.alltoall_base(output_buffer, input_buffer, output_split_sizes,
-                                        input_split_sizes, opts),
-            [output_buffer], opts)
+            lambda pg: pg.alltoall_base(
+                output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts
+            ),
+            [output_buffer],
+            opts,
+        )
 
     def barrier(self, opts: Optional[Any] = None) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else dist.BarrierOptions())
@@ -881,57 +924,86 @@ class ProcessGroupWrapper(ProcessGroup):
     def recv(self, tensors: List[torch.Tensor], src_rank: int, tag: int) -> dist.Work:
         return self._dispatch(lambda pg: pg.recv(tensors, src_rank, tag), tensors, None)
 
-    def reduce_scatter(self, output_tensors: List[torch.Tensor],
-                       input_tensors: List[List[torch.Tensor]], opts: Any) -> dist.Work:
+    def reduce_scatter(
+        self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any
+    ) -> dist.Work:
         opts = self._opts_hook(opts)
-        return self._dispatch(lambda pg: pg.reduce_scatter(output_tensors, input_tensors, opts),
-                              output_tensors, opts)
+        return self._dispatch(
+            lambda pg: pg.reduce_scatter(output_tensors, input_tensors, opts), output_tensors, opts
+        )
 
-    def reduce_scatter_tensor_coalesced(self, output_tensors: List[torch.Tensor],
-                                        input_tensors: List[torch.Tensor],
-                                        opts: Any) -> dist.Work:
+    def reduce_scatter_tensor_coalesced(
+        self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
+    ) -> dist.Work:
         opts = self._opts_hook(opts)
         return self._dispatch(
             lambda pg: pg.reduce_scatter_tensor_coalesced(output_tensors, input_tensors, opts),
-            output_tensors, opts)
+            output_tensors,
+            opts,
+        )
 
     def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
         return self._dispatch(lambda pg: pg.send(tensors, dst_rank, tag), tensors, None)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                        opts: Optional[Any] = None) -> dist.Work:
+    def _allgather_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        opts: Optional[Any] = None,
+    ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else AllgatherOptions())
         return self._dispatch(lambda pg: pg._allgather_base(output, input, opts), [output], opts)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                             opts: Optional[Any] = None) -> dist.Work:
+    def _reduce_scatter_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        opts: Optional[Any] = None,
+    ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else ReduceScatterOptions())
-        return self._dispatch(lambda pg: pg._reduce_scatter_base(output, input, opts),
-                              [output], opts)
+        return self._dispatch(
+            lambda pg: pg._reduce_scatter_base(output, input, opts), [output], opts
+        )
 
     # torch 2.13's front end (all_gather_into_tensor, reduce_scatter_tensor,
     # all_to_all_single) calls these names.
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                          opts: Optional[Any] = None) -> dist.Work:
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        opts: Optional[Any] = None,
+    ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else AllgatherOptions())
-        return self._dispatch(lambda pg: pg.all_gather_single(output, input, opts), [output],
-                              opts)
+        return self._dispatch(lambda pg: pg.all_gather_single(output, input, opts), [output], opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                              opts: Optional[Any] = None) -> dist.Work:
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        opts: Optional[Any] = None,
+    ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else ReduceScatterOptions())
-        return self._dispatch(lambda pg: pg.reduce_scatter_single(output, input, opts),
-                              [output], opts)
+        return self._dispatch(
+            lambda pg: pg.reduce_scatter_single(output, input, opts), [output], opts
+        )
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
-                          output_split_sizes: List[int], input_split_sizes: List[int],
-                          opts: Optional[Any] = None) -> dist.Work:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002
+        output_split_sizes: List[int],
+        input_split_sizes: List[int],
+        opts: Optional[Any] = None,
+    ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else dist.AllToAllOptions())
         return self._dispatch(
-            lambda pg: pg.all_to_all_single(output, input, output_split_sizes,
-                                            input_split_sizes, opts),
-            [output], opts)
+            lambda pg: pg.all_to_all_single(
+                output, input, output_split_sizes, input_split_sizes, opts
+            ),
+            [output],
+            opts,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(pg={self._pg!r})"
@@ -941,8 +1013,9 @@ class _ErrorSwallowingWork(dist.Work):
     """A Work whose failure is reported to its wrapper instead of raised; its future then
     holds ``default_result`` (the op's output tensors, as they are)."""
 
-    def __init__(self, pg: "ErrorSwallowingProcessGroupWrapper", work: dist.Work,
-                 default_result: Any) -> None:
+    def __init__(
+        self, pg: "ErrorSwallowingProcessGroupWrapper", work: dist.Work, default_result: Any
+    ) -> None:
         super().__init__()
         self._pg = pg
         self._work = work
@@ -992,8 +1065,9 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._error: Optional[Exception] = None
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  **kwargs: Any) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
+    ) -> None:
         self._error = None
         super().configure(store_addr, replica_id, rank, world_size, **kwargs)
 
@@ -1007,8 +1081,9 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         """The recorded error, or None."""
         return self._error
 
-    def _dispatch(self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any,
-                  opts: Any) -> dist.Work:
+    def _dispatch(
+        self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any, opts: Any
+    ) -> dist.Work:
         if self._error is not None:
             return _DummyWork(result)
         try:
@@ -1071,8 +1146,9 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self._future_error: Optional[Exception] = None
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  **kwargs: Any) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
+    ) -> None:
         self._future_error = None
         super().configure(store_addr, replica_id, rank, world_size, **kwargs)
 
@@ -1080,8 +1156,9 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         """Makes the next op's Work fail with ``e``."""
         self._future_error = e
 
-    def _dispatch(self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any,
-                  opts: Any) -> dist.Work:
+    def _dispatch(
+        self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any, opts: Any
+    ) -> dist.Work:
         work = super()._dispatch(call, result, opts)
         error, self._future_error = self._future_error, None
         if error is None:
@@ -1152,8 +1229,9 @@ class ProcessGroupDummy(ProcessGroup):
         self.configure_count = 0
         self._work: List[dist.Work] = []
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  **kwargs: Any) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
+    ) -> None:
         self.configure_count += 1
 
     def _done(self, result: Any) -> dist.Work:
@@ -1161,17 +1239,18 @@ class ProcessGroupDummy(ProcessGroup):
         self._work.append(work)
         return work
 
-    def allgather(self, output_tensors: List[List[torch.Tensor]],
-                  input_tensor: List[torch.Tensor], opts: Any) -> dist.Work:
+    def allgather(
+        self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: Any
+    ) -> dist.Work:
         for out, inp in zip(output_tensors[0], input_tensor):
             out.copy_(inp)
         return self._done(output_tensors)
 
-    def allgather_into_tensor_coalesced(self, output_tensors: List[torch.Tensor],
-                                        input_tensors: List[torch.Tensor],
-                                        opts: Any) -> dist.Work:
+    def allgather_into_tensor_coalesced(
+        self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
+    ) -> dist.Work:
         for out, inp in zip(output_tensors, input_tensors):
-            out.view(-1)[:inp.numel()].copy_(inp.view(-1))
+            out.view(-1)[: inp.numel()].copy_(inp.view(-1))
         return self._done(output_tensors)
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
@@ -1180,9 +1259,14 @@ class ProcessGroupDummy(ProcessGroup):
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
         return self._done(tensors)
 
-    def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor,
-                      output_split_sizes: List[int], input_split_sizes: List[int],
-                      opts: Any) -> dist.Work:
+    def alltoall_base(
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: List[int],
+        input_split_sizes: List[int],
+        opts: Any,
+    ) -> dist.Work:
         output_buffer.copy_(input_buffer)
         return self._done([output_buffer])
 
@@ -1195,17 +1279,18 @@ class ProcessGroupDummy(ProcessGroup):
     def recv(self, tensors: List[torch.Tensor], src_rank: int, tag: int) -> dist.Work:
         return _DummyWork(None)
 
-    def reduce_scatter(self, output_tensors: List[torch.Tensor],
-                       input_tensors: List[List[torch.Tensor]], opts: Any) -> dist.Work:
+    def reduce_scatter(
+        self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any
+    ) -> dist.Work:
         for out, inp in zip(output_tensors, input_tensors[0]):
             out.copy_(inp)
         return self._done(output_tensors)
 
-    def reduce_scatter_tensor_coalesced(self, output_tensors: List[torch.Tensor],
-                                        input_tensors: List[torch.Tensor],
-                                        opts: Any) -> dist.Work:
+    def reduce_scatter_tensor_coalesced(
+        self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
+    ) -> dist.Work:
         for out, inp in zip(output_tensors, input_tensors):
-            out.view(-1).copy_(inp.view(-1)[:out.numel()])
+            out.view(-1).copy_(inp.view(-1)[: out.numel()])
         return self._done(output_tensors)
 
     def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
@@ -1236,11 +1321,13 @@ def _require_xpu(what: str) -> None:
         raise RuntimeError(
             f"{what} needs an Intel XPU device, and this machine has none "
             f"(torch.xpu.is_available() is False); use ft.ProcessGroupGloo for CPU tensors "
-            f"or ft.ProcessGroupNCCL for CUDA")
+            f"or ft.ProcessGroupNCCL for CUDA"
+        )
     if not (hasattr(dist, "is_xccl_available") and dist.is_xccl_available()):
         raise RuntimeError(
             f"{what} needs torch built with XCCL, and this build has none "
-            f"(torch.distributed.is_xccl_available() is False)")
+            f"(torch.distributed.is_xccl_available() is False)"
+        )
 
 
 class ProcessGroupXCCL(ProcessGroupWrapper):
@@ -1257,8 +1344,9 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
         super().__init__(timeout)
         self._errored: Optional[Exception] = None
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  **kwargs: Any) -> None:
+    def configure(
+        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
+    ) -> None:
         _require_xpu(type(self).__name__)
         self._errored = None
         super().configure(store_addr, replica_id, rank, world_size, **kwargs)
@@ -1335,12 +1423,20 @@ class ProcessGroupBabyXCCL(ProcessGroupBaby):
     none, and pointing to :class:`ProcessGroupXCCL` (torch's XCCL, reconfigurable) where
     there is one."""
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  *args: Any, **kwargs: Any) -> None:
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         _require_xpu(type(self).__name__)
         raise RuntimeError(
             "ProcessGroupBabyXCCL: ft's backend has no XCCL path; use ft.ProcessGroupXCCL "
-            "(torch's XCCL group, reconfigured and aborted by ft)")
+            "(torch's XCCL group, reconfigured and aborted by ft)"
+        )
 
 
 # -- torchft's device-mesh names, re-exported as torchft's process_group does -------------

@@ -58,8 +58,10 @@ class ProgressWatch:
                 return None
             peer = f" on {self._peer}" if self._peer else ""
             err = self._last_error or "none"
-            return (f"no step committed for {idle:.1f}s (more than {self._stall_after:.1f}s): "
-                    f"waiting in {self._phase}{peer}; last error: {err}; {self._describe()}")
+            return (
+                f"no step committed for {idle:.1f}s (more than {self._stall_after:.1f}s): "
+                f"waiting in {self._phase}{peer}; last error: {err}; {self._describe()}"
+            )
 
     def _run(self) -> None:
         while not Deadline.after(self._stall_after).wait_event(self._stop):

@@ -43,13 +43,21 @@ class ManagerLike(Protocol):
         """How many independent lanes the replica process group has (at least 1)."""
         ...
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False,
-                     timeout: Optional[timedelta] = None) -> None: ...
+    def start_quorum(
+        self,
+        allow_heal: bool = True,
+        shrink_only: bool = False,
+        timeout: Optional[timedelta] = None,
+    ) -> None: ...
 
     def wait_quorum(self) -> None: ...
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: Union[bool, torch.dtype] = False,
-                  reduce_op: Any = ...) -> Any:
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: Union[bool, torch.dtype] = False,
+        reduce_op: Any = ...,
+    ) -> Any:
         """In place, across the participating replica groups; returns a Work (``.wait()``)."""
         ...
 
@@ -63,8 +71,9 @@ class ManagerLike(Protocol):
 
     def participating_rank(self) -> Optional[int]: ...
 
-    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[T], None],
-                               state_dict: Callable[[], T]) -> None: ...
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None: ...
 
     def report_error(self, e: Exception) -> None: ...
 
@@ -76,8 +85,16 @@ class GroupServerClient(Protocol):
     """A client of the replica group's ManagerServer (docs/design.md, "Roles"). A missed
     deadline raises TimeoutError; any other failure a CoordinationError naming the call."""
 
-    def quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool,
-               timeout: Any, init_sync: bool = True, commit_failures: int = 0) -> Any:
+    def quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: Any,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+    ) -> Any:
         """This rank's QuorumResult (ft.coordination.quorum) once the group's quorum forms."""
         ...
 
@@ -85,8 +102,7 @@ class GroupServerClient(Protocol):
         """The checkpoint metadata ``rank`` sent with its latest quorum request."""
         ...
 
-    def should_commit(self, group_rank: int, step: int, should_commit: bool,
-                      timeout: Any) -> bool:
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: Any) -> bool:
         """This rank's vote; returns the group's decision once every rank voted."""
         ...
 

@@ -56,8 +56,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(pred: Callable[[], Any], timeout: float = 5.0, what: str = "condition",
-             interval: float = 0.01) -> Any:
+def wait_for(
+    pred: Callable[[], Any], timeout: float = 5.0, what: str = "condition", interval: float = 0.01
+) -> Any:
     """Polls ``pred`` until it returns something true, and returns that; raises AssertionError
     naming ``what`` once ``timeout`` seconds have passed (``pred`` is tried at least once)."""
     deadline = time.monotonic() + timeout
@@ -75,7 +76,10 @@ def make_store(timeout_s: float = 30.0):
     import torch.distributed as dist
 
     return dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
@@ -84,14 +88,18 @@ def connect_store(port: int, timeout_s: float = 30.0):
     import torch.distributed as dist
 
     return dist.TCPStore(
-        "127.0.0.1", port, is_master=False, wait_for_workers=False,
+        "127.0.0.1",
+        port,
+        is_master=False,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
 # --- one child process ----------------------------------------------------------------------------
-def child_env(env: Optional[Dict[str, str]] = None, source_tree: bool = True,
-              **overrides: str) -> Dict[str, str]:
+def child_env(
+    env: Optional[Dict[str, str]] = None, source_tree: bool = True, **overrides: str
+) -> Dict[str, str]:
     """``env`` (default: this process's environment) with ``overrides``, and, unless
     ``source_tree`` is False, this repository first on PYTHONPATH: the one place a child of a
     test learns where ``ft`` and ``tests`` are."""
@@ -116,8 +124,9 @@ def _default_log(name: str) -> str:
     if pid not in _LOG_DIR:
         _LOG_DIR[pid] = tempfile.mkdtemp(prefix="ft-test-logs-")
         atexit.register(shutil.rmtree, _LOG_DIR[pid], True)
-    fd, path = tempfile.mkstemp(prefix=re.sub(r"[^\w.-]", "_", name)[:40] + "-", suffix=".log",
-                                dir=_LOG_DIR[pid])
+    fd, path = tempfile.mkstemp(
+        prefix=re.sub(r"[^\w.-]", "_", name)[:40] + "-", suffix=".log", dir=_LOG_DIR[pid]
+    )
     os.close(fd)
     return path
 
@@ -128,17 +137,30 @@ class Proc:
     default), stdin from /dev/null. With ``process_group`` it leads a process group of its own,
     and ``kill`` kills the whole group (a browser and its helpers)."""
 
-    def __init__(self, argv: Sequence[Any], *, env: Optional[Dict[str, str]] = None,
-                 cwd: Any = REPO, log_path: Optional[str] = None, name: Optional[str] = None,
-                 process_group: bool = False, source_tree: bool = True) -> None:
+    def __init__(
+        self,
+        argv: Sequence[Any],
+        *,
+        env: Optional[Dict[str, str]] = None,
+        cwd: Any = REPO,
+        log_path: Optional[str] = None,
+        name: Optional[str] = None,
+        process_group: bool = False,
+        source_tree: bool = True,
+    ) -> None:
         argv = [str(a) for a in argv]
         self.name = name or " ".join(os.path.basename(a) for a in argv[:3])
         self.log_path = str(log_path) if log_path is not None else _default_log(self.name)
         self.process_group = process_group
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                argv, env=child_env(env, source_tree), cwd=str(cwd), stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=process_group,
+                argv,
+                env=child_env(env, source_tree),
+                cwd=str(cwd),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=process_group,
             )
         _LIVE.add(self)
 
@@ -209,8 +231,9 @@ class Proc:
                 if regex.search(line):
                     return line
             if exited:
-                raise self._failure(f"exited ({self.proc.returncode}) before a line matching "
-                                    f"{regex.pattern!r}")
+                raise self._failure(
+                    f"exited ({self.proc.returncode}) before a line matching {regex.pattern!r}"
+                )
             if time.monotonic() > deadline:
                 raise self._failure(f"wrote no line matching {regex.pattern!r} within {timeout}s")
             time.sleep(0.01)
@@ -284,9 +307,11 @@ def wait_all(procs: Sequence[Proc], timeout: float) -> None:
             return
         if time.monotonic() > deadline:
             late = [p for p, code in zip(procs, codes) if code is None]
-            raise AssertionError(f"{', '.join(p.name for p in late)} did not finish within "
-                                 f"{timeout}s\n" + "\n".join(
-                                     f"--- {p.name} (pid {p.pid})\n{p.output(4000)}" for p in late))
+            raise AssertionError(
+                f"{', '.join(p.name for p in late)} did not finish within "
+                f"{timeout}s\n"
+                + "\n".join(f"--- {p.name} (pid {p.pid})\n{p.output(4000)}" for p in late)
+            )
         time.sleep(0.02)
 
 
@@ -332,8 +357,9 @@ class Worker(Proc):
     def __init__(self, rank: int, result_path: str, log_path: str, env: Dict[str, str]) -> None:
         self.rank = rank
         self.result_path = result_path
-        super().__init__(python_argv("tests.procs"), env=env, log_path=log_path,
-                         name=f"rank {rank}")
+        super().__init__(
+            python_argv("tests.procs"), env=env, log_path=log_path, name=f"rank {rank}"
+        )
 
     def log(self) -> str:
         return self.output(6000)
@@ -389,8 +415,9 @@ class Workers:
             FT_TEST_KWARGS=json.dumps(kwargs),
             FT_TEST_RESULT=os.path.join(self.tmp, f"result-{rank}-{n}.pt"),
         )
-        child = Worker(rank, env["FT_TEST_RESULT"], os.path.join(self.tmp, f"log-{rank}-{n}.txt"),
-                       env)
+        child = Worker(
+            rank, env["FT_TEST_RESULT"], os.path.join(self.tmp, f"log-{rank}-{n}.txt"), env
+        )
         self.children.append(child)
         return child
 
@@ -412,8 +439,7 @@ class Workers:
         kill_all(self.children)
 
 
-def wait_progress(store: Any, keys: List[str], at_least: int, timeout: float,
-                  w: Workers) -> int:
+def wait_progress(store: Any, keys: List[str], at_least: int, timeout: float, w: Workers) -> int:
     """Waits until every key in the test store holds a step >= at_least; returns the max.
 
     Fails at once (with the child's log) if a child exits with an error; a child killed by
@@ -439,16 +465,26 @@ def max_step(store: Any, keys: List[str]) -> int:
 
 
 # --- a lighthouse plus N replica processes --------------------------------------------------------
-def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int = 1000,
-               join_timeout_ms: int = 200, bind: str = "127.0.0.1:0", **kw: Any):
+def lighthouse(
+    min_replicas: int = 1,
+    heartbeat_timeout_ms: int = 1000,
+    join_timeout_ms: int = 200,
+    bind: str = "127.0.0.1:0",
+    **kw: Any,
+):
     """A real lighthouse in this process on loopback: 20 ms quorum tick, no dashboard (unless
     ``kw`` says otherwise: any other LighthouseServer argument)."""
     from ft.coordination import LighthouseServer
 
     kw.setdefault("quorum_tick_ms", 20)
     kw.setdefault("http_bind", "")
-    return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                            heartbeat_timeout_ms=heartbeat_timeout_ms, **kw)
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+        **kw,
+    )
 
 
 class Replicas(Workers):
@@ -461,10 +497,17 @@ class Replicas(Workers):
         results = w.join(timeout=60)
     """
 
-    def __init__(self, target: str, world_size: int, store: Optional[Any] = None,
-                 ranks: Optional[List[int]] = None, env: Optional[Dict[str, str]] = None,
-                 lighthouse: Optional[Dict[str, Any]] = None,
-                 lh_addr_kwarg: Optional[str] = "lh_addr", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        world_size: int,
+        store: Optional[Any] = None,
+        ranks: Optional[List[int]] = None,
+        env: Optional[Dict[str, str]] = None,
+        lighthouse: Optional[Dict[str, Any]] = None,
+        lh_addr_kwarg: Optional[str] = "lh_addr",
+        **kwargs: Any,
+    ) -> None:
         super().__init__(target, world_size, store, ranks, env, **kwargs)
         self._lighthouse_kw = dict(lighthouse or {})
         self._lh_addr_kwarg = lh_addr_kwarg

@@ -18,7 +18,9 @@ def py(code: str, **kw) -> Proc:
 
 
 def test_output_lines_and_exit_status():
-    with py("import sys; print('out', flush=True); print('err', file=sys.stderr); sys.exit(3)") as p:
+    with py(
+        "import sys; print('out', flush=True); print('err', file=sys.stderr); sys.exit(3)"
+    ) as p:
         assert p.wait(30) == 3
         assert p.lines == ["out", "err"] and "out\nerr\n" == p.output()
 
@@ -33,8 +35,10 @@ def test_a_child_runs_in_the_repository_with_it_importable():
 
 
 def test_wait_for_line_sees_only_whole_lines_and_fails_with_the_output():
-    with py("import sys, time; sys.stdout.write('READY 12'); sys.stdout.flush(); time.sleep(0.5);"
-            "print('34', flush=True); time.sleep(60)") as p:
+    with py(
+        "import sys, time; sys.stdout.write('READY 12'); sys.stdout.flush(); time.sleep(0.5);"
+        "print('34', flush=True); time.sleep(60)"
+    ) as p:
         assert p.wait_for_line(r"^READY ", 30) == "READY 1234"
     with py("print('something else', flush=True)") as p:
         with pytest.raises(AssertionError, match=r"(?s)exited \(0\) before a line.*something else"):
@@ -66,9 +70,11 @@ def test_wait_all_fails_at_once_on_a_child_that_fails():
 
 
 def test_a_process_group_is_killed_whole():
-    with py("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
-            "'import time; time.sleep(60)']); print(c.pid, flush=True); time.sleep(60)",
-            process_group=True) as p:
+    with py(
+        "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(60)']); print(c.pid, flush=True); time.sleep(60)",
+        process_group=True,
+    ) as p:
         grandchild = int(p.wait_for_line(r"^\d+$", 30))
     assert p.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 10

@@ -53,16 +53,27 @@ def _drop_version_gates(text: str) -> str:
     protobuf_gate = re.compile(
         r"^from google\.protobuf import runtime_version as _runtime_version\n", re.M
     )
-    protobuf_call = re.compile(r"^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\n)*?\)\n", re.M)
+    protobuf_call = re.compile(
+        r"^_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\n)*?\)\n", re.M
+    )
     grpc_gate = re.compile(
         r"^GRPC_GENERATED_VERSION = .*?\n(?:.*\n)*?^if _version_not_supported:\n(?:    .*\n)+", re.M
     )
     out = protobuf_gate.sub("", text)
     out = protobuf_call.sub(_GATE_NOTE, out)
     out = grpc_gate.sub(_GATE_NOTE, out)
-    if any(k in out for k in ("runtime_version", "ValidateProtobufRuntimeVersion",
-                              "GRPC_GENERATED_VERSION", "_version_not_supported")):
-        raise RuntimeError("gen_proto: the generated version gate changed shape; update _drop_version_gates")
+    if any(
+        k in out
+        for k in (
+            "runtime_version",
+            "ValidateProtobufRuntimeVersion",
+            "GRPC_GENERATED_VERSION",
+            "_version_not_supported",
+        )
+    ):
+        raise RuntimeError(
+            "gen_proto: the generated version gate changed shape; update _drop_version_gates"
+        )
     return out
 
 

@@ -1,46 +1,62 @@
-// ft.coordination._grpc_server: a gRPC server in C++ whose calls are answered by Python.
+// ft.coordination._grpc_server: a gRPC server in C++ whose calls are answered
+// by Python.
 //
-// Why: a Python grpcio server spends ~0.5 ms of CPU per request in its own machinery (poller
-// thread, thread-pool hand-off, GIL ping-pong), which made the lighthouse's quorum round at 8
-// replica groups CPU-bound. Here gRPC's C++ callback API owns the connections, the HTTP/2 work and
-// the call lifetimes; Python sees one function call per request (`handler(call, request_bytes)`)
-// and answers whenever it likes, from any thread, with `call.reply(...)`, `call.write(...)` or
-// `call.finish(...)`. Which service and method a call is for is Python's business (`call.method`,
-// e.g. "/torchft.LighthouseService/Quorum"): the server is generic and knows no protobuf types.
+// Why: a Python grpcio server spends ~0.5 ms of CPU per request in its own
+// machinery (poller thread, thread-pool hand-off, GIL ping-pong), which made
+// the lighthouse's quorum round at 8 replica groups CPU-bound. Here gRPC's C++
+// callback API owns the connections, the HTTP/2 work and the call lifetimes;
+// Python sees one function call per request (`handler(call, request_bytes)`)
+// and answers whenever it likes, from any thread, with `call.reply(...)`,
+// `call.write(...)` or `call.finish(...)`. Which service and method a call is
+// for is Python's business (`call.method`, e.g.
+// "/torchft.LighthouseService/Quorum"): the server is generic and knows no
+// protobuf types.
 //
 // Contract:
-// - `handler(call, request_bytes)` runs on a gRPC thread with the GIL held, once per call, after
-//   the call's single request message arrived. It must not block for long: answer later from
-//   another thread if the answer needs waiting for (a quorum does).
-// - Call methods never call back into Python and never block on the network: they queue a gRPC
-//   operation and return. They may be called from any thread, any number of times; everything
-//   after the first finish is ignored (return value false).
-// - When a call ends without Python having finished it (the client cancelled, went away or its
-//   deadline passed), the call's `on_cancel`, if Python set one, is called once with the GIL
-//   held: on a gRPC thread, or at once in the setter if the call was already cancelled. gRPC may
-//   run it inline inside a Call method issued by Python, so `on_cancel` must not take locks its
-//   caller might hold: hand work to another thread. Once Python answers, it is dropped (a
-//   cancellation racing with the answer may still call it once).
-// - Every call is finished exactly once (gRPC requires it): by Python, or with CANCELLED here.
-// - Server.shutdown(grace) stops accepting calls, cancels those still open after `grace`
+// - `handler(call, request_bytes)` runs on a gRPC thread with the GIL held,
+// once per call, after
+//   the call's single request message arrived. It must not block for long:
+//   answer later from another thread if the answer needs waiting for (a quorum
+//   does).
+// - Call methods never call back into Python and never block on the network:
+// they queue a gRPC
+//   operation and return. They may be called from any thread, any number of
+//   times; everything after the first finish is ignored (return value false).
+// - When a call ends without Python having finished it (the client cancelled,
+// went away or its
+//   deadline passed), the call's `on_cancel`, if Python set one, is called once
+//   with the GIL held: on a gRPC thread, or at once in the setter if the call
+//   was already cancelled. gRPC may run it inline inside a Call method issued
+//   by Python, so `on_cancel` must not take locks its caller might hold: hand
+//   work to another thread. Once Python answers, it is dropped (a cancellation
+//   racing with the answer may still call it once).
+// - Every call is finished exactly once (gRPC requires it): by Python, or with
+// CANCELLED here.
+// - Server.shutdown(grace) stops accepting calls, cancels those still open
+// after `grace`
 //   seconds, and returns once every call is done.
-// - The server accepts its TCP connections itself (see Listener) and keeps accepting after any
+// - The server accepts its TCP connections itself (see Listener) and keeps
+// accepting after any
 //   accept error, e.g. when the process ran out of file descriptors.
-// - With `set_verifier(key, ...)`, every call's signature (metadata "ft-auth") is checked here,
-//   before Python sees the call, by the same rule as ft.utils.auth.Verifier (see
-//   RequestVerifier); a call that fails it is finished UNAUTHENTICATED without taking the GIL,
-//   and one that passes reaches Python with `call.verified` true.
-// - With `enable_heartbeat_fast_path(method, ...)`, a well-formed heartbeat on `method` is
-//   answered here without the GIL: the replica id and the time it arrived are recorded, and
-//   Python collects them with `take_heartbeats()`. Anything unusual (no deadline, a name that
-//   is empty, too long or not UTF-8, `leaving`, unknown fields) goes to Python, which answers
-//   it, so every error message has one source.
+// - With `set_verifier(key, ...)`, every call's signature (metadata "ft-auth")
+// is checked here,
+//   before Python sees the call, by the same rule as ft.utils.auth.Verifier
+//   (see RequestVerifier); a call that fails it is finished UNAUTHENTICATED
+//   without taking the GIL, and one that passes reaches Python with
+//   `call.verified` true.
+// - With `enable_heartbeat_fast_path(method, ...)`, a well-formed heartbeat on
+// `method` is
+//   answered here without the GIL: the replica id and the time it arrived are
+//   recorded, and Python collects them with `take_heartbeats()`. Anything
+//   unusual (no deadline, a name that is empty, too long or not UTF-8,
+//   `leaving`, unknown fields) goes to Python, which answers it, so every error
+//   message has one source.
 
 #include <grpc/support/log.h>
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -57,10 +73,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <stdexcept>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -74,10 +90,11 @@ namespace {
 
 class CallReactor;
 
-// The GIL, taken from one of gRPC's threads. Those are not Python threads, and pybind11 would
-// create and destroy a Python thread state on every acquire (most of the Python-side cost of a
-// request); each thread keeps its first one instead. The server is shut down before the
-// interpreter finalizes (RpcServer does so at exit), so no gRPC thread uses a stale one.
+// The GIL, taken from one of gRPC's threads. Those are not Python threads, and
+// pybind11 would create and destroy a Python thread state on every acquire
+// (most of the Python-side cost of a request); each thread keeps its first one
+// instead. The server is shut down before the interpreter finalizes (RpcServer
+// does so at exit), so no gRPC thread uses a stale one.
 class GrpcThreadGil {
  public:
   GrpcThreadGil() {
@@ -92,32 +109,48 @@ class GrpcThreadGil {
   py::gil_scoped_acquire gil_;
 };
 
-// A slow reader must not make the server buffer without bound: writes beyond this fail.
+// A slow reader must not make the server buffer without bound: writes beyond
+// this fail.
 constexpr size_t kMaxQueuedWrites = 1024;
 
-// State shared by the gRPC reactor (until gRPC is done with the call) and by Python's handle on
-// the call (for as long as Python keeps it). `onCancel_` is the one Python object: it is only
-// touched with the GIL held, and is empty by the time the reactor lets go (OnDone), so the state
-// may die on any thread.
+// State shared by the gRPC reactor (until gRPC is done with the call) and by
+// Python's handle on the call (for as long as Python keeps it). `onCancel_` is
+// the one Python object: it is only touched with the GIL held, and is empty by
+// the time the reactor lets go (OnDone), so the state may die on any thread.
 class CallState {
  public:
-  CallState(CallReactor* reactor, std::string method,
-            std::chrono::system_clock::time_point deadline, std::string auth)
+  CallState(
+      CallReactor* reactor,
+      std::string method,
+      std::chrono::system_clock::time_point deadline,
+      std::string auth)
       : reactor_(reactor),
         method_(std::move(method)),
         deadline_(deadline),
         auth_(std::move(auth)) {}
 
-  const std::string& method() const { return method_; }
+  const std::string& method() const {
+    return method_;
+  }
   // The signature was checked here (set once, before Python sees the call).
-  bool verified() const { return verified_; }
-  void markVerified() { verified_ = true; }
-  // The client's "ft-auth" metadata (the first one; "" when absent), read once at the start.
-  const std::string& auth() const { return auth_; }
+  bool verified() const {
+    return verified_;
+  }
+  void markVerified() {
+    verified_ = true;
+  }
+  // The client's "ft-auth" metadata (the first one; "" when absent), read once
+  // at the start.
+  const std::string& auth() const {
+    return auth_;
+  }
 
-  // Seconds until the caller's deadline (huge when it set none; negative once passed).
+  // Seconds until the caller's deadline (huge when it set none; negative once
+  // passed).
   double timeRemaining() const {
-    return std::chrono::duration<double>(deadline_ - std::chrono::system_clock::now()).count();
+    return std::chrono::duration<double>(
+               deadline_ - std::chrono::system_clock::now())
+        .count();
   }
 
   bool isActive() {
@@ -125,7 +158,8 @@ class CallState {
     return !cancelled_ && !finishRequested_;
   }
 
-  // Queues one message of a streaming answer. False if the call is over or too far behind.
+  // Queues one message of a streaming answer. False if the call is over or too
+  // far behind.
   bool write(grpc::ByteBuffer msg);
   // The single message of a unary answer, and status OK.
   bool reply(grpc::ByteBuffer msg);
@@ -138,29 +172,36 @@ class CallState {
     hasOnCancel_ = false;
     return std::move(onCancel_);
   }
-  py::object peekOnCancel() const { return onCancel_ ? onCancel_ : py::object(py::none()); }
-  bool hasOnCancel() const { return hasOnCancel_; }
+  py::object peekOnCancel() const {
+    return onCancel_ ? onCancel_ : py::object(py::none());
+  }
+  bool hasOnCancel() const {
+    return hasOnCancel_;
+  }
 
-  // Reactor events. onCancel returns whether Python has an on_cancel to be told.
+  // Reactor events. onCancel returns whether Python has an on_cancel to be
+  // told.
   void onWriteDone(bool ok);
   bool onCancel();
   void onDone();
 
  private:
-  // Starts the next gRPC operation; called with mu_ held, releases it before calling gRPC (which
-  // may run reactions inline in this thread).
+  // Starts the next gRPC operation; called with mu_ held, releases it before
+  // calling gRPC (which may run reactions inline in this thread).
   void pump(std::unique_lock<std::mutex>& lock);
-  // The call can no longer be written to; finish it (CANCELLED, `why`) unless Python did.
+  // The call can no longer be written to; finish it (CANCELLED, `why`) unless
+  // Python did.
   void markCancelledLocked(const char* why);
 
   std::mutex mu_;
-  CallReactor* reactor_;  // valid until onDone
+  CallReactor* reactor_; // valid until onDone
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
   const std::string auth_;
   bool verified_ = false;
   std::deque<grpc::ByteBuffer> queued_;
-  grpc::ByteBuffer inFlight_;  // the message gRPC is writing; untouched while writing_
+  grpc::ByteBuffer
+      inFlight_; // the message gRPC is writing; untouched while writing_
   bool writing_ = false;
   bool finishRequested_ = false;
   bool finishStarted_ = false;
@@ -170,20 +211,23 @@ class CallState {
   std::atomic<bool> hasOnCancel_{false};
 };
 
-// Checks request signatures exactly as ft.utils.auth.Verifier does (that class is the
-// specification; tests/security/test_native_verifier.py checks both on one table of tokens):
-// a token is "v1.<unix ms>.<32 hex nonce>.<hex HMAC-SHA256>", the HMAC taken with the purpose's
-// key over "v1\n<method>\n<ms>\n<nonce>\n" followed by the request bytes; it is accepted within
-// `skewMs` of this host's clock, and once (nonces are remembered for the skew window, at most
-// `maxNonces` of them; past that the oldest are forgotten and anything as old is refused).
-// Thread-safe. Returns "" when the token is good, else the reason (never the key).
+// Checks request signatures exactly as ft.utils.auth.Verifier does (that class
+// is the specification; tests/security/test_native_verifier.py checks both on
+// one table of tokens): a token is "v1.<unix ms>.<32 hex nonce>.<hex
+// HMAC-SHA256>", the HMAC taken with the purpose's key over
+// "v1\n<method>\n<ms>\n<nonce>\n" followed by the request bytes; it is accepted
+// within `skewMs` of this host's clock, and once (nonces are remembered for the
+// skew window, at most `maxNonces` of them; past that the oldest are forgotten
+// and anything as old is refused). Thread-safe. Returns "" when the token is
+// good, else the reason (never the key).
 class RequestVerifier {
  public:
   RequestVerifier(std::string key, int64_t skewMs, size_t maxNonces)
       : skewMs_(skewMs), maxNonces_(maxNonces) {
-    // HMAC-SHA256 keyed once: the hash states after absorbing (key ^ ipad) and (key ^ opad)
-    // are kept, and each request copies them. Per request that saves re-keying and, on
-    // OpenSSL 3, the algorithm lookup an HMAC() call makes every time.
+    // HMAC-SHA256 keyed once: the hash states after absorbing (key ^ ipad) and
+    // (key ^ opad) are kept, and each request copies them. Per request that
+    // saves re-keying and, on OpenSSL 3, the algorithm lookup an HMAC() call
+    // makes every time.
     sha256_ = EVP_sha256();
     unsigned char block[64] = {0};
     if (key.size() > sizeof(block)) {
@@ -204,7 +248,8 @@ class RequestVerifier {
         EVP_DigestUpdate(inner_, ipad, sizeof(ipad)) != 1 ||
         EVP_DigestInit_ex(outer_, sha256_, nullptr) != 1 ||
         EVP_DigestUpdate(outer_, opad, sizeof(opad)) != 1) {
-      throw std::runtime_error("RequestVerifier: OpenSSL could not set up HMAC-SHA256");
+      throw std::runtime_error(
+          "RequestVerifier: OpenSSL could not set up HMAC-SHA256");
     }
     OPENSSL_cleanse(block, sizeof(block));
     OPENSSL_cleanse(ipad, sizeof(ipad));
@@ -219,19 +264,25 @@ class RequestVerifier {
   RequestVerifier(const RequestVerifier&) = delete;
   RequestVerifier& operator=(const RequestVerifier&) = delete;
 
-  std::string verify(const std::string& what, const std::string& body, const std::string& token) {
-    if (token.empty()) return "no signature (the caller has no job secret)";
+  std::string verify(
+      const std::string& what,
+      const std::string& body,
+      const std::string& token) {
+    if (token.empty())
+      return "no signature (the caller has no job secret)";
     // v1 . ms . nonce . mac
     size_t d1 = token.find('.');
     size_t d2 = d1 == std::string::npos ? d1 : token.find('.', d1 + 1);
     size_t d3 = d2 == std::string::npos ? d2 : token.find('.', d2 + 1);
-    if (d3 == std::string::npos || token.find('.', d3 + 1) != std::string::npos ||
+    if (d3 == std::string::npos ||
+        token.find('.', d3 + 1) != std::string::npos ||
         token.compare(0, d1, "v1") != 0)
       return "malformed signature";
     const std::string ms = token.substr(d1 + 1, d2 - d1 - 1);
     const std::string nonce = token.substr(d2 + 1, d3 - d2 - 1);
     const std::string mac = token.substr(d3 + 1);
-    if (ms.empty() || ms.size() > 18 || ms.find_first_not_of("0123456789") != std::string::npos ||
+    if (ms.empty() || ms.size() > 18 ||
+        ms.find_first_not_of("0123456789") != std::string::npos ||
         nonce.size() != 32)
       return "malformed signature";
     const std::string expected = hexMac(what, ms, nonce, body);
@@ -244,10 +295,14 @@ class RequestVerifier {
                             .count();
     if (std::llabs(now - t) > skewMs_) {
       char buf[160];
-      std::snprintf(buf, sizeof(buf),
-                    "signature is %.1fs off this host's clock (more than %.0fs: expired, or "
-                    "clocks disagree)",
-                    std::llabs(now - t) / 1000.0, skewMs_ / 1000.0);
+      std::snprintf(
+          buf,
+          sizeof(buf),
+          "signature is %.1fs off this host's clock (more than %.0fs: expired, "
+          "or "
+          "clocks disagree)",
+          std::llabs(now - t) / 1000.0,
+          skewMs_ / 1000.0);
       return buf;
     }
     std::lock_guard<std::mutex> g(mu_);
@@ -260,21 +315,25 @@ class RequestVerifier {
   }
 
  private:
-  std::string hexMac(const std::string& what, const std::string& ms, const std::string& nonce,
-                     const std::string& body) const {
+  std::string hexMac(
+      const std::string& what,
+      const std::string& ms,
+      const std::string& nonce,
+      const std::string& body) const {
     const std::string head = "v1\n" + what + "\n" + ms + "\n" + nonce + "\n";
     unsigned char inner[EVP_MAX_MD_SIZE], out[EVP_MAX_MD_SIZE];
     unsigned int innerLen = 0, outLen = 0;
     EVP_MD_CTX* ctx = EVP_MD_CTX_new();
     const bool ok = ctx != nullptr && EVP_MD_CTX_copy_ex(ctx, inner_) == 1 &&
-                    EVP_DigestUpdate(ctx, head.data(), head.size()) == 1 &&
-                    EVP_DigestUpdate(ctx, body.data(), body.size()) == 1 &&
-                    EVP_DigestFinal_ex(ctx, inner, &innerLen) == 1 &&
-                    EVP_MD_CTX_copy_ex(ctx, outer_) == 1 &&
-                    EVP_DigestUpdate(ctx, inner, innerLen) == 1 &&
-                    EVP_DigestFinal_ex(ctx, out, &outLen) == 1;
+        EVP_DigestUpdate(ctx, head.data(), head.size()) == 1 &&
+        EVP_DigestUpdate(ctx, body.data(), body.size()) == 1 &&
+        EVP_DigestFinal_ex(ctx, inner, &innerLen) == 1 &&
+        EVP_MD_CTX_copy_ex(ctx, outer_) == 1 &&
+        EVP_DigestUpdate(ctx, inner, innerLen) == 1 &&
+        EVP_DigestFinal_ex(ctx, out, &outLen) == 1;
     EVP_MD_CTX_free(ctx);
-    if (!ok) return std::string();  // matches no token: refused as a bad signature
+    if (!ok)
+      return std::string(); // matches no token: refused as a bad signature
     static const char* kHex = "0123456789abcdef";
     std::string hex(outLen * 2, '0');
     for (unsigned int i = 0; i < outLen; ++i) {
@@ -284,19 +343,23 @@ class RequestVerifier {
     return hex;
   }
 
-  // mu_ held. Forgets nonces older than the window, and the oldest beyond maxNonces_.
+  // mu_ held. Forgets nonces older than the window, and the oldest beyond
+  // maxNonces_.
   void prune(int64_t now) {
     const int64_t cutoff = now - skewMs_;
-    while (!order_.empty() && (order_.front().first < cutoff || order_.size() > maxNonces_)) {
+    while (!order_.empty() &&
+           (order_.front().first < cutoff || order_.size() > maxNonces_)) {
       auto [t, nonce] = std::move(order_.front());
       order_.pop_front();
       seen_.erase(nonce);
-      if (t >= cutoff) forgottenBeforeMs_ = std::max(forgottenBeforeMs_, t + 1);
+      if (t >= cutoff)
+        forgottenBeforeMs_ = std::max(forgottenBeforeMs_, t + 1);
     }
   }
 
   const EVP_MD* sha256_ = nullptr;
-  EVP_MD_CTX* inner_ = nullptr;  // read-only after construction (copied per request)
+  EVP_MD_CTX* inner_ =
+      nullptr; // read-only after construction (copied per request)
   EVP_MD_CTX* outer_ = nullptr;
   const int64_t skewMs_;
   const size_t maxNonces_;
@@ -306,21 +369,30 @@ class RequestVerifier {
   int64_t forgottenBeforeMs_ = 0;
 };
 
-// Heartbeats answered without Python: the latest arrival time per replica id since Python last
-// collected them. The request is torchft.LighthouseHeartbeatRequest {string replica_id = 1;
-// bool leaving = 2;}; only the plain case (field 1 alone, leaving absent or false) is taken here.
+// Heartbeats answered without Python: the latest arrival time per replica id
+// since Python last collected them. The request is
+// torchft.LighthouseHeartbeatRequest {string replica_id = 1; bool leaving =
+// 2;}; only the plain case (field 1 alone, leaving absent or false) is taken
+// here.
 class HeartbeatTable {
  public:
   HeartbeatTable(std::string method, size_t maxNameBytes, double noDeadlineS)
-      : method_(std::move(method)), maxNameBytes_(maxNameBytes), noDeadlineS_(noDeadlineS) {}
+      : method_(std::move(method)),
+        maxNameBytes_(maxNameBytes),
+        noDeadlineS_(noDeadlineS) {}
 
-  const std::string& method() const { return method_; }
+  const std::string& method() const {
+    return method_;
+  }
 
-  // True when the heartbeat was recorded (the caller answers OK); false: leave it to Python.
+  // True when the heartbeat was recorded (the caller answers OK); false: leave
+  // it to Python.
   bool record(const std::string& request, double secondsToDeadline) {
-    if (!(secondsToDeadline > 0) || secondsToDeadline > noDeadlineS_) return false;
+    if (!(secondsToDeadline > 0) || secondsToDeadline > noDeadlineS_)
+      return false;
     std::string name;
-    if (!parse(request, &name)) return false;
+    if (!parse(request, &name))
+      return false;
     const double now = std::chrono::duration<double>(
                            std::chrono::steady_clock::now().time_since_epoch())
                            .count();
@@ -329,8 +401,9 @@ class HeartbeatTable {
     return true;
   }
 
-  // (replica id, steady-clock seconds: CLOCK_MONOTONIC, Python's time.monotonic()) of every
-  // heartbeat recorded since the last call, the latest per replica.
+  // (replica id, steady-clock seconds: CLOCK_MONOTONIC, Python's
+  // time.monotonic()) of every heartbeat recorded since the last call, the
+  // latest per replica.
   std::vector<std::pair<std::string, double>> take() {
     std::unordered_map<std::string, double> got;
     {
@@ -346,32 +419,38 @@ class HeartbeatTable {
     bool haveName = false;
     while (i < b.size()) {
       const uint8_t tag = static_cast<uint8_t>(b[i++]);
-      if (tag == 0x0A) {  // field 1, length-delimited
+      if (tag == 0x0A) { // field 1, length-delimited
         uint64_t len = 0;
         int shift = 0;
         while (true) {
-          if (i >= b.size() || shift > 28) return false;
+          if (i >= b.size() || shift > 28)
+            return false;
           const uint8_t c = static_cast<uint8_t>(b[i++]);
           len |= static_cast<uint64_t>(c & 0x7F) << shift;
-          if ((c & 0x80) == 0) break;
+          if ((c & 0x80) == 0)
+            break;
           shift += 7;
         }
-        if (len == 0 || len > maxNameBytes_ || len > b.size() - i) return false;
+        if (len == 0 || len > maxNameBytes_ || len > b.size() - i)
+          return false;
         name->assign(b, i, len);
         i += len;
         haveName = true;
-      } else if (tag == 0x10) {  // field 2 (leaving), varint: only "false" is taken here
-        if (i >= b.size() || b[i] != 0) return false;
+      } else if (tag == 0x10) { // field 2 (leaving), varint: only "false" is
+                                // taken here
+        if (i >= b.size() || b[i] != 0)
+          return false;
         ++i;
       } else {
-        return false;  // unknown or repeated-in-another-form field: Python decides
+        return false; // unknown or repeated-in-another-form field: Python
+                      // decides
       }
     }
     return haveName && validUtf8(*name);
   }
 
-  // Whether protobuf would accept `s` as a string field (valid UTF-8; no overlong forms, no
-  // surrogates, nothing past U+10FFFF).
+  // Whether protobuf would accept `s` as a string field (valid UTF-8; no
+  // overlong forms, no surrogates, nothing past U+10FFFF).
   static bool validUtf8(const std::string& s) {
     size_t i = 0;
     while (i < s.size()) {
@@ -390,14 +469,17 @@ class HeartbeatTable {
       } else {
         return false;
       }
-      if (i + n >= s.size()) return false;
+      if (i + n >= s.size())
+        return false;
       for (size_t k = 1; k <= n; ++k) {
         const uint8_t cc = static_cast<uint8_t>(s[i + k]);
-        if ((cc & 0xC0) != 0x80) return false;
+        if ((cc & 0xC0) != 0x80)
+          return false;
         cp = (cp << 6) | (cc & 0x3F);
       }
-      if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
-          (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF)
+      if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) ||
+          (n == 3 && cp < 0x10000) || (cp >= 0xD800 && cp <= 0xDFFF) ||
+          cp > 0x10FFFF)
         return false;
       i += n + 1;
     }
@@ -413,12 +495,15 @@ class HeartbeatTable {
 
 class Server;
 
-// One call's reactor: reads the request, hands it to Python, relays writes and the finish.
+// One call's reactor: reads the request, hands it to Python, relays writes and
+// the finish.
 class CallReactor : public grpc::ServerGenericBidiReactor {
  public:
   CallReactor(grpc::GenericCallbackServerContext* ctx, Server* server);
   void OnReadDone(bool ok) override;
-  void OnWriteDone(bool ok) override { state_->onWriteDone(ok); }
+  void OnWriteDone(bool ok) override {
+    state_->onWriteDone(ok);
+  }
   void OnCancel() override;
   void OnDone() override;
 
@@ -431,7 +516,8 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
 class Service : public grpc::CallbackGenericService {
  public:
   explicit Service(Server* server) : server_(server) {}
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* ctx) override {
     return new CallReactor(ctx, server_);
   }
 
@@ -439,48 +525,61 @@ class Service : public grpc::CallbackGenericService {
   Server* server_;
 };
 
-// The server's listening sockets, and a thread that accepts connections on them and hands them
-// to gRPC (ServerBuilder's external connection acceptor: from there on a connection is served
-// exactly as one gRPC accepted itself: same handshake and its deadline, same transport).
+// The server's listening sockets, and a thread that accepts connections on them
+// and hands them to gRPC (ServerBuilder's external connection acceptor: from
+// there on a connection is served exactly as one gRPC accepted itself: same
+// handshake and its deadline, same transport).
 //
-// Why not gRPC's own listener: up to at least gRPC 1.51 (Debian 12's), its TCP server stops
-// accepting for good after one accept4() error other than EAGAIN/EINTR: it logs "Failed accept4:
-// Too many open files" and never re-arms the listening socket. The port stays bound and the
-// process alive, but every later client times out. Anyone who can reach the port can trigger
-// that by opening a few hundred idle connections until the process runs out of descriptors,
-// and so cut the lighthouse off from every replica for good (a connection cap would not help:
-// any failed accept, whatever its cause, ends that listener). Here an accept error leaves the
-// pending connections queued in the kernel, and accepting resumes kRetryAfterErrorMs later,
-// for as long as it takes. Cost: one poll() wake-up per burst of new connections; nothing per
+// Why not gRPC's own listener: up to at least gRPC 1.51 (Debian 12's), its TCP
+// server stops accepting for good after one accept4() error other than
+// EAGAIN/EINTR: it logs "Failed accept4: Too many open files" and never re-arms
+// the listening socket. The port stays bound and the process alive, but every
+// later client times out. Anyone who can reach the port can trigger that by
+// opening a few hundred idle connections until the process runs out of
+// descriptors, and so cut the lighthouse off from every replica for good (a
+// connection cap would not help: any failed accept, whatever its cause, ends
+// that listener). Here an accept error leaves the pending connections queued in
+// the kernel, and accepting resumes kRetryAfterErrorMs later, for as long as it
+// takes. Cost: one poll() wake-up per burst of new connections; nothing per
 // request (calls on an established connection never come here).
 class Listener {
  public:
-  // While accept() fails (e.g. EMFILE, ENFILE, ENOBUFS, ENOMEM), retry this often: the
-  // listening socket stays readable meanwhile, so waiting on it would spin.
+  // While accept() fails (e.g. EMFILE, ENFILE, ENOBUFS, ENOMEM), retry this
+  // often: the listening socket stays readable meanwhile, so waiting on it
+  // would spin.
   static constexpr int kRetryAfterErrorMs = 100;
 
   Listener() = default;
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
-  ~Listener() { stop(); }
+  ~Listener() {
+    stop();
+  }
 
   // Parses "host:port" / "[v6]:port"; false for anything else.
-  static bool splitHostPort(const std::string& address, std::string* host, std::string* port) {
+  static bool splitHostPort(
+      const std::string& address,
+      std::string* host,
+      std::string* port) {
     std::string h, p;
     if (!address.empty() && address[0] == '[') {
       size_t close = address.find(']');
-      if (close == std::string::npos || close + 1 >= address.size() || address[close + 1] != ':')
+      if (close == std::string::npos || close + 1 >= address.size() ||
+          address[close + 1] != ':')
         return false;
       h = address.substr(1, close - 1);
       p = address.substr(close + 2);
     } else {
       size_t colon = address.rfind(':');
-      if (colon == std::string::npos) return false;
+      if (colon == std::string::npos)
+        return false;
       h = address.substr(0, colon);
       p = address.substr(colon + 1);
-      if (h.find(':') != std::string::npos) return false;  // unbracketed IPv6
+      if (h.find(':') != std::string::npos)
+        return false; // unbracketed IPv6
     }
-    if (p.empty() || p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos ||
+    if (p.empty() || p.size() > 5 ||
+        p.find_first_not_of("0123456789") != std::string::npos ||
         std::stoi(p) > 65535)
       return false;
     *host = h;
@@ -488,13 +587,18 @@ class Listener {
     return true;
   }
 
-  // Binds and listens as gRPC would: a wildcard host ("", "::", "0.0.0.0") is one dual-stack
-  // socket (or IPv4 alone where there is no IPv6), a name every address it resolves to, on one
-  // port (port 0 picks it). Throws std::runtime_error when nothing could be bound.
-  void bind(const std::string& address, const std::string& host, const std::string& port) {
+  // Binds and listens as gRPC would: a wildcard host ("", "::", "0.0.0.0") is
+  // one dual-stack socket (or IPv4 alone where there is no IPv6), a name every
+  // address it resolves to, on one port (port 0 picks it). Throws
+  // std::runtime_error when nothing could be bound.
+  void bind(
+      const std::string& address,
+      const std::string& host,
+      const std::string& port) {
     std::string firstError;
     auto note = [&](const char* what) {
-      if (firstError.empty()) firstError = std::string(what) + ": " + std::strerror(errno);
+      if (firstError.empty())
+        firstError = std::string(what) + ": " + std::strerror(errno);
     };
     int chosenPort = std::stoi(port);
     if (host.empty() || host == "::" || host == "0.0.0.0" || host == "*") {
@@ -503,15 +607,24 @@ class Listener {
       any6.sin6_addr = in6addr_any;
       any6.sin6_port = htons(static_cast<uint16_t>(chosenPort));
       bool dualStack = false;
-      if (listenOn(reinterpret_cast<sockaddr*>(&any6), sizeof(any6), &chosenPort, &dualStack,
-                   note) &&
+      if (listenOn(
+              reinterpret_cast<sockaddr*>(&any6),
+              sizeof(any6),
+              &chosenPort,
+              &dualStack,
+              note) &&
           dualStack)
         return finishBind(address, firstError);
       sockaddr_in any4{};
       any4.sin_family = AF_INET;
       any4.sin_addr.s_addr = htonl(INADDR_ANY);
       any4.sin_port = htons(static_cast<uint16_t>(chosenPort));
-      listenOn(reinterpret_cast<sockaddr*>(&any4), sizeof(any4), &chosenPort, nullptr, note);
+      listenOn(
+          reinterpret_cast<sockaddr*>(&any4),
+          sizeof(any4),
+          &chosenPort,
+          nullptr,
+          note);
       return finishBind(address, firstError);
     }
     addrinfo hints{};
@@ -521,35 +634,51 @@ class Listener {
     addrinfo* found = nullptr;
     int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
     if (rc != 0) {
-      throw std::runtime_error("gRPC server could not bind " + address + ": " +
-                               ::gai_strerror(rc));
+      throw std::runtime_error(
+          "gRPC server could not bind " + address + ": " + ::gai_strerror(rc));
     }
     std::vector<std::string> seen;
     for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
-      std::string key(reinterpret_cast<const char*>(ai->ai_addr), ai->ai_addrlen);
-      if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+      std::string key(
+          reinterpret_cast<const char*>(ai->ai_addr),
+          ai->ai_addrlen);
+      if (std::find(seen.begin(), seen.end(), key) != seen.end())
+        continue;
       seen.push_back(key);
       sockaddr_storage addr{};
       std::memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
       setPort(reinterpret_cast<sockaddr*>(&addr), chosenPort);
-      listenOn(reinterpret_cast<sockaddr*>(&addr), ai->ai_addrlen, &chosenPort, nullptr, note);
+      listenOn(
+          reinterpret_cast<sockaddr*>(&addr),
+          ai->ai_addrlen,
+          &chosenPort,
+          nullptr,
+          note);
     }
     ::freeaddrinfo(found);
     finishBind(address, firstError);
   }
 
-  int port() const { return port_; }
+  int port() const {
+    return port_;
+  }
 
-  // Hands every connection accepted from now on to `acceptor` (gRPC's, of a started server).
-  void start(std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor) {
+  // Hands every connection accepted from now on to `acceptor` (gRPC's, of a
+  // started server).
+  void start(
+      std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor>
+          acceptor) {
     acceptor_ = std::move(acceptor);
-    if (::pipe(wake_) != 0) throw std::runtime_error("gRPC server: pipe() failed");
-    for (int fd : wake_) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+    if (::pipe(wake_) != 0)
+      throw std::runtime_error("gRPC server: pipe() failed");
+    for (int fd : wake_)
+      ::fcntl(fd, F_SETFD, FD_CLOEXEC);
     thread_ = std::thread([this] { run(); });
   }
 
-  // Stops accepting and joins the thread; connections already handed over are gRPC's. Must run
-  // before the gRPC server shuts down: its acceptor refuses, and leaks, later connections.
+  // Stops accepting and joins the thread; connections already handed over are
+  // gRPC's. Must run before the gRPC server shuts down: its acceptor refuses,
+  // and leaks, later connections.
   void stop() {
     if (thread_.joinable()) {
       char byte = 0;
@@ -558,24 +687,34 @@ class Listener {
       thread_.join();
     }
     for (int& fd : wake_) {
-      if (fd >= 0) ::close(fd);
+      if (fd >= 0)
+        ::close(fd);
       fd = -1;
     }
-    for (int fd : fds_) ::close(fd);
+    for (int fd : fds_)
+      ::close(fd);
     fds_.clear();
   }
 
  private:
   static void setPort(sockaddr* addr, int port) {
     if (addr->sa_family == AF_INET6)
-      reinterpret_cast<sockaddr_in6*>(addr)->sin6_port = htons(static_cast<uint16_t>(port));
+      reinterpret_cast<sockaddr_in6*>(addr)->sin6_port =
+          htons(static_cast<uint16_t>(port));
     else if (addr->sa_family == AF_INET)
-      reinterpret_cast<sockaddr_in*>(addr)->sin_port = htons(static_cast<uint16_t>(port));
+      reinterpret_cast<sockaddr_in*>(addr)->sin_port =
+          htons(static_cast<uint16_t>(port));
   }
 
-  // One listening socket on `addr`. On success with port 0, *port becomes the one picked.
+  // One listening socket on `addr`. On success with port 0, *port becomes the
+  // one picked.
   template <typename Note>
-  bool listenOn(sockaddr* addr, socklen_t len, int* port, bool* dualStack, Note note) {
+  bool listenOn(
+      sockaddr* addr,
+      socklen_t len,
+      int* port,
+      bool* dualStack,
+      Note note) {
     setPort(addr, *port);
     int fd = ::socket(addr->sa_family, SOCK_STREAM, 0);
     if (fd < 0) {
@@ -586,16 +725,23 @@ class Listener {
     ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
     int one = 1, zero = 0;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // inherited by connections
+    ::setsockopt(
+        fd,
+        IPPROTO_TCP,
+        TCP_NODELAY,
+        &one,
+        sizeof(one)); // inherited by connections
     if (dualStack != nullptr) {
-      *dualStack = ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero)) == 0;
+      *dualStack =
+          ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero)) == 0;
     }
     if (::bind(fd, addr, len) != 0) {
       note("bind");
       ::close(fd);
       return false;
     }
-    // The kernel caps the backlog at net.core.somaxconn, which is what gRPC's listener asks for.
+    // The kernel caps the backlog at net.core.somaxconn, which is what gRPC's
+    // listener asks for.
     if (::listen(fd, 65535) != 0) {
       note("listen");
       ::close(fd);
@@ -604,10 +750,11 @@ class Listener {
     if (*port == 0) {
       sockaddr_storage bound{};
       socklen_t boundLen = sizeof(bound);
-      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &boundLen) == 0) {
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &boundLen) ==
+          0) {
         *port = bound.ss_family == AF_INET6
-                    ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                    : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+            ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+            : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
       }
     }
     fds_.push_back(fd);
@@ -617,43 +764,59 @@ class Listener {
 
   void finishBind(const std::string& address, const std::string& firstError) {
     if (fds_.empty() || port_ == 0) {
-      for (int fd : fds_) ::close(fd);
+      for (int fd : fds_)
+        ::close(fd);
       fds_.clear();
-      throw std::runtime_error("gRPC server could not bind " + address +
-                               (firstError.empty() ? "" : ": " + firstError));
+      throw std::runtime_error(
+          "gRPC server could not bind " + address +
+          (firstError.empty() ? "" : ": " + firstError));
     }
   }
 
-  // Accepts until stop(). Never gives up on a listening socket: an error is either about the
-  // one connection (it is gone: go on) or about this process (wait, then try again).
+  // Accepts until stop(). Never gives up on a listening socket: an error is
+  // either about the one connection (it is gone: go on) or about this process
+  // (wait, then try again).
   void run() {
     std::vector<pollfd> polled;
-    for (int fd : fds_) polled.push_back(pollfd{fd, POLLIN, 0});
+    for (int fd : fds_)
+      polled.push_back(pollfd{fd, POLLIN, 0});
     polled.push_back(pollfd{wake_[0], POLLIN, 0});
     bool backingOff = false;
     int lastError = 0;
     while (true) {
-      // While backing off, only the wake-up pipe is watched (the listeners are readable).
-      for (size_t i = 0; i + 1 < polled.size(); ++i) polled[i].events = backingOff ? 0 : POLLIN;
-      for (auto& p : polled) p.revents = 0;
-      int n = ::poll(polled.data(), polled.size(), backingOff ? kRetryAfterErrorMs : -1);
+      // While backing off, only the wake-up pipe is watched (the listeners are
+      // readable).
+      for (size_t i = 0; i + 1 < polled.size(); ++i)
+        polled[i].events = backingOff ? 0 : POLLIN;
+      for (auto& p : polled)
+        p.revents = 0;
+      int n = ::poll(
+          polled.data(),
+          polled.size(),
+          backingOff ? kRetryAfterErrorMs : -1);
       if (n < 0 && errno != EINTR) {
         // Not expected (EFAULT/EINVAL/ENOMEM): do not spin on it.
-        std::this_thread::sleep_for(std::chrono::milliseconds(kRetryAfterErrorMs));
+        std::this_thread::sleep_for(
+            std::chrono::milliseconds(kRetryAfterErrorMs));
         continue;
       }
-      if (polled.back().revents != 0) return;  // stop()
+      if (polled.back().revents != 0)
+        return; // stop()
       bool failed = false;
       for (size_t i = 0; i + 1 < polled.size(); ++i) {
-        if (!backingOff && polled[i].revents == 0) continue;
+        if (!backingOff && polled[i].revents == 0)
+          continue;
         int err = acceptAll(polled[i].fd);
         if (err != 0) {
           failed = true;
           if (err != lastError) {
-            gpr_log(GPR_ERROR,
-                    "ft gRPC server: accept failed (%s); pending connections wait, retrying "
-                    "every %d ms",
-                    std::strerror(err), kRetryAfterErrorMs);
+            gpr_log(
+                GPR_ERROR,
+                "ft gRPC server: accept failed (%s); pending connections wait, "
+                "retrying "
+                "every %d ms",
+                std::strerror(err),
+                kRetryAfterErrorMs);
             lastError = err;
           }
         }
@@ -666,12 +829,14 @@ class Listener {
     }
   }
 
-  // Accepts every pending connection of `listenFd`. 0 once none is left; else the errno that
-  // stopped it (running out of descriptors, or anything unexpected).
+  // Accepts every pending connection of `listenFd`. 0 once none is left; else
+  // the errno that stopped it (running out of descriptors, or anything
+  // unexpected).
   int acceptAll(int listenFd) {
     while (true) {
 #ifdef __linux__
-      int fd = ::accept4(listenFd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      int fd =
+          ::accept4(listenFd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
 #else
       int fd = ::accept(listenFd, nullptr, nullptr);
       if (fd >= 0) {
@@ -681,20 +846,25 @@ class Listener {
 #endif
       if (fd < 0) {
         int err = errno;
-        if (err == EAGAIN || err == EWOULDBLOCK) return 0;
-        if (err == EINTR || err == ECONNABORTED || err == EPROTO || err == EPERM ||
-            err == ENETDOWN || err == ENOPROTOOPT || err == EHOSTDOWN || err == EHOSTUNREACH ||
-            err == ENETUNREACH || err == EOPNOTSUPP) {
-          continue;  // that connection failed (Linux reports its network errors here); next
+        if (err == EAGAIN || err == EWOULDBLOCK)
+          return 0;
+        if (err == EINTR || err == ECONNABORTED || err == EPROTO ||
+            err == EPERM || err == ENETDOWN || err == ENOPROTOOPT ||
+            err == EHOSTDOWN || err == EHOSTUNREACH || err == ENETUNREACH ||
+            err == EOPNOTSUPP) {
+          continue; // that connection failed (Linux reports its network errors
+                    // here); next
         }
-        // Out of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM) or unexpected: the connection
-        // stays queued, and the caller retries after a pause.
+        // Out of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM) or unexpected: the
+        // connection stays queued, and the caller retries after a pause.
         return err;
       }
-      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters params;
+      grpc::experimental::ExternalConnectionAcceptor::NewConnectionParameters
+          params;
       params.listener_fd = listenFd;
       params.fd = fd;
-      acceptor_->HandleNewConnection(&params);  // gRPC owns (and closes) fd from here
+      acceptor_->HandleNewConnection(
+          &params); // gRPC owns (and closes) fd from here
     }
   }
 
@@ -707,45 +877,61 @@ class Listener {
 
 class Server {
  public:
-  Server(const std::string& address, py::function handler, int maxMessageBytes, int keepaliveMs,
-         std::unique_ptr<RequestVerifier> verifier, std::unique_ptr<HeartbeatTable> heartbeats)
+  Server(
+      const std::string& address,
+      py::function handler,
+      int maxMessageBytes,
+      int keepaliveMs,
+      std::unique_ptr<RequestVerifier> verifier,
+      std::unique_ptr<HeartbeatTable> heartbeats)
       : handler_(std::move(handler)),
         verifier_(std::move(verifier)),
         heartbeats_(std::move(heartbeats)),
         service_(this) {
     grpc::ServerBuilder builder;
     std::string host, port;
-    // A Unix socket ("unix:/path", "unix-abstract:name") is left to gRPC's own listener.
+    // A Unix socket ("unix:/path", "unix-abstract:name") is left to gRPC's own
+    // listener.
     const bool ownListener = address.compare(0, 5, "unix:") != 0 &&
-                             address.compare(0, 14, "unix-abstract:") != 0;
+        address.compare(0, 14, "unix-abstract:") != 0;
     if (ownListener && !Listener::splitHostPort(address, &host, &port)) {
-      throw std::runtime_error("gRPC server could not bind " + address +
-                               ": not host:port or [ipv6]:port");
+      throw std::runtime_error(
+          "gRPC server could not bind " + address +
+          ": not host:port or [ipv6]:port");
     }
     std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
     if (ownListener) {
-      // host:port: accepted by Listener, which survives accept errors (see there).
+      // host:port: accepted by Listener, which survives accept errors (see
+      // there).
       {
-        py::gil_scoped_release nogil;  // resolving a name may take a while
+        py::gil_scoped_release nogil; // resolving a name may take a while
         listener_.bind(address, host, port);
       }
       acceptor = builder.experimental().AddExternalConnectionAcceptor(
-          grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
+          grpc::ServerBuilder::experimental_type::ExternalConnectionType::
+              FROM_FD,
           grpc::InsecureServerCredentials());
     } else {
-      builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+      builder.AddListeningPort(
+          address,
+          grpc::InsecureServerCredentials(),
+          &port_);
       builder.AddChannelArgument("grpc.so_reuseport", 0);
     }
     builder.RegisterCallbackGenericService(&service_);
     builder.SetMaxReceiveMessageSize(maxMessageBytes);
     builder.SetMaxSendMessageSize(maxMessageBytes);
-    // Accept clients' keepalive pings every few seconds (ft's clients ping every 5 s so that a
-    // partition ends their calls); the default policy answers them with GOAWAY.
+    // Accept clients' keepalive pings every few seconds (ft's clients ping
+    // every 5 s so that a partition ends their calls); the default policy
+    // answers them with GOAWAY.
     builder.AddChannelArgument("grpc.keepalive_permit_without_calls", 1);
-    builder.AddChannelArgument("grpc.http2.min_recv_ping_interval_without_data_ms", 2500);
+    builder.AddChannelArgument(
+        "grpc.http2.min_recv_ping_interval_without_data_ms",
+        2500);
     builder.AddChannelArgument("grpc.http2.max_ping_strikes", 0);
     if (keepaliveMs > 0) {
-      // Ping idle connections, so that the call of a peer that stopped answering ends.
+      // Ping idle connections, so that the call of a peer that stopped
+      // answering ends.
       builder.AddChannelArgument("grpc.keepalive_time_ms", keepaliveMs);
       builder.AddChannelArgument("grpc.keepalive_timeout_ms", keepaliveMs);
     }
@@ -762,58 +948,80 @@ class Server {
     }
   }
 
-  ~Server() { shutdown(0.0); }
+  ~Server() {
+    shutdown(0.0);
+  }
 
-  int port() const { return port_; }
+  int port() const {
+    return port_;
+  }
 
-  // GIL held on entry. A second caller returns at once (the first one is shutting down).
+  // GIL held on entry. A second caller returns at once (the first one is
+  // shutting down).
   void shutdown(double graceSeconds) {
     std::unique_ptr<grpc::Server> server = std::move(server_);
-    if (!server) return;
-    if (!(graceSeconds > 0)) graceSeconds = 0;  // NaN and negatives
+    if (!server)
+      return;
+    if (!(graceSeconds > 0))
+      graceSeconds = 0; // NaN and negatives
     graceSeconds = std::min(graceSeconds, 3600.0);
     {
-      py::gil_scoped_release nogil;  // reactions still running need the GIL to finish
+      py::gil_scoped_release
+          nogil; // reactions still running need the GIL to finish
       auto deadline = std::chrono::system_clock::now() +
-                      std::chrono::microseconds(static_cast<int64_t>(graceSeconds * 1e6));
-      listener_.stop();  // first: no connection may reach gRPC's acceptor once it shuts down
-      server->Shutdown(deadline);  // returns once every call's OnDone has run
+          std::chrono::microseconds(static_cast<int64_t>(graceSeconds * 1e6));
+      listener_.stop(); // first: no connection may reach gRPC's acceptor once
+                        // it shuts down
+      server->Shutdown(deadline); // returns once every call's OnDone has run
       server.reset();
     }
-    // The handler refers back to the Python server object: drop it to break the cycle.
+    // The handler refers back to the Python server object: drop it to break the
+    // cycle.
     handler_ = py::function();
   }
 
-  const py::function& handler() const { return handler_; }
-  RequestVerifier* verifier() const { return verifier_.get(); }
+  const py::function& handler() const {
+    return handler_;
+  }
+  RequestVerifier* verifier() const {
+    return verifier_.get();
+  }
   // The heartbeat fast path while it is open, else nullptr.
   HeartbeatTable* heartbeats() const {
-    return heartbeatsOpen_.load(std::memory_order_acquire) ? heartbeats_.get() : nullptr;
+    return heartbeatsOpen_.load(std::memory_order_acquire) ? heartbeats_.get()
+                                                           : nullptr;
   }
-  // From now on every heartbeat goes to Python (e.g. so that it answers "shutting down").
-  void closeHeartbeatFastPath() { heartbeatsOpen_.store(false, std::memory_order_release); }
+  // From now on every heartbeat goes to Python (e.g. so that it answers
+  // "shutting down").
+  void closeHeartbeatFastPath() {
+    heartbeatsOpen_.store(false, std::memory_order_release);
+  }
   std::vector<std::pair<std::string, double>> takeHeartbeats() {
-    if (!heartbeats_) return {};
+    if (!heartbeats_)
+      return {};
     return heartbeats_->take();
   }
 
  private:
   py::function handler_;
-  // Both fixed at construction, before the first call can arrive; read by gRPC threads.
+  // Both fixed at construction, before the first call can arrive; read by gRPC
+  // threads.
   const std::unique_ptr<RequestVerifier> verifier_;
   const std::unique_ptr<HeartbeatTable> heartbeats_;
   std::atomic<bool> heartbeatsOpen_{true};
   Service service_;
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
-  Listener listener_;  // after server_: destroyed (stopped) before it
+  Listener listener_; // after server_: destroyed (stopped) before it
 };
 
-// --- CallState ---------------------------------------------------------------------------
+// --- CallState
+// ---------------------------------------------------------------------------
 
 bool CallState::write(grpc::ByteBuffer msg) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (finishRequested_ || cancelled_ || queued_.size() >= kMaxQueuedWrites) return false;
+  if (finishRequested_ || cancelled_ || queued_.size() >= kMaxQueuedWrites)
+    return false;
   queued_.push_back(std::move(msg));
   pump(lock);
   return true;
@@ -821,7 +1029,8 @@ bool CallState::write(grpc::ByteBuffer msg) {
 
 bool CallState::reply(grpc::ByteBuffer msg) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (finishRequested_ || cancelled_) return false;
+  if (finishRequested_ || cancelled_)
+    return false;
   queued_.push_back(std::move(msg));
   finishRequested_ = true;
   finalStatus_ = grpc::Status::OK;
@@ -831,22 +1040,26 @@ bool CallState::reply(grpc::ByteBuffer msg) {
 
 bool CallState::finish(grpc::Status status) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (finishRequested_) return false;
+  if (finishRequested_)
+    return false;
   finishRequested_ = true;
   finalStatus_ = std::move(status);
-  if (cancelled_) queued_.clear();
+  if (cancelled_)
+    queued_.clear();
   pump(lock);
   return true;
 }
 
 void CallState::pump(std::unique_lock<std::mutex>& lock) {
-  if (writing_ || finishStarted_ || reactor_ == nullptr) return;
+  if (writing_ || finishStarted_ || reactor_ == nullptr)
+    return;
   if (!queued_.empty()) {
     inFlight_ = std::move(queued_.front());
     queued_.pop_front();
     CallReactor* r = reactor_;
     if (finishRequested_ && queued_.empty()) {
-      // The last message and the status in one operation (one round of gRPC work, not two).
+      // The last message and the status in one operation (one round of gRPC
+      // work, not two).
       finishStarted_ = true;
       grpc::Status status = finalStatus_;
       lock.unlock();
@@ -868,22 +1081,26 @@ void CallState::pump(std::unique_lock<std::mutex>& lock) {
 }
 
 void CallState::setOnCancel(py::object cb) {
-  // GIL held. Stored and flagged under mu_, where onCancel() reads the flag: either the
-  // cancellation sees the callback, or this sees the cancellation and calls it now.
-  if (cb.is_none()) cb = py::object();
+  // GIL held. Stored and flagged under mu_, where onCancel() reads the flag:
+  // either the cancellation sees the callback, or this sees the cancellation
+  // and calls it now.
+  if (cb.is_none())
+    cb = py::object();
   py::object previous;
   bool callNow = false;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (cancelled_) {
-      callNow = static_cast<bool>(cb);  // too late to store: the notice already went out
+      callNow = static_cast<bool>(
+          cb); // too late to store: the notice already went out
     } else if (!finishRequested_) {
       previous = std::move(onCancel_);
       onCancel_ = std::move(cb);
       hasOnCancel_ = static_cast<bool>(onCancel_);
-    }  // else answered: it can no longer be cancelled unanswered
+    } // else answered: it can no longer be cancelled unanswered
   }
-  if (callNow) cb();
+  if (callNow)
+    cb();
 }
 
 void CallState::markCancelledLocked(const char* why) {
@@ -899,7 +1116,8 @@ void CallState::onWriteDone(bool ok) {
   std::unique_lock<std::mutex> lock(mu_);
   writing_ = false;
   if (!ok) {
-    // The stream broke: nothing more can be written; the call still has to be finished.
+    // The stream broke: nothing more can be written; the call still has to be
+    // finished.
     markCancelledLocked("the stream broke");
   }
   pump(lock);
@@ -919,51 +1137,68 @@ void CallState::onDone() {
   cancelled_ = cancelled_ || !finishRequested_;
 }
 
-// --- CallReactor -------------------------------------------------------------------------
+// --- CallReactor
+// -------------------------------------------------------------------------
 
-// The value of the client's first "ft-auth" metadata entry, "" when it sent none. Equal keys of
-// a multimap keep their arrival order, so lower_bound is the first one sent.
+// The value of the client's first "ft-auth" metadata entry, "" when it sent
+// none. Equal keys of a multimap keep their arrival order, so lower_bound is
+// the first one sent.
 std::string authMetadata(const grpc::GenericCallbackServerContext* ctx) {
   const auto& md = ctx->client_metadata();
   auto it = md.lower_bound(grpc::string_ref("ft-auth"));
-  if (it == md.end() || it->first != grpc::string_ref("ft-auth")) return std::string();
+  if (it == md.end() || it->first != grpc::string_ref("ft-auth"))
+    return std::string();
   return std::string(it->second.data(), it->second.size());
 }
 
-CallReactor::CallReactor(grpc::GenericCallbackServerContext* ctx, Server* server)
+CallReactor::CallReactor(
+    grpc::GenericCallbackServerContext* ctx,
+    Server* server)
     : server_(server),
-      state_(std::make_shared<CallState>(this, ctx->method(), ctx->deadline(),
-                                         authMetadata(ctx))) {
+      state_(
+          std::make_shared<CallState>(
+              this,
+              ctx->method(),
+              ctx->deadline(),
+              authMetadata(ctx))) {
   StartRead(&request_);
 }
 
 void CallReactor::OnReadDone(bool ok) {
   if (!ok) {
-    state_->finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
+    state_->finish(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
     return;
   }
   std::vector<grpc::Slice> slices;
   if (!request_.Dump(&slices).ok()) {
-    state_->finish(grpc::Status(grpc::StatusCode::INTERNAL, "could not read the request"));
+    state_->finish(
+        grpc::Status(grpc::StatusCode::INTERNAL, "could not read the request"));
     return;
   }
   request_.Clear();
   std::string body;
   {
     size_t size = 0;
-    for (const auto& s : slices) size += s.size();
+    for (const auto& s : slices)
+      size += s.size();
     body.reserve(size);
-    for (const auto& s : slices) body.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    for (const auto& s : slices)
+      body.append(reinterpret_cast<const char*>(s.begin()), s.size());
   }
   slices.clear();
-  // Neither check takes the GIL: a refused or routine call costs Python nothing.
+  // Neither check takes the GIL: a refused or routine call costs Python
+  // nothing.
   if (RequestVerifier* verifier = server_->verifier()) {
-    const std::string why = verifier->verify(state_->method(), body, state_->auth());
+    const std::string why =
+        verifier->verify(state_->method(), body, state_->auth());
     if (!why.empty()) {
-      state_->finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                                  state_->method() + ": refused: " + why +
-                                      "; this server requires the job secret "
-                                      "(FT_JOB_SECRET_FILE / FT_JOB_SECRET)"));
+      state_->finish(
+          grpc::Status(
+              grpc::StatusCode::UNAUTHENTICATED,
+              state_->method() + ": refused: " + why +
+                  "; this server requires the job secret "
+                  "(FT_JOB_SECRET_FILE / FT_JOB_SECRET)"));
       return;
     }
     state_->markVerified();
@@ -972,30 +1207,37 @@ void CallReactor::OnReadDone(bool ok) {
   if (heartbeats != nullptr && state_->method() == heartbeats->method() &&
       heartbeats->record(body, state_->timeRemaining())) {
     grpc::Slice empty;
-    state_->reply(grpc::ByteBuffer(&empty, 1));  // LighthouseHeartbeatResponse {}
+    state_->reply(
+        grpc::ByteBuffer(&empty, 1)); // LighthouseHeartbeatResponse {}
     return;
   }
   std::string error;
   {
     GrpcThreadGil gil;
     try {
-      PyObject* raw = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
-      if (raw == nullptr) throw py::error_already_set();
+      PyObject* raw = PyBytes_FromStringAndSize(
+          body.data(),
+          static_cast<Py_ssize_t>(body.size()));
+      if (raw == nullptr)
+        throw py::error_already_set();
       auto data = py::reinterpret_steal<py::bytes>(raw);
       server_->handler()(py::cast(state_), data);
     } catch (py::error_already_set& e) {
       error = e.what();
-    } catch (const std::exception& e) {  // e.g. bad_alloc: never let it escape into gRPC
+    } catch (const std::exception&
+                 e) { // e.g. bad_alloc: never let it escape into gRPC
       error = e.what();
     }
   }
   if (!error.empty()) {
-    state_->finish(grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
+    state_->finish(
+        grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
   }
 }
 
 void CallReactor::OnCancel() {
-  if (!state_->onCancel()) return;
+  if (!state_->onCancel())
+    return;
   GrpcThreadGil gil;
   py::object cb = state_->takeOnCancel();
   if (cb) {
@@ -1012,7 +1254,8 @@ void CallReactor::OnCancel() {
 void CallReactor::OnDone() {
   state_->onDone();
   if (state_->hasOnCancel()) {
-    // Finished by this file, not by Python (e.g. the handler raised): drop it with the GIL.
+    // Finished by this file, not by Python (e.g. the handler raised): drop it
+    // with the GIL.
     GrpcThreadGil gil;
     state_->takeOnCancel();
   }
@@ -1027,79 +1270,122 @@ grpc::ByteBuffer toByteBuffer(const py::bytes& data) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-}  // namespace
+} // namespace
 
 PYBIND11_MODULE(_grpc_server, m) {
-  m.doc() = "A generic gRPC server (C++ callback API) whose calls Python answers; see "
-            "ft.coordination.transport.";
+  m.doc() =
+      "A generic gRPC server (C++ callback API) whose calls Python answers; "
+      "see "
+      "ft.coordination.transport.";
 
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
       .def_property_readonly("verified", &CallState::verified)
-      .def_property_readonly("auth",
-                             [](const CallState& c) {
-                               // gRPC admits only printable ASCII in such values; never raise.
-                               const std::string& a = c.auth();
-                               PyObject* s = PyUnicode_DecodeUTF8(
-                                   a.data(), static_cast<Py_ssize_t>(a.size()), "replace");
-                               if (s == nullptr) throw py::error_already_set();
-                               return py::reinterpret_steal<py::str>(s);
-                             })
+      .def_property_readonly(
+          "auth",
+          [](const CallState& c) {
+            // gRPC admits only printable ASCII in such values; never raise.
+            const std::string& a = c.auth();
+            PyObject* s = PyUnicode_DecodeUTF8(
+                a.data(),
+                static_cast<Py_ssize_t>(a.size()),
+                "replace");
+            if (s == nullptr)
+              throw py::error_already_set();
+            return py::reinterpret_steal<py::str>(s);
+          })
       .def_property(
           "on_cancel",
           [](CallState& c) { return c.peekOnCancel(); },
           &CallState::setOnCancel)
       .def("time_remaining", &CallState::timeRemaining)
       .def("is_active", &CallState::isActive)
-      .def("write", [](CallState& c, const py::bytes& data) { return c.write(toByteBuffer(data)); })
-      .def("reply",
-           [](CallState& c, const py::bytes& data) {
-             bool ok = c.reply(toByteBuffer(data));
-             c.takeOnCancel();  // answered: it will not be cancelled unanswered
-             return ok;
-           })
+      .def(
+          "write",
+          [](CallState& c, const py::bytes& data) {
+            return c.write(toByteBuffer(data));
+          })
+      .def(
+          "reply",
+          [](CallState& c, const py::bytes& data) {
+            bool ok = c.reply(toByteBuffer(data));
+            c.takeOnCancel(); // answered: it will not be cancelled unanswered
+            return ok;
+          })
       .def(
           "finish",
           [](CallState& c, int code, const std::string& details) {
-            bool ok = c.finish(grpc::Status(static_cast<grpc::StatusCode>(code), details));
+            bool ok = c.finish(
+                grpc::Status(static_cast<grpc::StatusCode>(code), details));
             c.takeOnCancel();
             return ok;
           },
-          py::arg("code") = 0, py::arg("details") = "");
+          py::arg("code") = 0,
+          py::arg("details") = "");
 
   py::class_<Server>(m, "Server")
-      .def(py::init([](const std::string& address, py::function handler, int maxMessageBytes,
-                       int keepaliveMs, py::object verifier, py::object heartbeat) {
-             // verifier: (key bytes, skew ms, max remembered nonces) or None.
-             // heartbeat: (method path, max name bytes, no-deadline seconds) or None.
-             std::unique_ptr<RequestVerifier> v;
-             if (!verifier.is_none()) {
-               auto t = verifier.cast<py::tuple>();
-               v = std::make_unique<RequestVerifier>(t[0].cast<std::string>(),
-                                                     t[1].cast<int64_t>(), t[2].cast<size_t>());
-             }
-             std::unique_ptr<HeartbeatTable> h;
-             if (!heartbeat.is_none()) {
-               auto t = heartbeat.cast<py::tuple>();
-               h = std::make_unique<HeartbeatTable>(t[0].cast<std::string>(),
-                                                    t[1].cast<size_t>(), t[2].cast<double>());
-             }
-             return std::make_unique<Server>(address, std::move(handler), maxMessageBytes,
-                                             keepaliveMs, std::move(v), std::move(h));
-           }),
-           py::arg("address"), py::arg("handler"), py::arg("max_message_bytes"),
-           py::arg("keepalive_ms") = 0, py::arg("verifier") = py::none(),
-           py::arg("heartbeat") = py::none())
+      .def(
+          py::init([](const std::string& address,
+                      py::function handler,
+                      int maxMessageBytes,
+                      int keepaliveMs,
+                      py::object verifier,
+                      py::object heartbeat) {
+            // verifier: (key bytes, skew ms, max remembered nonces) or None.
+            // heartbeat: (method path, max name bytes, no-deadline seconds) or
+            // None.
+            std::unique_ptr<RequestVerifier> v;
+            if (!verifier.is_none()) {
+              auto t = verifier.cast<py::tuple>();
+              v = std::make_unique<RequestVerifier>(
+                  t[0].cast<std::string>(),
+                  t[1].cast<int64_t>(),
+                  t[2].cast<size_t>());
+            }
+            std::unique_ptr<HeartbeatTable> h;
+            if (!heartbeat.is_none()) {
+              auto t = heartbeat.cast<py::tuple>();
+              h = std::make_unique<HeartbeatTable>(
+                  t[0].cast<std::string>(),
+                  t[1].cast<size_t>(),
+                  t[2].cast<double>());
+            }
+            return std::make_unique<Server>(
+                address,
+                std::move(handler),
+                maxMessageBytes,
+                keepaliveMs,
+                std::move(v),
+                std::move(h));
+          }),
+          py::arg("address"),
+          py::arg("handler"),
+          py::arg("max_message_bytes"),
+          py::arg("keepalive_ms") = 0,
+          py::arg("verifier") = py::none(),
+          py::arg("heartbeat") = py::none())
       .def_property_readonly("port", &Server::port)
-      .def("take_heartbeats", &Server::takeHeartbeats, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "take_heartbeats",
+          &Server::takeHeartbeats,
+          py::call_guard<py::gil_scoped_release>())
       .def("close_heartbeat_fast_path", &Server::closeHeartbeatFastPath)
       .def("shutdown", &Server::shutdown, py::arg("grace") = 0.0);
 
-  // The C++ signature check alone, for the test that holds it to ft.utils.auth.Verifier.
+  // The C++ signature check alone, for the test that holds it to
+  // ft.utils.auth.Verifier.
   py::class_<RequestVerifier>(m, "RequestVerifier")
-      .def(py::init<std::string, int64_t, size_t>(), py::arg("key"), py::arg("skew_ms"),
-           py::arg("max_nonces"))
-      .def("verify",
-           [](RequestVerifier& v, const std::string& what, const py::bytes& body,
-              const std::string& token) { return v.verify(what, std::string(body), token); });
+      .def(
+          py::init<std::string, int64_t, size_t>(),
+          py::arg("key"),
+          py::arg("skew_ms"),
+          py::arg("max_nonces"))
+      .def(
+          "verify",
+          [](RequestVerifier& v,
+             const std::string& what,
+             const py::bytes& body,
+             const std::string& token) {
+            return v.verify(what, std::string(body), token);
+          });
 }

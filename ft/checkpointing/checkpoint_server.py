@@ -82,12 +82,23 @@ class _HTTPServer(BoundedHTTPServer):
     tracked threads and sockets so that shutdown is bounded; TLS when given a context."""
 
     def __init__(
-        self, addr: Tuple[str, int], handler: Any, family: int, idle_timeout_s: float,
-        max_connections: int, ssl_context: Optional[ssl.SSLContext],
+        self,
+        addr: Tuple[str, int],
+        handler: Any,
+        family: int,
+        idle_timeout_s: float,
+        max_connections: int,
+        ssl_context: Optional[ssl.SSLContext],
     ) -> None:
         self._ssl_context = ssl_context
-        super().__init__(addr, handler, family=family, idle_timeout_s=idle_timeout_s,
-                         max_connections=max_connections, name="ft-ckpt-http")
+        super().__init__(
+            addr,
+            handler,
+            family=family,
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
+            name="ft-ckpt-http",
+        )
 
     def get_request(self) -> Tuple[socket.socket, Any]:
         conn, addr = super().get_request()
@@ -95,8 +106,9 @@ class _HTTPServer(BoundedHTTPServer):
             # No handshake here (it would block the accepting thread on a slow client): the
             # connection's own thread does it with its first read, under the idle bound. The
             # TLS socket is the one tracked, so idle and shutdown bounds apply to it.
-            conn = self._ssl_context.wrap_socket(conn, server_side=True,
-                                                 do_handshake_on_connect=False)
+            conn = self._ssl_context.wrap_socket(
+                conn, server_side=True, do_handshake_on_connect=False
+            )
         return conn, addr
 
 
@@ -160,13 +172,20 @@ class CheckpointServer:
         self.tls = resolve_tls(tls)
         tls_server = self.tls.server_context() if self.tls and self.tls.can_serve else None
         self._scheme = "https" if tls_server else "http"
-        self.httpd = _HTTPServer((bind_host, port), self._handler_class(), family,
-                                 idle_timeout_s, max_connections, tls_server)
+        self.httpd = _HTTPServer(
+            (bind_host, port),
+            self._handler_class(),
+            family,
+            idle_timeout_s,
+            max_connections,
+            tls_server,
+        )
         self.port = self.httpd.server_address[1]
         # None: resolved at every url() call, so the host the Manager picks at its start (the
         # interface that routes to the lighthouse) applies to a server built before it.
         self._advertise = advertise_host or (
-            bind_host if bind_host not in ("", "0.0.0.0", "::") else None)
+            bind_host if bind_host not in ("", "0.0.0.0", "::") else None
+        )
         self._thread = threading.Thread(
             target=self.httpd.serve_forever,
             kwargs={"poll_interval": _POLL_S},
@@ -212,7 +231,8 @@ class CheckpointServer:
         raise CheckpointError(
             f"allow_checkpoint({step}): no checkpoint of step {step} is staged "
             f"(staged: {staged}); send_checkpoint(dst_ranks, {step}, state_dict, timeout) "
-            f"stages and serves one")
+            f"stages and serves one"
+        )
 
     def abandon(self, step: int, reason: str) -> None:
         """Receivers waiting for ``step`` get 409 naming ``reason`` at once."""
@@ -316,9 +336,7 @@ class CheckpointServer:
             st.conns.add(conn)
             return st
 
-    def release(
-        self, st: Staging, lease_id: str, conn: socket.socket, used: Optional[int]
-    ) -> None:
+    def release(self, st: Staging, lease_id: str, conn: socket.socket, used: Optional[int]) -> None:
         """Ends a transfer registered by ``claim``. ``used``: how many of the lease's ranges
         it delivered (None: it failed, and the lease is dropped so nothing waits for it)."""
         with self.cond:
@@ -383,8 +401,10 @@ class CheckpointServer:
         scheme, _, token = auth.partition(" ")
         try:
             self._verifier.verify(
-                f"GET {self._dialled_address()}{h.path}", b"",
-                token.strip() if scheme == HTTP_SCHEME else None)
+                f"GET {self._dialled_address()}{h.path}",
+                b"",
+                token.strip() if scheme == HTTP_SCHEME else None,
+            )
         except AuthError as e:
             raise Refused(403, f"refused: {e}; this source requires the job secret") from None
         return token.strip().encode()
@@ -431,8 +451,9 @@ class CheckpointServer:
         h.send_header("Content-Length", str(len(body)))
         h.send_header(wire.LEASE_HEADER, lease)
         if self.content_signer is not None:
-            h.send_header(wire.CONTENT_MAC_HEADER,
-                          self.content_signer.mac(b"meta", signature, body).hex())
+            h.send_header(
+                wire.CONTENT_MAC_HEADER, self.content_signer.mac(b"meta", signature, body).hex()
+            )
         h.send_header("Connection", "close")
         h.end_headers()
         h.wfile.write(body)
@@ -453,8 +474,10 @@ class CheckpointServer:
             h.send_response(200)
             h.send_header("Content-Type", "application/octet-stream")
             signer = self.content_signer
-            h.send_header("Content-Length", str(
-                end - start + wire.TRAILER.size + (wire.MAC_SIZE if signer else 0)))
+            h.send_header(
+                "Content-Length",
+                str(end - start + wire.TRAILER.size + (wire.MAC_SIZE if signer else 0)),
+            )
             h.send_header("Connection", "close")
             h.end_headers()
             crc = 0

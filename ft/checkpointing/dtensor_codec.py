@@ -68,9 +68,11 @@ def _placement_json(p: Any, path: Sequence[Any]) -> List[Any]:
         return ["SS", int(p.dim), int(p.split_factor)]
     if t is Partial:
         return ["P", str(p.reduce_op)]
-    raise TypeError(f"{_path_str(path)}: DTensor placement {p!r} ({t.__name__}) cannot be sent "
-                    f"by the checkpoint transport (Replicate, Shard, _StridedShard and Partial "
-                    f"can)")
+    raise TypeError(
+        f"{_path_str(path)}: DTensor placement {p!r} ({t.__name__}) cannot be sent "
+        f"by the checkpoint transport (Replicate, Shard, _StridedShard and Partial "
+        f"can)"
+    )
 
 
 def _placement_obj(j: List[Any]) -> Any:
@@ -88,8 +90,12 @@ def _placement_obj(j: List[Any]) -> Any:
 
 def describe_placements(placements: Sequence[List[Any]]) -> str:
     """``(Replicate(), Shard(0))`` from the JSON form, for error messages."""
-    names = {"R": "Replicate()", "S": "Shard({})", "SS": "_StridedShard({}, sf={})",
-             "P": "Partial({!r})"}
+    names = {
+        "R": "Replicate()",
+        "S": "Shard({})",
+        "SS": "_StridedShard({}, sf={})",
+        "P": "Partial({!r})",
+    }
     return "(" + ", ".join(names[p[0]].format(*p[1:]) for p in placements) + ")"
 
 
@@ -106,8 +112,10 @@ def encode(dt: Any, path: Sequence[Any]) -> Tuple[torch.Tensor, Dict[str, Any]]:
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
-        raise TypeError(f"{_path_str(path)}: this rank is not part of the DTensor's mesh "
-                        f"{mesh}; it holds no piece of it to send")
+        raise TypeError(
+            f"{_path_str(path)}: this rank is not part of the DTensor's mesh "
+            f"{mesh}; it holds no piece of it to send"
+        )
     names = mesh.mesh_dim_names
     meta = {
         "mesh": {
@@ -146,8 +154,11 @@ class MeshInfo:
     coord: Tuple[int, ...]
 
     def describe(self) -> str:
-        dims = (zip(self.names, self.shape) if self.names is not None
-                else ((f"dim_{i}", n) for i, n in enumerate(self.shape)))
+        dims = (
+            zip(self.names, self.shape)
+            if self.names is not None
+            else ((f"dim_{i}", n) for i, n in enumerate(self.shape))
+        )
         return f"{self.device} mesh ({', '.join(f'{k}={n}' for k, n in dims)})"
 
     def same_layout(self, mesh: Any, placements: Sequence[Tuple[Any, ...]]) -> bool:
@@ -155,10 +166,12 @@ class MeshInfo:
         sizes = tuple(int(n) for n in mesh.shape)
         # A Replicate dimension's size does not change the piece a rank holds (ft's replicate
         # dimension has a nominal size, which groups may give differently): not compared.
-        return (str(mesh.device_type) == self.device
-                and (None if names is None else tuple(names)) == self.names
-                and len(sizes) == len(self.shape)
-                and all(p[0] == "R" or a == b for p, a, b in zip(placements, sizes, self.shape)))
+        return (
+            str(mesh.device_type) == self.device
+            and (None if names is None else tuple(names)) == self.names
+            and len(sizes) == len(self.shape)
+            and all(p[0] == "R" or a == b for p, a, b in zip(placements, sizes, self.shape))
+        )
 
 
 @dataclass(frozen=True)
@@ -186,8 +199,7 @@ def _fail(msg: str) -> CheckpointFormatError:
 
 
 def _ints(v: Any, lo: int, max_len: int) -> bool:
-    return (type(v) is list and len(v) <= max_len
-            and all(type(x) is int and x >= lo for x in v))
+    return type(v) is list and len(v) <= max_len and all(type(x) is int and x >= lo for x in v)
 
 
 def _parse_placement(p: Any, ndim: int) -> Tuple[Any, ...]:
@@ -197,8 +209,14 @@ def _parse_placement(p: Any, ndim: int) -> Tuple[Any, ...]:
             return ("R",)
         if tag == "S" and len(p) == 2 and type(p[1]) is int and 0 <= p[1] < ndim:
             return ("S", p[1])
-        if (tag == "SS" and len(p) == 3 and type(p[1]) is int and 0 <= p[1] < ndim
-                and type(p[2]) is int and p[2] >= 1):
+        if (
+            tag == "SS"
+            and len(p) == 3
+            and type(p[1]) is int
+            and 0 <= p[1] < ndim
+            and type(p[2]) is int
+            and p[2] >= 1
+        ):
             return ("SS", p[1], p[2])
         if tag == "P" and len(p) == 2 and p[1] in _PARTIAL_OPS:
             return ("P", p[1])
@@ -217,12 +235,18 @@ def parse(meta: Any, local: torch.Tensor) -> ReceivedDTensor:
         raise _fail(f"bad mesh device {device!r:.60}")
     if not _ints(shape, 1, MAX_MESH_DIMS) or not shape:
         raise _fail(f"bad mesh shape {shape!r:.60}")
-    if names is not None and (type(names) is not list or len(names) != len(shape)
-                              or not all(type(n) is str and len(n) <= 256 for n in names)
-                              or len(set(names)) != len(names)):
+    if names is not None and (
+        type(names) is not list
+        or len(names) != len(shape)
+        or not all(type(n) is str and len(n) <= 256 for n in names)
+        or len(set(names)) != len(names)
+    ):
         raise _fail(f"bad mesh dimension names {names!r:.100}")
-    if (not _ints(coord, 0, MAX_MESH_DIMS) or len(coord) != len(shape)
-            or any(c >= n for c, n in zip(coord, shape))):
+    if (
+        not _ints(coord, 0, MAX_MESH_DIMS)
+        or len(coord) != len(shape)
+        or any(c >= n for c, n in zip(coord, shape))
+    ):
         raise _fail(f"bad mesh coordinate {coord!r:.60} for mesh shape {shape}")
     gshape, gstride = meta["shape"], meta["stride"]
     if not _ints(gshape, 0, 64) or not _ints(gstride, 0, 64) or len(gstride) != len(gshape):
@@ -237,8 +261,7 @@ def parse(meta: Any, local: torch.Tensor) -> ReceivedDTensor:
         raise _fail(f"DTensor local tensor has {local.dim()} dims, its global shape {gshape}")
     return ReceivedDTensor(
         local=local,
-        mesh=MeshInfo(device, tuple(shape), None if names is None else tuple(names),
-                      tuple(coord)),
+        mesh=MeshInfo(device, tuple(shape), None if names is None else tuple(names), tuple(coord)),
         placements=parsed,
         shape=tuple(gshape),
         stride=tuple(gstride),
@@ -326,7 +349,8 @@ class _Restorer:
         if ref is not _MISSING and not isinstance(ref, self.DTensor):
             raise CheckpointFormatError(
                 f"{where}: the source sent a DTensor {sent} on a {r.mesh.describe()}, where "
-                f"this replica has {type(ref).__name__}; refusing to load it")
+                f"this replica has {type(ref).__name__}; refusing to load it"
+            )
         if ref is not _MISSING:
             mesh = ref.device_mesh
             mine = [list(p) for p in _placements_json(ref, path)]
@@ -334,21 +358,25 @@ class _Restorer:
                 raise CheckpointFormatError(
                     f"{where}: placement mismatch: the source sent {sent}, this replica holds "
                     f"{describe_placements(mine)}; refusing to load it (nothing is "
-                    f"redistributed)")
+                    f"redistributed)"
+                )
             if tuple(ref.shape) != r.shape:
                 raise CheckpointFormatError(
                     f"{where}: the source's DTensor has global shape {list(r.shape)}, this "
-                    f"replica's {list(ref.shape)}")
+                    f"replica's {list(ref.shape)}"
+                )
             if not r.mesh.same_layout(mesh, r.placements):
                 raise CheckpointFormatError(
                     f"{where}: the source's DTensor is on a {r.mesh.describe()}, this "
-                    f"replica's on {mesh}")
+                    f"replica's on {mesh}"
+                )
         else:
             found = [m for m in self.meshes if r.mesh.same_layout(m, r.placements)]
             if not found:
                 raise CheckpointFormatError(
                     f"{where}: the source sent a DTensor {sent} on a {r.mesh.describe()}, and "
-                    f"no DTensor of this replica's state is on such a mesh (nor at this key)")
+                    f"no DTensor of this replica's state is on such a mesh (nor at this key)"
+                )
             mesh = found[0]
         self._check_coordinate(r, mesh, where)
         placements = [_placement_obj(list(p)) for p in r.placements]
@@ -359,9 +387,11 @@ class _Restorer:
             raise CheckpointFormatError(
                 f"{where}: the source's local tensor has shape {list(r.local.shape)}; its "
                 f"piece of a {list(r.shape)} tensor at that coordinate has "
-                f"{list(local_shape)}")
-        out = self.DTensor.from_local(r.local, mesh, placements, run_check=False,
-                                      shape=torch.Size(r.shape), stride=r.stride)
+                f"{list(local_shape)}"
+            )
+        out = self.DTensor.from_local(
+            r.local, mesh, placements, run_check=False, shape=torch.Size(r.shape), stride=r.stride
+        )
         if r.param:
             out = torch.nn.Parameter(out, requires_grad=r.requires_grad)
         return out
@@ -380,7 +410,8 @@ class _Restorer:
                     f"{where}: shard mismatch on mesh dimension {names[dim]!r} "
                     f"({describe_placements([list(p)])[1:-1]}): the source holds the piece of "
                     f"coordinate {r.mesh.coord[dim]}, this rank the piece of coordinate "
-                    f"{mine[dim]}; refusing to load it (nothing is redistributed)")
+                    f"{mine[dim]}; refusing to load it (nothing is redistributed)"
+                )
 
 
 def restore_dtensors(state: Any, reference: Callable[[], Any]) -> Any:

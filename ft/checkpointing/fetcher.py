@@ -19,9 +19,14 @@ from ft.checkpointing import http_protocol as wire
 from ft.checkpointing import same_host
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.deadline_io import read_exact
-from ft.checkpointing.transport import (CheckpointAuthError, CheckpointCorruptError,
-                                        CheckpointError, CheckpointFormatError,
-                                        CheckpointNotAvailableError, CheckpointTransferError)
+from ft.checkpointing.transport import (
+    CheckpointAuthError,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotAvailableError,
+    CheckpointTransferError,
+)
 from ft.utils.auth import (
     CHECKPOINT_CONTENT_PURPOSE,
     CHECKPOINT_REQUEST_PURPOSE,
@@ -158,7 +163,8 @@ class CheckpointFetcher:
         if secure and (self._tls is None or not self._tls.ca_file):
             raise CheckpointError(
                 f"{metadata}: the source serves TLS, and this replica has no CA to verify it "
-                f"with (set FT_TLS_CA_FILE, or pass tls=TLSConfig(ca_file=...))")
+                f"with (set FT_TLS_CA_FILE, or pass tls=TLSConfig(ca_file=...))"
+            )
         where = f"checkpoint step {step} from rank {src_rank} at {metadata}"
 
         wait_s = _server_wait(deadline)
@@ -211,17 +217,24 @@ class CheckpointFetcher:
         request: Dict[str, Any] = {"step": step, "wait": wait_s, "chunks": self._num_chunks}
         if self._local_signer is not None:
             request["auth"] = self._local_signer.sign(
-                same_host.request_what(name),
-                same_host.request_body(step, wait_s, self._num_chunks))
+                same_host.request_what(name), same_host.request_body(step, wait_s, self._num_chunks)
+            )
         # The source answers once the step is staged (within wait_s); no answer by half the
         # time kept back after that means it is stuck: HTTP gets the rest.
         reply_deadline = deadline.sooner(wait_s + (deadline.remaining() - wait_s) / 2)
-        return session.fetch(request, deadline, wire.MAX_HEADER + wire.TRAILER.size,
-                             reply_deadline)
+        return session.fetch(request, deadline, wire.MAX_HEADER + wire.TRAILER.size, reply_deadline)
 
     def _fetch_ranges(
-        self, host: str, port: int, data_path: str, offsets: List[int],
-        views: List[memoryview], deadline: Deadline, where: str, secure: bool, timeout: Timeout,
+        self,
+        host: str,
+        port: int,
+        data_path: str,
+        offsets: List[int],
+        views: List[memoryview],
+        deadline: Deadline,
+        where: str,
+        secure: bool,
+        timeout: Timeout,
     ) -> None:
         """Fetches every byte range into ``views``, one connection each, at once."""
         ranges = wire.plan_chunks(offsets[-1], self._num_chunks)
@@ -231,12 +244,25 @@ class CheckpointFetcher:
         pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="ft-ckpt-fetch")
         try:
             futs = [
-                pool.submit(self._fetch_range, host, port, f"{data_path}&start={a}&end={b}",
-                            a, b, offsets, views, deadline, stop, where, secure=secure)
+                pool.submit(
+                    self._fetch_range,
+                    host,
+                    port,
+                    f"{data_path}&start={a}&end={b}",
+                    a,
+                    b,
+                    offsets,
+                    views,
+                    deadline,
+                    stop,
+                    where,
+                    secure=secure,
+                )
                 for a, b in ranges
             ]
             done, pending = futures_wait(
-                futs, timeout=deadline.remaining() + _RANGE_ERROR_GRACE_S,
+                futs,
+                timeout=deadline.remaining() + _RANGE_ERROR_GRACE_S,
                 return_when=FIRST_EXCEPTION,
             )
             errors = [f.exception() for f in done if f.exception() is not None]
@@ -285,7 +311,12 @@ class CheckpointFetcher:
     # ------------------------------------------------------------------ HTTP requests
 
     def open(
-        self, host: str, port: int, path: str, deadline: Deadline, where: str,
+        self,
+        host: str,
+        port: int,
+        path: str,
+        deadline: Deadline,
+        where: str,
         secure: bool = False,
     ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket, bytes]:
         """Sends a (signed) GET; returns the connection, the response, its socket, and the
@@ -301,8 +332,11 @@ class CheckpointFetcher:
             token = self._request_signer.sign(f"GET {wire.bracket(host)}:{port}{path}")
             headers["Authorization"] = f"{HTTP_SCHEME} {token}"
             signature = token.encode()
-        conn = (_TLSConnection(host, port, self._tls, remaining) if secure
-                else http.client.HTTPConnection(host, port, timeout=remaining))
+        conn = (
+            _TLSConnection(host, port, self._tls, remaining)
+            if secure
+            else http.client.HTTPConnection(host, port, timeout=remaining)
+        )
         # the socket timeout bounds each read; this bounds them all (a source that trickles
         # its status line and headers a byte at a time cannot stretch them past the deadline)
         cutoff = _Cutoff(conn, deadline)
@@ -328,13 +362,19 @@ class CheckpointFetcher:
                     msg = ""
                 conn.close()
                 wire.raise_for_status(
-                    resp.status, f"{where}: HTTP {resp.status} {resp.reason}: {msg}")
+                    resp.status, f"{where}: HTTP {resp.status} {resp.reason}: {msg}"
+                )
         finally:
             cutoff.cancel()
         return conn, resp, sock, signature
 
     def _get_small(
-        self, host: str, port: int, path: str, deadline: Deadline, where: str,
+        self,
+        host: str,
+        port: int,
+        path: str,
+        deadline: Deadline,
+        where: str,
         secure: bool = False,
     ) -> Tuple[bytes, str]:
         """The metadata answer: its body (checked against the source's MAC) and lease."""
@@ -343,22 +383,24 @@ class CheckpointFetcher:
             declared = resp.getheader("Content-Length")
             if declared is None:
                 raise CheckpointFormatError(
-                    f"{where}: the source sent metadata without a Content-Length; refused")
+                    f"{where}: the source sent metadata without a Content-Length; refused"
+                )
             length = int(declared)
             if not 0 <= length <= wire.MAX_HEADER:
                 # refused before a byte of it is read
                 raise CheckpointFormatError(
                     f"{where}: the source declares {length} bytes of metadata; at most "
                     f"{wire.MAX_HEADER} are accepted "
-                    "(ft.checkpointing.serialization.MAX_HEADER_BYTES)")
+                    "(ft.checkpointing.serialization.MAX_HEADER_BYTES)"
+                )
             buf = bytearray(length)
             # one socket read at a time (read1), each bounded by the time left: a source that
             # sends slowly cannot hold the receiver past its deadline
-            read_exact(sock, lambda v: resp.readinto1(v[: wire.SLICE]), memoryview(buf),
-                       deadline)
+            read_exact(sock, lambda v: resp.readinto1(v[: wire.SLICE]), memoryview(buf), deadline)
             body = bytes(buf)
             self._check_content_mac(
-                resp.getheader(wire.CONTENT_MAC_HEADER, ""), signature, body, where)
+                resp.getheader(wire.CONTENT_MAC_HEADER, ""), signature, body, where
+            )
             return body, resp.getheader(wire.LEASE_HEADER, "")
         except CheckpointError:
             raise  # already says what failed (some are OSErrors too: keep them as they are)
@@ -410,12 +452,17 @@ class CheckpointFetcher:
             trailer = bytearray(wire.TRAILER.size + mac_size)
             read_exact(sock, resp.readinto, memoryview(trailer), deadline)
             if mac_size and not self._content_signer.check(
-                    bytes(trailer[wire.TRAILER.size:]), b"data", signature,
-                    wire.range_bytes(start, end), bytes(trailer[:wire.TRAILER.size])):
+                bytes(trailer[wire.TRAILER.size :]),
+                b"data",
+                signature,
+                wire.range_bytes(start, end),
+                bytes(trailer[: wire.TRAILER.size]),
+            ):
                 raise CheckpointAuthError(
                     f"{where}: bytes [{start}, {end}) are not signed with the job secret: the "
-                    f"source is not a member of this job; data discarded")
-            if wire.TRAILER.unpack(trailer[:wire.TRAILER.size])[0] != crc:
+                    f"source is not a member of this job; data discarded"
+                )
+            if wire.TRAILER.unpack(trailer[: wire.TRAILER.size])[0] != crc:
                 raise CheckpointCorruptError(
                     f"{where}: checksum mismatch in bytes [{start}, {end}); data discarded"
                 )
@@ -446,4 +493,5 @@ class CheckpointFetcher:
             raise CheckpointAuthError(
                 f"{where}: the metadata is not signed with the job secret "
                 f"({'no signature' if not mac_hex else 'wrong signature'}): the source is not a "
-                f"member of this job; nothing was loaded")
+                f"member of this job; nothing was loaded"
+            )

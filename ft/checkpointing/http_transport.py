@@ -131,28 +131,42 @@ class HTTPTransport(CheckpointTransport[T]):
         device = torch.device("cpu") if device is None else torch.device(device)
 
         self._checkpoints = CheckpointServer(
-            timeout, secret=resolved, insecure=insecure, tls=tls, advertise_host=advertise_host,
-            bind_host=bind_host, port=port, idle_timeout_s=idle_timeout_s,
-            max_connections=max_connections, pace=self._pace)
+            timeout,
+            secret=resolved,
+            insecure=insecure,
+            tls=tls,
+            advertise_host=advertise_host,
+            bind_host=bind_host,
+            port=port,
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
+            pace=self._pace,
+        )
         # the listening HTTP server (its bounds and connections are what tests inspect)
         self._server = self._checkpoints.httpd
 
         if same_host is None:
             same_host = os.environ.get(SAME_HOST_ENV, "1") != "0"
         use_same_host = bool(same_host) and same_host_path.supported()
-        self._fetcher = CheckpointFetcher(num_chunks=num_chunks, secret=resolved,
-                                          tls=self._checkpoints.tls, device=device,
-                                          same_host=use_same_host)
+        self._fetcher = CheckpointFetcher(
+            num_chunks=num_chunks,
+            secret=resolved,
+            tls=self._checkpoints.tls,
+            device=device,
+            same_host=use_same_host,
+        )
         self._same_host_source: Optional[SameHostSource] = None
         if use_same_host:
             try:
                 self._same_host_source = SameHostSource(
-                    self._checkpoints, resolved, self._checkpoints.timeout_s)
+                    self._checkpoints, resolved, self._checkpoints.timeout_s
+                )
             except OSError as e:
                 logger.warning("same-host checkpoint endpoint unavailable (%s); HTTP only", e)
         # the endpoint same-host receivers connect to (None: HTTP only)
         self._local: Optional[same_host_path.LocalEndpoint] = (
-            self._same_host_source.endpoint if self._same_host_source is not None else None)
+            self._same_host_source.endpoint if self._same_host_source is not None else None
+        )
 
     # ------------------------------------------------------------------ public interface
 

@@ -184,8 +184,10 @@ class PGTransport(CheckpointTransport[T]):
             self._wait([(work, what)], deadline)
             magic, status = (int(x) for x in ack.cpu().tolist())
             if magic != ACK_MAGIC or status != 0:
-                reason = _REFUSALS.get(status, f"status {status}") if magic == ACK_MAGIC else (
-                    "garbled acknowledgement"
+                reason = (
+                    _REFUSALS.get(status, f"status {status}")
+                    if magic == ACK_MAGIC
+                    else ("garbled acknowledgement")
                 )
                 refused.append(f"rank {dst} refused the checkpoint ({reason})")
         self._wait(heads, deadline)
@@ -208,9 +210,7 @@ class PGTransport(CheckpointTransport[T]):
             works.append((post(lambda: self._pg.send([trailer], dst, _TAG), what), what))
         self._wait(works, deadline)
         if refused:
-            raise CheckpointTransferError(
-                f"sending checkpoint step {step}: " + "; ".join(refused)
-            )
+            raise CheckpointTransferError(f"sending checkpoint step {step}: " + "; ".join(refused))
         logger.debug(
             "sent checkpoint step=%d bytes=%d to %s", step, sum(s.nbytes for s in specs), dst_ranks
         )

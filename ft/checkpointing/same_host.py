@@ -300,8 +300,12 @@ class LocalEndpoint:
         now = time.monotonic()
         self._refused += 1
         if now - self._last_warning >= _REFUSAL_LOG_INTERVAL_S:
-            logger.warning("same-host checkpoint endpoint: %s (%d refusal(s) since the last "
-                           "warning; receivers use HTTP meanwhile)", what, self._refused)
+            logger.warning(
+                "same-host checkpoint endpoint: %s (%d refusal(s) since the last "
+                "warning; receivers use HTTP meanwhile)",
+                what,
+                self._refused,
+            )
             self._last_warning = now
             self._refused = 0
 
@@ -354,7 +358,11 @@ class Session:
     """
 
     def __init__(
-        self, sock: socket.socket, pid: int, where: str, raise_for_status: Callable[[int, str], None]
+        self,
+        sock: socket.socket,
+        pid: int,
+        where: str,
+        raise_for_status: Callable[[int, str], None],
     ) -> None:
         self._sock = sock
         self._pid = pid
@@ -363,7 +371,10 @@ class Session:
 
     @classmethod
     def open(
-        cls, name: str, deadline: Deadline, where: str,
+        cls,
+        name: str,
+        deadline: Deadline,
+        where: str,
         raise_for_status: Callable[[int, str], None],
     ) -> Optional["Session"]:
         if not supported() or not NAME_PATTERN.fullmatch(name):
@@ -375,7 +386,8 @@ class Session:
         try:
             # a full backlog (the endpoint swamped) fails at once: use HTTP, do not wait
             sock.settimeout(
-                max(_MIN_CONNECT_TIMEOUT_S, deadline.sooner(CONNECT_TIMEOUT_S).remaining()))
+                max(_MIN_CONNECT_TIMEOUT_S, deadline.sooner(CONNECT_TIMEOUT_S).remaining())
+            )
             sock.connect("\0" + name)
             pid, uid, _ = peer_creds(sock)
         except OSError as e:
@@ -389,8 +401,12 @@ class Session:
         if uid != os.geteuid():
             # not this user's process: it could not be read, and is not trusted to say where
             sock.close()
-            logger.info("%s: the same-host source runs as uid %d, not %d; using HTTP",
-                        where, uid, os.geteuid())
+            logger.info(
+                "%s: the same-host source runs as uid %d, not %d; using HTTP",
+                where,
+                uid,
+                os.geteuid(),
+            )
             return None
         return cls(sock, pid, where, raise_for_status)
 
@@ -439,19 +455,26 @@ class Session:
         try:
             send_frame(self._sock, dict(request, op="fetch"))
         except OSError as e:
-            logger.info("%s: the same-host source refused the connection (%s); using HTTP",
-                        self._where, e)
+            logger.info(
+                "%s: the same-host source refused the connection (%s); using HTTP", self._where, e
+            )
             return None
         try:
             # the reply lists every tensor's region: it may be as large as the header
             reply = recv_frame(
                 self._sock,
-                deadline if reply_deadline is None or deadline.at <= reply_deadline.at
+                deadline
+                if reply_deadline is None or deadline.at <= reply_deadline.at
                 else reply_deadline,
-                max_bytes)
+                max_bytes,
+            )
         except (EOFError, ConnectionError) as e:
-            logger.info("%s: the same-host source closed the connection unanswered (%s: busy, "
-                        "or refusing this user); using HTTP", self._where, type(e).__name__)
+            logger.info(
+                "%s: the same-host source closed the connection unanswered (%s: busy, "
+                "or refusing this user); using HTTP",
+                self._where,
+                type(e).__name__,
+            )
             return None
         except TimeoutError:  # socket.timeout too
             logger.info("%s: no same-host reply in time; using HTTP", self._where)
@@ -465,8 +488,9 @@ class Session:
                 and reply.get("code") == 400
                 and "unknown op" in str(reply.get("error"))
             ):
-                logger.info("%s: the source does not know the one-request protocol; using HTTP",
-                            self._where)
+                logger.info(
+                    "%s: the source does not know the one-request protocol; using HTTP", self._where
+                )
                 return None
             reply = self._check(reply)
             body = recv_raw(self._sock, deadline, max_bytes)
@@ -578,6 +602,8 @@ def _parse_regions(raw: Any, offsets: Sequence[int]) -> List[Tuple[int, int]]:
             or r[1] != offsets[i + 1] - offsets[i]
             or r[0] + r[1] >= 1 << 64
         ):
-            raise ValueError(f"region {i} is {r!r:.80}, expected {offsets[i + 1] - offsets[i]} bytes")
+            raise ValueError(
+                f"region {i} is {r!r:.80}, expected {offsets[i + 1] - offsets[i]} bytes"
+            )
         out.append((r[0], r[1]))
     return out

@@ -114,8 +114,9 @@ class SameHostSource:
         except Abort:
             pass
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: serving works without it
-            logger.warning("preparing checkpoint step %d for same-host receivers stopped: %s",
-                           st.step, e)
+            logger.warning(
+                "preparing checkpoint step %d for same-host receivers stopped: %s", st.step, e
+            )
 
     # ------------------------------------------------------------------ serving
 
@@ -160,7 +161,8 @@ class SameHostSource:
             self._verifier.verify(
                 same_host.request_what(self.endpoint.name),
                 same_host.request_body(req.get("step"), req.get("wait"), req.get("chunks")),
-                token if type(token) is str else None)
+                token if type(token) is str else None,
+            )
         except AuthError as e:
             raise Refused(
                 403, f"refused: {e}; this source requires a signature made with the job secret"
@@ -178,8 +180,12 @@ class SameHostSource:
             ranges = st.local_ranges
             same_host.send_frame(
                 conn,
-                {"ok": True, "lease": lease_id, "regions": regions,
-                 "ranges": [list(r) for r in ranges]},
+                {
+                    "ok": True,
+                    "lease": lease_id,
+                    "regions": regions,
+                    "ranges": [list(r) for r in ranges],
+                },
             )
             same_host.send_raw(conn, body)
             answer: Optional[bytes] = None
@@ -222,8 +228,12 @@ class SameHostSource:
         if not same_host.ptracer_needed():
             return False
         pid, uid, _ = same_host.peer_creds(conn)
-        if pid <= 0 or uid != os.geteuid() or not self._ptracer_lock.acquire(
-            timeout=deadline.sooner(_PTRACER_LOCK_WAIT_S).remaining()
+        if (
+            pid <= 0
+            or uid != os.geteuid()
+            or not self._ptracer_lock.acquire(
+                timeout=deadline.sooner(_PTRACER_LOCK_WAIT_S).remaining()
+            )
         ):
             return False
         err = _C.allow_process_to_read(pid)

@@ -88,7 +88,9 @@ def check_header_size(header: bytes, num_tensors: int) -> None:
         raise ValueError(
             f"the checkpoint's metadata takes {len(header)} bytes ({num_tensors} tensors); "
             f"receivers accept at most {MAX_HEADER_BYTES}: keep fewer tensors or smaller "
-            f"non-tensor values in the state dict")
+            f"non-tensor values in the state dict"
+        )
+
 
 _QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 _DTYPES: Dict[str, torch.dtype] = {}

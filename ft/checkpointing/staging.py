@@ -226,4 +226,6 @@ def join_preparer(st: Staging) -> None:
     if t is not None and t is not threading.current_thread():
         t.join(_PREPARER_STOP_S)
         if t.is_alive():
-            logger.warning("checkpoint step %d: preparation still running after withdrawal", st.step)
+            logger.warning(
+                "checkpoint step %d: preparation still running after withdrawal", st.step
+            )

@@ -60,11 +60,13 @@ SERVER_OPTIONS = [
 # Failures of the connection rather than of the request: a refused, reset or dropped connection
 # (UNAVAILABLE), or a stream torn down mid-call (CANCELLED by the transport, UNKNOWN "Stream
 # removed"). Clients retry these until their deadline (docs/design.md, "Network faults").
-TRANSIENT_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.CANCELLED,
-})
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 class CoordinationError(RuntimeError):
@@ -74,7 +76,9 @@ class CoordinationError(RuntimeError):
         self.code = code
         self.details = details
         self.method = method
-        super().__init__(f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}")
+        super().__init__(
+            f"{method}: {code.name}: {details}" if method else f"{code.name}: {details}"
+        )
 
 
 def required_seconds(timeout: Optional[Timeout], what: str) -> float:
@@ -90,7 +94,7 @@ def grpc_target(addr: str) -> str:
     """'http://host:port' / 'host:port' / '[::1]:port' -> a gRPC target string."""
     for scheme in ("http://", "https://", "grpc://"):
         if addr.startswith(scheme):
-            addr = addr[len(scheme):]
+            addr = addr[len(scheme) :]
             break
     return addr.rstrip("/")
 
@@ -125,8 +129,11 @@ def advertised_host(bind_host: str, hostname: Optional[str] = None) -> str:
 
 def make_channel(addr: str, tls: Optional["TLSConfig"] = None) -> grpc.Channel:
     if tls is not None:
-        return grpc.secure_channel(grpc_target(addr), tls.grpc_channel_credentials(),
-                                   options=CHANNEL_OPTIONS + tls.grpc_channel_options())
+        return grpc.secure_channel(
+            grpc_target(addr),
+            tls.grpc_channel_credentials(),
+            options=CHANNEL_OPTIONS + tls.grpc_channel_options(),
+        )
     return grpc.insecure_channel(grpc_target(addr), options=CHANNEL_OPTIONS)
 
 
@@ -170,14 +177,18 @@ def bad(context: grpc.ServicerContext, msg: str) -> None:
     context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
 
-def check_name(context: grpc.ServicerContext, what: str, value: str, allow_empty: bool = False) -> None:
+def check_name(
+    context: grpc.ServicerContext, what: str, value: str, allow_empty: bool = False
+) -> None:
     if not value and not allow_empty:
         bad(context, f"{what} must not be empty")
     if len(value) > MAX_NAME_LEN:
         bad(context, f"{what} is too long ({len(value)} > {MAX_NAME_LEN} characters)")
 
 
-def check_rank(context: grpc.ServicerContext, what: str, value: int, world_size: Optional[int] = None) -> None:
+def check_rank(
+    context: grpc.ServicerContext, what: str, value: int, world_size: Optional[int] = None
+) -> None:
     if value < 0:
         bad(context, f"{what} must be >= 0, got {value}")
     if world_size is not None and value >= world_size:

@@ -53,39 +53,92 @@ def build_parser() -> argparse.ArgumentParser:
         description="ft lighthouse: decides which replica groups form each step's quorum.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _flag(p, "bind", default=None,
-          help="gRPC address to listen on (default: this host's advertised address, port 29510; "
-               "'[::]:29510' listens on every interface)")
-    _flag(p, "min_replicas", type=int, required=True,
-          help="fewest replica groups in a quorum (fast path excepted)")
-    _flag(p, "join_timeout_ms", type=int, default=CLI_DEFAULT_JOIN_TIMEOUT_MS,
-          help="how long to wait for heartbeating replicas to join a quorum (the command's "
-               "default; LighthouseServer(...) in Python defaults to 100 ms, as torchft's)")
-    _flag(p, "quorum_tick_ms", type=int, default=DEFAULT_QUORUM_TICK_MS,
-          help="period of quorum evaluation and failure detection")
-    _flag(p, "heartbeat_timeout_ms", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT_MS,
-          help="a replica is dead after this long without a heartbeat")
-    _flag(p, "http_bind", default=None,
-          help="dashboard address (default: gRPC host, gRPC port + 1; '' disables)")
-    _flag(p, "auth_token", default=None,
-          help="an extra dashboard credential for operators (default: env FT_AUTH_TOKEN); the "
-               "job secret is always accepted")
-    _flag(p, "secret_file", default=None,
-          help="file holding the job secret (default: env FT_JOB_SECRET_FILE, then FT_JOB_SECRET); "
-               "with it every call must be signed (docs/security.md)")
-    _flag(p, "insecure", action="store_true", default=False,
-          help="serve beyond loopback without a job secret (anyone who reaches the ports can "
-               "join or stop the job); logged as a warning at every start")
-    _flag(p, "dead_grace_ms", type=int, default=DEFAULT_DEAD_GRACE_MS,
-          help="dead replicas leave the dashboard this long after their heartbeat expired")
-    _flag(p, "quorum_id_file", default=None,
-          help="file persisting the last quorum id (ids never repeat across restarts anyway)")
+    _flag(
+        p,
+        "bind",
+        default=None,
+        help="gRPC address to listen on (default: this host's advertised address, port 29510; "
+        "'[::]:29510' listens on every interface)",
+    )
+    _flag(
+        p,
+        "min_replicas",
+        type=int,
+        required=True,
+        help="fewest replica groups in a quorum (fast path excepted)",
+    )
+    _flag(
+        p,
+        "join_timeout_ms",
+        type=int,
+        default=CLI_DEFAULT_JOIN_TIMEOUT_MS,
+        help="how long to wait for heartbeating replicas to join a quorum (the command's "
+        "default; LighthouseServer(...) in Python defaults to 100 ms, as torchft's)",
+    )
+    _flag(
+        p,
+        "quorum_tick_ms",
+        type=int,
+        default=DEFAULT_QUORUM_TICK_MS,
+        help="period of quorum evaluation and failure detection",
+    )
+    _flag(
+        p,
+        "heartbeat_timeout_ms",
+        type=int,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_MS,
+        help="a replica is dead after this long without a heartbeat",
+    )
+    _flag(
+        p,
+        "http_bind",
+        default=None,
+        help="dashboard address (default: gRPC host, gRPC port + 1; '' disables)",
+    )
+    _flag(
+        p,
+        "auth_token",
+        default=None,
+        help="an extra dashboard credential for operators (default: env FT_AUTH_TOKEN); the "
+        "job secret is always accepted",
+    )
+    _flag(
+        p,
+        "secret_file",
+        default=None,
+        help="file holding the job secret (default: env FT_JOB_SECRET_FILE, then FT_JOB_SECRET); "
+        "with it every call must be signed (docs/security.md)",
+    )
+    _flag(
+        p,
+        "insecure",
+        action="store_true",
+        default=False,
+        help="serve beyond loopback without a job secret (anyone who reaches the ports can "
+        "join or stop the job); logged as a warning at every start",
+    )
+    _flag(
+        p,
+        "dead_grace_ms",
+        type=int,
+        default=DEFAULT_DEAD_GRACE_MS,
+        help="dead replicas leave the dashboard this long after their heartbeat expired",
+    )
+    _flag(
+        p,
+        "quorum_id_file",
+        default=None,
+        help="file persisting the last quorum id (ids never repeat across restarts anyway)",
+    )
     _flag(p, "hostname", default=None, help="host name to advertise (default: from --bind)")
-    _flag(p, "transport", default=os.environ.get("FT_LIGHTHOUSE_TRANSPORT", "auto"),
-          choices=["auto", "native", "grpcio"],
-          help="gRPC server: native (C++, when built), grpcio, or auto (native when built)")
-    _flag(p, "log_level", default=os.environ.get("FT_LOG_LEVEL", "INFO"),
-          help="logging level")
+    _flag(
+        p,
+        "transport",
+        default=os.environ.get("FT_LIGHTHOUSE_TRANSPORT", "auto"),
+        choices=["auto", "native", "grpcio"],
+        help="gRPC server: native (C++, when built), grpcio, or auto (native when built)",
+    )
+    _flag(p, "log_level", default=os.environ.get("FT_LOG_LEVEL", "INFO"), help="logging level")
     return p
 
 
@@ -96,8 +149,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.bind is None:
-        args.bind = _rpc.join_hostport(net.bind_host_for(net.advertise_host()).strip("[]"),
-                                       DEFAULT_PORT)
+        args.bind = _rpc.join_hostport(
+            net.bind_host_for(net.advertise_host()).strip("[]"), DEFAULT_PORT
+        )
     if args.secret_file:
         os.environ[SECRET_FILE_ENV] = args.secret_file  # read by LighthouseServer, never logged
     http_bind = args.http_bind
@@ -108,8 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame) -> None:
-        logging.getLogger("ft.lighthouse").info("received %s, shutting down",
-                                                signal.Signals(signum).name)
+        logging.getLogger("ft.lighthouse").info(
+            "received %s, shutting down", signal.Signals(signum).name
+        )
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -126,8 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ft-lighthouse: {e}", file=sys.stderr)
         return 2
     # One machine-readable line for scripts and tests.
-    print(f"ft-lighthouse ready grpc={server.address()} dashboard={server.dashboard_address()}",
-          flush=True)
+    print(
+        f"ft-lighthouse ready grpc={server.address()} dashboard={server.dashboard_address()}",
+        flush=True,
+    )
     try:
         while not stop.wait(1.0):
             pass

@@ -73,8 +73,10 @@ def _transient(exc: BaseException) -> bool:
 def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
     """method name -> (full path, response class, streams) for one service of the proto."""
     desc = pb.DESCRIPTOR.services_by_name[service]
-    return {m.name: (f"/{desc.full_name}/{m.name}", getattr(pb, m.output_type.name),
-                     m.server_streaming) for m in desc.methods}
+    return {
+        m.name: (f"/{desc.full_name}/{m.name}", getattr(pb, m.output_type.name), m.server_streaming)
+        for m in desc.methods
+    }
 
 
 class _Client:
@@ -99,8 +101,10 @@ class _Client:
         self._calls = {}
         for name, (path, response, streams) in _service_methods(self._service).items():
             make = self._channel.unary_stream if streams else self._channel.unary_unary
-            self._calls[name] = (path, make(path, request_serializer=None,
-                                            response_deserializer=response.FromString))
+            self._calls[name] = (
+                path,
+                make(path, request_serializer=None, response_deserializer=response.FromString),
+            )
         self._connected = False
 
     def _invoke(self, method: str, request, **kwargs):
@@ -139,8 +143,9 @@ class _Client:
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
             try:
-                resp = self._invoke(method, request, timeout=remaining,
-                                    wait_for_ready=wait_for_ready)
+                resp = self._invoke(
+                    method, request, timeout=remaining, wait_for_ready=wait_for_ready
+                )
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self._connected = False
@@ -148,8 +153,9 @@ class _Client:
             self._connected = True
             return resp
 
-        return retry_until(attempt, deadline, retries=retries, retry_on=_transient,
-                           on_retry=on_retry)
+        return retry_until(
+            attempt, deadline, retries=retries, retry_on=_transient, on_retry=on_retry
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -179,7 +185,9 @@ class FailureSubscription:
         self._subscribed = threading.Event()
         self._lock = threading.Lock()
         self._call = None
-        self._thread = threading.Thread(target=self._run, name="ft-failure-subscription", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="ft-failure-subscription", daemon=True
+        )
         self._thread.start()
 
     def _run(self) -> None:
@@ -270,8 +278,12 @@ class LighthouseClient(_Client):
             commit_failures=commit_failures,
         )
         resp = self._call(
-            "Quorum", pb.LighthouseQuorumRequest(requester=member), timeout, wait_for_ready,
-            retries=retries, on_retry=on_retry,
+            "Quorum",
+            pb.LighthouseQuorumRequest(requester=member),
+            timeout,
+            wait_for_ready,
+            retries=retries,
+            on_retry=on_retry,
         )
         return wire.quorum_from_pb(resp.quorum)
 
@@ -286,8 +298,10 @@ class LighthouseClient(_Client):
         """One heartbeat. ``leaving=True`` says the replica shuts down cleanly (an ft
         extension; a torchft lighthouse ignores it and times the replica out instead)."""
         self._call(
-            "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id, leaving=leaving),
-            timeout, wait_for_ready,
+            "Heartbeat",
+            pb.LighthouseHeartbeatRequest(replica_id=replica_id, leaving=leaving),
+            timeout,
+            wait_for_ready,
         )
 
     def subscribe_failures(
@@ -297,7 +311,9 @@ class LighthouseClient(_Client):
         stream_timeout: Timeout = _dt.timedelta(minutes=5),
     ) -> FailureSubscription:
         """Calls ``callback(notification)`` on a background thread for every failure."""
-        return FailureSubscription(self, callback, subscriber, _rpc.required_seconds(stream_timeout, "stream_timeout"))
+        return FailureSubscription(
+            self, callback, subscriber, _rpc.required_seconds(stream_timeout, "stream_timeout")
+        )
 
     def failures(self, timeout: Timeout, subscriber: str = "") -> Iterator[FailureNotification]:
         """Yields failure notifications from one stream until ``timeout`` (then returns)."""

@@ -306,9 +306,10 @@ class _LighthouseState:
             if not w.call.is_active():
                 gone.append(w)
             elif now >= w.deadline.at:
-                w.call.finish(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"no quorum for {w.replica_id} before its deadline; "
-                              f"last state: {self.reason}")
+                w.call.finish(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no quorum for {w.replica_id} before its deadline; last state: {self.reason}",
+                )
                 gone.append(w)
             else:
                 self.heartbeats[w.replica_id] = now
@@ -355,7 +356,10 @@ class _LighthouseState:
             st.quorum_changes += 1
             logger.info(
                 "quorum %d: %s; %s; members: %s",
-                new_id, why_id, why_ready, ", ".join(sorted(ids)),
+                new_id,
+                why_id,
+                why_ready,
+                ", ".join(sorted(ids)),
             )
         self.reason = f"issued quorum {new_id} ({why_ready})"
         if changed:
@@ -536,32 +540,79 @@ def render_metrics(status: dict) -> str:
 
     q = status["quorum"]
     st = status["stats"]
-    metric("ft_lighthouse_quorum_id", "gauge", "Id of the current quorum (0: none yet).",
-           [({}, q["quorum_id"] if q else 0)])
-    metric("ft_lighthouse_quorum_members", "gauge", "Members of the current quorum.",
-           [({}, len(q["members"]) if q else 0)])
-    metric("ft_lighthouse_quorum_age_seconds", "gauge", "Seconds since the current quorum was issued.",
-           [({}, q["age_s"] if q else 0)])
-    metric("ft_lighthouse_participants", "gauge", "Replicas waiting for the next quorum.",
-           [({}, len(status["next_quorum"]["participants"]))])
-    metric("ft_lighthouse_heartbeat_age_seconds", "gauge", "Seconds since each replica's last heartbeat.",
-           [({"replica_id": r["replica_id"]}, r["heartbeat_age_s"])
-            for r in status["replicas"] if r["heartbeat_age_s"] is not None])
-    metric("ft_lighthouse_replica_alive", "gauge", "1 if the replica's heartbeat is fresh.",
-           [({"replica_id": r["replica_id"]}, int(r["alive"])) for r in status["replicas"]])
-    metric("ft_lighthouse_quorum_latency_seconds", "gauge",
-           "Time from the first participant joining to the quorum being issued (last round).",
-           [({}, st["last_quorum_latency_s"])])
-    metric("ft_lighthouse_quorum_latency_median_seconds", "gauge",
-           "Median quorum latency over the last 1000 rounds.", [({}, st["median_quorum_latency_s"])])
-    metric("ft_lighthouse_quorums_total", "counter", "Quorums issued.", [({}, st["quorums_issued"])])
-    metric("ft_lighthouse_quorum_changes_total", "counter", "Quorums with a new quorum_id.",
-           [({}, st["quorum_changes"])])
-    metric("ft_lighthouse_failure_notifications_total", "counter",
-           "Failure notifications sent (heartbeat expiries of quorum members).",
-           [({}, st["failure_notifications"])])
-    metric("ft_lighthouse_failure_subscribers", "gauge", "Open SubscribeFailures streams.",
-           [({}, st["subscribers"])])
+    metric(
+        "ft_lighthouse_quorum_id",
+        "gauge",
+        "Id of the current quorum (0: none yet).",
+        [({}, q["quorum_id"] if q else 0)],
+    )
+    metric(
+        "ft_lighthouse_quorum_members",
+        "gauge",
+        "Members of the current quorum.",
+        [({}, len(q["members"]) if q else 0)],
+    )
+    metric(
+        "ft_lighthouse_quorum_age_seconds",
+        "gauge",
+        "Seconds since the current quorum was issued.",
+        [({}, q["age_s"] if q else 0)],
+    )
+    metric(
+        "ft_lighthouse_participants",
+        "gauge",
+        "Replicas waiting for the next quorum.",
+        [({}, len(status["next_quorum"]["participants"]))],
+    )
+    metric(
+        "ft_lighthouse_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since each replica's last heartbeat.",
+        [
+            ({"replica_id": r["replica_id"]}, r["heartbeat_age_s"])
+            for r in status["replicas"]
+            if r["heartbeat_age_s"] is not None
+        ],
+    )
+    metric(
+        "ft_lighthouse_replica_alive",
+        "gauge",
+        "1 if the replica's heartbeat is fresh.",
+        [({"replica_id": r["replica_id"]}, int(r["alive"])) for r in status["replicas"]],
+    )
+    metric(
+        "ft_lighthouse_quorum_latency_seconds",
+        "gauge",
+        "Time from the first participant joining to the quorum being issued (last round).",
+        [({}, st["last_quorum_latency_s"])],
+    )
+    metric(
+        "ft_lighthouse_quorum_latency_median_seconds",
+        "gauge",
+        "Median quorum latency over the last 1000 rounds.",
+        [({}, st["median_quorum_latency_s"])],
+    )
+    metric(
+        "ft_lighthouse_quorums_total", "counter", "Quorums issued.", [({}, st["quorums_issued"])]
+    )
+    metric(
+        "ft_lighthouse_quorum_changes_total",
+        "counter",
+        "Quorums with a new quorum_id.",
+        [({}, st["quorum_changes"])],
+    )
+    metric(
+        "ft_lighthouse_failure_notifications_total",
+        "counter",
+        "Failure notifications sent (heartbeat expiries of quorum members).",
+        [({}, st["failure_notifications"])],
+    )
+    metric(
+        "ft_lighthouse_failure_subscribers",
+        "gauge",
+        "Open SubscribeFailures streams.",
+        [({}, st["subscribers"])],
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -622,7 +673,8 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
         _SERVICE + "Quorum": Method(pb.LighthouseQuorumRequest, quorum),
         _SERVICE + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat),
         _SERVICE + "SubscribeFailures": Method(
-            pb.SubscribeFailuresRequest, subscribe_failures, streaming=True),
+            pb.SubscribeFailuresRequest, subscribe_failures, streaming=True
+        ),
     }
 
 
@@ -709,8 +761,9 @@ def _make_http_handler(lh: "LighthouseServer"):
         def log_message(self, fmt, *args):  # quiet
             logger.debug("http: " + fmt, *args)
 
-        def _send(self, code: int, body: bytes, ctype: str,
-                  headers: Tuple[Tuple[str, str], ...] = ()) -> None:
+        def _send(
+            self, code: int, body: bytes, ctype: str, headers: Tuple[Tuple[str, str], ...] = ()
+        ) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -767,20 +820,30 @@ def _make_http_handler(lh: "LighthouseServer"):
         def _csrf_refusal(self) -> Optional[str]:
             """Why a state-changing request may come from another site's page (None: it cannot)."""
             if self.headers.get(CSRF_HEADER, "").strip() != "1":
-                return (f"refused: the request lacks the header {CSRF_HEADER}: 1 that the "
-                        f"dashboard's page sends (a page of another site cannot send it)")
+                return (
+                    f"refused: the request lacks the header {CSRF_HEADER}: 1 that the "
+                    f"dashboard's page sends (a page of another site cannot send it)"
+                )
             origin = self.headers.get("Origin")
             if origin is not None:
                 host = self.headers.get("Host", "").strip().lower()
                 if not host or origin.strip().lower() not in (f"http://{host}", f"https://{host}"):
-                    return (f"refused: the request comes from a page of another origin "
-                            f"({origin[:200]!r}), not from this dashboard's")
+                    return (
+                        f"refused: the request comes from a page of another origin "
+                        f"({origin[:200]!r}), not from this dashboard's"
+                    )
             return None
 
         def _unauthorized(self) -> None:
-            self._json(401, {"error": "missing or wrong credential: send Authorization: Bearer "
-                                      "<job secret or auth token>", "auth_required": True},
-                       (("WWW-Authenticate", 'Bearer realm="ft-lighthouse"'),))
+            self._json(
+                401,
+                {
+                    "error": "missing or wrong credential: send Authorization: Bearer "
+                    "<job secret or auth token>",
+                    "auth_required": True,
+                },
+                (("WWW-Authenticate", 'Bearer realm="ft-lighthouse"'),),
+            )
 
         # --- GET -------------------------------------------------------------------------
 
@@ -800,8 +863,11 @@ def _make_http_handler(lh: "LighthouseServer"):
             elif path == "/api/status":
                 self._status()
             elif path == "/metrics":  # ids and numbers only: render_metrics lists no address
-                self._send(200, render_metrics(lh._state.status()).encode(),
-                           "text/plain; version=0.0.4; charset=utf-8")
+                self._send(
+                    200,
+                    render_metrics(lh._state.status()).encode(),
+                    "text/plain; version=0.0.4; charset=utf-8",
+                )
             elif path == "/healthz":
                 self._send(200, b"ok\n", "text/plain")
             else:
@@ -809,8 +875,13 @@ def _make_http_handler(lh: "LighthouseServer"):
 
         def _status(self) -> None:
             if self._rebinding():
-                self._json(403, {"error": "refused: the Host header does not name this host "
-                                          "(only a loopback Host is served here)"})
+                self._json(
+                    403,
+                    {
+                        "error": "refused: the Host header does not name this host "
+                        "(only a loopback Host is served here)"
+                    },
+                )
                 return
             cred = self._credential()
             if cred is False:
@@ -834,19 +905,28 @@ def _make_http_handler(lh: "LighthouseServer"):
             except ValueError:
                 length = -1
             if length < 0 or length > _MAX_BODY or "Transfer-Encoding" in self.headers:
-                self._json(413, {"error": f"the body must have a Content-Length of at most "
-                                          f"{_MAX_BODY} bytes"})
+                self._json(
+                    413,
+                    {"error": f"the body must have a Content-Length of at most {_MAX_BODY} bytes"},
+                )
                 return
             body = self.rfile.read(length) if length else b""
             if len(body) != length or not self.request_read():
                 return  # the client left, or took longer than the idle timeout to send it
             why = self._csrf_refusal()
             if why is None and self._rebinding():
-                why = ("refused: the Host header does not name this host (only a loopback Host "
-                       "is served here)")
+                why = (
+                    "refused: the Host header does not name this host (only a loopback Host "
+                    "is served here)"
+                )
             if why is not None:
-                logger.warning("dashboard: %s %s from %s %s", self.command, path[:200],
-                               self.client_address[0], why)
+                logger.warning(
+                    "dashboard: %s %s from %s %s",
+                    self.command,
+                    path[:200],
+                    self.client_address[0],
+                    why,
+                )
                 self._json(403, {"error": why})
                 return
             cred = self._credential()
@@ -857,8 +937,13 @@ def _make_http_handler(lh: "LighthouseServer"):
                 self._json(404, {"error": f"no such endpoint: {path[:200]}"})
                 return
             if self.headers.get_content_type() != "application/json":
-                self._json(415, {"error": "parameters must be a JSON object sent as "
-                                          "Content-Type: application/json"})
+                self._json(
+                    415,
+                    {
+                        "error": "parameters must be a JSON object sent as "
+                        "Content-Type: application/json"
+                    },
+                )
                 return
             try:
                 args = json.loads(body)
@@ -956,8 +1041,11 @@ class LighthouseServer:
             DEFAULT_HEARTBEAT_TIMEOUT_MS if heartbeat_timeout_ms is None else heartbeat_timeout_ms
         )
         dead_grace_ms = DEFAULT_DEAD_GRACE_MS if dead_grace_ms is None else dead_grace_ms
-        for name, v in (("join_timeout_ms", join_timeout_ms), ("heartbeat_timeout_ms", heartbeat_timeout_ms),
-                        ("dead_grace_ms", dead_grace_ms)):
+        for name, v in (
+            ("join_timeout_ms", join_timeout_ms),
+            ("heartbeat_timeout_ms", heartbeat_timeout_ms),
+            ("dead_grace_ms", dead_grace_ms),
+        ):
             if v < 0:
                 raise ValueError(f"{name} must be >= 0, got {v}")
         if quorum_tick_ms <= 0:
@@ -974,13 +1062,17 @@ class LighthouseServer:
             join_timeout_s=join_timeout_ms / 1000,
             heartbeat_timeout_s=heartbeat_timeout_ms / 1000,
         )
-        self._state = _LighthouseState(opts, quorum_tick_ms / 1000, dead_grace_ms / 1000, quorum_id_file)
+        self._state = _LighthouseState(
+            opts, quorum_tick_ms / 1000, dead_grace_ms / 1000, quorum_id_file
+        )
 
         self._server = RpcServer(
-            bind, _methods(self._state),
+            bind,
+            _methods(self._state),
             # Ping idle connections so that a stalled waiter's call ends.
             keepalive_ms=max(1000, heartbeat_timeout_ms),
-            transport=transport, max_workers=max_workers,
+            transport=transport,
+            max_workers=max_workers,
             verifier=Verifier(self._secret, GRPC_PURPOSE) if self._secret is not None else None,
             tls=tls,
             # Routine heartbeats are answered in C++ (native server): the lighthouse's CPU per
@@ -996,8 +1088,12 @@ class LighthouseServer:
         if http_bind is None:
             http_bind = _rpc.join_hostport(bind_host or "::", 0)
         if http_bind:
-            check_exposure(_rpc.split_hostport(http_bind)[0], self._secret, insecure,
-                           "the lighthouse dashboard")
+            check_exposure(
+                _rpc.split_hostport(http_bind)[0],
+                self._secret,
+                insecure,
+                "the lighthouse dashboard",
+            )
             try:
                 self._start_http(http_bind, dashboard_idle_timeout_s, dashboard_max_connections)
             except OSError:
@@ -1005,14 +1101,21 @@ class LighthouseServer:
                 raise
 
         self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick_loop, name="ft-lighthouse-tick", daemon=True)
+        self._ticker = threading.Thread(
+            target=self._tick_loop, name="ft-lighthouse-tick", daemon=True
+        )
         self._ticker.start()
         logger.info(
             "lighthouse serving gRPC (%s server) on %s, dashboard on %s (min_replicas=%d, join_timeout_ms=%d, "
             "quorum_tick_ms=%d, heartbeat_timeout_ms=%d, first quorum id > %d)",
-            self._server.transport, self.address(), self.dashboard_address() or "(disabled)",
-            min_replicas, join_timeout_ms,
-            quorum_tick_ms, heartbeat_timeout_ms, self._state.quorum_id,
+            self._server.transport,
+            self.address(),
+            self.dashboard_address() or "(disabled)",
+            min_replicas,
+            join_timeout_ms,
+            quorum_tick_ms,
+            heartbeat_timeout_ms,
+            self._state.quorum_id,
         )
 
     def _start_http(self, http_bind: str, idle_timeout_s: float, max_connections: int) -> None:
@@ -1022,13 +1125,18 @@ class LighthouseServer:
             host = "::"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._http = _HTTPServer(
-            (host, port), _make_http_handler(self), family=family,
-            idle_timeout_s=idle_timeout_s, max_connections=max_connections,
+            (host, port),
+            _make_http_handler(self),
+            family=family,
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
             name="ft-lighthouse-http",
         )
         self._http_thread = threading.Thread(
-            target=self._http.serve_forever, kwargs={"poll_interval": 0.1},
-            name="ft-lighthouse-http", daemon=True,
+            target=self._http.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="ft-lighthouse-http",
+            daemon=True,
         )
         self._http_thread.start()
 
@@ -1072,8 +1180,9 @@ class LighthouseServer:
             return 409, {"error": f"replica {replica_id!r} has no manager address"}
         from .clients import ManagerClient
 
-        client = ManagerClient(member.address, connect_timeout=KILL_CONNECT_TIMEOUT,
-                               secret=self._secret, tls=self._tls)
+        client = ManagerClient(
+            member.address, connect_timeout=KILL_CONNECT_TIMEOUT, secret=self._secret, tls=self._tls
+        )
         try:
             client.kill(msg, timeout=KILL_TIMEOUT)
         except Exception as e:  # the process may die before answering

@@ -51,7 +51,6 @@ logger = logging.getLogger("ft.manager_server")
 __all__ = ["ManagerServer", "LocalManagerClient"]
 
 
-
 @dataclass
 class _QuorumRound:
     requests: Dict[int, GroupRequest] = field(default_factory=dict)
@@ -81,8 +80,10 @@ def _check_rank(what: str, value: int, world_size: int) -> None:
     if value < 0:
         raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be >= 0, got {value}")
     if value >= world_size:
-        raise _fail(grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{what} {value} is out of range for world_size {world_size}")
+        raise _fail(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what} {value} is out of range for world_size {world_size}",
+        )
 
 
 _SERVICE = "/torchft.ManagerService/"
@@ -113,8 +114,7 @@ def _methods(
                     call.finish(e.code, e.details)
                 except Exception as e:  # noqa: BLE001 - a bug must still answer the caller
                     logger.exception("manager server: %s failed", call.method)
-                    call.finish(grpc.StatusCode.INTERNAL,
-                                f"{call.method}: {type(e).__name__}: {e}")
+                    call.finish(grpc.StatusCode.INTERNAL, f"{call.method}: {type(e).__name__}: {e}")
                 else:
                     call.reply(response)
             except Exception:  # noqa: BLE001 - answering itself failed; nothing more to do
@@ -123,8 +123,9 @@ def _methods(
                 slots.release()
 
         if not slots.acquire(blocking=False):
-            call.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"manager server: {workers} calls already open")
+            call.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"manager server: {workers} calls already open"
+            )
         try:
             pool.submit(run)
         except RuntimeError:  # the pool is shut down: the server is stopping
@@ -153,8 +154,14 @@ def _methods(
 
     def should_commit(request: pb.ShouldCommitRequest, call: Call) -> None:
         deadline = _rpc.server_deadline(call, "ShouldCommit")
-        answer_later(call, lambda: pb.ShouldCommitResponse(should_commit=server.should_commit(
-            request.group_rank, request.step, bool(request.should_commit), deadline)))
+        answer_later(
+            call,
+            lambda: pb.ShouldCommitResponse(
+                should_commit=server.should_commit(
+                    request.group_rank, request.step, bool(request.should_commit), deadline
+                )
+            ),
+        )
 
     def kill(request: pb.KillRequest, call: Call) -> None:
         _rpc.server_deadline(call, "Kill")
@@ -235,19 +242,30 @@ class ManagerServer:
         self._last_quorum_sent = float("-inf")
         secret = resolve_secret(secret)
         tls = resolve_tls(tls)
-        check_exposure(_rpc.split_hostport(bind)[0], secret, insecure,
-                       f"the manager server of replica {replica_id}")
-        self._lighthouse = LighthouseClient(lighthouse_addr, connect_timeout, secret=secret, tls=tls)
+        check_exposure(
+            _rpc.split_hostport(bind)[0],
+            secret,
+            insecure,
+            f"the manager server of replica {replica_id}",
+        )
+        self._lighthouse = LighthouseClient(
+            lighthouse_addr, connect_timeout, secret=secret, tls=tls
+        )
 
         # Quorum and ShouldCommit calls wait for the group's ranks: each holds a pool thread.
         workers = 64 + 4 * min(world_size, 1024)
         self._pool = futures.ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="ft-manager-server")
+            max_workers=workers, thread_name_prefix="ft-manager-server"
+        )
         try:
             self._server = RpcServer(
-                bind, _methods(self, self._pool, workers), transport=transport,
-                max_workers=workers, tls=tls,
-                verifier=Verifier(secret, GRPC_PURPOSE) if secret is not None else None)
+                bind,
+                _methods(self, self._pool, workers),
+                transport=transport,
+                max_workers=workers,
+                tls=tls,
+                verifier=Verifier(secret, GRPC_PURPOSE) if secret is not None else None,
+            )
         except OSError as e:
             self._pool.shutdown(wait=False)
             raise OSError(f"manager server could not bind {bind!r}: {e}") from None
@@ -263,7 +281,11 @@ class ManagerServer:
         self._heartbeater.start()
         logger.info(
             "manager server %s for replica %s (world_size=%d) on %s, lighthouse %s",
-            self.address(), replica_id, world_size, bind, lighthouse_addr,
+            self.address(),
+            replica_id,
+            world_size,
+            bind,
+            lighthouse_addr,
         )
 
     def _heartbeat_loop(self) -> None:
@@ -285,8 +307,12 @@ class ManagerServer:
                 now = time.monotonic()
                 if now - last_log > 10:
                     last_log = now
-                    logger.warning("replica %s: heartbeat to %s failed: %s",
-                                   self._replica_id, self._lighthouse_addr, e)
+                    logger.warning(
+                        "replica %s: heartbeat to %s failed: %s",
+                        self._replica_id,
+                        self._lighthouse_addr,
+                        e,
+                    )
             if self._stop.wait(self._heartbeat_interval):
                 return
 
@@ -305,13 +331,17 @@ class ManagerServer:
         if req.step < 0:
             raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {req.step}")
         if req.commit_failures < 0:
-            raise _fail(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"commit_failures must be >= 0, got {req.commit_failures}")
+            raise _fail(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"commit_failures must be >= 0, got {req.commit_failures}",
+            )
         rank = req.group_rank
         leader = False
         if deadline.expired:  # never join (or lead) a round for a caller gone
-            raise _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {self._replica_id}: Quorum arrived after its deadline")
+            raise _fail(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"replica {self._replica_id}: Quorum arrived after its deadline",
+            )
         with self._cond:
             if self._closed:
                 raise _fail(grpc.StatusCode.UNAVAILABLE, "manager server is shutting down")
@@ -348,12 +378,16 @@ class ManagerServer:
         assert rnd.quorum is not None
         try:
             return compute_quorum_result(
-                rnd.quorum.quorum_id, rnd.quorum.participants, self._replica_id, rank,
+                rnd.quorum.quorum_id,
+                rnd.quorum.participants,
+                self._replica_id,
+                rank,
                 rnd.init_sync,
             )
         except ValueError as e:
-            raise _fail(grpc.StatusCode.INTERNAL,
-                        f"lighthouse answered a bad quorum: {e}") from None
+            raise _fail(
+                grpc.StatusCode.INTERNAL, f"lighthouse answered a bad quorum: {e}"
+            ) from None
 
     def checkpoint_metadata(self, rank: int) -> str:
         """The checkpoint metadata ``rank`` sent with its latest Quorum request."""
@@ -377,8 +411,10 @@ class ManagerServer:
         if step < 0:
             raise _fail(grpc.StatusCode.INVALID_ARGUMENT, f"step must be >= 0, got {step}")
         if deadline.expired:  # a stale vote must not decide a later round
-            raise _fail(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {self._replica_id}: ShouldCommit arrived after its deadline")
+            raise _fail(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"replica {self._replica_id}: ShouldCommit arrived after its deadline",
+            )
         with self._cond:
             rnd = self._commit
             # The round's step is that of the other ranks' votes (a re-vote replaces one's own).
@@ -395,8 +431,11 @@ class ManagerServer:
                 self._commit = _CommitRound()
                 self._cond.notify_all()
                 if not rnd.decision:
-                    logger.info("replica %s: group voted not to commit step %s",
-                                self._replica_id, rnd.step())
+                    logger.info(
+                        "replica %s: group voted not to commit step %s",
+                        self._replica_id,
+                        rnd.step(),
+                    )
             deadline.wait(self._cond, lambda: rnd.decision is not None or self._closed)
             if rnd.decision is None:
                 if self._closed:
@@ -426,9 +465,15 @@ class ManagerServer:
             attempts[0] += 1
             # Taken before sending, so it never postdates the lighthouse's record of it.
             self._last_quorum_sent = time.monotonic() + delay
-            logger.warning("replica %s: lighthouse quorum attempt %d failed (%s); retrying in "
-                           "%.2fs (until the quorum deadline, %.1fs from now)",
-                           self._replica_id, i + 1, exc, delay, deadline.remaining())
+            logger.warning(
+                "replica %s: lighthouse quorum attempt %d failed (%s); retrying in "
+                "%.2fs (until the quorum deadline, %.1fs from now)",
+                self._replica_id,
+                i + 1,
+                exc,
+                delay,
+                deadline.remaining(),
+            )
 
         quorum = None
         error = None
@@ -450,14 +495,19 @@ class ManagerServer:
                 on_retry=on_retry,
             )
         except TimeoutError as e:
-            error = (grpc.StatusCode.DEADLINE_EXCEEDED,
-                     f"replica {self._replica_id}: lighthouse quorum timed out after "
-                     f"{attempts[0]} attempt(s): {e}")
+            error = (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"replica {self._replica_id}: lighthouse quorum timed out after "
+                f"{attempts[0]} attempt(s): {e}",
+            )
         except CoordinationError as e:
             # ABORTED, not the lighthouse's own code: this server already retried it, and a
             # transient code would make every rank's client retry the whole round again.
-            error = (grpc.StatusCode.ABORTED, f"replica {self._replica_id}: lighthouse quorum failed after "
-                           f"{attempts[0]} attempt(s): {e}")
+            error = (
+                grpc.StatusCode.ABORTED,
+                f"replica {self._replica_id}: lighthouse quorum failed after "
+                f"{attempts[0]} attempt(s): {e}",
+            )
         except Exception as e:  # pragma: no cover - defensive
             error = (grpc.StatusCode.INTERNAL, f"lighthouse quorum failed: {e!r}")
         if error is not None:
@@ -484,11 +534,13 @@ class ManagerServer:
         self._stop.set()
         self._heartbeater.join(timeout=5)
         try:
-            self._lighthouse.heartbeat(self._replica_id, timeout=timeout, wait_for_ready=False,
-                                       leaving=True)
+            self._lighthouse.heartbeat(
+                self._replica_id, timeout=timeout, wait_for_ready=False, leaving=True
+            )
         except (TimeoutError, CoordinationError) as e:
-            logger.info("replica %s: could not tell the lighthouse it leaves: %s",
-                        self._replica_id, e)
+            logger.info(
+                "replica %s: could not tell the lighthouse it leaves: %s", self._replica_id, e
+            )
 
     def shutdown(self, grace: float = 0.5) -> None:
         if self._closed:
@@ -555,8 +607,9 @@ class LocalManagerClient:
         return self._call("Quorum", timeout, lambda deadline: self._server.quorum(req, deadline))
 
     def checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
-        return self._call("CheckpointMetadata", timeout,
-                          lambda _: self._server.checkpoint_metadata(rank))
+        return self._call(
+            "CheckpointMetadata", timeout, lambda _: self._server.checkpoint_metadata(rank)
+        )
 
     # torchft's names for the two calls above.
     _quorum = quorum
@@ -566,7 +619,8 @@ class LocalManagerClient:
         self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
     ) -> bool:
         return self._call(
-            "ShouldCommit", timeout,
+            "ShouldCommit",
+            timeout,
             lambda deadline: self._server.should_commit(group_rank, step, should_commit, deadline),
         )
 

@@ -164,21 +164,16 @@ def quorum_compute(
     which equals the healthy participants unless shrink_only drops someone; this way a quorum
     smaller than min_replicas is never issued.
     """
-    heartbeating = {
-        rid for rid, t in heartbeats.items() if now - t < opts.heartbeat_timeout_s
-    }
-    healthy = {
-        rid: (joined, m)
-        for rid, (joined, m) in participants.items()
-        if rid in heartbeating
-    }
+    heartbeating = {rid for rid, t in heartbeats.items() if now - t < opts.heartbeat_timeout_s}
+    healthy = {rid: (joined, m) for rid, (joined, m) in participants.items() if rid in heartbeating}
     candidates = [healthy[rid][1] for rid in sorted(healthy)]
     shrink_only = any(m.shrink_only for _, m in healthy.values())
 
     if not candidates:
         if participants:
             return QuorumDecision(
-                None, f"no healthy participants ({len(participants)} waiting with expired heartbeats)"
+                None,
+                f"no healthy participants ({len(participants)} waiting with expired heartbeats)",
             )
         return QuorumDecision(None, "no participants: waiting for replicas to request a quorum")
 

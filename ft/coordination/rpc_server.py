@@ -332,16 +332,23 @@ class RpcServer:
         self._methods = methods
         self._verifier = verifier
         # TLS is served by grpcio only: "auto" falls back to it.
-        self.transport = ("native" if transport != "grpcio" and _native is not None and tls is None
-                          else "grpcio")
+        self.transport = (
+            "native" if transport != "grpcio" and _native is not None and tls is None else "grpcio"
+        )
         target = _rpc.grpc_target(bind)
         if self.transport == "native":
             try:
                 self._server = _native.Server(
-                    target, self._dispatch_native, _rpc.MAX_MESSAGE_BYTES, keepalive_ms,
+                    target,
+                    self._dispatch_native,
+                    _rpc.MAX_MESSAGE_BYTES,
+                    keepalive_ms,
                     verifier=verifier.native_config() if verifier is not None else None,
-                    heartbeat=((fast_heartbeat, _rpc.MAX_NAME_LEN, _rpc.NO_DEADLINE_S)
-                               if fast_heartbeat else None),
+                    heartbeat=(
+                        (fast_heartbeat, _rpc.MAX_NAME_LEN, _rpc.NO_DEADLINE_S)
+                        if fast_heartbeat
+                        else None
+                    ),
                 )
             except RuntimeError as e:
                 raise OSError(str(e)) from None
@@ -350,10 +357,13 @@ class RpcServer:
         else:
             options = list(_rpc.SERVER_OPTIONS)
             if keepalive_ms > 0:
-                options += [("grpc.keepalive_time_ms", keepalive_ms),
-                            ("grpc.keepalive_timeout_ms", keepalive_ms)]
+                options += [
+                    ("grpc.keepalive_time_ms", keepalive_ms),
+                    ("grpc.keepalive_timeout_ms", keepalive_ms),
+                ]
             self._executor = futures.ThreadPoolExecutor(
-                max_workers=max_workers, thread_name_prefix="ft-rpc")
+                max_workers=max_workers, thread_name_prefix="ft-rpc"
+            )
             self._server = grpc.server(
                 self._executor,
                 options=options,
@@ -378,9 +388,11 @@ class RpcServer:
             try:
                 self._verifier.verify(call.method, data, call.auth_token())
             except AuthError as e:
-                call.finish(grpc.StatusCode.UNAUTHENTICATED,
-                            f"{call.method}: refused: {e}; this server requires the job secret "
-                            f"(FT_JOB_SECRET_FILE / FT_JOB_SECRET)")
+                call.finish(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{call.method}: refused: {e}; this server requires the job secret "
+                    f"(FT_JOB_SECRET_FILE / FT_JOB_SECRET)",
+                )
                 return
         try:
             request = method.request_type.FromString(data)
@@ -430,7 +442,9 @@ class _GrpcioHandler(grpc.GenericRpcHandler):
         if method is None:
             return None  # grpcio answers UNIMPLEMENTED
         if method.streaming:
-            return grpc.unary_stream_rpc_method_handler(lambda req, ctx: self._stream(name, req, ctx))
+            return grpc.unary_stream_rpc_method_handler(
+                lambda req, ctx: self._stream(name, req, ctx)
+            )
         return grpc.unary_unary_rpc_method_handler(lambda req, ctx: self._unary(name, req, ctx))
 
     def _start(self, name: str, data: bytes, context) -> _GrpcioCall:

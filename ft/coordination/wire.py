@@ -14,8 +14,13 @@ from ._proto import torchft_pb2 as pb
 from .quorum import FailureNotification, Quorum, QuorumMember, QuorumResult
 
 __all__ = [
-    "member_to_pb", "member_from_pb", "quorum_to_pb", "quorum_from_pb",
-    "result_to_pb", "result_from_pb", "notification_from_pb",
+    "member_to_pb",
+    "member_from_pb",
+    "quorum_to_pb",
+    "quorum_from_pb",
+    "result_to_pb",
+    "result_from_pb",
+    "notification_from_pb",
 ]
 
 

@@ -48,8 +48,9 @@ class ChaosConfig:
 class ChaosInjector:
     """Injects the failures :class:`ChaosConfig` describes (see the module's contract)."""
 
-    def __init__(self, config: ChaosConfig, say: Callable[[str], None],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, config: ChaosConfig, say: Callable[[str], None], clock: Callable[[], float]
+    ) -> None:
         self.config = config
         self.say = say
         self.clock = clock  # seconds into the run, for the log
@@ -74,11 +75,21 @@ class ChaosInjector:
         victim = self.rng.choice(group.ranks)
         injected = self._inject(victim)
         if injected is not None:
-            self.log.append({"mode": self.config.mode, "group": group.gid, "rank": victim.rank,
-                             "pid": victim.pid, "time": self.clock(), "step": group.step,
-                             "max_step": max_step})
-            self.say(f"chaos: {injected} -> group {group.gid} rank {victim.rank} "
-                     f"(pid {victim.pid}) at step {group.step}")
+            self.log.append(
+                {
+                    "mode": self.config.mode,
+                    "group": group.gid,
+                    "rank": victim.rank,
+                    "pid": victim.pid,
+                    "time": self.clock(),
+                    "step": group.step,
+                    "max_step": max_step,
+                }
+            )
+            self.say(
+                f"chaos: {injected} -> group {group.gid} rank {victim.rank} "
+                f"(pid {victim.pid}) at step {group.step}"
+            )
         self.next_at = Deadline.after(self.config.every)
         return injected is not None
 

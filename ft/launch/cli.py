@@ -79,8 +79,19 @@ from .progress import RunProgress
 from .standby import StandbyPool
 
 __all__ = [
-    "CHAOS_MODES", "ChaosConfig", "ChildEnv", "Group", "GroupState", "GroupStats", "RankProc",
-    "RestartPolicy", "RunLimits", "Supervisor", "build_command", "build_parser", "free_port_pair",
+    "CHAOS_MODES",
+    "ChaosConfig",
+    "ChildEnv",
+    "Group",
+    "GroupState",
+    "GroupStats",
+    "RankProc",
+    "RestartPolicy",
+    "RunLimits",
+    "Supervisor",
+    "build_command",
+    "build_parser",
+    "free_port_pair",
     "main",
 ]
 
@@ -155,12 +166,17 @@ class Supervisor:
     def __init__(self, args: argparse.Namespace, command: List[str], out: TextIO = sys.stdout):
         self.args = args
         self.command = command
-        self.display = Display(out, tty=out.isatty() and not args.no_tty,
-                               status_every=args.status_every)
+        self.display = Display(
+            out, tty=out.isatty() and not args.no_tty, status_every=args.status_every
+        )
         self.say = self.display.say
-        self.limits = RunLimits(duration=args.duration, max_steps=args.max_steps,
-                                timeout=args.timeout, stop_grace=args.stop_grace,
-                                kill_grace=args.kill_grace)
+        self.limits = RunLimits(
+            duration=args.duration,
+            max_steps=args.max_steps,
+            timeout=args.timeout,
+            stop_grace=args.stop_grace,
+            kill_grace=args.kill_grace,
+        )
         self.duration_deadline = Deadline.after(args.duration)
         self.hard_deadline = Deadline.after(args.timeout)
         self.stop_deadline: Optional[Deadline] = None  # set by the stop request: its grace
@@ -175,23 +191,42 @@ class Supervisor:
         if os.path.exists(self.stop_file):
             os.unlink(self.stop_file)
         self.lighthouse = None
-        self.env = ChildEnv(self.stop_file, self.log_dir, num_groups=args.replicas,
-                            max_steps=args.max_steps, lighthouse=args.lighthouse or "")
+        self.env = ChildEnv(
+            self.stop_file,
+            self.log_dir,
+            num_groups=args.replicas,
+            max_steps=args.max_steps,
+            lighthouse=args.lighthouse or "",
+        )
 
         self.groups = [Group(gid, args.ranks_per_group) for gid in range(args.replicas)]
-        self.standbys = StandbyPool(None if args.no_standby else standby.runnable_argv(command),
-                                    size=args.ranks_per_group, env=self.env.common, say=self.say)
-        self.spawner = GroupSpawner(command, self.log_dir, self.env, self.standbys, tee=args.tee,
-                                    clock=self.display.elapsed)
-        self.restart_policy = RestartPolicy(restart_delay=args.restart_delay,
-                                            max_restarts=args.max_restarts,
-                                            max_crashes=args.max_crashes)
+        self.standbys = StandbyPool(
+            None if args.no_standby else standby.runnable_argv(command),
+            size=args.ranks_per_group,
+            env=self.env.common,
+            say=self.say,
+        )
+        self.spawner = GroupSpawner(
+            command, self.log_dir, self.env, self.standbys, tee=args.tee, clock=self.display.elapsed
+        )
+        self.restart_policy = RestartPolicy(
+            restart_delay=args.restart_delay,
+            max_restarts=args.max_restarts,
+            max_crashes=args.max_crashes,
+        )
         self.restart_log: List[Dict[str, Any]] = []
         self.progress = RunProgress(self.say, self.display.elapsed, verbose=args.verbose)
         self.chaos = ChaosInjector(
-            ChaosConfig(mode=args.chaos, every=args.every, stop_seconds=args.stop_seconds,
-                        stop_action=args.stop_action, seed=args.seed),
-            self.say, self.display.elapsed)
+            ChaosConfig(
+                mode=args.chaos,
+                every=args.every,
+                stop_seconds=args.stop_seconds,
+                stop_action=args.stop_action,
+                seed=args.seed,
+            ),
+            self.say,
+            self.display.elapsed,
+        )
 
     @property
     def stop_requested(self) -> bool:
@@ -200,15 +235,20 @@ class Supervisor:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             self._start()
             while True:
                 self.handle_events()
                 self.check_groups()
                 self._refill_standbys()
-                if self.chaos.tick(self.groups, self.progress.max_step,
-                                   stopping=self.progress.finishing or self.stop_requested):
+                if self.chaos.tick(
+                    self.groups,
+                    self.progress.max_step,
+                    stopping=self.progress.finishing or self.stop_requested,
+                ):
                     self.progress.chaos_injected()
                 if all(group.state.finished for group in self.groups) or self._check_limits():
                     break
@@ -225,9 +265,11 @@ class Supervisor:
         args = self.args
         self.say(f"logs in {self.log_dir}")
         self.start_lighthouse()
-        self.say(f"{args.replicas} replica group(s) x {args.ranks_per_group} rank(s): "
-                 f"{' '.join(self.command)}"
-                 + (f"; chaos {args.chaos} every {args.every:g}s" if args.chaos else ""))
+        self.say(
+            f"{args.replicas} replica group(s) x {args.ranks_per_group} rank(s): "
+            f"{' '.join(self.command)}"
+            + (f"; chaos {args.chaos} every {args.every:g}s" if args.chaos else "")
+        )
         for group in self.groups:
             self.start_group(group)
 
@@ -243,8 +285,11 @@ class Supervisor:
                 return True
         if self.duration_deadline.expired:
             self.request_stop(f"--duration {limits.duration:g}s reached")
-        if (limits.max_steps is not None and not self.stop_requested
-                and self._all_live_reached(limits.max_steps)):
+        if (
+            limits.max_steps is not None
+            and not self.stop_requested
+            and self._all_live_reached(limits.max_steps)
+        ):
             self.request_stop(f"--max-steps {limits.max_steps} reached")
         if self.stop_deadline is not None and self.stop_deadline.expired:
             self.terminate_all("stop grace expired")
@@ -258,8 +303,10 @@ class Supervisor:
         live = [group for group in self.groups if group.state == GroupState.RUNNING]
         if any(group.final for group in live):
             return False  # the workers handle their stop phase themselves
-        return bool(live) and all(isinstance(group.step, int) and group.step >= max_steps + MAX_STEPS_SLACK
-                                  for group in live)
+        return bool(live) and all(
+            isinstance(group.step, int) and group.step >= max_steps + MAX_STEPS_SLACK
+            for group in live
+        )
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.interrupted += 1
@@ -282,16 +329,21 @@ class Supervisor:
         )
         self.env.lighthouse = self.lighthouse.address()
         dashboard = self.lighthouse.dashboard_address()
-        self.say(f"lighthouse {self.env.lighthouse} (dashboard {dashboard}), min_replicas="
-                 f"{args.min_replicas}, heartbeat_timeout_ms={args.heartbeat_timeout_ms}, "
-                 f"join_timeout_ms={args.join_timeout_ms}")
+        self.say(
+            f"lighthouse {self.env.lighthouse} (dashboard {dashboard}), min_replicas="
+            f"{args.min_replicas}, heartbeat_timeout_ms={args.heartbeat_timeout_ms}, "
+            f"join_timeout_ms={args.join_timeout_ms}"
+        )
 
     def start_group(self, group: Group) -> None:
         warm = self.spawner.start(group)
         pids = ",".join(str(rank_proc.pid) for rank_proc in group.ranks)
-        self.say(f"group {group.gid}: started try {group.attempt} ({group.world_size} rank(s), "
-                 f"pids {pids}, MASTER_PORT {group.master_port}"
-                 + (f", {warm} from warm standbys" if warm else "") + ")")
+        self.say(
+            f"group {group.gid}: started try {group.attempt} ({group.world_size} rank(s), "
+            f"pids {pids}, MASTER_PORT {group.master_port}"
+            + (f", {warm} from warm standbys" if warm else "")
+            + ")"
+        )
 
     def _refill_standbys(self) -> None:
         if not (self.terminating or self.progress.finishing):
@@ -316,8 +368,11 @@ class Supervisor:
                     group.state = GroupState.DONE
                     self.say(f"group {group.gid}: finished (try {group.attempt})")
                     continue
-                failed = [(rank_proc, code) for rank_proc, code in zip(group.ranks, exit_codes)
-                          if code is not None and code != 0]
+                failed = [
+                    (rank_proc, code)
+                    for rank_proc, code in zip(group.ranks, exit_codes)
+                    if code is not None and code != 0
+                ]
                 if failed:
                     self._attempt_failed(group, *failed[0])
 
@@ -333,11 +388,16 @@ class Supervisor:
 
     def _attempt_failed(self, group: Group, culprit: RankProc, exit_code: int) -> None:
         """Kills the rest of the attempt, then restarts the group later or gives it up."""
-        how = (f"killed by {signal.Signals(-exit_code).name}" if exit_code < 0
-               else f"exit status {exit_code}")
+        how = (
+            f"killed by {signal.Signals(-exit_code).name}"
+            if exit_code < 0
+            else f"exit status {exit_code}"
+        )
         alive = [rank_proc for rank_proc in group.ranks if rank_proc.alive()]
-        self.say(f"group {group.gid}: rank {culprit.rank} (pid {culprit.pid}) {how}"
-                 + (f"; killing its {len(alive)} other rank(s)" if alive else ""))
+        self.say(
+            f"group {group.gid}: rank {culprit.rank} (pid {culprit.pid}) {how}"
+            + (f"; killing its {len(alive)} other rank(s)" if alive else "")
+        )
         if exit_code > 0:
             tail = log_tail(culprit.log_path)
             if tail:
@@ -351,8 +411,9 @@ class Supervisor:
         elif give_up is not None:
             group.state = GroupState.FAILED
             crashing = group.stats.crashes_in_a_row >= self.restart_policy.max_crashes
-            self.say(f"group {group.gid}: {give_up}"
-                     + (f" (see {culprit.log_path})" if crashing else ""))
+            self.say(
+                f"group {group.gid}: {give_up}" + (f" (see {culprit.log_path})" if crashing else "")
+            )
         else:
             delay = self.restart_policy.delay(group.stats)
             group.state = GroupState.RESTARTING
@@ -361,8 +422,11 @@ class Supervisor:
 
     def _others_all_finished(self, group: Group) -> bool:
         others = [other for other in self.groups if other is not group]
-        return (bool(others) and all(other.state.finished for other in others)
-                and any(other.state == GroupState.DONE for other in others))
+        return (
+            bool(others)
+            and all(other.state.finished for other in others)
+            and any(other.state == GroupState.DONE for other in others)
+        )
 
     # -- stopping -------------------------------------------------------------------------------
 
@@ -376,13 +440,17 @@ class Supervisor:
         self.standbys.close()
         with open(self.stop_file, "w") as stop_file:
             stop_file.write(reason + "\n")
-        self.say(f"stop requested ({reason}); waiting up to {self.limits.stop_grace:.0f}s for the "
-                 "groups to finish")
+        self.say(
+            f"stop requested ({reason}); waiting up to {self.limits.stop_grace:.0f}s for the "
+            "groups to finish"
+        )
 
     def terminate_all(self, why: str) -> None:
         """SIGTERM every live child, then SIGKILL after --kill-grace; reap them all."""
         self.terminating = True
-        live = [rank_proc for group in self.groups for rank_proc in group.ranks if rank_proc.alive()]
+        live = [
+            rank_proc for group in self.groups for rank_proc in group.ranks if rank_proc.alive()
+        ]
         if live:
             self.say(f"{why}: SIGTERM to {len(live)} process(es)")
         for rank_proc in live:
@@ -395,7 +463,9 @@ class Supervisor:
             self.spawner.kill(stubborn, signal.SIGKILL, wait_s=FINAL_KILL_REAP_WAIT_S)
         for group in self.groups:
             if not group.state.finished:
-                ok = bool(group.ranks) and all(rank_proc.proc.returncode == 0 for rank_proc in group.ranks)
+                ok = bool(group.ranks) and all(
+                    rank_proc.proc.returncode == 0 for rank_proc in group.ranks
+                )
                 group.state = GroupState.DONE if ok else GroupState.FAILED
                 if not ok:
                     group.exit_info = f"try {group.attempt}: stopped by the launcher ({why})"
@@ -423,12 +493,18 @@ class Supervisor:
     def summary(self) -> int:
         """Prints the summary (and writes --summary-json); returns the exit status."""
         outcome = RunOutcome(
-            elapsed=self.display.elapsed(), groups=self.groups, chaos_mode=self.args.chaos,
-            chaos_log=self.chaos.log, restart_log=self.restart_log,
+            elapsed=self.display.elapsed(),
+            groups=self.groups,
+            chaos_mode=self.args.chaos,
+            chaos_log=self.chaos.log,
+            restart_log=self.restart_log,
             quorum_ids=self.progress.quorum_ids,
             commits_after_last_chaos=self.progress.commits_after_last_chaos,
-            max_step=self.progress.max_step, stop_reason=self.stop_reason, log_dir=self.log_dir,
-            standby_pids=self.standbys.pids, warm_starts=self.standbys.activated,
+            max_step=self.progress.max_step,
+            stop_reason=self.stop_reason,
+            log_dir=self.log_dir,
+            standby_pids=self.standbys.pids,
+            warm_starts=self.standbys.activated,
         )
         write_summary(outcome, self.display.out)
         if self.args.summary_json:
@@ -448,56 +524,121 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ft-launch",
         usage="ft-launch [options] -- SCRIPT.py [script args]",
         description="Run N fault-tolerant replica groups locally, restart the ones that die, "
-                    "optionally inject failures, and show live progress.",
+        "optionally inject failures, and show live progress.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--replicas", "--nreplicas", type=int, default=3, help="replica groups")
-    parser.add_argument("--ranks-per-group", "--nproc-per-group", type=int, default=1,
-                   help="ranks (processes) per replica group")
+    parser.add_argument(
+        "--ranks-per-group",
+        "--nproc-per-group",
+        type=int,
+        default=1,
+        help="ranks (processes) per replica group",
+    )
     parser.add_argument("--chaos", choices=CHAOS_MODES, default=None, help="failure to inject")
-    parser.add_argument("--every", type=float, default=5.0, help="seconds between injected failures")
-    parser.add_argument("--stop-seconds", type=float, default=4.0,
-                   help="--chaos stop: how long a rank stays SIGSTOPped")
-    parser.add_argument("--stop-action", choices=STOP_ACTIONS, default="cont",
-                   help="--chaos stop: SIGCONT the rank afterwards, or SIGKILL it")
+    parser.add_argument(
+        "--every", type=float, default=5.0, help="seconds between injected failures"
+    )
+    parser.add_argument(
+        "--stop-seconds",
+        type=float,
+        default=4.0,
+        help="--chaos stop: how long a rank stays SIGSTOPped",
+    )
+    parser.add_argument(
+        "--stop-action",
+        choices=STOP_ACTIONS,
+        default="cont",
+        help="--chaos stop: SIGCONT the rank afterwards, or SIGKILL it",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the chaos choices")
-    parser.add_argument("--max-steps", type=int, default=None,
-                   help="steps to train (exported as FT_MAX_STEPS; the run is stopped if a script "
-                        "ignores it)")
-    parser.add_argument("--duration", type=float, default=None,
-                   help="seconds after which the run is asked to stop")
-    parser.add_argument("--timeout", type=float, default=None,
-                   help="hard limit in seconds: terminate everything after it")
-    parser.add_argument("--stop-grace", type=float, default=60.0,
-                   help="seconds the groups get to finish after a stop request")
-    parser.add_argument("--kill-grace", type=float, default=5.0,
-                   help="seconds between SIGTERM and SIGKILL at shutdown")
-    parser.add_argument("--restart-delay", type=float, default=0.5,
-                   help="seconds before a failed group is restarted")
-    parser.add_argument("--max-restarts", type=int, default=None,
-                   help="restarts per group before giving up (default: unlimited)")
-    parser.add_argument("--max-crashes", type=int, default=3,
-                   help="give a group up after this many tries in a row fail before any step")
-    parser.add_argument("--lighthouse", default=None,
-                   help="address of a running lighthouse (default: start one in-process)")
-    parser.add_argument("--lighthouse-bind", default="127.0.0.1:0", help="bind of the in-process lighthouse")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="steps to train (exported as FT_MAX_STEPS; the run is stopped if a script ignores it)",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=None, help="seconds after which the run is asked to stop"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="hard limit in seconds: terminate everything after it",
+    )
+    parser.add_argument(
+        "--stop-grace",
+        type=float,
+        default=60.0,
+        help="seconds the groups get to finish after a stop request",
+    )
+    parser.add_argument(
+        "--kill-grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL at shutdown",
+    )
+    parser.add_argument(
+        "--restart-delay",
+        type=float,
+        default=0.5,
+        help="seconds before a failed group is restarted",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="restarts per group before giving up (default: unlimited)",
+    )
+    parser.add_argument(
+        "--max-crashes",
+        type=int,
+        default=3,
+        help="give a group up after this many tries in a row fail before any step",
+    )
+    parser.add_argument(
+        "--lighthouse",
+        default=None,
+        help="address of a running lighthouse (default: start one in-process)",
+    )
+    parser.add_argument(
+        "--lighthouse-bind", default="127.0.0.1:0", help="bind of the in-process lighthouse"
+    )
     parser.add_argument("--min-replicas", type=int, default=1, help="lighthouse min_replicas")
-    parser.add_argument("--join-timeout-ms", type=int, default=1000, help="lighthouse join_timeout_ms")
+    parser.add_argument(
+        "--join-timeout-ms", type=int, default=1000, help="lighthouse join_timeout_ms"
+    )
     parser.add_argument("--quorum-tick-ms", type=int, default=100, help="lighthouse quorum_tick_ms")
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                   help="lighthouse heartbeat_timeout_ms")
+    parser.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse heartbeat_timeout_ms"
+    )
     parser.add_argument("--log-dir", default=None, help="per-rank logs (default: a new temp dir)")
     parser.add_argument("--summary-json", default=None, help="write the summary as JSON here")
-    parser.add_argument("--status-every", type=float, default=5.0,
-                   help="seconds between status lines when stdout is not a terminal")
-    parser.add_argument("--no-tty", action="store_true", help="plain status lines even on a terminal")
+    parser.add_argument(
+        "--status-every",
+        type=float,
+        default=5.0,
+        help="seconds between status lines when stdout is not a terminal",
+    )
+    parser.add_argument(
+        "--no-tty", action="store_true", help="plain status lines even on a terminal"
+    )
     parser.add_argument("--tee", action="store_true", help="echo the workers' other output")
-    parser.add_argument("--no-standby", action="store_true",
-                   help="restart groups with newly exec'd processes instead of warm standbys "
-                        "(processes that imported torch and ft ahead of time)")
-    parser.add_argument("--no-python", action="store_true",
-                   help="run the command as is (default: .py files and -m run under this Python)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="more launcher and lighthouse logs")
+    parser.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="restart groups with newly exec'd processes instead of warm standbys "
+        "(processes that imported torch and ft ahead of time)",
+    )
+    parser.add_argument(
+        "--no-python",
+        action="store_true",
+        help="run the command as is (default: .py files and -m run under this Python)",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="more launcher and lighthouse logs"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py [args]")
     return parser
 
@@ -521,8 +662,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = build_command(args.command, args.no_python)
     except ValueError as error:
         parser.error(str(error))
-    if not args.no_python and command[0] == sys.executable and command[2].endswith(".py") \
-            and not os.path.exists(command[2]):
+    if (
+        not args.no_python
+        and command[0] == sys.executable
+        and command[2].endswith(".py")
+        and not os.path.exists(command[2])
+    ):
         parser.error(f"script not found: {command[2]}")
     if args.no_python and shutil.which(command[0]) is None and not os.path.exists(command[0]):
         parser.error(f"command not found: {command[0]}")

@@ -58,8 +58,10 @@ def _plain_state(group: Group) -> str:
 
 def table_lines(groups: Sequence[Group], quorum_number: QuorumNumber) -> List[str]:
     """The terminal table: a header and one row per group."""
-    rows = [f"{'group':>5} {'state':<10} {'try':>3} {'step':>6} {'loss':>8} {'part':>4} "
-            f"{'quorum':>6} {'qchg':>4} {'heals':>5} {'fails':>5} {'restarts':>8}"]
+    rows = [
+        f"{'group':>5} {'state':<10} {'try':>3} {'step':>6} {'loss':>8} {'part':>4} "
+        f"{'quorum':>6} {'qchg':>4} {'heals':>5} {'fails':>5} {'restarts':>8}"
+    ]
     for group in groups:
         stats = group.stats
         rows.append(
@@ -112,8 +114,9 @@ class Display:
             self.out.write(f"\x1b[{self._table_lines}F\x1b[J")
             self._table_lines = 0
 
-    def render(self, groups: Sequence[Group], quorum_number: QuorumNumber,
-               force: bool = False) -> None:
+    def render(
+        self, groups: Sequence[Group], quorum_number: QuorumNumber, force: bool = False
+    ) -> None:
         """Shows the groups now if ``force`` or the last showing is old enough."""
         if not force and not self._next_render.expired:
             return
@@ -162,9 +165,12 @@ class RunOutcome:
 
     def hashes(self) -> Dict[Tuple[int, int], str]:
         """(group, rank) -> the state hash that rank reported at its end."""
-        return {(group.gid, rank): record["hash"]
-                for group in self.groups for rank, record in group.done.items()
-                if record.get("hash")}
+        return {
+            (group.gid, rank): record["hash"]
+            for group in self.groups
+            for rank, record in group.done.items()
+            if record.get("hash")
+        }
 
     @property
     def all_done(self) -> bool:
@@ -197,7 +203,9 @@ class RunOutcome:
             "commits_after_last_chaos": self.commits_after_last_chaos,
             "steps_after_last_chaos": self.steps_after_last_chaos(),
             "max_step": self.max_step,
-            "hashes": {f"{gid}/{rank}": digest for (gid, rank), digest in sorted(self.hashes().items())},
+            "hashes": {
+                f"{gid}/{rank}": digest for (gid, rank), digest in sorted(self.hashes().items())
+            },
             "identical": self.identical,
             "all_done": self.all_done,
             "stop_reason": self.stop_reason,
@@ -210,13 +218,21 @@ class RunOutcome:
 def _group_json(group: Group) -> Dict[str, Any]:
     stats = group.stats
     return {
-        "group": group.gid, "state": group.state.value, "tries": group.attempt,
-        "restarts": stats.restarts, "final_step": group.step, "heals": stats.heals,
-        "quorum_changes": stats.quorum_changes, "uncommitted": stats.uncommitted,
-        "steps_reported": stats.steps_reported, "accuracy": group.accuracy,
-        "exit_info": group.exit_info, "start_times": group.start_times,
+        "group": group.gid,
+        "state": group.state.value,
+        "tries": group.attempt,
+        "restarts": stats.restarts,
+        "final_step": group.step,
+        "heals": stats.heals,
+        "quorum_changes": stats.quorum_changes,
+        "uncommitted": stats.uncommitted,
+        "steps_reported": stats.steps_reported,
+        "accuracy": group.accuracy,
+        "exit_info": group.exit_info,
+        "start_times": group.start_times,
         "first_step_times": group.first_step_times,
-        "done": {str(rank): record for rank, record in group.done.items()}, "pids": group.pids,
+        "done": {str(rank): record for rank, record in group.done.items()},
+        "pids": group.pids,
     }
 
 
@@ -225,32 +241,46 @@ def write_summary(outcome: RunOutcome, out: TextIO) -> None:
     groups = outcome.groups
     print("", file=out)
     print(f"== ft-launch summary ({outcome.elapsed:.1f}s) ==", file=out)
-    print(f"{'group':>5} {'result':<7} {'tries':>5} {'final step':>10} {'heals':>5} "
-          f"{'qchg':>4} {'fails':>5} {'accuracy':>8}  hash", file=out)
+    print(
+        f"{'group':>5} {'result':<7} {'tries':>5} {'final step':>10} {'heals':>5} "
+        f"{'qchg':>4} {'fails':>5} {'accuracy':>8}  hash",
+        file=out,
+    )
     for group in groups:
-        digests = sorted({record.get("hash", "")[:16] for record in group.done.values()
-                          if record.get("hash")})
-        accuracy = (f"{100 * group.accuracy:.1f}%" if isinstance(group.accuracy, (int, float))
-                    else "-")
-        print(f"{group.gid:>5} {group.state.value:<7} {group.attempt:>5} "
-              f"{fmt_num(group.step, 'd'):>10} {group.stats.heals:>5} "
-              f"{group.stats.quorum_changes:>4} {group.stats.uncommitted:>5} {accuracy:>8}  "
-              f"{','.join(digests) or '-'}", file=out)
+        digests = sorted(
+            {record.get("hash", "")[:16] for record in group.done.values() if record.get("hash")}
+        )
+        accuracy = (
+            f"{100 * group.accuracy:.1f}%" if isinstance(group.accuracy, (int, float)) else "-"
+        )
+        print(
+            f"{group.gid:>5} {group.state.value:<7} {group.attempt:>5} "
+            f"{fmt_num(group.step, 'd'):>10} {group.stats.heals:>5} "
+            f"{group.stats.quorum_changes:>4} {group.stats.uncommitted:>5} {accuracy:>8}  "
+            f"{','.join(digests) or '-'}",
+            file=out,
+        )
         if group.state != GroupState.DONE and group.exit_info:
             print(f"{'':>5} {group.exit_info}", file=out)
     injected = len(outcome.chaos_log)
-    print(f"chaos: {injected} failure(s) injected"
-          + (f" ({outcome.chaos_mode})" if outcome.chaos_mode else "")
-          + f"; restarts: {sum(group.stats.restarts for group in groups)}"
-          + (f" ({outcome.warm_starts} rank(s) from warm standbys)" if outcome.warm_starts else "")
-          + f"; heals: {sum(group.stats.heals for group in groups)}"
-          + f"; quorums: {len(outcome.quorum_ids)}"
-          + f"; uncommitted steps: {sum(group.stats.uncommitted for group in groups)}", file=out)
+    print(
+        f"chaos: {injected} failure(s) injected"
+        + (f" ({outcome.chaos_mode})" if outcome.chaos_mode else "")
+        + f"; restarts: {sum(group.stats.restarts for group in groups)}"
+        + (f" ({outcome.warm_starts} rank(s) from warm standbys)" if outcome.warm_starts else "")
+        + f"; heals: {sum(group.stats.heals for group in groups)}"
+        + f"; quorums: {len(outcome.quorum_ids)}"
+        + f"; uncommitted steps: {sum(group.stats.uncommitted for group in groups)}",
+        file=out,
+    )
     if injected:
         last = outcome.chaos_log[-1]
-        print(f"training went on: {outcome.steps_after_last_chaos()} step(s) committed after the "
-              f"last injected failure (at {last['time']:.1f}s: step {last['max_step']} -> "
-              f"{outcome.max_step})", file=out)
+        print(
+            f"training went on: {outcome.steps_after_last_chaos()} step(s) committed after the "
+            f"last injected failure (at {last['time']:.1f}s: step {last['max_step']} -> "
+            f"{outcome.max_step})",
+            file=out,
+        )
     _write_weights(outcome, out)
     print(f"logs: {outcome.log_dir}", file=out)
     out.flush()
@@ -260,12 +290,18 @@ def _write_weights(outcome: RunOutcome, out: TextIO) -> None:
     hashes = outcome.hashes()
     distinct = sorted(set(hashes.values()))
     if outcome.identical:
-        print(f"weights: all {len(outcome.groups)} replica group(s) ({len(hashes)} rank(s)) hold "
-              f"identical model and optimizer state, sha256 {distinct[0]}", file=out)
+        print(
+            f"weights: all {len(outcome.groups)} replica group(s) ({len(hashes)} rank(s)) hold "
+            f"identical model and optimizer state, sha256 {distinct[0]}",
+            file=out,
+        )
     elif hashes:
         expected = sum(group.world_size for group in outcome.groups)
-        print(f"weights: MISMATCH, {len(distinct)} distinct hash(es) over {len(hashes)} of "
-              f"{expected} rank(s):", file=out)
+        print(
+            f"weights: MISMATCH, {len(distinct)} distinct hash(es) over {len(hashes)} of "
+            f"{expected} rank(s):",
+            file=out,
+        )
         for (gid, rank), digest in sorted(hashes.items()):
             print(f"    group {gid} rank {rank}: {digest}", file=out)
     else:

@@ -109,8 +109,11 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     """The last ``lines`` lines of a rank's log other than progress records, indented."""
     try:
         with open(path, errors="replace") as log:
-            text = [line for line in log.read().splitlines()
-                    if not line.startswith(PROGRESS_PREFIX.strip())]
+            text = [
+                line
+                for line in log.read().splitlines()
+                if not line.startswith(PROGRESS_PREFIX.strip())
+            ]
     except OSError:
         return ""
     return "\n".join("    | " + line for line in text[-lines:])
@@ -257,12 +260,18 @@ class Group:
     def trains(self) -> bool:
         """Running and past its first step (or finished for good): a standby may be started."""
         return self.state == GroupState.DONE or (
-            self.state == GroupState.RUNNING and self.progressing)
+            self.state == GroupState.RUNNING and self.progressing
+        )
 
     def healthy(self) -> bool:
         """Training with every rank alive and running: chaos may pick it."""
-        return (self.state == GroupState.RUNNING and self.progressing and not self.final
-                and not self.any_stopped() and all(rank.alive() for rank in self.ranks))
+        return (
+            self.state == GroupState.RUNNING
+            and self.progressing
+            and not self.final
+            and not self.any_stopped()
+            and all(rank.alive() for rank in self.ranks)
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +298,9 @@ class ChildEnv:
         env = dict(os.environ)
         # Let `python examples/x.py` import this very ft even when it is not installed.
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = pkg_root + (
+            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(
             PYTHONUNBUFFERED="1",
@@ -346,8 +357,15 @@ class GroupSpawner:
       not reap are kept in :attr:`unreaped` for :meth:`reap_stragglers` at the end of the run.
     """
 
-    def __init__(self, command: Sequence[str], log_dir: str, env: ChildEnv,
-                 standbys: "StandbyPool", tee: bool, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_dir: str,
+        env: ChildEnv,
+        standbys: "StandbyPool",
+        tee: bool,
+        clock: Callable[[], float],
+    ) -> None:
         self.command = list(command)
         self.log_dir = log_dir
         self.env = env
@@ -362,7 +380,9 @@ class GroupSpawner:
         group.begin_attempt(free_port_pair(), self.clock())
         warm = 0
         for rank in range(group.world_size):
-            log_path = os.path.join(self.log_dir, f"group{group.gid}_rank{rank}_try{group.attempt}.log")
+            log_path = os.path.join(
+                self.log_dir, f"group{group.gid}_rank{rank}_try{group.attempt}.log"
+            )
             env = self.env.for_rank(group, rank)
             proc = self.standbys.activate(env)
             if proc is not None:
@@ -371,8 +391,10 @@ class GroupSpawner:
                 proc = spawn_child(self.command, env, stdin=subprocess.DEVNULL)
             rank_proc = RankProc(rank, group.attempt, proc, log_path)
             rank_proc.reader = threading.Thread(
-                target=self._read, args=(group.gid, rank_proc),
-                name=f"ft-launch-read-g{group.gid}r{rank}", daemon=True,
+                target=self._read,
+                args=(group.gid, rank_proc),
+                name=f"ft-launch-read-g{group.gid}r{rank}",
+                daemon=True,
             )
             rank_proc.reader.start()
             group.ranks.append(rank_proc)
@@ -386,14 +408,20 @@ class GroupSpawner:
                 log.write(line)
                 record = parse_progress(line)
                 if record is not None:
-                    self.events.put(ProgressEvent(gid, rank_proc.attempt, rank_proc.rank, record, None))
+                    self.events.put(
+                        ProgressEvent(gid, rank_proc.attempt, rank_proc.rank, record, None)
+                    )
                 elif self.tee:
-                    self.events.put(ProgressEvent(gid, rank_proc.attempt, rank_proc.rank, None,
-                                                  line.rstrip("\n")))
+                    self.events.put(
+                        ProgressEvent(
+                            gid, rank_proc.attempt, rank_proc.rank, None, line.rstrip("\n")
+                        )
+                    )
         rank_proc.proc.stdout.close()
 
-    def kill(self, ranks: Sequence[RankProc], sig: int = signal.SIGKILL,
-             wait_s: float = KILL_REAP_WAIT_S) -> None:
+    def kill(
+        self, ranks: Sequence[RankProc], sig: int = signal.SIGKILL, wait_s: float = KILL_REAP_WAIT_S
+    ) -> None:
         """Sends ``sig`` to each rank (SIGCONT first: a stopped process would not act on it)
         and waits up to ``wait_s`` for them all."""
         for rank_proc in ranks:
@@ -434,6 +462,7 @@ class RestartPolicy:
         if self.max_restarts is not None and stats.restarts >= self.max_restarts:
             return f"giving up after {stats.restarts} restart(s)"
         if stats.crashes_in_a_row >= self.max_crashes:
-            return (f"giving up, {stats.crashes_in_a_row} tries in a row failed before their "
-                    "first step")
+            return (
+                f"giving up, {stats.crashes_in_a_row} tries in a row failed before their first step"
+            )
         return None

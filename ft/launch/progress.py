@@ -23,8 +23,9 @@ from .group import Group
 class RunProgress:
     """The run's view of its groups' progress, fed one record at a time."""
 
-    def __init__(self, say: Callable[[str], None], clock: Callable[[], float],
-                 verbose: bool = False) -> None:
+    def __init__(
+        self, say: Callable[[str], None], clock: Callable[[], float], verbose: bool = False
+    ) -> None:
         self.say = say
         self.clock = clock  # seconds into the run, for first-step times
         self.verbose = verbose
@@ -55,14 +56,18 @@ class RunProgress:
         if event == "heal":
             if rank == 0:
                 group.stats.heals += 1
-                self.say(f"group {group.gid}: healed from a live peer, step "
-                         f"{record.get('from_step')} -> {record.get('to_step')}")
+                self.say(
+                    f"group {group.gid}: healed from a live peer, step "
+                    f"{record.get('from_step')} -> {record.get('to_step')}"
+                )
         elif event == "final":
             if current:
                 group.final = True
             if self.finish():
-                self.say(f"group {group.gid} reached its stop phase at step {record.get('step')}; "
-                         "no more chaos")
+                self.say(
+                    f"group {group.gid} reached its stop phase at step {record.get('step')}; "
+                    "no more chaos"
+                )
         elif event == "done":
             group.done[rank] = record
             if record.get("accuracy") is not None:
@@ -100,6 +105,8 @@ class RunProgress:
             return
         self.quorum_ids[quorum_id] = len(self.quorum_ids) + 1
         if len(self.quorum_ids) > 1 or self.verbose:
-            self.say(f"new quorum #{self.quorum_ids[quorum_id]} (id {quorum_id}): "
-                     f"{group.participants} participant(s), first reported by group {group.gid} "
-                     f"at step {group.step}")
+            self.say(
+                f"new quorum #{self.quorum_ids[quorum_id]} (id {quorum_id}): "
+                f"{group.participants} participant(s), first reported by group {group.gid} "
+                f"at step {group.step}"
+            )

@@ -117,8 +117,13 @@ class StandbyPool:
       started, :attr:`activated` counts those that became ranks.
     """
 
-    def __init__(self, argv: Optional[List[str]], size: int, env: Callable[[], Dict[str, str]],
-                 say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        argv: Optional[List[str]],
+        size: int,
+        env: Callable[[], Dict[str, str]],
+        say: Callable[[str], None],
+    ) -> None:
         self.argv = argv
         self.size = size
         self.env = env  # the environment a standby starts with, before it has a rank
@@ -134,8 +139,11 @@ class StandbyPool:
             return
         self._reap_dead()
         if len(self.ready) < self.size and everyone_trains:
-            proc = spawn_child([sys.executable, "-u", "-m", "ft.launch.standby", path0(self.argv)],
-                               self.env(), stdin=subprocess.PIPE)
+            proc = spawn_child(
+                [sys.executable, "-u", "-m", "ft.launch.standby", path0(self.argv)],
+                self.env(),
+                stdin=subprocess.PIPE,
+            )
             self.ready.append(proc)
             self.pids.append(proc.pid)
 
@@ -143,9 +151,11 @@ class StandbyPool:
         for proc in [proc for proc in self.ready if proc.poll() is not None]:
             self.ready.remove(proc)
             out = _drain(proc).strip()
-            self.say(f"warm standby pid {proc.pid} exited ({proc.returncode}) before it was "
-                     "needed; restarts start cold from now on"
-                     + (f":\n{out[-DIED_OUTPUT_TAIL_CHARS:]}" if out else ""))
+            self.say(
+                f"warm standby pid {proc.pid} exited ({proc.returncode}) before it was "
+                "needed; restarts start cold from now on"
+                + (f":\n{out[-DIED_OUTPUT_TAIL_CHARS:]}" if out else "")
+            )
             self.argv = None
 
     def activate(self, env: Dict[str, str]) -> Optional[subprocess.Popen]:

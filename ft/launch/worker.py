@@ -71,7 +71,7 @@ def parse_progress(line: str) -> Optional[Dict[str, Any]]:
     if not line.startswith(PROGRESS_PREFIX.strip()):
         return None
     try:
-        record = json.loads(line[len(PROGRESS_PREFIX.strip()):])
+        record = json.loads(line[len(PROGRESS_PREFIX.strip()) :])
     except ValueError:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("event"), str):
@@ -110,5 +110,6 @@ def install_chaos_handlers() -> None:
     signal.signal(signal.SIGUSR1, lambda *_: _injected.set())
     parent = _env_int("FT_LAUNCH_PARENT_PID", 0)
     if parent > 0 and os.getppid() == parent:
-        threading.Thread(target=_watch_parent, args=(parent,), name="ft-launch-parent-watch",
-                         daemon=True).start()
+        threading.Thread(
+            target=_watch_parent, args=(parent,), name="ft-launch-parent-watch", daemon=True
+        ).start()

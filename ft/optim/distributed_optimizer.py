@@ -65,8 +65,7 @@ import torch.distributed.rpc as rpc
 
 from ft.utils.tensors import clone_state
 
-__all__ = ["DistributedOptimizer", "RemoteOptimizerError", "StepNotApplied",
-           "StepPartiallyApplied"]
+__all__ = ["DistributedOptimizer", "RemoteOptimizerError", "StepNotApplied", "StepPartiallyApplied"]
 
 
 class RemoteOptimizerError(RuntimeError):
@@ -99,8 +98,14 @@ class StepPartiallyApplied(RemoteOptimizerError):
 
 
 class _Prepared:
-    def __init__(self, token: str, values: List[torch.Tensor], state: Dict[Any, Any],
-                 hyper: List[Dict[str, Any]], versions: List[int]) -> None:
+    def __init__(
+        self,
+        token: str,
+        values: List[torch.Tensor],
+        state: Dict[Any, Any],
+        hyper: List[Dict[str, Any]],
+        versions: List[int],
+    ) -> None:
         self.token = token
         self.values = values
         self.state = state
@@ -114,8 +119,9 @@ class _LocalOptimizer:
     # One local step at a time per process, as in torch (a step swaps shared .grad fields).
     _lock = threading.Lock()
 
-    def __init__(self, optimizer_class: Any, params: List[torch.Tensor], *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer_class: Any, params: List[torch.Tensor], *args: Any, **kwargs: Any
+    ) -> None:
         self.params = params
         self.optim = optimizer_class(params, *args, **kwargs)
         self._pending: Optional[_Prepared] = None
@@ -154,23 +160,28 @@ class _LocalOptimizer:
                     else:
                         state.pop(p, None)
                 self._set_hyper(old_hyper)
-            self._pending = _Prepared(token, new_values, new_state, new_hyper,
-                                      [p._version for p in self.params])
+            self._pending = _Prepared(
+                token, new_values, new_state, new_hyper, [p._version for p in self.params]
+            )
 
     def commit(self, token: str) -> None:
         with self._lock:
             pending = self._pending
             if pending is None or pending.token != token:
-                raise RuntimeError(f"no prepared step {token} on this owner (it was replaced by "
-                                   f"another prepare, or never arrived)")
+                raise RuntimeError(
+                    f"no prepared step {token} on this owner (it was replaced by "
+                    f"another prepare, or never arrived)"
+                )
             self._pending = None
-            moved = [i for i, (p, v) in enumerate(zip(self.params, pending.versions))
-                     if p._version != v]
+            moved = [
+                i for i, (p, v) in enumerate(zip(self.params, pending.versions)) if p._version != v
+            ]
             if moved:
                 raise RuntimeError(
                     f"parameters {moved} of this owner were written between prepare and commit "
                     f"(a concurrent step from another DistributedOptimizer?); the step was not "
-                    f"applied here")
+                    f"applied here"
+                )
             with torch.no_grad():
                 for p, new in zip(self.params, pending.values):
                     p.copy_(new)
@@ -186,8 +197,10 @@ class _LocalOptimizer:
 
 # RPC targets: module-level so that they pickle by name.
 
-def _new_local_optimizer(optimizer_class: Any, param_rrefs: List[Any], args: Tuple[Any, ...],
-                         kwargs: Dict[str, Any]) -> Any:
+
+def _new_local_optimizer(
+    optimizer_class: Any, param_rrefs: List[Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
     params = [r.local_value() for r in param_rrefs]
     return rpc.RRef(_LocalOptimizer(optimizer_class, params, *args, **kwargs))
 
@@ -220,8 +233,9 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}"
 
 
-def _call_all(targets: Sequence[Tuple[str, Any]], fn: Any, args: Tuple[Any, ...]
-              ) -> Tuple[Dict[str, Any], Dict[str, str]]:
+def _call_all(
+    targets: Sequence[Tuple[str, Any]], fn: Any, args: Tuple[Any, ...]
+) -> Tuple[Dict[str, Any], Dict[str, str]]:
     """Calls fn(rref, *args) on each (owner, rref)'s owner in parallel; waits for every reply
     (each bounded by the RPC timeout). Returns ({owner: result}, {owner: failure})."""
     futs = []
@@ -253,20 +267,31 @@ class DistributedOptimizer:
         args, kwargs: passed to ``optimizer_class`` on each owner.
     """
 
-    def __init__(self, optimizer_class: Any, params_rref: Sequence[Any], *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer_class: Any, params_rref: Sequence[Any], *args: Any, **kwargs: Any
+    ) -> None:
         if not rpc.is_available():
-            raise RuntimeError("DistributedOptimizer needs torch.distributed.rpc, which this "
-                               "torch build does not include")
+            raise RuntimeError(
+                "DistributedOptimizer needs torch.distributed.rpc, which this "
+                "torch build does not include"
+            )
         per_owner: Dict[str, List[Any]] = {}
         for r in params_rref:
             per_owner.setdefault(r.owner().name, []).append(r)
         if not per_owner:
             raise ValueError("DistributedOptimizer got no parameter RRefs")
         self._owners = list(per_owner)
-        futs = [(o, rpc.rpc_async(o, _new_local_optimizer,
-                                  args=(optimizer_class, rrefs, tuple(args), dict(kwargs))))
-                for o, rrefs in per_owner.items()]
+        futs = [
+            (
+                o,
+                rpc.rpc_async(
+                    o,
+                    _new_local_optimizer,
+                    args=(optimizer_class, rrefs, tuple(args), dict(kwargs)),
+                ),
+            )
+            for o, rrefs in per_owner.items()
+        ]
         remote, failed = [], {}
         for o, fut in futs:
             try:
@@ -277,7 +302,9 @@ class DistributedOptimizer:
             raise RemoteOptimizerError(
                 f"could not create {getattr(optimizer_class, '__name__', optimizer_class)} on "
                 f"owner(s) {_names(sorted(failed))}: "
-                + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items())), failed)
+                + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items())),
+                failed,
+            )
         self.remote_optimizers = remote
         self._lock = threading.Lock()
 
@@ -304,7 +331,10 @@ class DistributedOptimizer:
                     f"{_names(sorted(failed))} ("
                     + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items()))
                     + f"); the step was applied on no owner: the parameters and optimizer "
-                    f"state of {_names(ok)} are as before the step", failed, ok)
+                    f"state of {_names(ok)} are as before the step",
+                    failed,
+                    ok,
+                )
             _, failed = _call_all(targets, _commit, (token,))
             if failed:
                 applied = [o for o in self._owners if o not in failed]
@@ -313,4 +343,7 @@ class DistributedOptimizer:
                     f"the step, then the commit failed on {_names(sorted(failed))} ("
                     + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items()))
                     + f"); it was applied on {_names(applied)} and may or may not have been "
-                    f"applied on the failed owner(s)", failed, applied)
+                    f"applied on the failed owner(s)",
+                    failed,
+                    applied,
+                )

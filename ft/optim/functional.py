@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 from torch import Tensor
+
 # torch's public functional forms of the optimizers: the arithmetic below is torch's own.
 from torch.optim.adadelta import adadelta as _adadelta
 from torch.optim.adagrad import adagrad as _adagrad
@@ -104,52 +105,124 @@ def _has_sparse(grads: Sequence[Tensor]) -> bool:
 
 
 def functional_adam(
-    params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor], state_steps: List[Tensor], *, lr: float, beta1: float,
-    beta2: float, eps: float, weight_decay: float, amsgrad: bool = False, maximize: bool = False,
-    foreach: Optional[bool] = None, fused: Optional[bool] = None,
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
+    fused: Optional[bool] = None,
 ) -> None:
     """One Adam step in place (``torch.optim.Adam``); ``state_steps`` are scalar tensors.
 
     ``max_exp_avg_sqs`` has one tensor per parameter with ``amsgrad``, else is empty.
     """
-    _check_lists("functional_adam", params, grads=grads, exp_avgs=exp_avgs,
-                 exp_avg_sqs=exp_avg_sqs, state_steps=state_steps)
+    _check_lists(
+        "functional_adam",
+        params,
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+        state_steps=state_steps,
+    )
     if amsgrad:
         _check_lists("functional_adam", params, max_exp_avg_sqs=max_exp_avg_sqs)
     if not params:
         return
     with torch.no_grad():
-        _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                          foreach=foreach, fused=fused, has_complex=_has_complex(params),
-                          amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
-                          weight_decay=weight_decay, eps=eps, maximize=maximize)
+        _adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            state_steps,
+            foreach=foreach,
+            fused=fused,
+            has_complex=_has_complex(params),
+            amsgrad=amsgrad,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
+        )
 
 
 def functional_adamw(
-    params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor], state_steps: List[Tensor], *, lr: float, beta1: float,
-    beta2: float, eps: float, weight_decay: float, amsgrad: bool = False, maximize: bool = False,
-    foreach: Optional[bool] = None, fused: Optional[bool] = None,
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
+    fused: Optional[bool] = None,
 ) -> None:
     """One AdamW step (decoupled weight decay) in place; lists as :func:`functional_adam`."""
-    _check_lists("functional_adamw", params, grads=grads, exp_avgs=exp_avgs,
-                 exp_avg_sqs=exp_avg_sqs, state_steps=state_steps)
+    _check_lists(
+        "functional_adamw",
+        params,
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+        state_steps=state_steps,
+    )
     if amsgrad:
         _check_lists("functional_adamw", params, max_exp_avg_sqs=max_exp_avg_sqs)
     if not params:
         return
     with torch.no_grad():
-        _adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                           foreach=foreach, fused=fused, has_complex=_has_complex(params),
-                           amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
-                           weight_decay=weight_decay, eps=eps, maximize=maximize)
+        _adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            state_steps,
+            foreach=foreach,
+            fused=fused,
+            has_complex=_has_complex(params),
+            amsgrad=amsgrad,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
+        )
 
 
 def functional_sgd(
-    params: List[Tensor], grads: List[Tensor], momentum_buffer_list: List[Optional[Tensor]], *,
-    lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-    nesterov: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
+    params: List[Tensor],
+    grads: List[Tensor],
+    momentum_buffer_list: List[Optional[Tensor]],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
     fused: Optional[bool] = None,
 ) -> None:
     """One SGD step in place (``torch.optim.SGD``).
@@ -166,17 +239,38 @@ def functional_sgd(
     if not params:
         return
     with torch.no_grad():
-        _sgd(params, grads, momentum_buffer_list,
-                         has_sparse_grad=_has_sparse(grads), foreach=foreach, fused=fused,
-                         weight_decay=weight_decay, momentum=momentum, lr=lr,
-                         dampening=dampening, nesterov=nesterov, maximize=maximize)
+        _sgd(
+            params,
+            grads,
+            momentum_buffer_list,
+            has_sparse_grad=_has_sparse(grads),
+            foreach=foreach,
+            fused=fused,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=lr,
+            dampening=dampening,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
 
 
 def functional_rmsprop(
-    params: List[Tensor], grads: List[Tensor], square_avgs: List[Tensor], grad_avgs: List[Tensor],
-    momentum_buffer_list: List[Tensor], state_steps: List[Tensor], *, lr: float,
-    alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
-    centered: bool = False, maximize: bool = False, foreach: Optional[bool] = None,
+    params: List[Tensor],
+    grads: List[Tensor],
+    square_avgs: List[Tensor],
+    grad_avgs: List[Tensor],
+    momentum_buffer_list: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
 ) -> None:
     """One RMSprop step in place. ``grad_avgs`` is used only with ``centered`` and
     ``momentum_buffer_list`` only with ``momentum > 0`` (pass empty lists otherwise)."""
@@ -189,81 +283,189 @@ def functional_rmsprop(
     if not params:
         return
     with torch.no_grad():
-        _rmsprop(params, grads, square_avgs, grad_avgs, momentum_buffer_list,
-                             state_steps, foreach=foreach, maximize=maximize,
-                             has_complex=_has_complex(params), lr=lr, alpha=alpha, eps=eps,
-                             weight_decay=weight_decay, momentum=momentum, centered=centered)
+        _rmsprop(
+            params,
+            grads,
+            square_avgs,
+            grad_avgs,
+            momentum_buffer_list,
+            state_steps,
+            foreach=foreach,
+            maximize=maximize,
+            has_complex=_has_complex(params),
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=centered,
+        )
 
 
 def functional_adagrad(
-    params: List[Tensor], grads: List[Tensor], state_sums: List[Tensor],
-    state_steps: List[Tensor], *, lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0,
-    eps: float = 1e-10, maximize: bool = False, foreach: Optional[bool] = None,
+    params: List[Tensor],
+    grads: List[Tensor],
+    state_sums: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float,
+    lr_decay: float = 0.0,
+    weight_decay: float = 0.0,
+    eps: float = 1e-10,
+    maximize: bool = False,
+    foreach: Optional[bool] = None,
     fused: Optional[bool] = None,
 ) -> None:
     """One Adagrad step in place; ``state_sums`` start at ``initial_accumulator_value``."""
-    _check_lists("functional_adagrad", params, grads=grads, state_sums=state_sums,
-                 state_steps=state_steps)
+    _check_lists(
+        "functional_adagrad", params, grads=grads, state_sums=state_sums, state_steps=state_steps
+    )
     if not params:
         return
     with torch.no_grad():
-        _adagrad(params, grads, state_sums, state_steps, fused=fused,
-                             has_sparse_grad=_has_sparse(grads), foreach=foreach,
-                             has_complex=_has_complex(params), lr=lr,
-                             weight_decay=weight_decay, lr_decay=lr_decay, eps=eps,
-                             maximize=maximize)
+        _adagrad(
+            params,
+            grads,
+            state_sums,
+            state_steps,
+            fused=fused,
+            has_sparse_grad=_has_sparse(grads),
+            foreach=foreach,
+            has_complex=_has_complex(params),
+            lr=lr,
+            weight_decay=weight_decay,
+            lr_decay=lr_decay,
+            eps=eps,
+            maximize=maximize,
+        )
 
 
 def functional_adadelta(
-    params: List[Tensor], grads: List[Tensor], square_avgs: List[Tensor],
-    acc_deltas: List[Tensor], state_steps: List[Tensor], *, lr: float = 1.0, rho: float = 0.9,
-    eps: float = 1e-6, weight_decay: float = 0.0, maximize: bool = False,
+    params: List[Tensor],
+    grads: List[Tensor],
+    square_avgs: List[Tensor],
+    acc_deltas: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float = 1.0,
+    rho: float = 0.9,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
     foreach: Optional[bool] = None,
 ) -> None:
     """One Adadelta step in place."""
-    _check_lists("functional_adadelta", params, grads=grads, square_avgs=square_avgs,
-                 acc_deltas=acc_deltas, state_steps=state_steps)
+    _check_lists(
+        "functional_adadelta",
+        params,
+        grads=grads,
+        square_avgs=square_avgs,
+        acc_deltas=acc_deltas,
+        state_steps=state_steps,
+    )
     if not params:
         return
     with torch.no_grad():
-        _adadelta(params, grads, square_avgs, acc_deltas, state_steps,
-                              foreach=foreach, has_complex=_has_complex(params), lr=lr,
-                              rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        _adadelta(
+            params,
+            grads,
+            square_avgs,
+            acc_deltas,
+            state_steps,
+            foreach=foreach,
+            has_complex=_has_complex(params),
+            lr=lr,
+            rho=rho,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
 
 
 def functional_adamax(
-    params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor], exp_infs: List[Tensor],
-    state_steps: List[Tensor], *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
-    eps: float = 1e-8, weight_decay: float = 0.0, maximize: bool = False,
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_infs: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
     foreach: Optional[bool] = None,
 ) -> None:
     """One Adamax step in place."""
-    _check_lists("functional_adamax", params, grads=grads, exp_avgs=exp_avgs,
-                 exp_infs=exp_infs, state_steps=state_steps)
+    _check_lists(
+        "functional_adamax",
+        params,
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_infs=exp_infs,
+        state_steps=state_steps,
+    )
     if not params:
         return
     with torch.no_grad():
-        _adamax(params, grads, exp_avgs, exp_infs, state_steps, foreach=foreach,
-                            maximize=maximize, has_complex=_has_complex(params), eps=eps,
-                            beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay)
+        _adamax(
+            params,
+            grads,
+            exp_avgs,
+            exp_infs,
+            state_steps,
+            foreach=foreach,
+            maximize=maximize,
+            has_complex=_has_complex(params),
+            eps=eps,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=weight_decay,
+        )
 
 
 def functional_rprop(
-    params: List[Tensor], grads: List[Tensor], prevs: List[Tensor], step_sizes: List[Tensor],
-    state_steps: List[Tensor], *, step_size_min: float = 1e-6, step_size_max: float = 50.0,
-    etaminus: float = 0.5, etaplus: float = 1.2, maximize: bool = False,
+    params: List[Tensor],
+    grads: List[Tensor],
+    prevs: List[Tensor],
+    step_sizes: List[Tensor],
+    state_steps: List[Tensor],
+    *,
+    step_size_min: float = 1e-6,
+    step_size_max: float = 50.0,
+    etaminus: float = 0.5,
+    etaplus: float = 1.2,
+    maximize: bool = False,
     foreach: Optional[bool] = None,
 ) -> None:
     """One Rprop step in place; ``step_sizes`` start filled with the learning rate."""
-    _check_lists("functional_rprop", params, grads=grads, prevs=prevs, step_sizes=step_sizes,
-                 state_steps=state_steps)
+    _check_lists(
+        "functional_rprop",
+        params,
+        grads=grads,
+        prevs=prevs,
+        step_sizes=step_sizes,
+        state_steps=state_steps,
+    )
     if not params:
         return
     with torch.no_grad():
-        _rprop(params, grads, prevs, step_sizes, state_steps, foreach=foreach,
-                           maximize=maximize, has_complex=_has_complex(params),
-                           step_size_min=step_size_min, step_size_max=step_size_max,
-                           etaminus=etaminus, etaplus=etaplus)
+        _rprop(
+            params,
+            grads,
+            prevs,
+            step_sizes,
+            state_steps,
+            foreach=foreach,
+            maximize=maximize,
+            has_complex=_has_complex(params),
+            step_size_min=step_size_min,
+            step_size_max=step_size_max,
+            etaminus=etaminus,
+            etaplus=etaplus,
+        )
 
 
 # ------------------------------------------------------------------ stateful objects
@@ -274,8 +476,9 @@ def _check_range(name: str, value: float, ok: bool) -> None:
         raise ValueError(f"Invalid {name}: {value}")
 
 
-def _check_adam_like(lr: float, betas: Tuple[float, float], eps: float,
-                     weight_decay: float) -> None:
+def _check_adam_like(
+    lr: float, betas: Tuple[float, float], eps: float, weight_decay: float
+) -> None:
     _check_range("learning rate", lr, 0.0 <= lr)
     _check_range("epsilon value", eps, 0.0 <= eps)
     _check_range("beta parameter at index 0", betas[0], 0.0 <= betas[0] < 1.0)
@@ -311,8 +514,9 @@ class _FunctionalOptimizer:
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         raise NotImplementedError
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         raise NotImplementedError
 
     def _states(self, params: List[Tensor], grads: List[Tensor]) -> List[Dict[str, Tensor]]:
@@ -353,34 +557,63 @@ class _FunctionalOptimizer:
 class _AdamBase(_FunctionalOptimizer):
     _fn: Callable[..., None]
 
-    def __init__(self, params: List[Tensor], lr: float, betas: Tuple[float, float], eps: float,
-                 weight_decay: float, amsgrad: bool, maximize: bool, foreach: bool, fused: bool,
-                 _allow_empty_param_list: bool) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float,
+        betas: Tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        amsgrad: bool,
+        maximize: bool,
+        foreach: bool,
+        fused: bool,
+        _allow_empty_param_list: bool,
+    ) -> None:
         _check_adam_like(lr, betas, eps, weight_decay)
         super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr, "eps": eps, "beta1": betas[0], "beta2": betas[1],
-                         "weight_decay": weight_decay}
+        self.defaults = {
+            "lr": lr,
+            "eps": eps,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "weight_decay": weight_decay,
+        }
         self.amsgrad = amsgrad
         self.maximize = maximize
         self.foreach = foreach
         self.fused = fused
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        st = {"step": _step_tensor(param, self.fused), "exp_avg": _zeros(param),
-              "exp_avg_sq": _zeros(param)}
+        st = {
+            "step": _step_tensor(param, self.fused),
+            "exp_avg": _zeros(param),
+            "exp_avg_sq": _zeros(param),
+        }
         if self.amsgrad:
             st["max_exp_avg_sq"] = _zeros(param)
         return st
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         d = self.defaults
         type(self)._fn(
-            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if self.amsgrad else [],
-            [s["step"] for s in states], lr=d["lr"], beta1=d["beta1"], beta2=d["beta2"],
-            eps=d["eps"], weight_decay=d["weight_decay"], amsgrad=self.amsgrad,
-            maximize=self.maximize, foreach=self.foreach, fused=self.fused,
+            [s["step"] for s in states],
+            lr=d["lr"],
+            beta1=d["beta1"],
+            beta2=d["beta2"],
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            amsgrad=self.amsgrad,
+            maximize=self.maximize,
+            foreach=self.foreach,
+            fused=self.fused,
         )
 
 
@@ -389,13 +622,31 @@ class FunctionalAdam(_AdamBase):
 
     _fn = staticmethod(functional_adam)
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-3,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False,
-                 foreach: bool = False, fused: bool = False,
-                 _allow_empty_param_list: bool = False) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused,
-                         _allow_empty_param_list)
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool = False,
+        fused: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            foreach,
+            fused,
+            _allow_empty_param_list,
+        )
 
 
 class FunctionalAdamW(_AdamBase):
@@ -403,13 +654,31 @@ class FunctionalAdamW(_AdamBase):
 
     _fn = staticmethod(functional_adamw)
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-3,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False,
-                 foreach: bool = False, fused: bool = False,
-                 _allow_empty_param_list: bool = False) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused,
-                         _allow_empty_param_list)
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool = False,
+        fused: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            foreach,
+            fused,
+            _allow_empty_param_list,
+        )
 
 
 class FunctionalSGD(_FunctionalOptimizer):
@@ -418,16 +687,29 @@ class FunctionalSGD(_FunctionalOptimizer):
     ``state[p]`` is empty until a step with ``momentum > 0`` creates ``momentum_buffer``.
     """
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-2, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 maximize: bool = False, foreach: bool = False, fused: bool = False,
-                 _allow_empty_param_list: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-2,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool = False,
+        fused: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
         _check_range("learning rate", lr, 0.0 <= lr)
         _check_range("momentum value", momentum, 0.0 <= momentum)
         _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
         super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
-                         "weight_decay": weight_decay}
+        self.defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+        }
         self.nesterov = nesterov
         self.maximize = maximize
         self.foreach = foreach
@@ -436,14 +718,24 @@ class FunctionalSGD(_FunctionalOptimizer):
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         return {}
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         d = self.defaults
         bufs: List[Optional[Tensor]] = [s.get("momentum_buffer") for s in states]
-        functional_sgd(params, grads, bufs, lr=d["lr"], momentum=d["momentum"],
-                       dampening=d["dampening"], weight_decay=d["weight_decay"],
-                       nesterov=self.nesterov, maximize=self.maximize, foreach=self.foreach,
-                       fused=self.fused)
+        functional_sgd(
+            params,
+            grads,
+            bufs,
+            lr=d["lr"],
+            momentum=d["momentum"],
+            dampening=d["dampening"],
+            weight_decay=d["weight_decay"],
+            nesterov=self.nesterov,
+            maximize=self.maximize,
+            foreach=self.foreach,
+            fused=self.fused,
+        )
         # The first momentum step creates the buffers inside ``bufs``; keep them.
         for s, b in zip(states, bufs):
             if b is not None:
@@ -453,18 +745,32 @@ class FunctionalSGD(_FunctionalOptimizer):
 class FunctionalRMSprop(_FunctionalOptimizer):
     """Functional ``torch.optim.RMSprop`` (torch's ``_FunctionalRMSprop`` arguments)."""
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-2, alpha: float = 0.99,
-                 eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
-                 centered: bool = False, foreach: bool = False, maximize: bool = False,
-                 _allow_empty_param_list: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        foreach: bool = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
         _check_range("learning rate", lr, 0.0 <= lr)
         _check_range("epsilon value", eps, 0.0 <= eps)
         _check_range("alpha value", alpha, 0.0 <= alpha)
         _check_range("momentum value", momentum, 0.0 <= momentum)
         _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
         super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr, "alpha": alpha, "eps": eps, "weight_decay": weight_decay,
-                         "momentum": momentum}
+        self.defaults = {
+            "lr": lr,
+            "alpha": alpha,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+        }
         self.centered = centered
         self.foreach = foreach
         self.maximize = maximize
@@ -477,16 +783,25 @@ class FunctionalRMSprop(_FunctionalOptimizer):
             st["grad_avg"] = _zeros(param)
         return st
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         d = self.defaults
         functional_rmsprop(
-            params, grads, [s["square_avg"] for s in states],
+            params,
+            grads,
+            [s["square_avg"] for s in states],
             [s["grad_avg"] for s in states] if self.centered else [],
             [s["momentum_buffer"] for s in states] if d["momentum"] > 0 else [],
-            [s["step"] for s in states], lr=d["lr"], alpha=d["alpha"], eps=d["eps"],
-            weight_decay=d["weight_decay"], momentum=d["momentum"], centered=self.centered,
-            maximize=self.maximize, foreach=self.foreach,
+            [s["step"] for s in states],
+            lr=d["lr"],
+            alpha=d["alpha"],
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            momentum=d["momentum"],
+            centered=self.centered,
+            maximize=self.maximize,
+            foreach=self.foreach,
         )
 
 
@@ -498,24 +813,41 @@ class FunctionalAdagrad(_FunctionalOptimizer):
     ``defaults``/attributes for compatibility and, as in torch, have no effect.
     """
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-2, lr_decay: float = 0.0,
-                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
-                 warmup_lr_multiplier: float = 1.0, warmup_num_iters: float = 0.0,
-                 eps: float = 1e-10, coalesce_grad: bool = True, foreach: bool = False,
-                 fused: bool = False, maximize: bool = False,
-                 _allow_empty_param_list: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        warmup_lr_multiplier: float = 1.0,
+        warmup_num_iters: float = 0.0,
+        eps: float = 1e-10,
+        coalesce_grad: bool = True,
+        foreach: bool = False,
+        fused: bool = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
         _check_range("learning rate", lr, 0.0 <= lr)
         _check_range("lr_decay value", lr_decay, 0.0 <= lr_decay)
         _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
-        _check_range("initial_accumulator_value value", initial_accumulator_value,
-                     0.0 <= initial_accumulator_value)
+        _check_range(
+            "initial_accumulator_value value",
+            initial_accumulator_value,
+            0.0 <= initial_accumulator_value,
+        )
         _check_range("epsilon value", eps, 0.0 <= eps)
         super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr, "lr_decay": lr_decay, "eps": eps,
-                         "weight_decay": weight_decay,
-                         "initial_accumulator_value": initial_accumulator_value,
-                         "warmup_lr_multiplier": warmup_lr_multiplier,
-                         "warmup_num_iters": warmup_num_iters}
+        self.defaults = {
+            "lr": lr,
+            "lr_decay": lr_decay,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "initial_accumulator_value": initial_accumulator_value,
+            "warmup_lr_multiplier": warmup_lr_multiplier,
+            "warmup_num_iters": warmup_num_iters,
+        }
         self.coalesce_grad = coalesce_grad
         self.foreach = foreach
         self.fused = fused
@@ -527,24 +859,44 @@ class FunctionalAdagrad(_FunctionalOptimizer):
         init = self.defaults["initial_accumulator_value"]
         # A complex parameter is two real ones: both halves start at the accumulator value.
         value = complex(init, init) if torch.is_complex(param) else init
-        return {"step": _step_tensor(param, self.fused),
-                "sum": torch.full_like(param, value, memory_format=torch.preserve_format)}
+        return {
+            "step": _step_tensor(param, self.fused),
+            "sum": torch.full_like(param, value, memory_format=torch.preserve_format),
+        }
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         d = self.defaults
-        functional_adagrad(params, grads, [s["sum"] for s in states],
-                           [s["step"] for s in states], lr=d["lr"], lr_decay=d["lr_decay"],
-                           weight_decay=d["weight_decay"], eps=d["eps"],
-                           maximize=self.maximize, foreach=self.foreach, fused=self.fused)
+        functional_adagrad(
+            params,
+            grads,
+            [s["sum"] for s in states],
+            [s["step"] for s in states],
+            lr=d["lr"],
+            lr_decay=d["lr_decay"],
+            weight_decay=d["weight_decay"],
+            eps=d["eps"],
+            maximize=self.maximize,
+            foreach=self.foreach,
+            fused=self.fused,
+        )
 
 
 class FunctionalAdadelta(_FunctionalOptimizer):
     """Functional ``torch.optim.Adadelta`` (torch's ``_FunctionalAdadelta`` arguments)."""
 
-    def __init__(self, params: List[Tensor], lr: float = 1.0, rho: float = 0.9,
-                 eps: float = 1e-6, weight_decay: float = 0.0, foreach: bool = False,
-                 maximize: bool = False, _allow_empty_param_list: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1.0,
+        rho: float = 0.9,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        foreach: bool = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
         _check_range("learning rate", lr, 0.0 <= lr)
         _check_range("rho value", rho, 0.0 <= rho <= 1.0)
         _check_range("epsilon value", eps, 0.0 <= eps)
@@ -555,55 +907,98 @@ class FunctionalAdadelta(_FunctionalOptimizer):
         self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        return {"step": _step_tensor(param, False), "square_avg": _zeros(param),
-                "acc_delta": _zeros(param)}
+        return {
+            "step": _step_tensor(param, False),
+            "square_avg": _zeros(param),
+            "acc_delta": _zeros(param),
+        }
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         d = self.defaults
-        functional_adadelta(params, grads, [s["square_avg"] for s in states],
-                            [s["acc_delta"] for s in states], [s["step"] for s in states],
-                            lr=d["lr"], rho=d["rho"], eps=d["eps"],
-                            weight_decay=d["weight_decay"], maximize=self.maximize,
-                            foreach=self.foreach)
+        functional_adadelta(
+            params,
+            grads,
+            [s["square_avg"] for s in states],
+            [s["acc_delta"] for s in states],
+            [s["step"] for s in states],
+            lr=d["lr"],
+            rho=d["rho"],
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            maximize=self.maximize,
+            foreach=self.foreach,
+        )
 
 
 class FunctionalAdamax(_FunctionalOptimizer):
     """Functional ``torch.optim.Adamax`` (torch's ``_FunctionalAdamax`` arguments; note its
     default ``lr`` is 1e-3, where ``torch.optim.Adamax``'s is 2e-3)."""
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-3,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, foreach: bool = False, maximize: bool = False,
-                 _allow_empty_param_list: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        foreach: bool = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
         _check_adam_like(lr, betas, eps, weight_decay)
         super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr, "eps": eps, "beta1": betas[0], "beta2": betas[1],
-                         "weight_decay": weight_decay}
+        self.defaults = {
+            "lr": lr,
+            "eps": eps,
+            "beta1": betas[0],
+            "beta2": betas[1],
+            "weight_decay": weight_decay,
+        }
         self.foreach = foreach
         self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        return {"step": _step_tensor(param, False), "exp_avg": _zeros(param),
-                "exp_inf": _zeros(param)}
+        return {
+            "step": _step_tensor(param, False),
+            "exp_avg": _zeros(param),
+            "exp_inf": _zeros(param),
+        }
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
         d = self.defaults
-        functional_adamax(params, grads, [s["exp_avg"] for s in states],
-                          [s["exp_inf"] for s in states], [s["step"] for s in states],
-                          lr=d["lr"], beta1=d["beta1"], beta2=d["beta2"], eps=d["eps"],
-                          weight_decay=d["weight_decay"], maximize=self.maximize,
-                          foreach=self.foreach)
+        functional_adamax(
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_inf"] for s in states],
+            [s["step"] for s in states],
+            lr=d["lr"],
+            beta1=d["beta1"],
+            beta2=d["beta2"],
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            maximize=self.maximize,
+            foreach=self.foreach,
+        )
 
 
 class FunctionalRprop(_FunctionalOptimizer):
     """Functional ``torch.optim.Rprop`` (torch's ``_FunctionalRprop`` arguments)."""
 
-    def __init__(self, params: List[Tensor], lr: float = 1e-2,
-                 etas: Tuple[float, float] = (0.5, 1.2),
-                 step_sizes: Tuple[float, float] = (1e-6, 50), foreach: bool = False,
-                 maximize: bool = False, _allow_empty_param_list: bool = False) -> None:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-2,
+        etas: Tuple[float, float] = (0.5, 1.2),
+        step_sizes: Tuple[float, float] = (1e-6, 50),
+        foreach: bool = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
         _check_range("learning rate", lr, 0.0 <= lr)
         _check_range("eta values", etas, 0.0 < etas[0] < 1.0 < etas[1])
         super().__init__(params, _allow_empty_param_list)
@@ -617,16 +1012,28 @@ class FunctionalRprop(_FunctionalOptimizer):
         lr = self.defaults["lr"]
         # A complex parameter is two real ones: the imaginary half needs a step size too.
         value = complex(lr, lr) if torch.is_complex(param) else lr
-        return {"step": _step_tensor(param, False), "prev": _zeros(param),
-                "step_size": torch.full_like(grad, value)}
+        return {
+            "step": _step_tensor(param, False),
+            "prev": _zeros(param),
+            "step_size": torch.full_like(grad, value),
+        }
 
-    def _update(self, params: List[Tensor], grads: List[Tensor],
-                states: List[Dict[str, Tensor]]) -> None:
-        functional_rprop(params, grads, [s["prev"] for s in states],
-                         [s["step_size"] for s in states], [s["step"] for s in states],
-                         step_size_min=self.step_sizes[0], step_size_max=self.step_sizes[1],
-                         etaminus=self.etas[0], etaplus=self.etas[1], maximize=self.maximize,
-                         foreach=self.foreach)
+    def _update(
+        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
+    ) -> None:
+        functional_rprop(
+            params,
+            grads,
+            [s["prev"] for s in states],
+            [s["step_size"] for s in states],
+            [s["step"] for s in states],
+            step_size_min=self.step_sizes[0],
+            step_size_max=self.step_sizes[1],
+            etaminus=self.etas[0],
+            etaplus=self.etas[1],
+            maximize=self.maximize,
+            foreach=self.foreach,
+        )
 
 
 # ------------------------------------------------------------------ as_functional_optim
@@ -659,9 +1066,7 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
         functional_cls = _FUNCTIONAL_OPTIMS[optim_cls]
     except TypeError as e:
         # torch raises TypeError here too (an unhashable key); keep the type, name the problem.
-        raise TypeError(
-            f"as_functional_optim expects an optimizer class, got {optim_cls!r}"
-        ) from e
+        raise TypeError(f"as_functional_optim expects an optimizer class, got {optim_cls!r}") from e
     except KeyError as e:
         raise ValueError(
             f"Optimizer {optim_cls} does not have a functional counterpart! Known: "

@@ -199,9 +199,10 @@ def _step_out_of_place(param: torch.Tensor, grad: torch.Tensor, rec: _Record) ->
     with torch.no_grad():
         pending = rec.pending
         if pending is None:
-            pending = _Pending(data=param.detach().clone(),
-                               states=[None if s is None else clone_state(s)
-                                       for s in _get_states(param)])
+            pending = _Pending(
+                data=param.detach().clone(),
+                states=[None if s is None else clone_state(s) for s in _get_states(param)],
+            )
         live_data, live_states = param.data, _get_states(param)
         try:
             # The optimizer steps ``param``: point it, and its state, at the copies meanwhile.
@@ -225,8 +226,9 @@ def step_in_backward(param: torch.Tensor) -> None:
         return
     rec = _RECORDS.get(param)
     if rec is None:
-        raise ValueError("step_in_backward: the parameter has no optimizer from "
-                         "apply_optimizer_in_backward")
+        raise ValueError(
+            "step_in_backward: the parameter has no optimizer from apply_optimizer_in_backward"
+        )
     manager = rec.manager
     if manager is None:
         _step_in_place(param, grad)
@@ -250,8 +252,9 @@ def step_in_backward(param: torch.Tensor) -> None:
 _ParamsOrModule = Union[torch.nn.Module, Iterable[torch.Tensor]]
 
 
-def _records(where: str, params_or_module: _ParamsOrModule,
-             manager: Optional["Manager"]) -> List[Tuple[torch.Tensor, _Record]]:
+def _records(
+    where: str, params_or_module: _ParamsOrModule, manager: Optional["Manager"]
+) -> List[Tuple[torch.Tensor, _Record]]:
     if isinstance(params_or_module, torch.nn.Module):
         params: Iterable[torch.Tensor] = params_or_module.parameters()
     else:
@@ -276,8 +279,10 @@ def _records(where: str, params_or_module: _ParamsOrModule,
             )
         out.append((p, rec))
     if not out:
-        raise ValueError(f"{where}: none of the parameters has an optimizer from "
-                         f"apply_optimizer_in_backward(..., manager=...)")
+        raise ValueError(
+            f"{where}: none of the parameters has an optimizer from "
+            f"apply_optimizer_in_backward(..., manager=...)"
+        )
     return out
 
 
@@ -298,8 +303,9 @@ def rollback_in_backward(params_or_module: _ParamsOrModule) -> None:
     _drop(_records("rollback_in_backward", params_or_module, None))
 
 
-def commit_in_backward(params_or_module: _ParamsOrModule, manager: "Manager",
-                       timeout: Optional[timedelta] = None) -> bool:
+def commit_in_backward(
+    params_or_module: _ParamsOrModule, manager: "Manager", timeout: Optional[timedelta] = None
+) -> bool:
     """Ends an in-backward step with ``manager.should_commit(timeout)``: on True installs the
     step's updates (and steps staged gradients); on False, or if it raises (e.g. past
     ``max_retries``), drops them before returning/re-raising. Returns the decision.

@@ -82,8 +82,11 @@ class _PeriodicSchedule:
             raise ValueError(f"period must be an int >= 1, got {period!r}")
         if period == 1:
             # torch warns too: averaging every step costs at least DDP's gradient allreduce.
-            warnings.warn("period=1 averages the parameters after every step; plain data "
-                          "parallelism (DDP) costs no more and is simpler", stacklevel=3)
+            warnings.warn(
+                "period=1 averages the parameters after every step; plain data "
+                "parallelism (DDP) costs no more and is simpler",
+                stacklevel=3,
+            )
         self.period = period
         self.warmup_steps = warmup_steps
         self.step = 0
@@ -101,8 +104,10 @@ def _flatten_params(params: Iterable[Any]) -> List[torch.Tensor]:
         elif isinstance(item, dict) and "params" in item:
             out.extend(item["params"])
         else:
-            raise TypeError(f"average_parameters takes parameters or optimizer param groups, "
-                            f"got an item of type {type(item).__name__}")
+            raise TypeError(
+                f"average_parameters takes parameters or optimizer param groups, "
+                f"got an item of type {type(item).__name__}"
+            )
     return out
 
 
@@ -113,15 +118,18 @@ class PeriodicModelAverager(_PeriodicSchedule):
     """torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager, on a plain
     process group (ft's "ft" backend or any other). See the module docstring."""
 
-    def __init__(self, period: int, warmup_steps: int = 0,
-                 process_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self, period: int, warmup_steps: int = 0, process_group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         super().__init__(period, warmup_steps)
         if process_group is None:
             if not dist.is_initialized():
-                raise RuntimeError("PeriodicModelAverager averages over the default process "
-                                   "group, which does not exist: call "
-                                   "torch.distributed.init_process_group() first or pass "
-                                   "process_group=")
+                raise RuntimeError(
+                    "PeriodicModelAverager averages over the default process "
+                    "group, which does not exist: call "
+                    "torch.distributed.init_process_group() first or pass "
+                    "process_group="
+                )
             process_group = dist.group.WORLD
         self.process_group = process_group
 
@@ -138,8 +146,10 @@ def _average_flat(params: List[torch.Tensor], group: Any) -> None:
     if group == dist.GroupMember.NON_GROUP_MEMBER:
         return  # this rank is outside the group: nothing to average, as in torch
     if not params:
-        raise ValueError("nothing to average: none of the given parameters has a .grad "
-                         "(the averager averages only parameters with gradients, as torch's)")
+        raise ValueError(
+            "nothing to average: none of the given parameters has a .grad "
+            "(the averager averages only parameters with gradients, as torch's)"
+        )
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     flat.div_(dist.get_world_size(group))
     if flat.device.type != "cpu":
@@ -151,7 +161,7 @@ def _average_flat(params: List[torch.Tensor], group: Any) -> None:
     with torch.no_grad():
         for p in params:
             n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p))  # casts back to p's dtype
+            p.copy_(flat[offset : offset + n].view_as(p))  # casts back to p's dtype
             offset += n
 
 
@@ -186,9 +196,11 @@ class FaultTolerantModelAverager(_PeriodicSchedule):
     ) -> None:
         super().__init__(period, warmup_steps)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"FaultTolerantModelAverager averages an nn.Module's parameters, "
-                            f"got {type(model).__name__}: the averaged set is fixed at "
-                            f"construction so that backups and heals cover it on every group")
+            raise TypeError(
+                f"FaultTolerantModelAverager averages an nn.Module's parameters, "
+                f"got {type(model).__name__}: the averaged set is fixed at "
+                f"construction so that backups and heals cover it on every group"
+            )
         self._ids = {id(p) for p in model.parameters() if p.requires_grad}
         if not self._ids:
             raise ValueError("the model has no trainable parameters to average")
@@ -196,10 +208,15 @@ class FaultTolerantModelAverager(_PeriodicSchedule):
         # The round is LocalSGD's. Its optimizer argument only serves its step hook, which is
         # never entered here: this averager is driven by average_parameters() instead.
         self._localsgd = LocalSGD(
-            manager, model, None,  # type: ignore[arg-type]
-            sync_every=period, backup_device=backup_device,
-            pin_memory=pin_memory, use_bucketization=use_bucketization,
-            bucket_cap_mb=bucket_cap_mb, should_quantize=should_quantize,
+            manager,
+            model,
+            None,  # type: ignore[arg-type]
+            sync_every=period,
+            backup_device=backup_device,
+            pin_memory=pin_memory,
+            use_bucketization=use_bucketization,
+            bucket_cap_mb=bucket_cap_mb,
+            should_quantize=should_quantize,
             keep_backup=True,  # a failed round is applied nowhere (see the module docstring)
         )
         manager.register_state_dict_fn(STATE_KEY, self._load_state, self._state)
@@ -250,7 +267,8 @@ class FaultTolerantModelAverager(_PeriodicSchedule):
         err = self.manager.errored()
         raise RuntimeError(
             f"FaultTolerantModelAverager.join(): {max_attempts} averaging rounds in a row did "
-            f"not commit (last error: {err!r}); this replica group has not joined the others")
+            f"not commit (last error: {err!r}); this replica group has not joined the others"
+        )
 
     def _check(self, params: Iterable[Any]) -> None:
         for p in _flatten_params(params):
@@ -258,7 +276,8 @@ class FaultTolerantModelAverager(_PeriodicSchedule):
                 raise ValueError(
                     f"average_parameters got a parameter of shape {tuple(p.shape)} that is not a "
                     f"trainable parameter of the model this FaultTolerantModelAverager was built "
-                    f"with; build it with the model the optimizer trains")
+                    f"with; build it with the model the optimizer trains"
+                )
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -271,12 +290,16 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def __init__(self, optim: torch.optim.Optimizer, averager: Any) -> None:
         # Deliberately no Optimizer.__init__ (as torch): param_groups and state are optim's own.
         if not isinstance(optim, torch.optim.Optimizer):
-            raise TypeError(f"optim must be a torch.optim.Optimizer instance, got "
-                            f"{type(optim).__name__}")
-        if (not callable(getattr(averager, "average_parameters", None))
-                or not hasattr(averager, "step")):
-            raise TypeError(f"averager must be a model averager (with average_parameters() and a "
-                            f"step counter), got {type(averager).__name__}")
+            raise TypeError(
+                f"optim must be a torch.optim.Optimizer instance, got {type(optim).__name__}"
+            )
+        if not callable(getattr(averager, "average_parameters", None)) or not hasattr(
+            averager, "step"
+        ):
+            raise TypeError(
+                f"averager must be a model averager (with average_parameters() and a "
+                f"step counter), got {type(averager).__name__}"
+            )
         self.optim = optim
         self.param_groups = optim.param_groups
         self.averager = averager
@@ -304,8 +327,11 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         if "step" in state_dict:
             self.averager.step = state_dict["step"]
         else:
-            warnings.warn("the loaded state dict has no averager step counter ('step'); the "
-                          "averager's step is reset to 0", stacklevel=2)
+            warnings.warn(
+                "the loaded state dict has no averager step counter ('step'); the "
+                "averager's step is reset to 0",
+                stacklevel=2,
+            )
             self.averager.step = 0
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]

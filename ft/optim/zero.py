@@ -154,8 +154,10 @@ def _functional_classes() -> set:
 def _is_functional(optimizer_class: Any) -> bool:
     if not isinstance(optimizer_class, type):
         return False
-    return (issubclass(optimizer_class, _FunctionalOptimizer)
-            or optimizer_class in _functional_classes())
+    return (
+        issubclass(optimizer_class, _FunctionalOptimizer)
+        or optimizer_class in _functional_classes()
+    )
 
 
 def _functional_counterpart(optimizer_class: Any) -> Optional[type]:
@@ -163,9 +165,10 @@ def _functional_counterpart(optimizer_class: Any) -> Optional[type]:
     loaded), or None."""
     from ft.optim import functional as ftf
 
-    for registry in (ftf._FUNCTIONAL_OPTIMS,
-                     getattr(sys.modules.get("torch.distributed.optim.utils"),
-                             "functional_optim_map", {})):
+    for registry in (
+        ftf._FUNCTIONAL_OPTIMS,
+        getattr(sys.modules.get("torch.distributed.optim.utils"), "functional_optim_map", {}),
+    ):
         try:
             found = registry.get(optimizer_class)
         except TypeError:  # unhashable: no optimizer class
@@ -189,8 +192,11 @@ def _optimizer_constructor(optimizer_class: Any, overlap_with_ddp: bool) -> Any:
         counterpart = _functional_counterpart(optimizer_class)
         if counterpart is not None:
             return counterpart
-        what = (f"an optimizer instance ({type(optimizer_class).__name__}); pass its class"
-                if isinstance(optimizer_class, Optimizer) else _class_name(optimizer_class))
+        what = (
+            f"an optimizer instance ({type(optimizer_class).__name__}); pass its class"
+            if isinstance(optimizer_class, Optimizer)
+            else _class_name(optimizer_class)
+        )
         raise ValueError(
             "overlap_with_ddp=True steps a functional optimizer inside the DDP hook, but "
             f"optimizer_class is {what}, which has no functional counterpart. Pass a "
@@ -327,8 +333,9 @@ class _OverlapInfo:
         self.broadcast_handles.clear()
 
 
-def _assign_buckets(numels_per_bucket: List[List[int]], world_size: int,
-                    shard_buckets: bool) -> List[List[Tuple[int, int, int]]]:
+def _assign_buckets(
+    numels_per_bucket: List[List[int]], world_size: int, shard_buckets: bool
+) -> List[List[Tuple[int, int, int]]]:
     """``out[b]``: the ``(rank, offset, length)`` pieces of bucket ``b``, by rank.
 
     Whole buckets (``shard_buckets=False``): in bucket order, each bucket to the rank with
@@ -541,8 +548,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _fingerprint(self) -> List[int]:
         shapes = repr([(tuple(p.shape), str(p.dtype)) for p in self._all_params]).encode()
-        return [len(self.param_groups), len(self._all_params),
-                sum(p.numel() for p in self._all_params), zlib.crc32(shapes)]
+        return [
+            len(self.param_groups),
+            len(self._all_params),
+            sum(p.numel() for p in self._all_params),
+            zlib.crc32(shapes),
+        ]
 
     def _check_ranks_agree(self) -> None:
         mine = torch.tensor(self._fingerprint(), dtype=torch.int64, device=self._device)
@@ -584,7 +595,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             local = self._optimizer_class(groups, **self._optim_defaults)
         except TypeError as e:
             name = getattr(self._optimizer_class, "__name__", repr(self._optimizer_class))
-            raise TypeError(f"could not build {name} with {sorted(self._optim_defaults)}: {e}") from e
+            raise TypeError(
+                f"could not build {name} with {sorted(self._optim_defaults)}: {e}"
+            ) from e
         if not isinstance(local, Optimizer):
             raise TypeError(
                 f"optimizer_class returned {type(local).__name__}, not a torch.optim.Optimizer"
@@ -605,8 +618,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [p.requires_grad for p in self._all_params]
 
     def _owned_trainable(self, rank: int) -> List[torch.Tensor]:
-        return [self.param_groups[g]["params"][i] for g, i in self._partition.owned(rank)
-                if self.param_groups[g]["params"][i].requires_grad]
+        return [
+            self.param_groups[g]["params"][i]
+            for g, i in self._partition.owned(rank)
+            if self.param_groups[g]["params"][i].requires_grad
+        ]
 
     def _build_comm_plan(self) -> None:
         """Decide, identically on every rank, what is broadcast from whom and how."""
@@ -623,8 +639,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     large.append(p)
             flat = None
             if small:
-                flat = torch.empty(sum(p.numel() for p in small), dtype=small[0].dtype,
-                                   device=self._device)
+                flat = torch.empty(
+                    sum(p.numel() for p in small), dtype=small[0].dtype, device=self._device
+                )
             self._plan.append({"small": small, "large": large, "flat": flat})
 
     def _build_buckets(self) -> None:
@@ -639,13 +656,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 self._buckets.append(None)
                 self._plan.append({"params": []})
                 continue
-            bucket = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                 device=self._device)
+            bucket = torch.empty(
+                sum(p.numel() for p in params), dtype=params[0].dtype, device=self._device
+            )
             off = 0
             for p in params:
                 n = p.numel()
-                bucket[off:off + n].copy_(p.data.reshape(-1))
-                p.data = bucket[off:off + n].view_as(p)
+                bucket[off : off + n].copy_(p.data.reshape(-1))
+                p.data = bucket[off : off + n].view_as(p)
                 off += n
             self._buckets.append(bucket)
             self._plan.append({"params": params})
@@ -660,7 +678,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.parameters_as_bucket_view:
             for r, bucket in enumerate(self._buckets):
                 if bucket is not None:
-                    works.append((r, dist.broadcast(bucket, group=group, group_src=r, async_op=True)))
+                    works.append(
+                        (r, dist.broadcast(bucket, group=group, group_src=r, async_op=True))
+                    )
             for _, w in works:
                 w.wait()
             return
@@ -685,7 +705,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 with torch.no_grad():
                     for p in plan["small"]:
                         n = p.numel()
-                        p.data.copy_(flat[off:off + n].view_as(p))
+                        p.data.copy_(flat[off : off + n].view_as(p))
                         off += n
 
     # ----------------------------------------------------------------------------- optimizer API
@@ -699,13 +719,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._step(closure, kwargs, notify_join=True)
 
     @torch.no_grad()
-    def _step(self, closure: Optional[Callable[[], float]], kwargs: Dict[str, Any],
-              notify_join: bool) -> Optional[float]:
+    def _step(
+        self, closure: Optional[Callable[[], float]], kwargs: Dict[str, Any], notify_join: bool
+    ) -> Optional[float]:
         if self._overlap_with_ddp:
             warnings.warn(
                 "ZeroRedundancyOptimizer.step() does nothing with overlap_with_ddp=True: the "
                 "DDP hook (ft.optim.zero_hooks) updates the parameters during backward(); "
-                "remove step() from the training loop", stacklevel=3)
+                "remove step() from the training loop",
+                stacklevel=3,
+            )
             return None
         if notify_join:
             # Matches the join context's all-reduce on joined ranks, when this optimizer is
@@ -749,11 +772,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if len(self.param_groups) != 1:
             raise ValueError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single parameter "
-                f"group (its functional optimizer has one); got {len(self.param_groups)}")
+                f"group (its functional optimizer has one); got {len(self.param_groups)}"
+            )
         if bucket_view:
             # As torch: the DDP buckets decide the flat buffers instead.
-            logger.warning("parameters_as_bucket_view=True is ignored with overlap_with_ddp=True: "
-                           "the parameters are flattened per DDP bucket instead")
+            logger.warning(
+                "parameters_as_bucket_view=True is ignored with overlap_with_ddp=True: "
+                "the parameters are flattened per DDP bucket instead"
+            )
         self.parameters_as_bucket_view = False
         self._overlap_info = _OverlapInfo(self.world_size)
         self._partition = None  # type: ignore[assignment]
@@ -767,17 +793,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             try:
                 plain = cls([dummy], **self._optim_defaults)
             except TypeError as e:
-                raise TypeError(f"could not build {cls.__name__} with "
-                                f"{sorted(self._optim_defaults)}: {e}") from e
+                raise TypeError(
+                    f"could not build {cls.__name__} with {sorted(self._optim_defaults)}: {e}"
+                ) from e
             for k, v in _hyper(plain.param_groups[0]).items():
                 self.param_groups[0].setdefault(k, v)
         if _accepts_empty_flag(self._optim_constructor):
             try:
-                probe = self._optim_constructor([], **self._optim_defaults,
-                                                _allow_empty_param_list=True)
+                probe = self._optim_constructor(
+                    [], **self._optim_defaults, _allow_empty_param_list=True
+                )
             except TypeError as e:
-                raise TypeError(f"could not build {_class_name(self._optim_constructor)} with "
-                                f"{sorted(self._optim_defaults)}: {e}") from e
+                raise TypeError(
+                    f"could not build {_class_name(self._optim_constructor)} with "
+                    f"{sorted(self._optim_defaults)}: {e}"
+                ) from e
             for k, v in _functional_hyper(probe).items():
                 self.param_groups[0].setdefault(k, v)
         self._trainable_mask = self._get_trainable_mask()
@@ -787,7 +817,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not initialized yet: the "
                 "shards follow DDP's gradient buckets, which are assigned during the first "
-                "iterations of training (see ft.optim.zero_hooks). Call this after them.")
+                "iterations of training (see ft.optim.zero_hooks). Call this after them."
+            )
 
     def _overlap_prepare(self, ddp: Any, bucket: Any) -> bool:
         """Per bucket, before anything else: True when this iteration steps, False while the
@@ -807,8 +838,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             info.status = _OverlapStatus.DDP_HAS_REBUILT_BUCKETS
             info.params_per_bucket = []
         if index != len(info.params_per_bucket):
-            raise AssertionError(f"DDP bucket {index} arrived out of order while recording "
-                                 f"(expected {len(info.params_per_bucket)})")
+            raise AssertionError(
+                f"DDP bucket {index} arrived out of order while recording "
+                f"(expected {len(info.params_per_bucket)})"
+            )
         info.params_per_bucket.append(list(bucket.parameters()))
         if bucket.is_last():
             self._init_zero_for_overlap()
@@ -827,25 +860,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     raise ValueError(
                         f"DDP bucket {b} holds a parameter of shape {tuple(p.shape)} that is not "
                         "a parameter of this ZeroRedundancyOptimizer: pass it the same "
-                        "parameters as the DDP model (model.parameters())")
+                        "parameters as the DDP model (model.parameters())"
+                    )
                 seen.add(id(p))
         missing = [tuple(p.shape) for p in params if p.requires_grad and id(p) not in seen]
         if missing:
             raise ValueError(
                 f"{len(missing)} trainable parameter(s) of this ZeroRedundancyOptimizer (shapes "
                 f"{missing[:4]}) are in no DDP bucket, so no hook would ever update them: pass "
-                "only the DDP model's parameters")
+                "only the DDP model's parameters"
+            )
         numels = [[p.numel() for p in bp] for bp in buckets]
         if self.world_size > 1:
             # DDP syncs its rebuilt buckets from rank 0; check rather than corrupt silently.
-            mine = torch.tensor([len(buckets), zlib.crc32(repr(numels).encode())],
-                                dtype=torch.int64, device=self._device)
+            mine = torch.tensor(
+                [len(buckets), zlib.crc32(repr(numels).encode())],
+                dtype=torch.int64,
+                device=self._device,
+            )
             everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
             dist.all_gather(everyone, mine, group=self._comm_group())
             if any(not torch.equal(t, everyone[0]) for t in everyone):
                 raise RuntimeError(
                     "ZeroRedundancyOptimizer overlap: ranks disagree on DDP's bucket layout "
-                    f"[buckets, crc]: {[t.tolist() for t in everyone]}")
+                    f"[buckets, crc]: {[t.tolist() for t in everyone]}"
+                )
         pieces = _assign_buckets(numels, self.world_size, info.shard_buckets)
         info.total_size = sum(sum(n) for n in numels) if info.shard_buckets else None
         info.params_per_rank = [[] for _ in range(self.world_size)]
@@ -853,14 +892,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for b, bp in enumerate(buckets):
             row = []
             for r, off, n in pieces[b]:
-                a = _Assignment(b, r, off, bp[off:off + n])
-                flat = torch.empty(sum(p.numel() for p in a.params), dtype=a.params[0].dtype,
-                                   device=a.params[0].device)
+                a = _Assignment(b, r, off, bp[off : off + n])
+                flat = torch.empty(
+                    sum(p.numel() for p in a.params),
+                    dtype=a.params[0].dtype,
+                    device=a.params[0].device,
+                )
                 o = 0
                 with torch.no_grad():
                     for p in a.params:
-                        flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
-                        p.data = flat[o:o + p.numel()].view_as(p)
+                        flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
+                        p.data = flat[o : o + p.numel()].view_as(p)
                         o += p.numel()
                 a.flat = flat
                 if r == self.rank:
@@ -879,38 +921,53 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 owner[i] = r
             per_rank.append((idx,))
         self._partition = Partition(
-            world_size=self.world_size, per_rank=tuple(per_rank), owner=(tuple(owner),),
-            loads=tuple(sum(p.numel() for p in ps) for ps in info.params_per_rank))
+            world_size=self.world_size,
+            per_rank=tuple(per_rank),
+            owner=(tuple(owner),),
+            loads=tuple(sum(p.numel() for p in ps) for ps in info.params_per_rank),
+        )
 
         local = list(info.params_per_rank[self.rank])
         try:
             if _accepts_empty_flag(self._optim_constructor):
-                self._local = self._optim_constructor(local, **self._optim_defaults,
-                                                      _allow_empty_param_list=True)
+                self._local = self._optim_constructor(
+                    local, **self._optim_defaults, _allow_empty_param_list=True
+                )
             else:
                 self._local = self._optim_constructor(local, **self._optim_defaults)
         except TypeError as e:
-            raise TypeError(f"could not build {_class_name(self._optim_constructor)} with "
-                            f"{sorted(self._optim_defaults)}: {e}") from e
+            raise TypeError(
+                f"could not build {_class_name(self._optim_constructor)} with "
+                f"{sorted(self._optim_defaults)}: {e}"
+            ) from e
         if not callable(getattr(self._local, "step", None)):
             raise TypeError(f"{_class_name(self._optim_constructor)} has no step(gradients)")
         self._push_hyper()
         self._trainable_mask = self._get_trainable_mask()
         info.status = _OverlapStatus.INITIALIZED
-        logger.info("ZeRO overlap: rank %d steps %d parameter(s) in %d bucket(s); %d bucket(s), "
-                    "%d assignment(s)", self.rank, len(local), len(info.offsets), len(buckets),
-                    info.num_bucket_assignments)
+        logger.info(
+            "ZeRO overlap: rank %d steps %d parameter(s) in %d bucket(s); %d bucket(s), "
+            "%d assignment(s)",
+            self.rank,
+            len(local),
+            len(info.offsets),
+            len(buckets),
+            info.num_bucket_assignments,
+        )
 
     def _overlap_begin_iteration(self) -> None:
         info = self._overlap_info
         if info.bucket_index_to_future or info.broadcast_handles:
-            raise AssertionError("ZeRO overlap: the previous iteration did not finish (a DDP "
-                                 "backward pass was interrupted?)")
+            raise AssertionError(
+                "ZeRO overlap: the previous iteration did not finish (a DDP "
+                "backward pass was interrupted?)"
+            )
         if self._get_trainable_mask() != self._trainable_mask:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True does not support changing "
                 "requires_grad at run time: its shards follow DDP's gradient buckets, which "
-                "were fixed with the old set of trainable parameters")
+                "were fixed with the old set of trainable parameters"
+            )
         # Once per iteration, on every rank alike: an LR scheduler's changes take effect here.
         self._push_hyper()
 
@@ -938,7 +995,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             grads = _bucket_gradients(bucket, fut.value())
             mine = next(a for a in info.assignments[index] if a.rank == self.rank)
             start, n = info.offsets[index], len(mine.params)
-            mine_grads = grads[mine.offset:mine.offset + n]
+            mine_grads = grads[mine.offset : mine.offset + n]
             if isinstance(self._local, _FunctionalOptimizer):
                 # ft's own functional optimizers update a subset directly: O(bucket), not
                 # O(all local parameters) per bucket as a list of None-padded gradients.
@@ -948,19 +1005,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 # Any other functional optimizer: torch's protocol, one entry per local
                 # parameter, None for "do not update".
                 gradients: List[Optional[torch.Tensor]] = [None] * len(self._local_params())
-                gradients[start:start + n] = mine_grads
+                gradients[start : start + n] = mine_grads
                 self._local.step(gradients)
         group = self._comm_group()
         for a in info.assignments[index]:
             info.broadcast_handles.append(
-                dist.broadcast(a.flat, group=group, group_src=a.rank, async_op=True))
+                dist.broadcast(a.flat, group=group, group_src=a.rank, async_op=True)
+            )
 
     def _overlap_finish_iteration(self) -> None:
         """Wait for every broadcast: the parameters are final when backward() returns."""
         info = self._overlap_info
         if len(info.broadcast_handles) != info.num_bucket_assignments:
-            raise AssertionError(f"ZeRO overlap: {len(info.broadcast_handles)} broadcasts for "
-                                 f"{info.num_bucket_assignments} bucket assignments")
+            raise AssertionError(
+                f"ZeRO overlap: {len(info.broadcast_handles)} broadcasts for "
+                f"{info.num_bucket_assignments} bucket assignments"
+            )
         for w in info.broadcast_handles:
             w.wait()
         info.clear_per_iter_info()
@@ -981,7 +1041,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._overlap_with_ddp:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single parameter "
-                "group (its functional optimizer has one, and the DDP buckets fix the shards)")
+                "group (its functional optimizer has one, and the DDP buckets fix the shards)"
+            )
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise TypeError("param_group must be a dict with a 'params' key")
         new = param_group["params"]
@@ -1017,8 +1078,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         meta = ser.encode_header(tree, specs)
         meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         payload = [meta_t.to(self._device)] + [ser.byte_view(t).to(self._device) for t in tensors]
-        size = torch.tensor([len(meta), sum(t.numel() for t in payload)], dtype=torch.int64,
-                            device=self._device)
+        size = torch.tensor(
+            [len(meta), sum(t.numel() for t in payload)], dtype=torch.int64, device=self._device
+        )
         sizes = [size]
         if self.world_size > 1:
             sizes = [torch.empty_like(size) for _ in range(self.world_size)]
@@ -1051,8 +1113,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         tensors, off = [], meta_len
         for spec in specs:
             if off + spec.nbytes > buf.numel():
-                raise RuntimeError("consolidate_state_dict: a shard is shorter than its header says")
-            t = buf[off:off + spec.nbytes].clone().view(spec.dtype).reshape(spec.shape)
+                raise RuntimeError(
+                    "consolidate_state_dict: a shard is shorter than its header says"
+                )
+            t = buf[off : off + spec.nbytes].clone().view(spec.dtype).reshape(spec.shape)
             tensors.append(ser.finalize(t, spec))
             off += spec.nbytes
         if off != buf.numel():
@@ -1077,7 +1141,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             warnings.warn(
                 f"ZeroRedundancyOptimizer.state_dict() returns the state consolidated "
                 f"{self._steps_since_consolidate} step(s) ago; call consolidate_state_dict() "
-                "again for the current state", stacklevel=2)
+                "again for the current state",
+                stacklevel=2,
+            )
         state: Dict[int, Any] = {}
         for r, shard in enumerate(self._consolidated):
             glob = self._local_to_global(r)
@@ -1101,28 +1167,37 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         def bad(msg: str) -> ValueError:
             return ValueError(f"ZeroRedundancyOptimizer.load_state_dict: {msg}")
 
-        if not isinstance(state_dict, dict) or "state" not in state_dict \
-                or "param_groups" not in state_dict:
+        if (
+            not isinstance(state_dict, dict)
+            or "state" not in state_dict
+            or "param_groups" not in state_dict
+        ):
             raise bad("expected a dict with 'state' and 'param_groups' (from state_dict())")
         groups, state = state_dict["param_groups"], state_dict["state"]
         if not isinstance(groups, list) or not isinstance(state, dict):
             raise bad("'param_groups' must be a list and 'state' a dict")
         if len(groups) != len(self.param_groups):
-            raise bad(f"the dict has {len(groups)} parameter group(s), this optimizer has "
-                      f"{len(self.param_groups)}")
+            raise bad(
+                f"the dict has {len(groups)} parameter group(s), this optimizer has "
+                f"{len(self.param_groups)}"
+            )
         index_to_param: Dict[Any, torch.Tensor] = {}
         for g, (saved, mine) in enumerate(zip(groups, self.param_groups)):
             if not isinstance(saved, dict) or "params" not in saved:
                 raise bad(f"parameter group {g} has no 'params'")
             if len(saved["params"]) != len(mine["params"]):
-                raise bad(f"parameter group {g} has {len(saved['params'])} parameter(s) in the "
-                          f"dict but {len(mine['params'])} here")
+                raise bad(
+                    f"parameter group {g} has {len(saved['params'])} parameter(s) in the "
+                    f"dict but {len(mine['params'])} here"
+                )
             missing = set(_hyper(mine)) - set(_hyper(saved))
             extra = set(_hyper(saved)) - set(_hyper(mine)) - {"initial_lr"}
             if missing and extra:
-                raise bad(f"parameter group {g} looks like another optimizer's: it lacks "
-                          f"{sorted(missing)} and has {sorted(extra)} (this one is "
-                          f"{getattr(self._optimizer_class, '__name__', self._optimizer_class)})")
+                raise bad(
+                    f"parameter group {g} looks like another optimizer's: it lacks "
+                    f"{sorted(missing)} and has {sorted(extra)} (this one is "
+                    f"{getattr(self._optimizer_class, '__name__', self._optimizer_class)})"
+                )
             for idx, p in zip(saved["params"], mine["params"]):
                 if idx in index_to_param:
                     raise bad(f"parameter index {idx!r} appears twice")
@@ -1134,10 +1209,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if not isinstance(value, dict):
                 raise bad(f"state of parameter {idx!r} is a {type(value).__name__}, not a dict")
             for name, v in value.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.dim() == p.dim() \
-                        and v.shape != p.shape:
-                    raise bad(f"state '{name}' of parameter {idx!r} has shape {tuple(v.shape)} "
-                              f"but the parameter has shape {tuple(p.shape)} (a different model?)")
+                if (
+                    isinstance(v, torch.Tensor)
+                    and v.dim() > 0
+                    and v.dim() == p.dim()
+                    and v.shape != p.shape
+                ):
+                    raise bad(
+                        f"state '{name}' of parameter {idx!r} has shape {tuple(v.shape)} "
+                        f"but the parameter has shape {tuple(p.shape)} (a different model?)"
+                    )
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a full state dict (from ``state_dict()``, or a plain optimizer's) on every
@@ -1188,8 +1269,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self._overlap_with_ddp:
             return self.optim.state_dict()
         params = self._local_params()
-        state = {i: dict(self.optim.state[p]) for i, p in enumerate(params)
-                 if p in self.optim.state}
+        state = {
+            i: dict(self.optim.state[p]) for i, p in enumerate(params) if p in self.optim.state
+        }
         group = dict(_hyper(self.param_groups[0]), params=list(range(len(params))))
         return {"state": state, "param_groups": [group]}
 
@@ -1211,7 +1293,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     fused = bool(getattr(self.optim, "fused", False))
                     new[k] = v.to(device=p.device, copy=True) if fused else v.clone()
                 else:
-                    new[k] = v.to(device=p.device,
-                                  dtype=p.dtype if v.is_floating_point() else v.dtype,
-                                  copy=True)
+                    new[k] = v.to(
+                        device=p.device,
+                        dtype=p.dtype if v.is_floating_point() else v.dtype,
+                        copy=True,
+                    )
             self.optim.state[p] = new

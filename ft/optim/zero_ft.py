@@ -121,9 +121,15 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
-    def __init__(self, manager: ManagerLike, params: Any, optimizer_class: Any,
-                 state_key: str = "zero_ft", overlap_with_ddp: bool = False,
-                 **defaults: Any) -> None:
+    def __init__(
+        self,
+        manager: ManagerLike,
+        params: Any,
+        optimizer_class: Any,
+        state_key: str = "zero_ft",
+        overlap_with_ddp: bool = False,
+        **defaults: Any,
+    ) -> None:
         if overlap_with_ddp:
             raise NotImplementedError(
                 "FaultTolerantZeroRedundancyOptimizer does not overlap with DDP "
@@ -132,7 +138,8 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "quorum, and an update applied inside backward could not be rolled back. Use "
                 "overlap_with_ddp=False and call step() after backward(); overlap is for the "
                 "plain ft.optim.ZeroRedundancyOptimizer over one process group (see "
-                "ft.optim.zero_hooks).")
+                "ft.optim.zero_hooks)."
+            )
         check_optimizer_class(optimizer_class)
         full = optimizer_class(params, **defaults)  # no state until a step
         super().__init__(full.param_groups, full.defaults)
@@ -179,20 +186,27 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors this replica holds (own + standby shards)."""
-        return sum(v.numel() * v.element_size() for st in self._held.values()
-                   for v in st.values() if torch.is_tensor(v))
+        return sum(
+            v.numel() * v.element_size()
+            for st in self._held.values()
+            for v in st.values()
+            if torch.is_tensor(v)
+        )
 
     def _save_shards(self) -> Dict[str, Any]:
-        return {"state": {i: dict(st) for i, st in self._held.items()},
-                "version": dict(self._version)}
+        return {
+            "state": {i: dict(st) for i, st in self._held.items()},
+            "version": dict(self._version),
+        }
 
     def _load_shards(self, sd: Dict[str, Any]) -> None:
         state, version = sd["state"], sd["version"]
         for i, st in state.items():
             i = int(i)
             if not 0 <= i < len(self._params):
-                raise ValueError(f"healed optimizer state names parameter {i} of "
-                                 f"{len(self._params)}")
+                raise ValueError(
+                    f"healed optimizer state names parameter {i} of {len(self._params)}"
+                )
             self._held[i] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
             self._version[i] = int(version[i])
         self._layout_key = None  # rebuild local optimizers over the new dicts
@@ -213,8 +227,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             ps = [self._params[i] for i in idx if gof[i] == g]
             if ps:
                 groups.append(dict(self._hyper(g), params=ps, _g=g))
-        opt = self._optimizer_class([{k: v for k, v in gr.items() if k != "_g"}
-                                     for gr in groups])
+        opt = self._optimizer_class([{k: v for k, v in gr.items() if k != "_g"} for gr in groups])
         for gr, og in zip(groups, opt.param_groups):
             og["_g"] = gr["_g"]
         for i in idx:
@@ -247,8 +260,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._templates[key] = {k: v for k, v in opt.state[dummy].items()}
         return self._templates[key]
 
-    def _migrate(self, n: int, rank: Optional[int], part: Partition,
-                 targets: Dict[int, Set[int]]) -> bool:
+    def _migrate(
+        self, n: int, rank: Optional[int], part: Partition, targets: Dict[int, Set[int]]
+    ) -> bool:
         """Moves every needed entry to its targets; False if the transfer failed."""
         m = self.manager
         P = len(self._params)
@@ -269,7 +283,8 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             if best != cur:
                 raise RuntimeError(
                     f"optimizer state of parameter {i} is lost: newest copy is for step {best}, "
-                    f"current step is {cur} (owner and buddy both died?)")
+                    f"current step is {cur} (owner and buddy both died?)"
+                )
             holders = [r for r in range(n) if int(ver[r, i]) == best]
             need = {t for t in targets[i] if int(ver[t, i]) != best}
             if need:
@@ -294,7 +309,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 t = self._held[i][k].detach().contiguous().view(-1).view(torch.uint8)
                 if t.numel() != nb:
                     raise RuntimeError(f"state {k!r} of parameter {i} does not match its template")
-                buf[o:o + nb].copy_(t)
+                buf[o : o + nb].copy_(t)
         if off:
             m.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
             if m.errored() is not None:
@@ -310,7 +325,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for j, k, o, nb in layout:
                     if j == i:
                         t = st[k]
-                        t.view(-1).view(torch.uint8).copy_(buf[o:o + nb])
+                        t.view(-1).view(torch.uint8).copy_(buf[o : o + nb])
             self._held[i] = st
             self._version[i] = cur
         return True
@@ -345,8 +360,13 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._own_opt = self._build_opt(self._owned)
         self._standby_opt = self._build_opt(self._standby)
         self._layout_key = key
-        logger.info("zero_ft layout: participants=%d rank=%s owned=%d standby=%d", n, rank,
-                    len(self._owned), len(self._standby))
+        logger.info(
+            "zero_ft layout: participants=%d rank=%s owned=%d standby=%d",
+            n,
+            rank,
+            len(self._owned),
+            len(self._standby),
+        )
         return True
 
     # ------------------------------------------------------------------ step
@@ -399,12 +419,13 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for i, dt, o in offsets:
                     if i in owned:
                         p = self._params[i]
-                        flats[dt][o:o + p.numel()].copy_(p.detach().reshape(-1))
+                        flats[dt][o : o + p.numel()].copy_(p.detach().reshape(-1))
                 works = [m.allreduce(f, reduce_op=ReduceOp.SUM) for f in flats.values()]
                 for w in works:
                     w.wait()
-                self.stats["param_bytes"] += sum(f.numel() * f.element_size()
-                                                 for f in flats.values())
+                self.stats["param_bytes"] += sum(
+                    f.numel() * f.element_size() for f in flats.values()
+                )
         committed = m.should_commit()
         if committed and snapshot is not None:
             if self._standby_opt is not None:
@@ -412,7 +433,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._standby_opt.step()
             for i, dt, o in offsets:
                 p = self._params[i]
-                p.detach().copy_(flats[dt][o:o + p.numel()].view_as(p))
+                p.detach().copy_(flats[dt][o : o + p.numel()].view_as(p))
             cur = m.current_step()
             keep = set(self._owned) | set(self._standby)
             for i in list(self._held):
@@ -441,5 +462,6 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         if getattr(self, "_params", None) is None:
             super().add_param_group(param_group)
             return
-        raise NotImplementedError("add_param_group after construction is not supported in "
-                                  "fault-tolerant mode")
+        raise NotImplementedError(
+            "add_param_group after construction is not supported in fault-tolerant mode"
+        )

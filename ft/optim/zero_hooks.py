@@ -63,11 +63,15 @@ Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
     if not isinstance(zero, ZeroRedundancyOptimizer):
-        raise TypeError("zero must be an ft.optim.ZeroRedundancyOptimizer, got "
-                        f"{type(zero).__module__}.{type(zero).__qualname__}")
+        raise TypeError(
+            "zero must be an ft.optim.ZeroRedundancyOptimizer, got "
+            f"{type(zero).__module__}.{type(zero).__qualname__}"
+        )
     if not zero._overlap_with_ddp:
-        raise ValueError("ZeroRedundancyOptimizer must be constructed with "
-                         "overlap_with_ddp=True to be stepped by a DDP hook")
+        raise ValueError(
+            "ZeroRedundancyOptimizer must be constructed with "
+            "overlap_with_ddp=True to be stepped by a DDP hook"
+        )
     from ft.ddp import DistributedDataParallel as FtDDP
 
     if isinstance(ddp, FtDDP):
@@ -78,21 +82,27 @@ def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
             "ZeRO shards over one fixed process group and applies the update inside backward, "
             "before the commit vote. Use torch.nn.parallel.DistributedDataParallel over your "
             "process group (the 'ft' backend works), or, across replica groups, "
-            "ft.optim.FaultTolerantZeroRedundancyOptimizer stepped after backward.")
+            "ft.optim.FaultTolerantZeroRedundancyOptimizer stepped after backward."
+        )
     if not isinstance(ddp, DistributedDataParallel):
-        raise TypeError("ddp must be a torch.nn.parallel.DistributedDataParallel, got "
-                        f"{type(ddp).__module__}.{type(ddp).__qualname__}")
+        raise TypeError(
+            "ddp must be a torch.nn.parallel.DistributedDataParallel, got "
+            f"{type(ddp).__module__}.{type(ddp).__qualname__}"
+        )
     if not callable(hook):
         raise TypeError(f"hook must be a DDP comm hook (state, bucket) -> Future, got {hook!r}")
     ddp_size = dist.get_world_size(ddp.process_group)
     if ddp_size != zero.world_size:
         raise ValueError(
             f"DDP reduces over {ddp_size} rank(s) but the ZeroRedundancyOptimizer shards over "
-            f"{zero.world_size}: both must use the same ranks")
+            f"{zero.world_size}: both must use the same ranks"
+        )
     info = zero._overlap_info
     if info.status != 0 and bool(shard_buckets) != info.shard_buckets:
-        raise ValueError("the buckets of this ZeroRedundancyOptimizer are already assigned with "
-                         f"shard_buckets={info.shard_buckets}")
+        raise ValueError(
+            "the buckets of this ZeroRedundancyOptimizer are already assigned with "
+            f"shard_buckets={info.shard_buckets}"
+        )
     info.shard_buckets = bool(shard_buckets)
 
 

@@ -71,10 +71,10 @@ GRPC_METADATA_KEY = "ft-auth"
 HTTP_SCHEME = "FT-HMAC"
 
 # What a key is for (JobSecret.key): a signature made for one cannot pass for another.
-GRPC_PURPOSE = "grpc"                      # requests to the lighthouse and ManagerServers
+GRPC_PURPOSE = "grpc"  # requests to the lighthouse and ManagerServers
 CHECKPOINT_REQUEST_PURPOSE = "ckpt-request"  # a healer's requests to a checkpoint source
 CHECKPOINT_CONTENT_PURPOSE = "ckpt-content"  # a source's metadata and range checksums
-SAME_HOST_PURPOSE = "same-host"            # requests on the same-host heal socket
+SAME_HOST_PURPOSE = "same-host"  # requests on the same-host heal socket
 
 # Shorter secrets are refused: 16 bytes is the least that a brute force cannot reach.
 MIN_SECRET_BYTES = 16
@@ -147,10 +147,15 @@ def _read_secret_file(path: str) -> JobSecret:
         with open(path, "rb") as f:
             data = f.read(1 << 16)
     except OSError as e:
-        raise ValueError(f"{SECRET_FILE_ENV}={path!r}: cannot read the job secret: {e.strerror}") from None
+        raise ValueError(
+            f"{SECRET_FILE_ENV}={path!r}: cannot read the job secret: {e.strerror}"
+        ) from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning("the job secret file %s can be read by other users (mode %o); chmod 600 it",
-                       path, stat.S_IMODE(st.st_mode))
+        logger.warning(
+            "the job secret file %s can be read by other users (mode %o); chmod 600 it",
+            path,
+            stat.S_IMODE(st.st_mode),
+        )
     return JobSecret(data, source=f"{SECRET_FILE_ENV}={path}")
 
 
@@ -175,7 +180,9 @@ def resolve_insecure(insecure: Optional[bool] = None) -> bool:
     return os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def check_exposure(host: str, secret: Optional[JobSecret], insecure: Optional[bool], what: str) -> None:
+def check_exposure(
+    host: str, secret: Optional[JobSecret], insecure: Optional[bool], what: str
+) -> None:
     """Refuses to serve ``what`` beyond loopback without a secret, unless insecure mode is on.
 
     ``host`` is the address the server binds ("" / "::" / "0.0.0.0" mean every interface).
@@ -188,7 +195,12 @@ def check_exposure(host: str, secret: Optional[JobSecret], insecure: Optional[bo
         logger.warning(
             "%s serves on %s WITHOUT AUTHENTICATION (insecure mode): anyone who can reach it can "
             "join or stop the job, stop its groups, and read or replace its weights. Set %s or %s "
-            "to authenticate (docs/security.md).", what, where, SECRET_FILE_ENV, SECRET_ENV)
+            "to authenticate (docs/security.md).",
+            what,
+            where,
+            SECRET_FILE_ENV,
+            SECRET_ENV,
+        )
         return
     raise InsecureServerError(
         f"{what}: refusing to serve on {where} without a job secret: anyone who can reach it could "
@@ -291,8 +303,10 @@ class Verifier:
         t = int(ms)
         now = int(time.time() * 1000)
         if abs(now - t) > self._skew_ms:
-            raise AuthError(f"signature is {abs(now - t) / 1000:.1f}s off this host's clock "
-                            f"(more than {self._skew_ms / 1000:.0f}s: expired, or clocks disagree)")
+            raise AuthError(
+                f"signature is {abs(now - t) / 1000:.1f}s off this host's clock "
+                f"(more than {self._skew_ms / 1000:.0f}s: expired, or clocks disagree)"
+            )
         with self._lock:
             self._prune(now)
             if nonce in self._seen or t < self._forgotten_before_ms:
@@ -314,4 +328,3 @@ class Verifier:
             seen.pop(nonce, None)
             if t >= cutoff:  # forgotten early: refuse anything as old from now on
                 self._forgotten_before_ms = max(self._forgotten_before_ms, t + 1)
-

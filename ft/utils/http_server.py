@@ -161,8 +161,13 @@ class BoundedHTTPServer(HTTPServer):
             if now - self._refusal_logged < _REFUSAL_LOG_INTERVAL_S:
                 return
             self._refusal_logged, n, self._refused = now, self._refused, 0
-        logger.warning("%s: refused %d connection(s) (last from %s): %d already open, the most "
-                       "allowed", self.name, n, client_address, self.max_connections)
+        logger.warning(
+            "%s: refused %d connection(s) (last from %s): %d already open, the most allowed",
+            self.name,
+            n,
+            client_address,
+            self.max_connections,
+        )
 
     def _run(self, request: Any, client_address: Any) -> None:
         try:
@@ -205,8 +210,9 @@ class BoundedHTTPServer(HTTPServer):
                         conn.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-                    logger.debug("%s: closed a connection idle for %.1fs", self.name,
-                                 self.idle_timeout_s)
+                    logger.debug(
+                        "%s: closed a connection idle for %.1fs", self.name, self.idle_timeout_s
+                    )
 
     def kill_connections(self) -> None:
         """Shuts every open connection down (their threads then finish)."""

@@ -54,16 +54,25 @@ class TLSConfig:
     server_name: Optional[str] = None
     """Name expected in server certificates, when not the dialled host."""
     _pem: Tuple[Optional[bytes], Optional[bytes], Optional[bytes]] = field(
-        default=(None, None, None), repr=False, compare=False)
+        default=(None, None, None), repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
-            raise ValueError("TLS needs both a certificate and its key (FT_TLS_CERT_FILE, FT_TLS_KEY_FILE)")
+            raise ValueError(
+                "TLS needs both a certificate and its key (FT_TLS_CERT_FILE, FT_TLS_KEY_FILE)"
+            )
         if not self.cert_file and not self.ca_file:
             raise ValueError("TLS needs a certificate and key to serve, or a CA file to connect")
-        object.__setattr__(self, "_pem", (_read(self.cert_file, "certificate"),
-                                          _read(self.key_file, "key"),
-                                          _read(self.ca_file, "CA file")))
+        object.__setattr__(
+            self,
+            "_pem",
+            (
+                _read(self.cert_file, "certificate"),
+                _read(self.key_file, "key"),
+                _read(self.ca_file, "CA file"),
+            ),
+        )
 
     @property
     def can_serve(self) -> bool:
@@ -90,7 +99,9 @@ class TLSConfig:
 
         self._need_ca()
         cert, key, ca = self._pem
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
 
     def grpc_channel_options(self) -> List[Tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -117,5 +128,9 @@ def resolve_tls(tls: Optional[TLSConfig] = None) -> Optional[TLSConfig]:
     cert, key, ca = (os.environ.get(n) or None for n in (CERT_ENV, KEY_ENV, CA_ENV))
     if not (cert or key or ca):
         return None
-    return TLSConfig(cert_file=cert, key_file=key, ca_file=ca,
-                     server_name=os.environ.get(SERVER_NAME_ENV) or None)
+    return TLSConfig(
+        cert_file=cert,
+        key_file=key,
+        ca_file=ca,
+        server_name=os.environ.get(SERVER_NAME_ENV) or None,
+    )

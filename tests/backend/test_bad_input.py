@@ -41,12 +41,15 @@ def test_mismatched_sizes_across_ranks_are_caught_before_any_data_moves():
     # Without the agreement check Gloo terminates the process on a size
     # mismatch (as torch's own Gloo group does); with it, every rank gets a
     # clear error and the group stays usable.
-    with Workers("tests.backend.workers:mismatched_sizes", 2,
-                 env={"FT_CHECK_AGREEMENT": "1"}) as w:
+    with Workers("tests.backend.workers:mismatched_sizes", 2, env={"FT_CHECK_AGREEMENT": "1"}) as w:
         results = w.join(timeout=60)
     for r in results:
         assert r["error"].startswith("ValueError"), r
-        assert "ranks disagree" in r["error"] and "4 elements" in r["error"] and "8 elements" in r["error"], r
+        assert (
+            "ranks disagree" in r["error"]
+            and "4 elements" in r["error"]
+            and "8 elements" in r["error"]
+        ), r
         assert r["errored"] == "None", r
         assert torch.equal(r["same_generation_after"], torch.full((2,), 2.0))
         assert r["dtype_error"].startswith("ValueError") and "Float" in r["dtype_error"], r

@@ -28,12 +28,20 @@ def test_init_process_group_ft_reaches_every_collective(init_method):
         assert r["backend"] == "ft" and r["size"] == ws and r["rank"] == rank
         assert torch.equal(r["all_reduce"], torch.full((3,), float(total)))
         assert torch.equal(r["avg"], torch.full((3,), total / ws))
-        assert torch.equal(r["all_gather"], torch.arange(float(ws)).repeat_interleave(2).view(ws, 2))
-        assert torch.equal(r["all_gather_into_tensor"], torch.arange(float(ws)).repeat_interleave(2))
-        assert torch.equal(r["reduce_scatter_tensor"], (torch.arange(2.0 * ws) * ws)[2 * rank: 2 * rank + 2])
+        assert torch.equal(
+            r["all_gather"], torch.arange(float(ws)).repeat_interleave(2).view(ws, 2)
+        )
+        assert torch.equal(
+            r["all_gather_into_tensor"], torch.arange(float(ws)).repeat_interleave(2)
+        )
+        assert torch.equal(
+            r["reduce_scatter_tensor"], (torch.arange(2.0 * ws) * ws)[2 * rank : 2 * rank + 2]
+        )
         assert torch.equal(r["reduce_scatter"], torch.full((2,), float(rank * ws)))
         assert torch.equal(r["broadcast"], torch.full((2,), float(ws - 1)))
-        assert torch.equal(r["all_to_all_single"], torch.tensor([float(rank + 10 * s) for s in range(ws)]))
+        assert torch.equal(
+            r["all_to_all_single"], torch.tensor([float(rank + 10 * s) for s in range(ws)])
+        )
         if rank == 0:
             assert torch.equal(r["reduce"], torch.full((2,), float(total)))
             assert torch.equal(r["gather"], torch.arange(float(ws)))

@@ -22,8 +22,9 @@ def test_kill_9_mid_allreduce_fails_survivor_within_1s():
 def test_stopped_peer_aborts_at_deadline_and_never_writes_after():
     timeout_s = 2.0
     store = make_store()
-    with Workers("tests.backend.workers:stuck_then_check_writes", 2, store=store,
-                 timeout_s=timeout_s) as w:
+    with Workers(
+        "tests.backend.workers:stuck_then_check_writes", 2, store=store, timeout_s=timeout_s
+    ) as w:
         store.wait(["peer_ready"], timedelta(seconds=30))
         peer = w.by_rank(1)
         peer.signal(signal.SIGSTOP)

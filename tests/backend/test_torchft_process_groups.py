@@ -340,7 +340,7 @@ def _expected_shares(world_size: int) -> List[torch.Tensor]:
             padded = torch.zeros(rows, total.shape[1])
             padded[: shape[0]] = total
             step = rows // world_size
-            parts.append(padded[r * step:(r + 1) * step].reshape(-1))
+            parts.append(padded[r * step : (r + 1) * step].reshape(-1))
         shares.append(torch.cat(parts))
     return shares
 

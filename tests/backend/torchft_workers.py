@@ -39,7 +39,7 @@ def reduce_scatter_quantized_vs_plain(rank: int, world_size: int, port: int) -> 
     for t, size, share in zip(inputs, padded, shares):
         rows = torch.zeros(size)
         rows[: t.shape[0]] = t.reshape(t.shape[0], *size[1:])
-        send[:, off:off + share] = rows.view(world_size, share)
+        send[:, off : off + share] = rows.view(world_size, share)
         off += share
     plain = torch.empty(sum(shares))
     opts = dist.ReduceScatterOptions()

@@ -81,16 +81,21 @@ def _run_cases(pg, rank, ws, dtype):
     pg.scatter([sout], sin, o).wait()
     out["scatter"] = [sout]
     rs_out = torch.zeros(4, dtype=dtype)
-    pg.reduce_scatter([rs_out], [[_data(rank, ws, dtype, n=4, salt=7 + r) for r in range(ws)]],
-                      dist.ReduceScatterOptions()).wait()
+    pg.reduce_scatter(
+        [rs_out],
+        [[_data(rank, ws, dtype, n=4, salt=7 + r) for r in range(ws)]],
+        dist.ReduceScatterOptions(),
+    ).wait()
     out["reduce_scatter"] = [rs_out]
     rsb = torch.zeros(4, dtype=dtype)
-    pg._reduce_scatter_base(rsb, _data(rank, ws, dtype, n=4 * ws, salt=8),
-                            dist.ReduceScatterOptions()).wait()
+    pg._reduce_scatter_base(
+        rsb, _data(rank, ws, dtype, n=4 * ws, salt=8), dist.ReduceScatterOptions()
+    ).wait()
     out["reduce_scatter_tensor"] = [rsb]
     a2a_out = torch.zeros(3 * ws, dtype=dtype)
-    pg.alltoall_base(a2a_out, _data(rank, ws, dtype, n=3 * ws, salt=9), [], [],
-                     dist.AllToAllOptions()).wait()
+    pg.alltoall_base(
+        a2a_out, _data(rank, ws, dtype, n=3 * ws, salt=9), [], [], dist.AllToAllOptions()
+    ).wait()
     out["all_to_all_single"] = [a2a_out]
     # send/recv around a ring
     nxt, prv = (rank + 1) % ws, (rank - 1) % ws
@@ -116,7 +121,9 @@ def collectives_vs_gloo(rank, world_size, port, dtypes):
         want = _run_cases(ref, rank, world_size, dtype)
         assert got.keys() == want.keys()
         for case in got:
-            same = all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got[case], want[case]))
+            same = all(
+                torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got[case], want[case])
+            )
             report[f"{name}/{case}"] = same
     return report
 
@@ -127,10 +134,15 @@ def torch_api_on_ft(rank, world_size, port, init_method=None):
         dist.init_process_group("ft", init_method=init_method, rank=rank, world_size=world_size)
     else:
         store = connect_store(port)
-        dist.init_process_group("ft", store=PrefixStore("default", store), rank=rank,
-                                world_size=world_size)
+        dist.init_process_group(
+            "ft", store=PrefixStore("default", store), rank=rank, world_size=world_size
+        )
     try:
-        res = {"backend": dist.get_backend(), "size": dist.get_world_size(), "rank": dist.get_rank()}
+        res = {
+            "backend": dist.get_backend(),
+            "size": dist.get_world_size(),
+            "rank": dist.get_rank(),
+        }
         t = torch.full((3,), float(rank + 1))
         dist.all_reduce(t)
         res["all_reduce"] = t
@@ -162,7 +174,9 @@ def torch_api_on_ft(rank, world_size, port, init_method=None):
         dist.gather(torch.full((1,), float(rank)), g, dst=0)
         res["gather"] = None if g is None else torch.cat(g)
         s = torch.zeros(1)
-        dist.scatter(s, [torch.full((1,), float(i)) for i in range(world_size)] if rank == 0 else None, src=0)
+        dist.scatter(
+            s, [torch.full((1,), float(i)) for i in range(world_size)] if rank == 0 else None, src=0
+        )
         res["scatter"] = s
         if rank == 0:
             dist.send(torch.full((2,), 7.0), dst=1)
@@ -214,7 +228,9 @@ def _ddp_run(pg, steps=8, seed=0):
 def ddp_ft_vs_gloo(rank, world_size, port):
     store = connect_store(port)
     pg = ft_group(rank, world_size, port)
-    dist.init_process_group("ft", store=PrefixStore("default", store), rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "ft", store=PrefixStore("default", store), rank=rank, world_size=world_size
+    )
     ref = dist.new_group(backend="gloo")  # torch's own Gloo ProcessGroup
     try:
         return {
@@ -353,8 +369,11 @@ def allreduce_until_failure(rank, world_size, port, timeout_s=20.0, numel=1 << 1
         try:
             pg.allreduce([t], dist.AllreduceOptions()).wait()
         except Exception as e:
-            return {"elapsed": time.monotonic() - start, "error": str(e),
-                    "errored": repr(pg.errored())}
+            return {
+                "elapsed": time.monotonic() - start,
+                "error": str(e),
+                "errored": repr(pg.errored()),
+            }
     return {"elapsed": None, "error": None}
 
 
@@ -384,8 +403,12 @@ def stuck_then_check_writes(rank, world_size, port, timeout_s):
     store.set("aborted", "1")
     store.wait(["continued"], timedelta(seconds=30))
     time.sleep(1.5)  # the peer has resumed and sent its data by now
-    return {"elapsed": elapsed, "error": error, "unchanged": torch.equal(t, snapshot),
-            "errored": repr(pg.errored())}
+    return {
+        "elapsed": elapsed,
+        "error": error,
+        "unchanged": torch.equal(t, snapshot),
+        "errored": repr(pg.errored()),
+    }
 
 
 def abort_latency(rank, world_size, port, n_ops=4):
@@ -416,9 +439,12 @@ def abort_latency(rank, world_size, port, n_ops=4):
             pass
         failed_at.append(time.monotonic() - start)
     store.set("done", "1")
-    return {"pending_before": pending_before, "latency": max(failed_at),
-            "all_failed": all(work_failed(w) for w in works),
-            "errored": repr(pg.errored())}
+    return {
+        "pending_before": pending_before,
+        "latency": max(failed_at),
+        "all_failed": all(work_failed(w) for w in works),
+        "errored": repr(pg.errored()),
+    }
 
 
 def per_op_deadlines(
@@ -504,7 +530,9 @@ def bad_input(rank, world_size, port):
 
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=5))
     expect("before_configure", lambda: pg.allreduce([torch.ones(2)], dist.AllreduceOptions()))
-    expect("rank_out_of_range", lambda: pg.configure(f"{ADDR}:{port}/x", "r", world_size, world_size))
+    expect(
+        "rank_out_of_range", lambda: pg.configure(f"{ADDR}:{port}/x", "r", world_size, world_size)
+    )
     expect("negative_rank", lambda: pg.configure(f"{ADDR}:{port}/x", "r", -1, world_size))
     expect("world_size_zero", lambda: pg.configure(f"{ADDR}:{port}/x", "r", 0, 0))
     expect("bad_store_addr", lambda: pg.configure("no-port-here", "r", rank, world_size))
@@ -512,13 +540,17 @@ def bad_input(rank, world_size, port):
     start = time.monotonic()
     unreachable = ft.ProcessGroupGloo(timeout=timedelta(seconds=1))
     from tests.procs import free_port
+
     expect("unreachable_store", lambda: unreachable.configure(f"{ADDR}:{free_port()}/x", "r", 0, 2))
     errors["unreachable_elapsed"] = time.monotonic() - start
 
     pg.configure(f"{ADDR}:{port}/good", "r", rank, world_size)
     opts = dist.AllreduceOptions()
     expect("non_contiguous", lambda: pg.allreduce([torch.ones(4, 4).t()], opts))
-    expect("mixed_dtypes", lambda: pg.allreduce([torch.ones(2), torch.ones(2, dtype=torch.float64)], opts))
+    expect(
+        "mixed_dtypes",
+        lambda: pg.allreduce([torch.ones(2), torch.ones(2, dtype=torch.float64)], opts),
+    )
     expect("sparse", lambda: pg.allreduce([torch.ones(2).to_sparse()], opts))
     expect("meta_device", lambda: pg.allreduce([torch.ones(2, device="meta")], opts))
     avg = dist.AllreduceOptions()
@@ -561,8 +593,10 @@ def mismatched_sizes(rank, world_size, port):
     pg.allreduce([t], dist.AllreduceOptions()).wait()
     res["same_generation_after"] = t
     try:
-        pg.allreduce([torch.ones(2, dtype=torch.float32 if rank == 0 else torch.float64)],
-                     dist.AllreduceOptions()).wait()
+        pg.allreduce(
+            [torch.ones(2, dtype=torch.float32 if rank == 0 else torch.float64)],
+            dist.AllreduceOptions(),
+        ).wait()
         res["dtype_error"] = None
     except Exception as e:
         res["dtype_error"] = f"{type(e).__name__}: {e}"

@@ -27,8 +27,9 @@ from ft.checkpointing.transport import CheckpointFormatError
 NAMES_2D = ("dp_replicate", "dp_shard")
 
 
-def mesh(coord: Sequence[int], shape: Sequence[int] = (2, 2),
-         names: Optional[Tuple[str, ...]] = NAMES_2D) -> DeviceMesh:
+def mesh(
+    coord: Sequence[int], shape: Sequence[int] = (2, 2), names: Optional[Tuple[str, ...]] = NAMES_2D
+) -> DeviceMesh:
     """A CPU mesh of ``shape`` seen from the rank at ``coord`` (no process group needed)."""
     rank = 0
     for c, n in zip(coord, shape):
@@ -46,11 +47,16 @@ def chunk(full: torch.Tensor, m: DeviceMesh, placements: Sequence[Any]) -> torch
     return full[index].clone()
 
 
-def dtensor(full: torch.Tensor, m: DeviceMesh, placements: Sequence[Any],
-            local: Optional[torch.Tensor] = None) -> DTensor:
+def dtensor(
+    full: torch.Tensor,
+    m: DeviceMesh,
+    placements: Sequence[Any],
+    local: Optional[torch.Tensor] = None,
+) -> DTensor:
     local = chunk(full, m, placements) if local is None else local
-    return DTensor.from_local(local, m, list(placements), run_check=False, shape=full.shape,
-                              stride=full.stride())
+    return DTensor.from_local(
+        local, m, list(placements), run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def transfer(state: Any) -> Any:
@@ -80,14 +86,24 @@ FULL = torch.arange(5 * 6, dtype=torch.float32).view(5, 6) / 7  # 5 rows: uneven
 ROUND_TRIPS = {
     # name: (placements, sender coord, receiver coord, mesh shape, names)
     "hsdp: Replicate x Shard(0), other replica row": (
-        (Replicate(), Shard(0)), (1, 1), (0, 1), (2, 2), NAMES_2D),
+        (Replicate(), Shard(0)),
+        (1, 1),
+        (0, 1),
+        (2, 2),
+        NAMES_2D,
+    ),
     "hsdp: uneven shard 0 of 2": ((Replicate(), Shard(0)), (1, 0), (0, 0), (2, 2), NAMES_2D),
     "replicated everywhere": ((Replicate(), Replicate()), (1, 0), (0, 1), (2, 2), NAMES_2D),
     "two sharded dims": ((Shard(1), Shard(0)), (1, 1), (1, 1), (2, 2), NAMES_2D),
     "same dim sharded twice": ((Shard(0), Shard(0)), (0, 1), (0, 1), (2, 2), NAMES_2D),
     "partial sum on dp_shard": ((Replicate(), Partial("sum")), (1, 0), (0, 0), (2, 2), NAMES_2D),
-    "strided shard (FSDP2 + TP)": ((_StridedShard(0, split_factor=2), Shard(0)), (0, 1), (0, 1),
-                                   (2, 2), ("dp", "tp")),
+    "strided shard (FSDP2 + TP)": (
+        (_StridedShard(0, split_factor=2), Shard(0)),
+        (0, 1),
+        (0, 1),
+        (2, 2),
+        ("dp", "tp"),
+    ),
     "1-D mesh, no names": ((Shard(1),), (2,), (2,), (3,), None),
 }
 
@@ -121,8 +137,12 @@ def test_received_form_before_restoring_and_header_is_json() -> None:
     doc = json.loads(ser.encode_header(tree, specs))
     node = doc["tree"][1][0][1]
     assert node[0] == "DT" and node[2]["placements"] == [["R"], ["S", 0]]
-    assert node[2]["mesh"] == {"device": "cpu", "shape": [2, 2], "names": list(NAMES_2D),
-                               "coord": [1, 1]}
+    assert node[2]["mesh"] == {
+        "device": "cpu",
+        "shape": [2, 2],
+        "names": list(NAMES_2D),
+        "coord": [1, 1],
+    }
     assert doc["tensors"][node[1]]["shape"] == [2, 6]  # only the local piece travels
     assert tensors[node[1]] is sent.to_local() or torch.equal(tensors[node[1]], sent.to_local())
     leaf = transfer({"w": sent})["w"]
@@ -145,12 +165,17 @@ def test_optimizer_state_without_a_counterpart_uses_a_mesh_of_the_receivers_stat
     # A restarted replica's optimizer has no state yet: its model's mesh is used.
     src, mine = mesh((1, 1)), mesh((0, 1))
     pl = (Replicate(), Shard(0))
-    sent = {"model": {"w": dtensor(FULL, src, pl)},
-            "optim": {"state": {0: {"exp_avg": dtensor(FULL * 2, src, pl),
-                                    "step": torch.tensor(3.0)}},
-                      "param_groups": [{"params": [0], "lr": 0.1}]}}
-    ref = {"model": {"w": dtensor(torch.zeros_like(FULL), mine, pl)},
-           "optim": {"state": {}, "param_groups": [{"params": [0], "lr": 0.1}]}}
+    sent = {
+        "model": {"w": dtensor(FULL, src, pl)},
+        "optim": {
+            "state": {0: {"exp_avg": dtensor(FULL * 2, src, pl), "step": torch.tensor(3.0)}},
+            "param_groups": [{"params": [0], "lr": 0.1}],
+        },
+    }
+    ref = {
+        "model": {"w": dtensor(torch.zeros_like(FULL), mine, pl)},
+        "optim": {"state": {}, "param_groups": [{"params": [0], "lr": 0.1}]},
+    }
     got = heal(sent, ref)
     avg = got["optim"]["state"][0]["exp_avg"]
     assert type(avg) is DTensor and avg.device_mesh is mine
@@ -182,8 +207,10 @@ def test_transport_moves_dtensor_pieces_in_checked_parallel_ranges() -> None:
     pl = (Replicate(), Shard(0))
     big = torch.randn(64, 1024)
     sent = {"w": dtensor(big, src, pl), "b": dtensor(FULL, src, pl)}
-    ref = {"w": dtensor(torch.zeros_like(big), mine, pl),
-           "b": dtensor(torch.zeros_like(FULL), mine, pl)}
+    ref = {
+        "w": dtensor(torch.zeros_like(big), mine, pl),
+        "b": dtensor(torch.zeros_like(FULL), mine, pl),
+    }
     to = timedelta(seconds=10)
     kw = dict(advertise_host="127.0.0.1", same_host=False)
     with HTTPTransport(to, 4, **kw) as source, HTTPTransport(to, 4, **kw) as dest:
@@ -228,8 +255,12 @@ def test_pg_transport_never_receives_a_dtensor_piece_in_place() -> None:
         before = template["w"].to_local().clone()
         send = PGTransport(pgs[0], to, torch.device("cpu"))
         recv = PGTransport(pgs[1], to, torch.device("cpu"), state_dict=lambda: template)
-        outs = in_threads([lambda: send.send_checkpoint([1], 2, sent, to),
-                           lambda: recv.recv_checkpoint(0, "<n/a>", 2, to)])
+        outs = in_threads(
+            [
+                lambda: send.send_checkpoint([1], 2, sent, to),
+                lambda: recv.recv_checkpoint(0, "<n/a>", 2, to),
+            ]
+        )
         assert "error" not in outs[0] and "error" not in outs[1], outs
         got = outs[1]["value"]
         assert got["plain"].data_ptr() == template["plain"].data_ptr()  # plain: in place
@@ -244,8 +275,10 @@ def test_pg_transport_never_receives_a_dtensor_piece_in_place() -> None:
 
 # ----------------------------------------------------------------------------- mismatches
 
-def _sender(pl: Sequence[Any], coord=(1, 1), shape=(2, 2), names=NAMES_2D,
-            full: torch.Tensor = FULL) -> DTensor:
+
+def _sender(
+    pl: Sequence[Any], coord=(1, 1), shape=(2, 2), names=NAMES_2D, full: torch.Tensor = FULL
+) -> DTensor:
     return dtensor(full, mesh(coord, shape, names), pl)
 
 
@@ -254,41 +287,51 @@ MISMATCHES = {
     "shard rank": (
         lambda: _sender((Replicate(), Shard(0)), coord=(1, 0)),
         lambda: dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(0))),
-        r"shard mismatch on mesh dimension 'dp_shard'.*coordinate 0.*coordinate 1"),
+        r"shard mismatch on mesh dimension 'dp_shard'.*coordinate 0.*coordinate 1",
+    ),
     "partial rank": (
         lambda: _sender((Replicate(), Partial()), coord=(0, 1)),
         lambda: dtensor(torch.zeros_like(FULL), mesh((0, 0)), (Replicate(), Partial())),
-        r"shard mismatch on mesh dimension 'dp_shard'"),
+        r"shard mismatch on mesh dimension 'dp_shard'",
+    ),
     "shard dim": (
         lambda: _sender((Replicate(), Shard(0))),
         lambda: dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(1))),
         r"placement mismatch: the source sent \(Replicate\(\), Shard\(0\)\), this replica "
-        r"holds \(Replicate\(\), Shard\(1\)\)"),
+        r"holds \(Replicate\(\), Shard\(1\)\)",
+    ),
     "replicate vs shard": (
         lambda: _sender((Replicate(), Replicate())),
         lambda: dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(0))),
-        r"placement mismatch"),
+        r"placement mismatch",
+    ),
     "partial op": (
         lambda: _sender((Replicate(), Partial("sum")), coord=(0, 1)),
         lambda: dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Partial("avg"))),
-        r"placement mismatch.*Partial\('sum'\).*Partial\('avg'\)"),
+        r"placement mismatch.*Partial\('sum'\).*Partial\('avg'\)",
+    ),
     "global shape": (
         lambda: _sender((Replicate(), Shard(0))),
         lambda: dtensor(torch.zeros(6, 6), mesh((0, 1)), (Replicate(), Shard(0))),
-        r"global shape \[5, 6\], this replica's \[6, 6\]"),
+        r"global shape \[5, 6\], this replica's \[6, 6\]",
+    ),
     "mesh dim names": (
         lambda: _sender((Replicate(), Shard(0))),
-        lambda: dtensor(torch.zeros_like(FULL), mesh((0, 1), names=("a", "b")),
-                        (Replicate(), Shard(0))),
-        r"dp_replicate=2, dp_shard=2"),
+        lambda: dtensor(
+            torch.zeros_like(FULL), mesh((0, 1), names=("a", "b")), (Replicate(), Shard(0))
+        ),
+        r"dp_replicate=2, dp_shard=2",
+    ),
     "mesh size of a sharded dim": (
         lambda: _sender((Replicate(), Shard(0)), coord=(0, 1), shape=(2, 3)),
         lambda: dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(0))),
-        r"dp_replicate=2, dp_shard=3"),
+        r"dp_replicate=2, dp_shard=3",
+    ),
     "plain tensor here": (
         lambda: _sender((Replicate(), Shard(0))),
         lambda: torch.zeros(3, 6),
-        r"where this replica has Tensor"),
+        r"where this replica has Tensor",
+    ),
 }
 
 
@@ -303,21 +346,29 @@ def test_mismatch_is_a_format_error_naming_the_key(case: str) -> None:
 def test_no_mesh_of_that_kind_on_the_receiver() -> None:
     sent = {"optim": {0: _sender((Replicate(), Shard(0)))}}
     ref = {"optim": {}, "model": {"w": torch.zeros(2)}}
-    with pytest.raises(CheckpointFormatError, match=r"state_dict\['optim'\]\[0\]: .*no DTensor "
-                       r"of this replica's state is on such a mesh"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"state_dict\['optim'\]\[0\]: .*no DTensor "
+        r"of this replica's state is on such a mesh",
+    ):
         heal(sent, ref)
 
 
 def test_shard_rank_is_checked_without_a_counterpart_too() -> None:
-    sent = {"model": {"w": _sender((Replicate(), Shard(0)), coord=(1, 1))},
-            "optim": {0: _sender((Replicate(), Shard(0)), coord=(1, 0))}}
-    ref = {"model": {"w": dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(0)))},
-           "optim": {}}
+    sent = {
+        "model": {"w": _sender((Replicate(), Shard(0)), coord=(1, 1))},
+        "optim": {0: _sender((Replicate(), Shard(0)), coord=(1, 0))},
+    }
+    ref = {
+        "model": {"w": dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(0)))},
+        "optim": {},
+    }
     with pytest.raises(CheckpointFormatError, match=r"state_dict\['optim'\]\[0\]: shard mismatch"):
         heal(sent, ref)
 
 
 # ----------------------------------------------------------------------------- hostile headers
+
 
 def _dt_header(edit) -> Tuple[bytes, List[torch.Tensor]]:
     tree, specs, tensors = ser.flatten({"w": _sender((Replicate(), Shard(0)))})
@@ -329,12 +380,14 @@ def _dt_header(edit) -> Tuple[bytes, List[torch.Tensor]]:
 def _meta(key: str, value: Any):
     def edit(node: List[Any]) -> None:
         node[2][key] = value
+
     return edit
 
 
 def _mesh(key: str, value: Any):
     def edit(node: List[Any]) -> None:
         node[2]["mesh"][key] = value
+
     return edit
 
 
@@ -368,19 +421,29 @@ def test_a_local_tensor_of_the_wrong_size_is_refused_at_restore() -> None:
     # Structurally fine, but the piece does not fit the coordinate it claims.
     sent = dtensor(FULL, mesh((0, 1)), (Replicate(), Shard(0)), local=torch.zeros(3, 6))
     ref = dtensor(torch.zeros_like(FULL), mesh((0, 1)), (Replicate(), Shard(0)))
-    with pytest.raises(CheckpointFormatError, match=r"\['w'\]: the source's local tensor has "
-                       r"shape \[3, 6\]; its piece .* has \[2, 6\]"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"\['w'\]: the source's local tensor has "
+        r"shape \[3, 6\]; its piece .* has \[2, 6\]",
+    ):
         heal({"w": sent}, {"w": ref})
 
 
 # ----------------------------------------------------------------------------- sender side
 
+
 def test_unsupported_placement_is_refused_at_the_sender_naming_the_key() -> None:
     class Custom(Partial):
         pass
 
-    d = DTensor.from_local(torch.ones(2, 2), mesh((0,), (1,), ("x",)), [Custom()],
-                           run_check=False, shape=torch.Size([2, 2]), stride=(2, 1))
+    d = DTensor.from_local(
+        torch.ones(2, 2),
+        mesh((0,), (1,), ("x",)),
+        [Custom()],
+        run_check=False,
+        shape=torch.Size([2, 2]),
+        stride=(2, 1),
+    )
     with pytest.raises(TypeError, match=r"state_dict\['a'\]\['d'\]: DTensor placement"):
         ser.flatten({"a": {"d": d}})
 

@@ -55,22 +55,26 @@ class Slow(HTTPTransport):
         time.sleep(self.slow)
 
 
-
-
 # ----------------------------------------------------------------------------- cross-process
 
 
 def test_round_trip_separate_process_multi_dst_and_token(payload_path: str) -> None:
     peer = Peer(
-        "http", "--step", "7", "--token", "s3cret-s3cret-s3cret-s3cret", "--chunks", "3", "--payload", payload_path
+        "http",
+        "--step",
+        "7",
+        "--token",
+        "s3cret-s3cret-s3cret-s3cret",
+        "--chunks",
+        "3",
+        "--payload",
+        payload_path,
     )
     receivers: List[HTTPTransport] = []
     try:
         url = peer.expect("ready")["url"]
         receivers = [transport(token="s3cret-s3cret-s3cret-s3cret", num_chunks=n) for n in (1, 3)]
-        runs = [
-            run_in_thread(lambda r=r: r.recv_checkpoint(0, url, 7, TO)) for r in receivers
-        ]
+        runs = [run_in_thread(lambda r=r: r.recv_checkpoint(0, url, 7, TO)) for r in receivers]
         for run in runs:
             run["thread"].join(20)
             assert "error" not in run, run.get("error")

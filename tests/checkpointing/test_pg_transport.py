@@ -59,8 +59,17 @@ def make_pgs(store: Any, ranks: List[int], world: int, timeout: timedelta = TO) 
 def test_round_trip_separate_process_two_destinations(payload_path: str) -> None:
     store = master_store(3)
     peer = Peer(
-        "pg", "--port", str(store.port), "--world", "3", "--dsts", "1,2", "--step", "7",
-        "--payload", payload_path,
+        "pg",
+        "--port",
+        str(store.port),
+        "--world",
+        "3",
+        "--dsts",
+        "1,2",
+        "--step",
+        "7",
+        "--payload",
+        payload_path,
     )
     try:
         pgs = make_pgs(store, [1, 2], 3)
@@ -78,8 +87,20 @@ def test_round_trip_separate_process_two_destinations(payload_path: str) -> None
 def test_sender_killed_mid_transfer_fails_within_timeout() -> None:
     store = master_store(2)
     peer = Peer(
-        "pg", "--port", str(store.port), "--world", "2", "--dsts", "1", "--step", "1",
-        "--plain", "--big-mb", "4", "--slow", "0.6",
+        "pg",
+        "--port",
+        str(store.port),
+        "--world",
+        "2",
+        "--dsts",
+        "1",
+        "--step",
+        "1",
+        "--plain",
+        "--big-mb",
+        "4",
+        "--slow",
+        "0.6",
     )
     try:
         pg = make_pgs(store, [1], 2, timeout=timedelta(seconds=20))[1]
@@ -228,7 +249,8 @@ def test_unsupported_leaf_raises_type_error(pair: Dict[int, Any]) -> None:
 
 
 def test_hostile_preamble_declaring_a_huge_header_is_refused_before_allocating(
-        pair: Dict[int, Any]) -> None:
+    pair: Dict[int, Any],
+) -> None:
     import struct
 
     from ft.checkpointing import pg_transport, serialization as ser

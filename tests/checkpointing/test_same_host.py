@@ -49,12 +49,12 @@ def transport(**kw: Any) -> HTTPTransport:
     return HTTPTransport(**kw)
 
 
-
-
 def test_round_trip_from_another_process_is_bitwise_and_skips_the_socket(
     payload_path: str,
 ) -> None:
-    peer = Peer("http", "--step", "4", "--token", "tok-tok-tok-tok-tok-tok", "--payload", payload_path)
+    peer = Peer(
+        "http", "--step", "4", "--token", "tok-tok-tok-tok-tok-tok", "--payload", payload_path
+    )
     try:
         url = peer.expect("ready")["url"]
         with transport(token="tok-tok-tok-tok-tok-tok") as rx:
@@ -319,7 +319,10 @@ def _raw_request(name: str, request: Any) -> Any:
 
 def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
     state = {"w": torch.randn(1 << 18)}
-    with transport(token="right-right-right-right") as src, transport(token="right-right-right-right") as dst:
+    with (
+        transport(token="right-right-right-right") as src,
+        transport(token="right-right-right-right") as dst,
+    ):
         src.send_checkpoint([1], 6, state, TO)
         assert src._local is not None
         name = src._local.name
@@ -330,18 +333,25 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
             req = dict({"op": "fetch", "step": 6, "wait": 0.0, "chunks": 1}, **fields)
             req["auth"] = signer.sign(
                 what or same_host.request_what(name),
-                same_host.request_body(req["step"], req["wait"], req["chunks"]))
+                same_host.request_body(req["step"], req["wait"], req["chunks"]),
+            )
             return req
 
         used = signed(step=7)
         cases = [
             (lambda: dict(signed(), auth=None), 403, "no signature"),
             # the secret itself is never accepted in place of a signature
-            (lambda: dict(signed(), auth=None, token="right-right-right-right"), 403,
-             "no signature"),
+            (
+                lambda: dict(signed(), auth=None, token="right-right-right-right"),
+                403,
+                "no signature",
+            ),
             (lambda: signed(wrong), 403, "bad signature"),
-            (lambda: signed(what=same_host.request_what("ft-ckpt-" + "0" * 32)), 403,
-             "bad signature"),
+            (
+                lambda: signed(what=same_host.request_what("ft-ckpt-" + "0" * 32)),
+                403,
+                "bad signature",
+            ),
             (lambda: dict(signed(), step=7), 403, "bad signature"),  # altered after signing
             (lambda: used, 404, "step 7"),
             (lambda: used, 403, "replayed"),

@@ -54,8 +54,14 @@ def main() -> int:
         replica_id, lighthouse, world_size = sys.argv[2], sys.argv[3], int(sys.argv[4])
         hb = float(sys.argv[5]) if len(sys.argv) > 5 else 0.05
         server = coord.ManagerServer(
-            replica_id, lighthouse, "127.0.0.1", "127.0.0.1:0", f"store-{replica_id}",
-            world_size, hb, 5.0,
+            replica_id,
+            lighthouse,
+            "127.0.0.1",
+            "127.0.0.1:0",
+            f"store-{replica_id}",
+            world_size,
+            hb,
+            5.0,
         )
         print(f"ADDRESS {server.address()}", flush=True)
         _serve_forever(server)

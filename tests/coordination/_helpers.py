@@ -17,8 +17,12 @@ from tests.procs import Proc, free_port, python_argv, wait_for  # noqa: F401  (r
 
 # Every lighthouse test runs on both gRPC server transports (ft.coordination.rpc_server).
 TRANSPORTS = [
-    pytest.param("native", marks=pytest.mark.skipif(
-        not native_available(), reason="native gRPC server not built (no gRPC C++)")),
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not native_available(), reason="native gRPC server not built (no gRPC C++)"
+        ),
+    ),
     "grpcio",
 ]
 
@@ -31,8 +35,11 @@ class CoordinationChild(Proc):
     (``python -m tests.coordination._child MODE ARGS...``)."""
 
     def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
-        super().__init__(python_argv("tests.coordination._child", *args), env=env,
-                         name=f"_child {' '.join(args[:2])}")
+        super().__init__(
+            python_argv("tests.coordination._child", *args),
+            env=env,
+            name=f"_child {' '.join(args[:2])}",
+        )
 
     def ready_line(self, timeout: float = 15.0) -> str:
         """Its ``ADDRESS ...`` or ``ft-lighthouse ready ...`` line, once printed."""

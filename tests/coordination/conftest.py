@@ -51,8 +51,13 @@ def manager_factory(request):
         kw.setdefault("heartbeat_interval", 0.05)
         kw.setdefault("connect_timeout", 5.0)
         s = ManagerServer(
-            replica_id, lighthouse_addr, "127.0.0.1", "127.0.0.1:0", f"store-{replica_id}",
-            world_size, **kw,
+            replica_id,
+            lighthouse_addr,
+            "127.0.0.1",
+            "127.0.0.1:0",
+            f"store-{replica_id}",
+            world_size,
+            **kw,
         )
         made.append(s)
         return s

@@ -14,32 +14,79 @@ def test_help_lists_both_spellings(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--min_replicas", "--min-replicas", "--join_timeout_ms", "--join-timeout-ms",
-                 "--quorum_tick_ms", "--quorum-tick-ms", "--heartbeat_timeout_ms",
-                 "--heartbeat-timeout-ms", "--bind", "--auth_token", "--auth-token"):
+    for flag in (
+        "--min_replicas",
+        "--min-replicas",
+        "--join_timeout_ms",
+        "--join-timeout-ms",
+        "--quorum_tick_ms",
+        "--quorum-tick-ms",
+        "--heartbeat_timeout_ms",
+        "--heartbeat-timeout-ms",
+        "--bind",
+        "--auth_token",
+        "--auth-token",
+    ):
         assert flag in out
 
 
 def test_flag_spellings_parse_the_same():
     p = build_parser()
-    a = p.parse_args(["--min_replicas", "3", "--join_timeout_ms", "10", "--quorum_tick_ms", "5",
-                      "--heartbeat_timeout_ms", "7", "--http_bind", ""])
-    b = p.parse_args(["--min-replicas", "3", "--join-timeout-ms", "10", "--quorum-tick-ms", "5",
-                      "--heartbeat-timeout-ms", "7", "--http-bind", ""])
+    a = p.parse_args(
+        [
+            "--min_replicas",
+            "3",
+            "--join_timeout_ms",
+            "10",
+            "--quorum_tick_ms",
+            "5",
+            "--heartbeat_timeout_ms",
+            "7",
+            "--http_bind",
+            "",
+        ]
+    )
+    b = p.parse_args(
+        [
+            "--min-replicas",
+            "3",
+            "--join-timeout-ms",
+            "10",
+            "--quorum-tick-ms",
+            "5",
+            "--heartbeat-timeout-ms",
+            "7",
+            "--http-bind",
+            "",
+        ]
+    )
     assert vars(a) == vars(b)
     assert a.min_replicas == 3 and a.join_timeout_ms == 10 and a.bind is None and not a.insecure
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serves_logs_and_shuts_down_cleanly(children, sig):
-    child = children("cli", "--bind", "127.0.0.1:0", "--min-replicas", "1", "--quorum-tick-ms", "20",
-                     "--heartbeat-timeout-ms", "500", "--join_timeout_ms", "100")
+    child = children(
+        "cli",
+        "--bind",
+        "127.0.0.1:0",
+        "--min-replicas",
+        "1",
+        "--quorum-tick-ms",
+        "20",
+        "--heartbeat-timeout-ms",
+        "500",
+        "--join_timeout_ms",
+        "100",
+    )
     line = child.ready_line()
     grpc_addr = line.split("grpc=")[1].split()[0]
     assert "dashboard=http://127.0.0.1:" in line
     q = LighthouseClient(grpc_addr, 5.0).quorum("cli-replica", 5.0)
     assert [p.replica_id for p in q.participants] == ["cli-replica"]
-    wait_for(lambda: f"quorum {q.quorum_id}: first quorum" in child.output(), what="quorum change logged")
+    wait_for(
+        lambda: f"quorum {q.quorum_id}: first quorum" in child.output(), what="quorum change logged"
+    )
     child.proc.send_signal(sig)
     assert child.wait(10) == 0
     assert "shutting down" in child.output()
@@ -48,14 +95,26 @@ def test_serves_logs_and_shuts_down_cleanly(children, sig):
 def test_lighthouse_runs_and_forms_a_quorum_without_torch(children):
     """A lighthouse host needs grpcio and protobuf only: with torch and ft._C impossible to
     import, ft-lighthouse starts, forms a quorum and shuts down cleanly."""
-    child = children("cli-without-torch", "--bind", "127.0.0.1:0", "--min-replicas", "2",
-                     "--quorum-tick-ms", "20", "--join_timeout_ms", "100", "--http_bind", "")
+    child = children(
+        "cli-without-torch",
+        "--bind",
+        "127.0.0.1:0",
+        "--min-replicas",
+        "2",
+        "--quorum-tick-ms",
+        "20",
+        "--join_timeout_ms",
+        "100",
+        "--http_bind",
+        "",
+    )
     grpc_addr = child.ready_line().split("grpc=")[1].split()[0]
     import concurrent.futures as cf
 
     with cf.ThreadPoolExecutor(2) as pool:
-        quorums = list(pool.map(lambda r: LighthouseClient(grpc_addr, 5.0).quorum(r, 10.0),
-                                ["a", "b"]))
+        quorums = list(
+            pool.map(lambda r: LighthouseClient(grpc_addr, 5.0).quorum(r, 10.0), ["a", "b"])
+        )
     assert all(sorted(p.replica_id for p in q.participants) == ["a", "b"] for q in quorums)
     child.proc.send_signal(signal.SIGTERM)
     assert child.wait(10) == 0, child.output()

@@ -17,7 +17,9 @@ from tests.coordination._helpers import free_port, parallel, wait_for
 
 
 def http(url, data=None, headers=None, timeout=5.0):
-    req = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data is not None else "GET")
+    req = urllib.request.Request(
+        url, data=data, headers=headers or {}, method="POST" if data is not None else "GET"
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read().decode()
@@ -29,9 +31,14 @@ def form(lh, *rids, **kw):
     c = LighthouseClient(lh.address(), 5.0)
     for rid in rids:
         c.heartbeat(rid, timeout=1.0)
-    qs = parallel([lambda rid=rid, i=i: c.quorum(rid, 5.0, step=10 + i, world_size=4,
-                                                 address=f"http://127.0.0.1:{9000 + i}", **kw)
-                   for i, rid in enumerate(rids)])
+    qs = parallel(
+        [
+            lambda rid=rid, i=i: c.quorum(
+                rid, 5.0, step=10 + i, world_size=4, address=f"http://127.0.0.1:{9000 + i}", **kw
+            )
+            for i, rid in enumerate(rids)
+        ]
+    )
     assert all(not isinstance(q, BaseException) for q in qs), qs
     return c, qs[0]
 
@@ -63,7 +70,9 @@ def test_page_status_and_metrics(lighthouse_factory):
     assert re.search(r'ft_lighthouse_heartbeat_age_seconds\{replica_id="a"\} [0-9.]+', metrics)
     assert re.search(r"ft_lighthouse_quorum_latency_seconds [0-9.e-]+", metrics)
     for line in metrics.splitlines():  # Prometheus text syntax
-        assert line.startswith("#") or re.match(r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$', line), line
+        assert line.startswith("#") or re.match(
+            r'^[a-z_]+(\{[a-z_]+="[^"]*"\})? -?[0-9.e+-]+$', line
+        ), line
     assert http(base + "/nope")[0] == 404
     assert "127.0.0.1:9000" not in metrics  # /metrics is open: it lists no address
 
@@ -97,10 +106,19 @@ def test_kill_requires_token(lighthouse_factory, children, monkeypatch):
     assert http(base + "/api/kill", b"{}", ok)[0] == 400
     assert http(base + "/api/kill", b"[]", ok)[0] == 400
     # The token does not stand in for the request header, nor a form body for JSON.
-    assert http(base + "/api/kill", body, {"Content-Type": "application/json",
-                                          "Authorization": "Bearer s3cret"})[0] == 403
+    assert (
+        http(
+            base + "/api/kill",
+            body,
+            {"Content-Type": "application/json", "Authorization": "Bearer s3cret"},
+        )[0]
+        == 403
+    )
     assert http(base + "/api/kill", body, {**ok, "Content-Type": "text/plain"})[0] == 415
-    assert http(base + "/api/kill?replica_id=victim", b"", {**ok, "Content-Type": "text/plain"})[0] == 415
+    assert (
+        http(base + "/api/kill?replica_id=victim", b"", {**ok, "Content-Type": "text/plain"})[0]
+        == 415
+    )
     assert http(base + "/api/kill?replica_id=victim", b"{}", ok)[0] == 400
     assert child.proc.poll() is None
     code, _, out = http(base + "/api/kill", body, ok)
@@ -131,7 +149,9 @@ def test_kill_without_token_configured(lighthouse_factory, children, monkeypatch
 
 # --- headless Chromium ------------------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+CHROMIUM = (
+    shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+)
 CHROMEDRIVER = shutil.which("chromedriver")
 ALIVE_RGB = (0x00, 0xC8, 0x53)  # --alive in dashboard/index.html: the member swatch colour
 
@@ -142,8 +162,8 @@ def png_pixels(data: bytes):
     pos, idat = 8, b""
     w = h = bpp = 0
     while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, chunk = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        (n,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, chunk = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + n]
         pos += 12 + n
         if kind == b"IHDR":
             w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunk)
@@ -156,7 +176,7 @@ def png_pixels(data: bytes):
     rows, prev = [], bytearray(stride)
     for y in range(h):
         f = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b = prev[i]
@@ -171,7 +191,7 @@ def png_pixels(data: bytes):
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        rows.append([tuple(line[x * bpp:x * bpp + 3]) for x in range(w)])
+        rows.append([tuple(line[x * bpp : x * bpp + 3]) for x in range(w)])
         prev = line
     return w, h, rows
 
@@ -192,17 +212,32 @@ class WebDriver:
 
     def __init__(self, port):
         self.base = f"http://127.0.0.1:{port}"
-        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {
-            "binary": CHROMIUM,
-            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--window-size=1200,1000", "--force-device-scale-factor=1",
-                     "--hide-scrollbars", "--no-first-run"]}}}}
+        caps = {
+            "capabilities": {
+                "alwaysMatch": {
+                    "goog:chromeOptions": {
+                        "binary": CHROMIUM,
+                        "args": [
+                            "--headless=new",
+                            "--no-sandbox",
+                            "--disable-gpu",
+                            "--disable-dev-shm-usage",
+                            "--window-size=1200,1000",
+                            "--force-device-scale-factor=1",
+                            "--hide-scrollbars",
+                            "--no-first-run",
+                        ],
+                    }
+                }
+            }
+        }
         self.sid = self.cmd("POST", "/session", caps)["sessionId"]
 
     def cmd(self, method, path, body=None, timeout=30):
         data = json.dumps(body or {}).encode() if method == "POST" else None
-        req = urllib.request.Request(self.base + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())["value"]
 
@@ -257,19 +292,25 @@ def test_dashboard_renders_members_in_chromium(lighthouse_factory, webdriver, tm
         assert time.monotonic() < deadline, "members never rendered"
         time.sleep(0.1)
     rendered = webdriver.run(
-        "return [...document.querySelectorAll('#members tr.member')].map(r => r.dataset.replica)")
+        "return [...document.querySelectorAll('#members tr.member')].map(r => r.dataset.replica)"
+    )
     assert rendered == members
     assert webdriver.run("return document.getElementById('quorum-id').textContent") == str(
-        lh.status()["quorum"]["quorum_id"])
+        lh.status()["quorum"]["quorum_id"]
+    )
     assert webdriver.run("return document.querySelectorAll('button.kill').length") == 3
     png = base64.b64decode(webdriver.s("GET", "/screenshot"))
     (tmp_path / "dashboard.png").write_bytes(png)
     w, h, rows = png_pixels(png)
     assert w >= 800 and h >= 600
-    assert count_swatches(rows, ALIVE_RGB) == 3, "screenshot should show one green swatch per member"
+    assert count_swatches(rows, ALIVE_RGB) == 3, (
+        "screenshot should show one green swatch per member"
+    )
 
 
-def test_dashboard_page_signs_in_and_kills_in_chromium(lighthouse_factory, children, webdriver, monkeypatch):
+def test_dashboard_page_signs_in_and_kills_in_chromium(
+    lighthouse_factory, children, webdriver, monkeypatch
+):
     """The page's own kill (header, JSON body, credential) passes the checks that stop a
     cross-site page (tests/security), and it asks for the credential that /api/status needs."""
     monkeypatch.setenv("FT_AUTH_TOKEN", "page-token-0123456789")
@@ -289,8 +330,10 @@ def test_dashboard_page_signs_in_and_kills_in_chromium(lighthouse_factory, child
     while webdriver.run("return document.querySelectorAll('#members tr.member').length") != 1:
         assert time.monotonic() < deadline, "members never rendered after signing in"
         time.sleep(0.1)
-    webdriver.run("window.confirm = () => true; window.alert = (m) => { window.lastAlert = m; };"
-                  "document.querySelector('button.kill').click();")
+    webdriver.run(
+        "window.confirm = () => true; window.alert = (m) => { window.lastAlert = m; };"
+        "document.querySelector('button.kill').click();"
+    )
     while not webdriver.run("return window.lastAlert || ''"):
         assert time.monotonic() < deadline, "the kill never answered"
         time.sleep(0.1)

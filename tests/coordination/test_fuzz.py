@@ -29,26 +29,56 @@ deadlines = st.one_of(st.none(), st.floats(0.001, 0.05))
 
 members = st.builds(
     pb.QuorumMember,
-    replica_id=st.one_of(st.sampled_from(["", "fz-x", "fz-y"]), st.text(max_size=20).map(lambda s: "fz-" + s)),
-    address=texts, store_address=texts, step=ints, world_size=uints, shrink_only=st.booleans(),
-    data=texts, commit_failures=ints,
+    replica_id=st.one_of(
+        st.sampled_from(["", "fz-x", "fz-y"]), st.text(max_size=20).map(lambda s: "fz-" + s)
+    ),
+    address=texts,
+    store_address=texts,
+    step=ints,
+    world_size=uints,
+    shrink_only=st.booleans(),
+    data=texts,
+    commit_failures=ints,
 )
 lighthouse_calls = st.one_of(
-    st.tuples(st.just("Quorum"), st.one_of(st.just(pb.LighthouseQuorumRequest()),
-                                            st.builds(pb.LighthouseQuorumRequest, requester=members))),
-    st.tuples(st.just("Heartbeat"), st.builds(pb.LighthouseHeartbeatRequest, replica_id=texts.map(lambda s: s and "fz-" + s))),
-    st.tuples(st.just("SubscribeFailures"), st.builds(pb.SubscribeFailuresRequest, subscriber=texts)),
+    st.tuples(
+        st.just("Quorum"),
+        st.one_of(
+            st.just(pb.LighthouseQuorumRequest()),
+            st.builds(pb.LighthouseQuorumRequest, requester=members),
+        ),
+    ),
+    st.tuples(
+        st.just("Heartbeat"),
+        st.builds(pb.LighthouseHeartbeatRequest, replica_id=texts.map(lambda s: s and "fz-" + s)),
+    ),
+    st.tuples(
+        st.just("SubscribeFailures"), st.builds(pb.SubscribeFailuresRequest, subscriber=texts)
+    ),
     st.tuples(st.sampled_from(["Quorum", "Heartbeat"]), st.binary(max_size=64)),
 )
 manager_calls = st.one_of(
-    st.tuples(st.just("Quorum"), st.builds(pb.ManagerQuorumRequest, group_rank=ints, step=ints,
-                                           checkpoint_metadata=texts, shrink_only=st.booleans(),
-                                           init_sync=st.booleans(), commit_failures=ints)),
-    st.tuples(st.just("ShouldCommit"), st.builds(pb.ShouldCommitRequest, should_commit=st.booleans(),
-                                                 group_rank=ints, step=ints)),
+    st.tuples(
+        st.just("Quorum"),
+        st.builds(
+            pb.ManagerQuorumRequest,
+            group_rank=ints,
+            step=ints,
+            checkpoint_metadata=texts,
+            shrink_only=st.booleans(),
+            init_sync=st.booleans(),
+            commit_failures=ints,
+        ),
+    ),
+    st.tuples(
+        st.just("ShouldCommit"),
+        st.builds(pb.ShouldCommitRequest, should_commit=st.booleans(), group_rank=ints, step=ints),
+    ),
     st.tuples(st.just("CheckpointMetadata"), st.builds(pb.CheckpointMetadataRequest, rank=ints)),
     st.tuples(st.just("Kill"), st.builds(pb.KillRequest, msg=texts)),
-    st.tuples(st.sampled_from(["Quorum", "ShouldCommit", "CheckpointMetadata"]), st.binary(max_size=64)),
+    st.tuples(
+        st.sampled_from(["Quorum", "ShouldCommit", "CheckpointMetadata"]), st.binary(max_size=64)
+    ),
 )
 
 STREAMING = {"SubscribeFailures"}
@@ -65,7 +95,9 @@ def _call(channel, service, method, request, timeout):
         finally:
             it.cancel()
         return
-    channel.unary_unary(path, request_serializer=ser, response_deserializer=lambda b: b)(request, timeout=timeout)
+    channel.unary_unary(path, request_serializer=ser, response_deserializer=lambda b: b)(
+        request, timeout=timeout
+    )
 
 
 def _check(channel, service, method, request, timeout):
@@ -83,13 +115,21 @@ def _check(channel, service, method, request, timeout):
 
 @pytest.fixture(scope="module")
 def servers():
-    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50, quorum_tick_ms=20, heartbeat_timeout_ms=300,
-                          dead_grace_ms=100)
-    ms = ManagerServer("fz-manager", lh.address(), "127.0.0.1", "127.0.0.1:0", "store", 2, 0.05, 5.0)
+    lh = LighthouseServer(
+        "127.0.0.1:0",
+        1,
+        join_timeout_ms=50,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=300,
+        dead_grace_ms=100,
+    )
+    ms = ManagerServer(
+        "fz-manager", lh.address(), "127.0.0.1", "127.0.0.1:0", "store", 2, 0.05, 5.0
+    )
     kills = []
     ms._exit = kills.append
-    lch = grpc.insecure_channel(lh.address()[len("http://"):])
-    mch = grpc.insecure_channel(ms.address()[len("http://"):])
+    lch = grpc.insecure_channel(lh.address()[len("http://") :])
+    mch = grpc.insecure_channel(ms.address()[len("http://") :])
     try:
         yield lh, ms, lch, mch, kills
     finally:
@@ -99,7 +139,9 @@ def servers():
         lh.shutdown(0.1)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(calls=st.lists(st.tuples(lighthouse_calls, deadlines), min_size=1, max_size=3))
 def test_fuzz_lighthouse(servers, calls):
     _, _, lch, _, _ = servers
@@ -107,7 +149,9 @@ def test_fuzz_lighthouse(servers, calls):
         _check(lch, "LighthouseService", method, req, timeout)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(calls=st.lists(st.tuples(manager_calls, deadlines), min_size=1, max_size=3))
 def test_fuzz_manager(servers, calls):
     _, _, _, mch, _ = servers
@@ -123,14 +167,26 @@ def test_still_correct_after_fuzz(servers):
     c = LighthouseClient(lh.address(), 5.0)
     for rid in ("ok-a", "ok-b"):
         c.heartbeat(rid, timeout=1.0)
-    qa, qb = parallel([lambda: c.quorum("ok-a", 5.0, step=3), lambda: c.quorum("ok-b", 5.0, step=3)])
+    qa, qb = parallel(
+        [lambda: c.quorum("ok-a", 5.0, step=3), lambda: c.quorum("ok-b", 5.0, step=3)]
+    )
     assert [p.replica_id for p in qa.participants] == ["ok-a", "ok-b"] and qa == qb
-    wait_for(lambda: all(r["replica_id"].startswith("ok-") or r["replica_id"] == "fz-manager"
-                         for r in lh.status()["replicas"]), timeout=3, what="fuzz replicas forgotten")
+    wait_for(
+        lambda: all(
+            r["replica_id"].startswith("ok-") or r["replica_id"] == "fz-manager"
+            for r in lh.status()["replicas"]
+        ),
+        timeout=3,
+        what="fuzz replicas forgotten",
+    )
     m = ManagerClient(ms.address(), 5.0)
-    r0, r1 = parallel([lambda: m._quorum(0, 7, "m0", False, 5.0), lambda: m._quorum(1, 7, "m1", False, 5.0)])
+    r0, r1 = parallel(
+        [lambda: m._quorum(0, 7, "m0", False, 5.0), lambda: m._quorum(1, 7, "m1", False, 5.0)]
+    )
     assert r0.replica_ids == r1.replica_ids == ["fz-manager"], (r0, r1)
     assert r0.max_step == 7 and not r0.heal and r0.store_address == "store"
     assert m._checkpoint_metadata(1, 2.0) == "m1"
-    assert parallel([lambda: m.should_commit(0, 7, True, 5.0), lambda: m.should_commit(1, 7, True, 5.0)]) == [True, True]
+    assert parallel(
+        [lambda: m.should_commit(0, 7, True, 5.0), lambda: m.should_commit(1, 7, True, 5.0)]
+    ) == [True, True]
     assert all(code == 1 for code in kills)

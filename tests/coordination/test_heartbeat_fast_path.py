@@ -14,16 +14,24 @@ from ft.coordination import _rpc
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination.rpc_server import native_available
 
-pytestmark = pytest.mark.skipif(not native_available(),
-                                reason="native gRPC server not built (no gRPC C++)")
+pytestmark = pytest.mark.skipif(
+    not native_available(), reason="native gRPC server not built (no gRPC C++)"
+)
 
 PATH = "/torchft.LighthouseService/Heartbeat"
 
 
 @pytest.fixture
 def lighthouse():
-    lh = LighthouseServer("127.0.0.1:0", 1, transport="native", join_timeout_ms=100,
-                          quorum_tick_ms=20, heartbeat_timeout_ms=500, http_bind="")
+    lh = LighthouseServer(
+        "127.0.0.1:0",
+        1,
+        transport="native",
+        join_timeout_ms=100,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=500,
+        http_bind="",
+    )
     python_calls = []
     original = lh._state.heartbeat
 
@@ -41,7 +49,8 @@ def lighthouse():
 def raw_call(lh, body: bytes, timeout=5.0):
     with grpc.insecure_channel(lh.address().replace("http://", "")) as ch:
         return ch.unary_unary(PATH, request_serializer=None, response_deserializer=None)(
-            body, timeout=timeout)
+            body, timeout=timeout
+        )
 
 
 def test_a_routine_heartbeat_is_answered_without_python_and_still_counts(lighthouse):
@@ -76,12 +85,22 @@ def test_heartbeats_answered_in_cpp_keep_a_replica_alive_and_their_absence_expir
         assert replica("alive")["heartbeat_age_s"] > 0.5
 
 
-@pytest.mark.parametrize("request_,code,words", [
-    (pb.LighthouseHeartbeatRequest(replica_id=""), grpc.StatusCode.INVALID_ARGUMENT,
-     "must not be empty"),
-    (pb.LighthouseHeartbeatRequest(replica_id="x" * (_rpc.MAX_NAME_LEN + 1)),
-     grpc.StatusCode.INVALID_ARGUMENT, "too long"),
-], ids=["empty-name", "long-name"])
+@pytest.mark.parametrize(
+    "request_,code,words",
+    [
+        (
+            pb.LighthouseHeartbeatRequest(replica_id=""),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "must not be empty",
+        ),
+        (
+            pb.LighthouseHeartbeatRequest(replica_id="x" * (_rpc.MAX_NAME_LEN + 1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "too long",
+        ),
+    ],
+    ids=["empty-name", "long-name"],
+)
 def test_bad_heartbeats_get_pythons_answer(lighthouse, request_, code, words):
     lh, python_calls = lighthouse
     with pytest.raises(grpc.RpcError) as e:
@@ -109,8 +128,9 @@ def test_invalid_utf8_and_unknown_fields_are_left_to_python(lighthouse):
 def test_a_heartbeat_without_a_deadline_is_refused_by_python(lighthouse):
     lh, python_calls = lighthouse
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(lh, pb.LighthouseHeartbeatRequest(replica_id="n").SerializeToString(),
-                 timeout=None)
+        raw_call(
+            lh, pb.LighthouseHeartbeatRequest(replica_id="n").SerializeToString(), timeout=None
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline" in e.value.details()
 
 

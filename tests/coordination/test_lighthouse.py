@@ -117,9 +117,13 @@ def test_member_data_comes_back_as_a_dict(lighthouse_factory):
     lh = lighthouse_factory(min_replicas=3, join_timeout_ms=5000)
     c = client(lh)
     data = {"k": 1, "nested": {"s": "v", "l": [1, 2.5, None]}}
-    qs = parallel([lambda: c.quorum("a", 10.0, data=data),
-                   lambda: c.quorum("b", 10.0, data={}),
-                   lambda: c.quorum("c", 10.0)])
+    qs = parallel(
+        [
+            lambda: c.quorum("a", 10.0, data=data),
+            lambda: c.quorum("b", 10.0, data={}),
+            lambda: c.quorum("c", 10.0),
+        ]
+    )
     for q in qs:
         by_id = {p.replica_id: p.data for p in q.participants}
         assert by_id == {"a": data, "b": {}, "c": None}
@@ -161,7 +165,9 @@ def test_split_brain_guard(lighthouse_factory, heartbeater):
     assert isinstance(a, TimeoutError) and isinstance(b, TimeoutError), (a, b)
     assert "split-brain" in str(a) or "split-brain" in lh.status()["next_quorum"]["reason"]
     # 3 of 4 may.
-    a, b, cc = parallel([lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0), lambda: c.quorum("c", 5.0)])
+    a, b, cc = parallel(
+        [lambda: c.quorum("a", 5.0), lambda: c.quorum("b", 5.0), lambda: c.quorum("c", 5.0)]
+    )
     assert ids(a) == ["a", "b", "c"] and a == b == cc
 
 
@@ -180,7 +186,9 @@ def test_shrink_only_and_waiter_outside_quorum(lighthouse_factory):
     q1 = form(c, "a", "b")
     with run_threads([lambda: c.quorum("n", 5.0)]) as newcomer:
         wait_for(lambda: "n" in lh.status()["next_quorum"]["participants"], what="n waiting")
-        qa, qb = parallel([lambda: c.quorum("a", 5.0, shrink_only=True), lambda: c.quorum("b", 5.0)])
+        qa, qb = parallel(
+            [lambda: c.quorum("a", 5.0, shrink_only=True), lambda: c.quorum("b", 5.0)]
+        )
         assert ids(qa) == ["a", "b"] and qa.quorum_id == q1.quorum_id
         # n was not in that quorum: it waits for the next round, still a participant.
         time.sleep(0.1)
@@ -281,7 +289,8 @@ def test_failure_notification_does_not_wait_for_a_slow_tick(lighthouse_factory, 
 
 
 def test_killed_subscriber_is_dead_at_once_not_after_heartbeat_timeout(
-        lighthouse_factory, heartbeater, children):
+    lighthouse_factory, heartbeater, children
+):
     """A replica's process (heartbeating, subscribed as "victim/0") is kill -9'd: its stream
     drops, so the other member is notified and forms its next quorum in well under the 5 s
     heartbeat timeout."""
@@ -345,7 +354,8 @@ def test_clean_leave_is_not_announced_as_failure(lighthouse_factory, heartbeater
         assert sub.wait_subscribed(5)
         q = form(c, "a", "b")
         b_stream = threading.Thread(
-            target=lambda: list(c.failures(timeout=0.4, subscriber="b/0")), daemon=True)
+            target=lambda: list(c.failures(timeout=0.4, subscriber="b/0")), daemon=True
+        )
         b_stream.start()
         time.sleep(0.1)
         stop_b.set()
@@ -460,7 +470,9 @@ def test_rpc_without_deadline_is_invalid_argument(lighthouse_factory):
     ch, stub = _raw_stub(lh)
     with ch:
         calls = [
-            lambda: stub.Quorum(pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a"))),
+            lambda: stub.Quorum(
+                pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a"))
+            ),
             lambda: stub.Heartbeat(pb.LighthouseHeartbeatRequest(replica_id="a")),
             lambda: list(stub.SubscribeFailures(pb.SubscribeFailuresRequest())),
         ]
@@ -475,10 +487,14 @@ BAD_REQUESTS = [
     (pb.LighthouseQuorumRequest(), "requester is required"),
     (pb.LighthouseQuorumRequest(requester=pb.QuorumMember()), "replica_id must not be empty"),
     (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", step=-1)), "step"),
-    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", commit_failures=-3)),
-     "commit_failures"),
-    (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", world_size=1 << 40)),
-     "world_size"),
+    (
+        pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", commit_failures=-3)),
+        "commit_failures",
+    ),
+    (
+        pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", world_size=1 << 40)),
+        "world_size",
+    ),
     (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", data="{nope")), "JSON"),
     (pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x" * 5000)), "too long"),
 ]
@@ -497,7 +513,9 @@ def test_bad_fields_are_invalid_argument_and_server_survives(lighthouse_factory)
             stub.Heartbeat(pb.LighthouseHeartbeatRequest(replica_id=""), timeout=2)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # Oversized message: refused by the server's size limit.
-        huge = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", data="x" * (5 << 20)))
+        huge = pb.LighthouseQuorumRequest(
+            requester=pb.QuorumMember(replica_id="a", data="x" * (5 << 20))
+        )
         with pytest.raises(grpc.RpcError) as e:
             stub.Quorum(huge, timeout=5)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

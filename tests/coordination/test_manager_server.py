@@ -32,7 +32,10 @@ def group_round(server, steps, timeout=5.0, **kw):
     """Every local rank of one group asks at once; returns the answers by group rank."""
     c = mc(server)
     return parallel(
-        [lambda r=r, s=s: c._quorum(r, s, f"meta-{r}", False, timeout, **kw) for r, s in enumerate(steps)]
+        [
+            lambda r=r, s=s: c._quorum(r, s, f"meta-{r}", False, timeout, **kw)
+            for r, s in enumerate(steps)
+        ]
     )
 
 
@@ -70,7 +73,9 @@ def test_two_groups_per_rank_answers(lighthouse_factory, manager_factory):
     assert b0.recover_dst_replica_ranks == [0] and b1.recover_dst_replica_ranks == [0]
     assert a0.max_replica_rank is None and b0.max_replica_rank == 0
     # A healing peer reads the source's checkpoint metadata for its group rank.
-    assert ManagerClient(a1.recover_src_manager_address, 5.0)._checkpoint_metadata(1, 5.0) == "meta-1"
+    assert (
+        ManagerClient(a1.recover_src_manager_address, 5.0)._checkpoint_metadata(1, 5.0) == "meta-1"
+    )
 
 
 def test_init_sync_at_step_zero(lighthouse_factory, manager_factory):
@@ -86,8 +91,12 @@ def test_init_sync_at_step_zero(lighthouse_factory, manager_factory):
     assert (a1.heal, b1.heal) == (True, False) and a1.recover_src_replica_rank == 1
     assert a0.store_address == b0.store_address == "store-g0"
     assert a1.store_address == b1.store_address == "store-g1"
-    with run_threads([lambda: group_round(s0, [0, 0], init_sync=False),
-                      lambda: group_round(s1, [0, 0], init_sync=False)]) as res:
+    with run_threads(
+        [
+            lambda: group_round(s0, [0, 0], init_sync=False),
+            lambda: group_round(s1, [0, 0], init_sync=False),
+        ]
+    ) as res:
         pass
     assert not any(r.heal for pair in res for r in pair)
 
@@ -97,8 +106,12 @@ def test_commit_failures_is_max_and_bumps_quorum(lighthouse_factory, manager_fac
     s = manager_factory("g0", lh.address(), world_size=2)
     c = mc(s)
     first = group_round(s, [1, 1])
-    res = parallel([lambda: c._quorum(0, 1, "", False, 5.0, commit_failures=0),
-                    lambda: c._quorum(1, 1, "", False, 5.0, commit_failures=2)])
+    res = parallel(
+        [
+            lambda: c._quorum(0, 1, "", False, 5.0, commit_failures=0),
+            lambda: c._quorum(1, 1, "", False, 5.0, commit_failures=2),
+        ]
+    )
     assert [r.commit_failures for r in res] == [2, 2]
     assert res[0].quorum_id == first[0].quorum_id + 1
 
@@ -109,7 +122,9 @@ def test_missing_rank_times_out_under_one_second(lighthouse_factory, manager_fac
     s = manager_factory("g0", lh.address(), world_size=3)
     c = mc(s, kind)
     t0 = time.monotonic()
-    res = parallel([lambda: c._quorum(0, 1, "", False, 0.5), lambda: c._quorum(1, 1, "", False, 0.5)])
+    res = parallel(
+        [lambda: c._quorum(0, 1, "", False, 0.5), lambda: c._quorum(1, 1, "", False, 0.5)]
+    )
     elapsed = time.monotonic() - t0
     assert all(isinstance(r, TimeoutError) for r in res), res
     assert "group ranks [2]" in str(res[0])
@@ -123,8 +138,12 @@ def test_should_commit_vote(manager_factory, lighthouse_factory, kind):
     lh = lighthouse_factory()
     s = manager_factory("g0", lh.address(), world_size=2)
     c = mc(s, kind)
-    assert parallel([lambda: c.should_commit(0, 1, True, 5.0), lambda: c.should_commit(1, 1, True, 5.0)]) == [True, True]
-    assert parallel([lambda: c.should_commit(0, 2, True, 5.0), lambda: c.should_commit(1, 2, False, 5.0)]) == [False, False]
+    assert parallel(
+        [lambda: c.should_commit(0, 1, True, 5.0), lambda: c.should_commit(1, 1, True, 5.0)]
+    ) == [True, True]
+    assert parallel(
+        [lambda: c.should_commit(0, 2, True, 5.0), lambda: c.should_commit(1, 2, False, 5.0)]
+    ) == [False, False]
     # A vote whose step disagrees is rejected and counts as "no".
     with run_threads([lambda: c.should_commit(0, 3, True, 5.0)]) as first:
         wait_for(lambda: len(s._commit.votes) == 1)
@@ -138,7 +157,9 @@ def test_should_commit_vote(manager_factory, lighthouse_factory, kind):
     with pytest.raises(TimeoutError, match=r"group ranks \[1\]"):
         c.should_commit(0, 5, True, 0.3)
     assert time.monotonic() - t0 < 0.8
-    assert parallel([lambda: c.should_commit(0, 5, True, 5.0), lambda: c.should_commit(1, 5, True, 5.0)]) == [True, True]
+    assert parallel(
+        [lambda: c.should_commit(0, 5, True, 5.0), lambda: c.should_commit(1, 5, True, 5.0)]
+    ) == [True, True]
 
 
 def test_local_rank0_and_remote_rank1_share_rounds(lighthouse_factory, manager_factory):
@@ -146,14 +167,22 @@ def test_local_rank0_and_remote_rank1_share_rounds(lighthouse_factory, manager_f
     lh = lighthouse_factory(min_replicas=1)
     s = manager_factory("g0", lh.address(), world_size=2)
     local, remote = mc(s, "local"), mc(s, "remote")
-    a, b = parallel([lambda: local._quorum(0, 4, "meta-0", False, 5.0),
-                     lambda: remote._quorum(1, 4, "meta-1", False, 5.0)])
+    a, b = parallel(
+        [
+            lambda: local._quorum(0, 4, "meta-0", False, 5.0),
+            lambda: remote._quorum(1, 4, "meta-1", False, 5.0),
+        ]
+    )
     assert isinstance(a, QuorumResult) and isinstance(b, QuorumResult), (a, b)
     assert a.quorum_id == b.quorum_id and a.max_step == 4
     assert local._checkpoint_metadata(1, 2.0) == "meta-1"
     assert remote._checkpoint_metadata(0, 2.0) == "meta-0"
-    assert parallel([lambda: local.should_commit(0, 4, True, 5.0),
-                     lambda: remote.should_commit(1, 4, False, 5.0)]) == [False, False]
+    assert parallel(
+        [
+            lambda: local.should_commit(0, 4, True, 5.0),
+            lambda: remote.should_commit(1, 4, False, 5.0),
+        ]
+    ) == [False, False]
     with pytest.raises(ValueError, match="timeout is required"):
         local.should_commit(0, 4, True, None)
     with pytest.raises(CoordinationError) as e:
@@ -190,13 +219,20 @@ def test_bad_requests(manager_factory, lighthouse_factory):
         for call in no_deadline:
             with pytest.raises(grpc.RpcError) as e:
                 call()
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline" in e.value.details()
+            assert (
+                e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and "deadline" in e.value.details()
+            )
         bad = [
             (stub.Quorum, pb.ManagerQuorumRequest(group_rank=-1), "group_rank"),
             (stub.Quorum, pb.ManagerQuorumRequest(group_rank=2), "out of range"),
             (stub.Quorum, pb.ManagerQuorumRequest(group_rank=1 << 62), "group_rank"),
             (stub.Quorum, pb.ManagerQuorumRequest(group_rank=0, step=-5), "step"),
-            (stub.Quorum, pb.ManagerQuorumRequest(group_rank=0, commit_failures=-1), "commit_failures"),
+            (
+                stub.Quorum,
+                pb.ManagerQuorumRequest(group_rank=0, commit_failures=-1),
+                "commit_failures",
+            ),
             (stub.ShouldCommit, pb.ShouldCommitRequest(group_rank=7), "out of range"),
             (stub.ShouldCommit, pb.ShouldCommitRequest(group_rank=0, step=-1), "step"),
         ]
@@ -206,8 +242,9 @@ def test_bad_requests(manager_factory, lighthouse_factory):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, req
             assert msg in e.value.details()
         big = pb.ManagerQuorumRequest(group_rank=0, checkpoint_metadata="x" * (5 << 20))
-        ch2 = grpc.insecure_channel(s.address().replace("http://", ""),
-                                    options=[("grpc.max_send_message_length", 64 << 20)])
+        ch2 = grpc.insecure_channel(
+            s.address().replace("http://", ""), options=[("grpc.max_send_message_length", 64 << 20)]
+        )
         with ch2, pytest.raises(grpc.RpcError) as e:
             pb_grpc.ManagerServiceStub(ch2).Quorum(big, timeout=5)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -267,7 +304,9 @@ def test_lighthouse_restart_mid_quorum(lighthouse_factory, manager_factory):
     s0 = manager_factory("g0", addr, world_size=1, quorum_retries=20)
     s1 = manager_factory("g1", addr, world_size=1, quorum_retries=20)
     wait_for(lambda: len(lh.status()["replicas"]) == 2)
-    first = parallel([lambda: mc(s0)._quorum(0, 1, "", False, 5.0), lambda: mc(s1)._quorum(0, 1, "", False, 5.0)])
+    first = parallel(
+        [lambda: mc(s0)._quorum(0, 1, "", False, 5.0), lambda: mc(s1)._quorum(0, 1, "", False, 5.0)]
+    )
     with run_threads([lambda: mc(s0)._quorum(0, 2, "", False, 8.0)]) as res:
         wait_for(lambda: lh.status()["next_quorum"]["participants"] == ["g0"], what="g0 waiting")
         lh.shutdown()  # the lighthouse dies while g0 waits
@@ -292,8 +331,9 @@ def test_kill_exits_process_nonzero(lighthouse_factory, children):
 
 def test_kill9_manager_survivors_and_notification(lighthouse_factory, manager_factory, children):
     hb_ms, tick_ms = 400, 20
-    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=hb_ms, quorum_tick_ms=tick_ms,
-                            join_timeout_ms=100)
+    lh = lighthouse_factory(
+        min_replicas=1, heartbeat_timeout_ms=hb_ms, quorum_tick_ms=tick_ms, join_timeout_ms=100
+    )
     survivor = manager_factory("a-survivor", lh.address(), world_size=1)
     child = children("manager", "b-victim", lh.address(), "1", "0.05")
     victim = ManagerClient(child.address(), 5.0)
@@ -301,11 +341,16 @@ def test_kill9_manager_survivors_and_notification(lighthouse_factory, manager_fa
     notified = []
     got = threading.Event()
     sub = LighthouseClient(lh.address(), 5.0).subscribe_failures(
-        lambda n: (notified.append((time.monotonic(), n)), got.set()))
+        lambda n: (notified.append((time.monotonic(), n)), got.set())
+    )
     try:
         assert sub.wait_subscribed(5)
-        first = parallel([lambda: mc(survivor)._quorum(0, 1, "", False, 5.0),
-                          lambda: victim._quorum(0, 1, "", False, 5.0)])
+        first = parallel(
+            [
+                lambda: mc(survivor)._quorum(0, 1, "", False, 5.0),
+                lambda: victim._quorum(0, 1, "", False, 5.0),
+            ]
+        )
         assert first[0].replica_ids == ["a-survivor", "b-victim"], first
         os.kill(child.proc.pid, signal.SIGKILL)
         t_kill = time.monotonic()
@@ -333,30 +378,43 @@ def test_calls_past_their_deadline_never_join_a_round(lighthouse_factory, manage
         s.should_commit(1, 7, False, past)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     with pytest.raises(CoordinationError) as e:
-        s.quorum(GroupRequest(group_rank=1, step=7, checkpoint_metadata="", shrink_only=False,
-                              init_sync=True, commit_failures=0), past)
+        s.quorum(
+            GroupRequest(
+                group_rank=1,
+                step=7,
+                checkpoint_metadata="",
+                shrink_only=False,
+                init_sync=True,
+                commit_failures=0,
+            ),
+            past,
+        )
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not s._commit.votes and not s._round.requests  # nothing was recorded
     c = mc(s)
     # the stale "no" above did not count: the next round commits
-    assert parallel([lambda: c.should_commit(0, 8, True, 5.0),
-                     lambda: c.should_commit(1, 8, True, 5.0)]) == [True, True]
+    assert parallel(
+        [lambda: c.should_commit(0, 8, True, 5.0), lambda: c.should_commit(1, 8, True, 5.0)]
+    ) == [True, True]
 
 
-def test_open_calls_beyond_the_pool_get_resource_exhausted(lighthouse_factory, manager_factory,
-                                                          monkeypatch):
+def test_open_calls_beyond_the_pool_get_resource_exhausted(
+    lighthouse_factory, manager_factory, monkeypatch
+):
     """Quorum/ShouldCommit calls hold a worker each while they wait for the group; past the
     cap a call is refused at once instead of queueing behind the others."""
     from ft.coordination import manager_server
 
     real = manager_server._methods
-    monkeypatch.setattr(manager_server, "_methods",
-                        lambda server, pool, workers: real(server, pool, 2))
+    monkeypatch.setattr(
+        manager_server, "_methods", lambda server, pool, workers: real(server, pool, 2)
+    )
     lh = lighthouse_factory()
     s = manager_factory("g0", lh.address(), world_size=4)
     c = mc(s)
-    with run_threads([lambda: c.should_commit(0, 1, True, 3.0),
-                      lambda: c.should_commit(1, 1, True, 3.0)]) as waiting:
+    with run_threads(
+        [lambda: c.should_commit(0, 1, True, 3.0), lambda: c.should_commit(1, 1, True, 3.0)]
+    ) as waiting:
         wait_for(lambda: len(s._commit.votes) == 2)
         with pytest.raises(CoordinationError) as e:
             c.should_commit(2, 1, True, 3.0)
@@ -365,7 +423,14 @@ def test_open_calls_beyond_the_pool_get_resource_exhausted(lighthouse_factory, m
     # the slots are free again once those calls ended: two remote ranks (the cap) and two
     # in-process ones (no gRPC call) complete a round
     local = mc(s, "local")
-    assert parallel([lambda: c.should_commit(0, 2, True, 5.0),
-                     lambda: c.should_commit(1, 2, True, 5.0),
-                     lambda: local.should_commit(2, 2, True, 5.0),
-                     lambda: local.should_commit(3, 2, True, 5.0)]) == [True] * 4
+    assert (
+        parallel(
+            [
+                lambda: c.should_commit(0, 2, True, 5.0),
+                lambda: c.should_commit(1, 2, True, 5.0),
+                lambda: local.should_commit(2, 2, True, 5.0),
+                lambda: local.should_commit(3, 2, True, 5.0),
+            ]
+        )
+        == [True] * 4
+    )

@@ -21,7 +21,9 @@ def _gen_module():
 
 def test_checked_in_stubs_match_proto(tmp_path):
     pytest.importorskip("grpc_tools")
-    rc = subprocess.run([sys.executable, GEN, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    rc = subprocess.run(
+        [sys.executable, GEN, "--out", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
     assert rc.returncode == 0, rc.stderr
     fresh = sorted(p.name for p in tmp_path.iterdir())
     assert fresh == sorted(n for n in os.listdir(STUBS) if n.endswith((".py", ".pyi")))
@@ -44,19 +46,43 @@ def test_generated_grpc_module_uses_relative_import():
 
 # torchft's wire layout: message -> {field: (number, type name or label)}.
 WIRE = {
-    "QuorumMember": {"replica_id": 1, "address": 2, "store_address": 3, "step": 4, "world_size": 5,
-                     "shrink_only": 6, "data": 7, "commit_failures": 8},
+    "QuorumMember": {
+        "replica_id": 1,
+        "address": 2,
+        "store_address": 3,
+        "step": 4,
+        "world_size": 5,
+        "shrink_only": 6,
+        "data": 7,
+        "commit_failures": 8,
+    },
     "Quorum": {"quorum_id": 1, "participants": 2, "created": 3},
     "LighthouseQuorumRequest": {"requester": 1},
     "LighthouseQuorumResponse": {"quorum": 1},
     "LighthouseHeartbeatRequest": {"replica_id": 1},
-    "ManagerQuorumRequest": {"group_rank": 1, "step": 2, "checkpoint_metadata": 3, "shrink_only": 4,
-                             "init_sync": 5, "commit_failures": 6},
-    "ManagerQuorumResponse": {"quorum_id": 1, "recover_src_manager_address": 2,
-                              "recover_src_replica_rank": 3, "recover_dst_replica_ranks": 4,
-                              "store_address": 5, "max_step": 6, "max_replica_rank": 7,
-                              "max_world_size": 8, "replica_rank": 9, "replica_world_size": 10,
-                              "heal": 11, "commit_failures": 12, "replica_ids": 13},
+    "ManagerQuorumRequest": {
+        "group_rank": 1,
+        "step": 2,
+        "checkpoint_metadata": 3,
+        "shrink_only": 4,
+        "init_sync": 5,
+        "commit_failures": 6,
+    },
+    "ManagerQuorumResponse": {
+        "quorum_id": 1,
+        "recover_src_manager_address": 2,
+        "recover_src_replica_rank": 3,
+        "recover_dst_replica_ranks": 4,
+        "store_address": 5,
+        "max_step": 6,
+        "max_replica_rank": 7,
+        "max_world_size": 8,
+        "replica_rank": 9,
+        "replica_world_size": 10,
+        "heal": 11,
+        "commit_failures": 12,
+        "replica_ids": 13,
+    },
     "CheckpointMetadataRequest": {"rank": 1},
     "CheckpointMetadataResponse": {"checkpoint_metadata": 1},
     "ShouldCommitRequest": {"should_commit": 1, "group_rank": 2, "step": 3},

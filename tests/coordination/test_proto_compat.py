@@ -38,8 +38,17 @@ def test_floors_match_pyproject():
 @pytest.fixture(scope="module")
 def floor_site(tmp_path_factory):
     target = tmp_path_factory.mktemp("floor_site")
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:",
-           "--target", str(target)] + [f"{n}=={v}" for n, v in FLOORS.items()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--target",
+        str(target),
+    ] + [f"{n}=={v}" for n, v in FLOORS.items()]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
@@ -60,9 +69,14 @@ def test_coordination_round_trip_on_the_oldest_grpcio_and_protobuf(floor_site):
     env["PYTHONPATH"] = os.pathsep.join([floor_site, env.get("PYTHONPATH", "")])
     # -m in the repository root: ft and tests come from it; it holds no grpc or protobuf, so the
     # floor versions are the first found.
-    r = subprocess.run(python_argv("tests.coordination.proto_compat_child", FLOORS["grpcio"],
-                                   FLOORS["protobuf"]),
-                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    r = subprocess.run(
+        python_argv("tests.coordination.proto_compat_child", FLOORS["grpcio"], FLOORS["protobuf"]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"grpcio": FLOORS["grpcio"], "protobuf": FLOORS["protobuf"], "ok": True}

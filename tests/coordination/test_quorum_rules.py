@@ -20,8 +20,13 @@ NOW = 100.0
 
 def m(rid, step=0, shrink_only=False, commit_failures=0, store=None):
     return QuorumMember(
-        replica_id=rid, address=f"addr-{rid}", store_address=store or f"store-{rid}", step=step,
-        world_size=1, shrink_only=shrink_only, commit_failures=commit_failures,
+        replica_id=rid,
+        address=f"addr-{rid}",
+        store_address=store or f"store-{rid}",
+        step=step,
+        world_size=1,
+        shrink_only=shrink_only,
+        commit_failures=commit_failures,
     )
 
 
@@ -43,42 +48,177 @@ def prev_quorum(*ids, qid=7):
 # (name, participants, heartbeat ages, joined ago, prev quorum ids, opts, expected ids or None, reason substring)
 QUORUM_CASES = [
     ("no participants", [], {}, {}, None, OPTS, None, "no participants"),
-    ("all heartbeating join", ["b", "a"], {"a": 0, "b": 0}, {}, None, OPTS, ["a", "b"],
-     "all 2 heartbeating"),
+    (
+        "all heartbeating join",
+        ["b", "a"],
+        {"a": 0, "b": 0},
+        {},
+        None,
+        OPTS,
+        ["a", "b"],
+        "all 2 heartbeating",
+    ),
     ("below min_replicas", ["a"], {"a": 0}, {}, None, OPTS, None, "min_replicas"),
-    ("min_replicas=1 single", ["a"], {"a": 0},  {}, None,
-     LighthouseOptions(1, 10.0, 5.0), ["a"], "all 1"),
-    ("expired heartbeat is not healthy", ["a", "b", "c"], {"a": 0, "b": 0, "c": 6}, {}, None, OPTS,
-     ["a", "b"], "all 2"),
-    ("participant without heartbeat entry ignored", ["a", "b", "z"], {"a": 0, "b": 0}, {}, None,
-     OPTS, ["a", "b"], "all 2"),
-    ("straggler: wait for join timeout", ["a", "b"], {"a": 0, "b": 0, "c": 0}, {"a": 3, "b": 1},
-     None, OPTS, None, "join timeout in 7.0s"),
-    ("straggler: join timeout elapsed", ["a", "b"], {"a": 0, "b": 0, "c": 0}, {"a": 10, "b": 1},
-     None, OPTS, ["a", "b"], "join timeout elapsed"),
-    ("split brain: 2 of 4 heartbeating", ["a", "b"], {"a": 0, "b": 0, "c": 0, "d": 0},
-     {"a": 60, "b": 60}, None, OPTS, None, "split-brain"),
-    ("split brain: 3 of 5 ok after join timeout", ["a", "b", "c"],
-     {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0}, {"a": 60}, None, OPTS, ["a", "b", "c"],
-     "join timeout elapsed"),
-    ("fast path ignores min_replicas and join wait", ["a"], {"a": 0, "b": 0, "c": 0}, {},
-     ["a"], OPTS, ["a"], "fast path"),
-    ("fast path includes new joiners", ["a", "b", "n"], {"a": 0, "b": 0, "n": 0, "x": 0}, {},
-     ["a", "b"], OPTS, ["a", "b", "n"], "fast path"),
-    ("no fast path when a member is missing", ["a", "n"], {"a": 0, "b": 0, "n": 0}, {},
-     ["a", "b"], OPTS, None, "join timeout"),
-    ("no fast path when a member's heartbeat expired", ["a", "b"], {"a": 0, "b": 9}, {},
-     ["a", "b"], OPTS, None, "min_replicas"),
-    ("member died: survivors after heartbeat expiry", ["a", "c"], {"a": 0, "b": 9, "c": 0}, {},
-     ["a", "b", "c"], OPTS, ["a", "c"], "all 2"),
-    ("shrink_only drops new joiners (fast path)", [m("a", shrink_only=True), "b", "n"],
-     {"a": 0, "b": 0, "n": 0}, {}, ["a", "b"], OPTS, ["a", "b"], "fast path"),
-    ("shrink_only below min_replicas waits", [m("a", shrink_only=True), "n"],
-     {"a": 0, "n": 0}, {}, ["a", "b"], OPTS, None, "min_replicas"),
-    ("shrink_only without prev quorum has no effect", [m("a", shrink_only=True), "n"],
-     {"a": 0, "n": 0}, {}, None, OPTS, ["a", "n"], "all 2"),
-    ("shrink_only by an unhealthy participant is ignored", [m("z", shrink_only=True), "a", "n"],
-     {"a": 0, "n": 0, "z": 9}, {}, ["a"], OPTS, ["a", "n"], "fast path"),
+    (
+        "min_replicas=1 single",
+        ["a"],
+        {"a": 0},
+        {},
+        None,
+        LighthouseOptions(1, 10.0, 5.0),
+        ["a"],
+        "all 1",
+    ),
+    (
+        "expired heartbeat is not healthy",
+        ["a", "b", "c"],
+        {"a": 0, "b": 0, "c": 6},
+        {},
+        None,
+        OPTS,
+        ["a", "b"],
+        "all 2",
+    ),
+    (
+        "participant without heartbeat entry ignored",
+        ["a", "b", "z"],
+        {"a": 0, "b": 0},
+        {},
+        None,
+        OPTS,
+        ["a", "b"],
+        "all 2",
+    ),
+    (
+        "straggler: wait for join timeout",
+        ["a", "b"],
+        {"a": 0, "b": 0, "c": 0},
+        {"a": 3, "b": 1},
+        None,
+        OPTS,
+        None,
+        "join timeout in 7.0s",
+    ),
+    (
+        "straggler: join timeout elapsed",
+        ["a", "b"],
+        {"a": 0, "b": 0, "c": 0},
+        {"a": 10, "b": 1},
+        None,
+        OPTS,
+        ["a", "b"],
+        "join timeout elapsed",
+    ),
+    (
+        "split brain: 2 of 4 heartbeating",
+        ["a", "b"],
+        {"a": 0, "b": 0, "c": 0, "d": 0},
+        {"a": 60, "b": 60},
+        None,
+        OPTS,
+        None,
+        "split-brain",
+    ),
+    (
+        "split brain: 3 of 5 ok after join timeout",
+        ["a", "b", "c"],
+        {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0},
+        {"a": 60},
+        None,
+        OPTS,
+        ["a", "b", "c"],
+        "join timeout elapsed",
+    ),
+    (
+        "fast path ignores min_replicas and join wait",
+        ["a"],
+        {"a": 0, "b": 0, "c": 0},
+        {},
+        ["a"],
+        OPTS,
+        ["a"],
+        "fast path",
+    ),
+    (
+        "fast path includes new joiners",
+        ["a", "b", "n"],
+        {"a": 0, "b": 0, "n": 0, "x": 0},
+        {},
+        ["a", "b"],
+        OPTS,
+        ["a", "b", "n"],
+        "fast path",
+    ),
+    (
+        "no fast path when a member is missing",
+        ["a", "n"],
+        {"a": 0, "b": 0, "n": 0},
+        {},
+        ["a", "b"],
+        OPTS,
+        None,
+        "join timeout",
+    ),
+    (
+        "no fast path when a member's heartbeat expired",
+        ["a", "b"],
+        {"a": 0, "b": 9},
+        {},
+        ["a", "b"],
+        OPTS,
+        None,
+        "min_replicas",
+    ),
+    (
+        "member died: survivors after heartbeat expiry",
+        ["a", "c"],
+        {"a": 0, "b": 9, "c": 0},
+        {},
+        ["a", "b", "c"],
+        OPTS,
+        ["a", "c"],
+        "all 2",
+    ),
+    (
+        "shrink_only drops new joiners (fast path)",
+        [m("a", shrink_only=True), "b", "n"],
+        {"a": 0, "b": 0, "n": 0},
+        {},
+        ["a", "b"],
+        OPTS,
+        ["a", "b"],
+        "fast path",
+    ),
+    (
+        "shrink_only below min_replicas waits",
+        [m("a", shrink_only=True), "n"],
+        {"a": 0, "n": 0},
+        {},
+        ["a", "b"],
+        OPTS,
+        None,
+        "min_replicas",
+    ),
+    (
+        "shrink_only without prev quorum has no effect",
+        [m("a", shrink_only=True), "n"],
+        {"a": 0, "n": 0},
+        {},
+        None,
+        OPTS,
+        ["a", "n"],
+        "all 2",
+    ),
+    (
+        "shrink_only by an unhealthy participant is ignored",
+        [m("z", shrink_only=True), "a", "n"],
+        {"a": 0, "n": 0, "z": 9},
+        {},
+        ["a"],
+        OPTS,
+        ["a", "n"],
+        "fast path",
+    ),
 ]
 
 
@@ -108,7 +248,9 @@ ID_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,prev,members,current,expected,why", ID_CASES, ids=[c[0] for c in ID_CASES])
+@pytest.mark.parametrize(
+    "name,prev,members,current,expected,why", ID_CASES, ids=[c[0] for c in ID_CASES]
+)
 def test_next_quorum_id(name, prev, members, current, expected, why):
     qid, reason = next_quorum_id(prev_quorum(*prev) if prev else None, current, members)
     assert qid == expected
@@ -160,10 +302,22 @@ def test_worked_example_group_rank_1_rotates_sources():
 # (name, steps, group_rank, init_sync, expected heal flags, expected src ranks)
 HEAL_CASES = [
     ("all equal, step>0: nobody heals", [4, 4, 4], 0, True, [False] * 3, [None] * 3),
-    ("init_sync at step 0: all but primary heal", [0, 0, 0], 0, True, [False, True, True],
-     [None, 0, 0]),
-    ("init_sync at step 0, group rank 1: primary is r1", [0, 0, 0], 1, True, [True, False, True],
-     [1, None, 1]),
+    (
+        "init_sync at step 0: all but primary heal",
+        [0, 0, 0],
+        0,
+        True,
+        [False, True, True],
+        [None, 0, 0],
+    ),
+    (
+        "init_sync at step 0, group rank 1: primary is r1",
+        [0, 0, 0],
+        1,
+        True,
+        [True, False, True],
+        [1, None, 1],
+    ),
     ("no init_sync at step 0: nobody heals", [0, 0, 0], 0, False, [False] * 3, [None] * 3),
     ("one behind", [3, 2, 3], 0, True, [False, True, False], [None, 0, None]),
     ("one behind, group rank 1", [3, 2, 3], 1, True, [False, True, False], [None, 2, None]),
@@ -172,7 +326,9 @@ HEAL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,steps,gr,init_sync,heal,src", HEAL_CASES, ids=[c[0] for c in HEAL_CASES])
+@pytest.mark.parametrize(
+    "name,steps,gr,init_sync,heal,src", HEAL_CASES, ids=[c[0] for c in HEAL_CASES]
+)
 def test_heal_assignment(name, steps, gr, init_sync, heal, src):
     a = _answers(steps, gr, init_sync)
     assert [a[f"r{i}"].heal for i in range(len(steps))] == heal
@@ -197,13 +353,25 @@ def test_not_a_member_raises():
 MERGE_CASES = [
     ("agree", [GroupRequest(0, 5), GroupRequest(1, 5)], 2, (5, False, True, 0)),
     ("lagging rank -> min step", [GroupRequest(0, 5), GroupRequest(1, 4)], 2, (4, False, True, 0)),
-    ("shrink_only any", [GroupRequest(0, 1, shrink_only=True), GroupRequest(1, 1)], 2,
-     (1, True, True, 0)),
-    ("init_sync any", [GroupRequest(0, 0, init_sync=False), GroupRequest(1, 0, init_sync=True)], 2,
-     (0, False, True, 0)),
+    (
+        "shrink_only any",
+        [GroupRequest(0, 1, shrink_only=True), GroupRequest(1, 1)],
+        2,
+        (1, True, True, 0),
+    ),
+    (
+        "init_sync any",
+        [GroupRequest(0, 0, init_sync=False), GroupRequest(1, 0, init_sync=True)],
+        2,
+        (0, False, True, 0),
+    ),
     ("init_sync none", [GroupRequest(0, 0, init_sync=False)], 1, (0, False, False, 0)),
-    ("commit failures max", [GroupRequest(0, 1, commit_failures=1), GroupRequest(1, 1, commit_failures=4)],
-     2, (1, False, True, 4)),
+    (
+        "commit failures max",
+        [GroupRequest(0, 1, commit_failures=1), GroupRequest(1, 1, commit_failures=4)],
+        2,
+        (1, False, True, 4),
+    ),
 ]
 
 
@@ -220,37 +388,107 @@ def test_merge_group_requests_needs_every_rank():
 # (name, member steps, init_sync, async quorum, allow_heal, spares_above,
 #  expected (rank, contributors, commit_size) per member, in replica order)
 PARTICIPATION_CASES = [
-    ("async, init_sync, step 0: primary contributes, all commit", [0, 0], True, True, True, None,
-     [(0, 1, 2), (None, 1, 2)]),
-    ("async, init_sync, step 0, 3 groups", [0, 0, 0], True, True, True, None,
-     [(0, 1, 3), (None, 1, 3), (None, 1, 3)]),
-    ("async, no init_sync, step 0: everyone", [0, 0, 0], False, True, True, None,
-     [(0, 3, 3), (1, 3, 3), (2, 3, 3)]),
-    ("sync, init_sync, step 0: all heal first, all take part", [0, 0], True, False, True, None,
-     [(0, 2, 2), (1, 2, 2)]),
-    ("async, one behind sits out", [5, 3, 5], True, True, True, None,
-     [(0, 2, 2), (None, 2, 2), (1, 2, 2)]),
-    ("sync, one behind heals first", [5, 3, 5], True, False, True, None,
-     [(0, 3, 3), (1, 3, 3), (2, 3, 3)]),
-    ("no heal allowed, step 0: max-step members", [0, 0], True, False, False, None,
-     [(0, 2, 2), (1, 2, 2)]),
-    ("no heal allowed, one behind", [2, 1], True, True, False, None,
-     [(0, 1, 1), (None, 1, 1)]),
-    ("spares: 3 up to date, 2 take part", [4, 4, 4], True, True, True, 2,
-     [(0, 2, 2), (1, 2, 2), (None, 2, 2)]),
-    ("spares at step 0 with init_sync", [0, 0, 0], True, True, True, 2,
-     [(0, 1, 2), (None, 1, 2), (None, 1, 2)]),
+    (
+        "async, init_sync, step 0: primary contributes, all commit",
+        [0, 0],
+        True,
+        True,
+        True,
+        None,
+        [(0, 1, 2), (None, 1, 2)],
+    ),
+    (
+        "async, init_sync, step 0, 3 groups",
+        [0, 0, 0],
+        True,
+        True,
+        True,
+        None,
+        [(0, 1, 3), (None, 1, 3), (None, 1, 3)],
+    ),
+    (
+        "async, no init_sync, step 0: everyone",
+        [0, 0, 0],
+        False,
+        True,
+        True,
+        None,
+        [(0, 3, 3), (1, 3, 3), (2, 3, 3)],
+    ),
+    (
+        "sync, init_sync, step 0: all heal first, all take part",
+        [0, 0],
+        True,
+        False,
+        True,
+        None,
+        [(0, 2, 2), (1, 2, 2)],
+    ),
+    (
+        "async, one behind sits out",
+        [5, 3, 5],
+        True,
+        True,
+        True,
+        None,
+        [(0, 2, 2), (None, 2, 2), (1, 2, 2)],
+    ),
+    (
+        "sync, one behind heals first",
+        [5, 3, 5],
+        True,
+        False,
+        True,
+        None,
+        [(0, 3, 3), (1, 3, 3), (2, 3, 3)],
+    ),
+    (
+        "no heal allowed, step 0: max-step members",
+        [0, 0],
+        True,
+        False,
+        False,
+        None,
+        [(0, 2, 2), (1, 2, 2)],
+    ),
+    ("no heal allowed, one behind", [2, 1], True, True, False, None, [(0, 1, 1), (None, 1, 1)]),
+    (
+        "spares: 3 up to date, 2 take part",
+        [4, 4, 4],
+        True,
+        True,
+        True,
+        2,
+        [(0, 2, 2), (1, 2, 2), (None, 2, 2)],
+    ),
+    (
+        "spares at step 0 with init_sync",
+        [0, 0, 0],
+        True,
+        True,
+        True,
+        2,
+        [(0, 1, 2), (None, 1, 2), (None, 1, 2)],
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,steps,init_sync,async_q,allow_heal,spares,expected",
-                         PARTICIPATION_CASES, ids=[c[0] for c in PARTICIPATION_CASES])
+@pytest.mark.parametrize(
+    "name,steps,init_sync,async_q,allow_heal,spares,expected",
+    PARTICIPATION_CASES,
+    ids=[c[0] for c in PARTICIPATION_CASES],
+)
 def test_participation(name, steps, init_sync, async_q, allow_heal, spares, expected):
     a = _answers(steps, 0, init_sync)
     got = []
     for i in range(len(steps)):
-        p = participation(a[f"r{i}"], use_async_quorum=async_q, allow_heal=allow_heal,
-                          init_sync=init_sync, spares_above=spares)
+        p = participation(
+            a[f"r{i}"],
+            use_async_quorum=async_q,
+            allow_heal=allow_heal,
+            init_sync=init_sync,
+            spares_above=spares,
+        )
         got.append((p.rank, p.contributors, p.commit_size))
     assert got == expected
 

@@ -43,14 +43,20 @@ def stub_for(server):
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     return channel, {
         "Heartbeat": channel.unary_unary(
-            SVC + "Heartbeat", pb.LighthouseHeartbeatRequest.SerializeToString,
-            pb.LighthouseHeartbeatResponse.FromString),
+            SVC + "Heartbeat",
+            pb.LighthouseHeartbeatRequest.SerializeToString,
+            pb.LighthouseHeartbeatResponse.FromString,
+        ),
         "Quorum": channel.unary_unary(
-            SVC + "Quorum", pb.LighthouseQuorumRequest.SerializeToString,
-            pb.LighthouseQuorumResponse.FromString),
+            SVC + "Quorum",
+            pb.LighthouseQuorumRequest.SerializeToString,
+            pb.LighthouseQuorumResponse.FromString,
+        ),
         "Subscribe": channel.unary_stream(
-            SVC + "SubscribeFailures", pb.SubscribeFailuresRequest.SerializeToString,
-            pb.FailureNotification.FromString),
+            SVC + "SubscribeFailures",
+            pb.SubscribeFailuresRequest.SerializeToString,
+            pb.FailureNotification.FromString,
+        ),
         "Raw": channel.unary_unary(SVC + "Quorum"),  # bytes in, bytes out
         "Unknown": channel.unary_unary("/torchft.LighthouseService/Nope"),
     }
@@ -67,12 +73,17 @@ def test_answer_now_later_and_from_another_thread(serve):
         open_calls.append(call)
         if len(open_calls) == 2:
             answer = pb.LighthouseQuorumResponse(
-                quorum=pb.Quorum(quorum_id=7, participants=[req.requester]))
+                quorum=pb.Quorum(quorum_id=7, participants=[req.requester])
+            )
             data = answer.SerializeToString()
             threading.Timer(0.05, lambda: [c.reply_serialized(data) for c in open_calls]).start()
 
-    s = serve({SVC + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat),
-               SVC + "Quorum": Method(pb.LighthouseQuorumRequest, quorum)})
+    s = serve(
+        {
+            SVC + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat),
+            SVC + "Quorum": Method(pb.LighthouseQuorumRequest, quorum),
+        }
+    )
     channel, stub = stub_for(s)
     with channel:
         stub["Heartbeat"](pb.LighthouseHeartbeatRequest(replica_id="a"), timeout=5)
@@ -104,6 +115,7 @@ def test_bad_requests_get_statuses_and_the_server_goes_on(serve):
     s = serve({SVC + "Quorum": Method(pb.LighthouseQuorumRequest, quorum)})
     channel, stub = stub_for(s)
     with channel:
+
         def status_of(fn, *args):
             with pytest.raises(grpc.RpcError) as ei:
                 fn(*args, timeout=5)
@@ -114,17 +126,21 @@ def test_bad_requests_get_statuses_and_the_server_goes_on(serve):
         code, details = status_of(stub["Raw"], b"\xff\xff\xff")
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed request" in details
         code, details = status_of(
-            stub["Quorum"], pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="boom")))
+            stub["Quorum"], pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="boom"))
+        )
         assert code == grpc.StatusCode.INTERNAL and "handler bug" in details
         code, details = status_of(
-            stub["Quorum"], pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="abort")))
+            stub["Quorum"],
+            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="abort")),
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "not allowed" in details
         big = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x" * (5 << 20)))
         code, _ = status_of(stub["Quorum"], big)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Still serving.
-        stub["Quorum"](pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="ok")),
-                       timeout=5)
+        stub["Quorum"](
+            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="ok")), timeout=5
+        )
 
 
 def test_on_cancel_when_the_caller_leaves_or_its_deadline_passes(serve):
@@ -161,8 +177,9 @@ def test_stream_writes_in_order_then_finishes(serve):
 
         threading.Thread(target=run).start()
 
-    s = serve({SVC + "SubscribeFailures": Method(pb.SubscribeFailuresRequest, subscribe,
-                                                 streaming=True)})
+    s = serve(
+        {SVC + "SubscribeFailures": Method(pb.SubscribeFailuresRequest, subscribe, streaming=True)}
+    )
     channel, stub = stub_for(s)
     with channel:
         got = [m.replica_id for m in stub["Subscribe"](pb.SubscribeFailuresRequest(), timeout=10)]
@@ -174,8 +191,9 @@ def test_stream_ends_with_the_status_given(serve):
         call.write(pb.FailureNotification(replica_id="first"))
         call.finish(grpc.StatusCode.UNAVAILABLE, "shutting down")
 
-    s = serve({SVC + "SubscribeFailures": Method(pb.SubscribeFailuresRequest, subscribe,
-                                                 streaming=True)})
+    s = serve(
+        {SVC + "SubscribeFailures": Method(pb.SubscribeFailuresRequest, subscribe, streaming=True)}
+    )
     channel, stub = stub_for(s)
     with channel:
         it = stub["Subscribe"](pb.SubscribeFailuresRequest(), timeout=10)
@@ -196,7 +214,8 @@ def test_shutdown_ends_open_calls_within_grace(serve):
     channel, stub = stub_for(s)
     with channel:
         fut = stub["Quorum"].future(
-            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x")), timeout=30)
+            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x")), timeout=30
+        )
         time.sleep(0.2)
         t0 = time.monotonic()
         s.shutdown(0.2)
@@ -217,8 +236,11 @@ def test_transport_choice_is_validated():
 def test_bind_failure_is_an_oserror(serve):
     s = serve({})
     with pytest.raises(OSError):
-        RpcServer(f"127.0.0.1:{s.port}", {}, transport="native" if rpc_server.native_available()
-                  else "grpcio")
+        RpcServer(
+            f"127.0.0.1:{s.port}",
+            {},
+            transport="native" if rpc_server.native_available() else "grpcio",
+        )
 
 
 def test_on_cancel_set_after_the_caller_left_is_called_at_once(serve):
@@ -231,7 +253,8 @@ def test_on_cancel_set_after_the_caller_left_is_called_at_once(serve):
     channel, stub = stub_for(s)
     with channel:
         fut = stub["Quorum"].future(
-            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x")), timeout=30)
+            pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="x")), timeout=30
+        )
         wait_for(lambda: calls, what="the call to arrive")
         fut.cancel()
         wait_for(lambda: not calls[0].is_active(), what="the cancellation to be seen")
@@ -241,8 +264,9 @@ def test_on_cancel_set_after_the_caller_left_is_called_at_once(serve):
         assert not calls[0].write(pb.FailureNotification())  # over: writes refused
 
 
-@pytest.mark.skipif(not rpc_server.native_available(),
-                    reason="native gRPC server not built (no gRPC C++)")
+@pytest.mark.skipif(
+    not rpc_server.native_available(), reason="native gRPC server not built (no gRPC C++)"
+)
 def test_native_call_exposes_the_ft_auth_metadata():
     seen = []
 
@@ -250,15 +274,20 @@ def test_native_call_exposes_the_ft_auth_metadata():
         seen.append(call.auth_token())
         call.reply(pb.LighthouseHeartbeatResponse())
 
-    s = RpcServer("127.0.0.1:0", {SVC + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat)},
-                  transport="native")
+    s = RpcServer(
+        "127.0.0.1:0",
+        {SVC + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat)},
+        transport="native",
+    )
     try:
         channel, stub = stub_for(s)
         with channel:
             req = pb.LighthouseHeartbeatRequest(replica_id="a")
             stub["Heartbeat"](req, timeout=5, metadata=(("ft-auth", "x"),))
             stub["Heartbeat"](req, timeout=5)
-            stub["Heartbeat"](req, timeout=5, metadata=(("ft-auth", "first"), ("ft-auth", "second")))
+            stub["Heartbeat"](
+                req, timeout=5, metadata=(("ft-auth", "first"), ("ft-auth", "second"))
+            )
         assert seen == ["x", "", "first"]
     finally:
         s.shutdown(0.1)

@@ -36,8 +36,11 @@ def to_local(o: Any) -> Any:
     if torch.is_tensor(o):
         return (o.to_local() if is_dtensor(o) else o).detach().clone()
     if isinstance(o, dict):
-        return type(o)((k, to_local(v)) for k, v in o.items()) if not hasattr(o, "_metadata") \
+        return (
+            type(o)((k, to_local(v)) for k, v in o.items())
+            if not hasattr(o, "_metadata")
             else _od(o)
+        )
     if isinstance(o, (list, tuple)):
         return type(o)(to_local(v) for v in o)
     return o
@@ -70,7 +73,11 @@ def build_model(placement: Optional[str], mesh: Any = None) -> nn.Module:
     if placement is None:
         return model
     from torch.distributed.tensor import (
-        DTensor, Replicate, Shard, distribute_module, distribute_tensor,
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
     )
 
     mesh = mesh if mesh is not None else local_mesh()
@@ -88,7 +95,6 @@ def build_model(placement: Optional[str], mesh: Any = None) -> nn.Module:
 
     distribute_module(model, mesh, partition, input_fn=inputs, output_fn=outputs)
     return model
-
 
 
 def healing_fns(model: nn.Module, inner: torch.optim.Optimizer):
@@ -131,16 +137,29 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
         n_frag = cfg.get("n_frag", 1)
         frags = [model[0], model[2]] if n_frag == 2 else [model]
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        algo = DiLoCo(manager, frags, inner, outer, sync_every=cfg["sync_every"],
-                      fragment_sync_delay=cfg.get("tau", 0))
+        algo = DiLoCo(
+            manager,
+            frags,
+            inner,
+            outer,
+            sync_every=cfg["sync_every"],
+            fragment_sync_delay=cfg.get("tau", 0),
+        )
+
         # with one fragment the parameters equal the global state after a sync;
         # with two, the other fragment's parameters carry local progress.
-        state_fn = lambda: ({"global": algo.global_state(),  # noqa: E731
-                             "params": dict(model.named_parameters())} if n_frag == 1
-                            else {"global": algo.global_state()})
+        def state_fn():
+            if n_frag == 1:
+                return {"global": algo.global_state(), "params": dict(model.named_parameters())}
+            return {"global": algo.global_state()}
 
-    full_fn = lambda: {"s": state_fn(), "all_params": dict(model.named_parameters()),  # noqa: E731
-                       "inner": inner.state_dict()}
+    def full_fn():
+        return {
+            "s": state_fn(),
+            "all_params": dict(model.named_parameters()),
+            "inner": inner.state_dict(),
+        }
+
     commits: Dict[int, str] = {}
     full: Dict[int, str] = {}
     kinds: Dict[str, str] = {}
@@ -207,8 +226,10 @@ def partial_rejected() -> Dict[str, str]:
     model.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
-    for name, make in (("diloco", lambda: DiLoCo(_Stub(), [model], opt, opt, sync_every=2)),
-                       ("localsgd", lambda: LocalSGD(_Stub(), model, opt, sync_every=2))):
+    for name, make in (
+        ("diloco", lambda: DiLoCo(_Stub(), [model], opt, opt, sync_every=2)),
+        ("localsgd", lambda: LocalSGD(_Stub(), model, opt, sync_every=2)),
+    ):
         try:
             make()
             out[name] = "accepted"
@@ -217,8 +238,15 @@ def partial_rejected() -> Dict[str, str]:
     return out
 
 
-def train(rank: int, world_size: int, store_port: int, *, lh_addr: str,
-          configs: List[Dict[str, Any]], check_partial: bool = False) -> List[Any]:
+def train(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    *,
+    lh_addr: str,
+    configs: List[Dict[str, Any]],
+    check_partial: bool = False,
+) -> List[Any]:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     store = connect_store(store_port)
@@ -236,8 +264,9 @@ def train(rank: int, world_size: int, store_port: int, *, lh_addr: str,
     return results
 
 
-def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr: str,
-                         sync_every: int, stop_at: int) -> Dict[str, Any]:
+def train_sharded_groups(
+    proc: int, world_size: int, store_port: int, *, lh_addr: str, sync_every: int, stop_at: int
+) -> Dict[str, Any]:
     """2 replica groups x 2 ranks (proc = 2 * replica + group_rank). Inside each group the
     two ranks form a 2-rank CPU DeviceMesh (local gloo) and every parameter is Shard(0) on
     it, so each rank holds half of each tensor; DiLoCo on each rank averages its shard with
@@ -252,8 +281,9 @@ def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr
     torch.set_num_threads(1)
     replica, group_rank = divmod(proc, 2)
     store = connect_store(store_port)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"mesh{replica}", store),
-                            rank=group_rank, world_size=2)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"mesh{replica}", store), rank=group_rank, world_size=2
+    )
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
 
     torch.manual_seed(7 + 31 * replica)  # groups differ; init_sync must make them equal
@@ -268,11 +298,21 @@ def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr
         store.wait([f"group{replica}-port"])
         port = int(store.get(f"group{replica}-port"))
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=to), load_state_dict=load, state_dict=save,
-        min_replica_size=2, use_async_quorum=False, timeout=to,
-        quorum_timeout=timedelta(seconds=30), connect_timeout=to, rank=group_rank,
-        world_size=2, store_addr="127.0.0.1", store_port=port, lighthouse_addr=lh_addr,
-        replica_id=f"shard{replica}", hostname="127.0.0.1",
+        pg=ft.ProcessGroupGloo(timeout=to),
+        load_state_dict=load,
+        state_dict=save,
+        min_replica_size=2,
+        use_async_quorum=False,
+        timeout=to,
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=to,
+        rank=group_rank,
+        world_size=2,
+        store_addr="127.0.0.1",
+        store_port=port,
+        lighthouse_addr=lh_addr,
+        replica_id=f"shard{replica}",
+        hostname="127.0.0.1",
         checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
     )
     if group_rank == 0:
@@ -297,9 +337,14 @@ def train_sharded_groups(proc: int, world_size: int, store_port: int, *, lh_addr
     full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     kinds = sorted({type(p).__name__ for p in model.parameters()})
     out = {
-        "replica": replica, "group_rank": group_rank, "step": manager.current_step(),
-        "commits": commits, "shard_digest": digest(shards), "full_digest": digest(full),
-        "shard_shape": list(shards["0.weight"].shape), "kinds": kinds,
+        "replica": replica,
+        "group_rank": group_rank,
+        "step": manager.current_step(),
+        "commits": commits,
+        "shard_digest": digest(shards),
+        "full_digest": digest(full),
+        "shard_shape": list(shards["0.weight"].shape),
+        "kinds": kinds,
         "failed": algo.failed_commits,
     }
     manager.shutdown(wait=False)

@@ -50,8 +50,14 @@ class FakeManager:
     tests/manager/test_protocols.py). ``num_lanes`` defaults to as many lanes as any test
     has fragments, so that every fragment has a lane of its own unless a test says otherwise."""
 
-    def __init__(self, group: FakeGroup, rank: int, fail_calls: Set[int] = frozenset(),
-                 use_async_quorum: bool = False, num_lanes: int = 64) -> None:
+    def __init__(
+        self,
+        group: FakeGroup,
+        rank: int,
+        fail_calls: Set[int] = frozenset(),
+        use_async_quorum: bool = False,
+        num_lanes: int = 64,
+    ) -> None:
         self.group = group
         self.rank = rank
         self.step = 0
@@ -85,7 +91,9 @@ class FakeManager:
     def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
         self.state_fns[key] = (load_state_dict, state_dict)
 
-    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout=None) -> None:
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout=None
+    ) -> None:
         self.quorums += 1
         self.error = None
 
@@ -101,8 +109,9 @@ class FakeManager:
     def report_error(self, e: Exception) -> None:
         self.error = e
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
-                  reduce_op=ReduceOp.AVG):
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op=ReduceOp.AVG
+    ):
         from ft.process_group import current_lane
 
         key = ("allreduce", self.calls)
@@ -124,7 +133,9 @@ class FakeManager:
         return _FakeWork(run)
 
     def should_commit(self, timeout=None) -> bool:
-        votes = self.group.exchange(("commit", self.step, self.quorums), self.rank, self.error is None)
+        votes = self.group.exchange(
+            ("commit", self.step, self.quorums), self.rank, self.error is None
+        )
         ok = all(votes)
         if ok:
             self.step += 1

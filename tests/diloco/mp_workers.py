@@ -38,18 +38,30 @@ def digest(obj: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def make_manager(rank: int, lh_addr: str, pg_lanes: int, load, save, tag: str,
-                 pg_timeout: float = 10.0):
+def make_manager(
+    rank: int, lh_addr: str, pg_lanes: int, load, save, tag: str, pg_timeout: float = 10.0
+):
     import ft
     from ft.checkpointing import HTTPTransport
 
     to = timedelta(seconds=pg_timeout)
     pg = ft.ProcessGroupGloo(timeout=to, num_lanes=pg_lanes)
     return ft.Manager(
-        pg=pg, load_state_dict=load, state_dict=save, min_replica_size=1,
-        use_async_quorum=False, timeout=to, quorum_timeout=timedelta(seconds=30),
-        connect_timeout=to, rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
-        lighthouse_addr=lh_addr, replica_id=f"{tag}{rank}", hostname="127.0.0.1",
+        pg=pg,
+        load_state_dict=load,
+        state_dict=save,
+        min_replica_size=1,
+        use_async_quorum=False,
+        timeout=to,
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=to,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=0,
+        lighthouse_addr=lh_addr,
+        replica_id=f"{tag}{rank}",
+        hostname="127.0.0.1",
         checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
     )
 
@@ -77,20 +89,33 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
 
-    manager = make_manager(rank, lh_addr, max(2, n_frag), load, save, cfg.get("tag", "r"),
-                           cfg.get("pg_timeout", 10.0))
+    manager = make_manager(
+        rank, lh_addr, max(2, n_frag), load, save, cfg.get("tag", "r"), cfg.get("pg_timeout", 10.0)
+    )
     if cfg["algo"] == "localsgd":
-        algo = LocalSGD(manager, model, inner, sync_every=cfg["sync_every"],
-                        warmup_steps=cfg.get("warmup", 0), keep_backup=True)
+        algo = LocalSGD(
+            manager,
+            model,
+            inner,
+            sync_every=cfg["sync_every"],
+            warmup_steps=cfg.get("warmup", 0),
+            keep_backup=True,
+        )
         state_fn = lambda: {"params": dict(model.named_parameters()), **algo._state_dict()}  # noqa: E731
     else:
         frags = [model[0], model[2]] if n_frag == 2 else [model]
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        algo = DiLoCo(manager, frags, inner, outer, sync_every=cfg["sync_every"],
-                      fragment_sync_delay=cfg.get("tau", 0),
-                      fragment_update_alpha=cfg.get("alpha", 0.0),
-                      use_bucketization=cfg.get("bucket", False),
-                      bucket_cap_mb=cfg.get("bucket_cap_mb"))
+        algo = DiLoCo(
+            manager,
+            frags,
+            inner,
+            outer,
+            sync_every=cfg["sync_every"],
+            fragment_sync_delay=cfg.get("tau", 0),
+            fragment_update_alpha=cfg.get("alpha", 0.0),
+            use_bucketization=cfg.get("bucket", False),
+            bucket_cap_mb=cfg.get("bucket_cap_mb"),
+        )
         state_fn = algo.global_state
 
     # Fault injection: at manager step `fail_at`, replica `fail_rank` reports an
@@ -103,8 +128,11 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     real_allreduce = manager.allreduce
 
     def allreduce(t, should_quantize=False, reduce_op=torch.distributed.ReduceOp.AVG):
-        if (cfg.get("fail_at") == manager.current_step() and rank == cfg.get("fail_rank", 0)
-                and not injected):
+        if (
+            cfg.get("fail_at") == manager.current_step()
+            and rank == cfg.get("fail_rank", 0)
+            and not injected
+        ):
             injected.append(manager.current_step())
             # a communication failure (the Manager aborts the group), not a user-reported one
             manager._report_error(RuntimeError("injected allreduce failure"), abort=True)
@@ -155,8 +183,9 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     return out
 
 
-def train(rank: int, world_size: int, store_port: int, *, lh_addr: str,
-          configs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def train(
+    rank: int, world_size: int, store_port: int, *, lh_addr: str, configs: List[Dict[str, Any]]
+) -> List[Dict[str, Any]]:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     test_store = connect_store(store_port)

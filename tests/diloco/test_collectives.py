@@ -15,7 +15,7 @@ def _covers_everything(tensors, buckets):
         assert sum(s.length for s in b.segments) == b.numel
         for s in b.segments:
             assert tensors[s.index].dtype == b.dtype
-            seen[s.index][s.tensor_offset:s.tensor_offset + s.length] += 1
+            seen[s.index][s.tensor_offset : s.tensor_offset + s.length] += 1
     return all(bool((x == 1).all()) for x in seen)
 
 
@@ -29,14 +29,21 @@ def test_plan_3x3_with_cap_of_4_elements():
 
 @pytest.mark.parametrize("cap", [1, 4, 16, 40, 1000, None])
 def test_plan_covers_mixed_dtypes_and_big_tensors(cap):
-    ts = [torch.zeros(3, 3), torch.zeros(20, dtype=torch.float64), torch.zeros(0),
-          torch.zeros(7, dtype=torch.bfloat16), torch.zeros(1), torch.zeros(2, 5)]
+    ts = [
+        torch.zeros(3, 3),
+        torch.zeros(20, dtype=torch.float64),
+        torch.zeros(0),
+        torch.zeros(7, dtype=torch.bfloat16),
+        torch.zeros(1),
+        torch.zeros(2, 5),
+    ]
     plan = plan_buckets(ts, cap)
     assert _covers_everything(ts, plan)
     for b in plan:
         if cap is not None:
             assert b.numel * torch.empty((), dtype=b.dtype).element_size() <= max(
-                cap, torch.empty((), dtype=b.dtype).element_size())
+                cap, torch.empty((), dtype=b.dtype).element_size()
+            )
 
 
 def test_quantize_roundtrip_error():
@@ -89,6 +96,8 @@ def test_quantized_allreduce(world, wire):
         assert len({r[op]["digest"] for r in results}) == 1  # identical on every rank
         if world == 2:
             ratio = results[0][op]["fp32_bytes"] / results[0][op]["q_bytes"]
-            print(f"{op}: fp32 {results[0][op]['fp32_bytes']} B, {wire} {results[0][op]['q_bytes']} B, "
-                  f"ratio {ratio:.2f}, err {max(errs):.4f}")
+            print(
+                f"{op}: fp32 {results[0][op]['fp32_bytes']} B, {wire} {results[0][op]['q_bytes']} B, "
+                f"ratio {ratio:.2f}, err {max(errs):.4f}"
+            )
             assert ratio > 3.5

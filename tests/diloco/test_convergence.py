@@ -52,7 +52,7 @@ def _ddp(rank, group):
         m.allreduce(flat).wait()  # one bucket, like DDP
         off = 0
         for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
+            g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
         opt.step()
     return _eval(model)

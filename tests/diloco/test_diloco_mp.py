@@ -28,8 +28,15 @@ def test_healthy_localsgd_and_diloco_identical_at_every_sync(replicas):
     configs = [
         dict(algo="localsgd", sync_every=3, warmup=2, stop_at=5),
         dict(algo="diloco", sync_every=3, stop_at=4),
-        dict(algo="diloco", sync_every=4, n_frag=2, tau=1, stop_at=4, bucket=True,
-             bucket_cap_mb=0.0002),  # ~52 fp32 per bucket: tensors split across buckets
+        dict(
+            algo="diloco",
+            sync_every=4,
+            n_frag=2,
+            tau=1,
+            stop_at=4,
+            bucket=True,
+            bucket_cap_mb=0.0002,
+        ),  # ~52 fp32 per bucket: tensors split across buckets
     ]
     w = replicas(TARGET, 2, lighthouse=dict(min_replicas=2, join_timeout_ms=200), configs=configs)
     r0, r1 = w.join(timeout=120)
@@ -46,9 +53,20 @@ def test_streaming_matrix_with_injected_failure(replicas):
     failure per run (at manager step 2, on replica 0). Each failure is counted
     exactly once on each replica, the same fragment is retried, and all
     replicas' global state is identical at every commit."""
-    configs = [dict(algo="diloco", sync_every=4, n_frag=2, tau=tau, alpha=alpha, stop_at=4,
-                    fail_at=2, fail_rank=0)
-               for tau in (0, 1) for alpha in (0.0, 0.5, 1.0)]
+    configs = [
+        dict(
+            algo="diloco",
+            sync_every=4,
+            n_frag=2,
+            tau=tau,
+            alpha=alpha,
+            stop_at=4,
+            fail_at=2,
+            fail_rank=0,
+        )
+        for tau in (0, 1)
+        for alpha in (0.0, 0.5, 1.0)
+    ]
     w = replicas(TARGET, 2, lighthouse=dict(min_replicas=2, join_timeout_ms=200), configs=configs)
     r0, r1 = w.join(timeout=150)
     for cfg, a, b in zip(configs, r0, r1):
@@ -68,8 +86,9 @@ def _wait_key(store, key: str, at_least: int, timeout: float, w: Workers) -> int
             if c.proc.poll() not in (None, 0, -signal.SIGKILL):
                 raise AssertionError(f"child {c.rank} died:\n{c.log()}")
         time.sleep(0.02)
-    raise AssertionError(f"{key} < {at_least} after {timeout}s\n" +
-                         "\n".join(c.log()[-3000:] for c in w.children))
+    raise AssertionError(
+        f"{key} < {at_least} after {timeout}s\n" + "\n".join(c.log()[-3000:] for c in w.children)
+    )
 
 
 @pytest.mark.parametrize("scenario", ["kill", "late_joiner"])
@@ -77,11 +96,24 @@ def test_kill_restart_and_late_joiner_heal_global_state(scenario, replicas):
     """kill -9 of replica 1 mid-interval, then a restart; or replica 1 starting
     late ("upscale"). It heals backups and outer-optimizer state from replica
     0 and every replica ends identical."""
-    cfg = dict(algo="diloco", sync_every=4, n_frag=2, tau=1, stop_at=10_000, step_sleep=0.03,
-               max_inner=2000, pg_timeout=4.0)
+    cfg = dict(
+        algo="diloco",
+        sync_every=4,
+        n_frag=2,
+        tau=1,
+        stop_at=10_000,
+        step_sleep=0.03,
+        max_inner=2000,
+        pg_timeout=4.0,
+    )
     ranks = [0, 1] if scenario == "kill" else [0]
-    w = replicas(TARGET, 2, ranks=ranks, configs=[cfg],
-                 lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1000, join_timeout_ms=300))
+    w = replicas(
+        TARGET,
+        2,
+        ranks=ranks,
+        configs=[cfg],
+        lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1000, join_timeout_ms=300),
+    )
     store = w.store
     if scenario == "kill":
         _wait_key(store, "c0-step/1", 2, 60, w)

@@ -34,8 +34,13 @@ def test_dtensor_diloco_and_localsgd_identical_and_equal_to_plain(replicas):
             names.append((name, placement))
     configs.append(dict(runs["diloco"], placement="shard"))
     names.append(("diloco", "shard"))
-    w = replicas(TARGET, 2, lighthouse=dict(min_replicas=2, join_timeout_ms=200), configs=configs,
-                 check_partial=True)
+    w = replicas(
+        TARGET,
+        2,
+        lighthouse=dict(min_replicas=2, join_timeout_ms=200),
+        configs=configs,
+        check_partial=True,
+    )
     r0, r1 = w.join(timeout=120)
     rejected, r0, r1 = r0[0], r0[1:], r1[1:]
     for name in ("diloco", "localsgd"):  # Partial placements are rejected, clearly
@@ -46,9 +51,13 @@ def test_dtensor_diloco_and_localsgd_identical_and_equal_to_plain(replicas):
         assert sorted(a["commits"]) == list(range(1, cfg["stop_at"] + 1)), (key, a["commits"])
         assert a["failed"] == b["failed"] == 0, key
         if key[1] is not None:  # the params (and outer momentum) really are DTensors
-            assert any(k.startswith("/all_params/") and v == "DTensor" for k, v in a["kinds"].items()), a["kinds"]
+            assert any(
+                k.startswith("/all_params/") and v == "DTensor" for k, v in a["kinds"].items()
+            ), a["kinds"]
             if key[0] != "localsgd":
-                assert any("momentum_buffer" in k and v == "DTensor" for k, v in a["kinds"].items()), a["kinds"]
+                assert any(
+                    "momentum_buffer" in k and v == "DTensor" for k, v in a["kinds"].items()
+                ), a["kinds"]
         res[key] = (a, b)
     # DTensor run == plain-tensor run, bitwise, on each replica: global state,
     # every parameter (incl. local progress) and the inner optimizer state.
@@ -67,10 +76,12 @@ def test_dtensor_late_joiner_heals_outer_momentum(replicas):
     it heals the DiLoCo backups and the outer-optimizer state (DTensor momentum
     buffers travel as local tensors and are wrapped back like the parameters),
     and both replicas are then bitwise identical at every common sync."""
-    cfg = dict(algo="diloco", sync_every=2, stop_at=8, placement="replicate", late=2,
-               step_sleep=0.02)
-    w = replicas(TARGET, 2, ranks=[0], lighthouse=dict(min_replicas=1, join_timeout_ms=300),
-                 configs=[cfg])
+    cfg = dict(
+        algo="diloco", sync_every=2, stop_at=8, placement="replicate", late=2, step_sleep=0.02
+    )
+    w = replicas(
+        TARGET, 2, ranks=[0], lighthouse=dict(min_replicas=1, join_timeout_ms=300), configs=[cfg]
+    )
     w.spawn(1)
     r0, r1 = w.join(timeout=90)
     a, b = r0[0], r1[0]
@@ -85,8 +96,13 @@ def test_shard_placement_on_a_two_rank_mesh_per_group(replicas):
     (Shard(0)). Each rank's DiLoCo global state (its shard's backup and outer momentum) is
     bitwise identical to the same rank's in the other group at every sync, the two ranks of
     a group really hold different halves, and the full parameters agree everywhere."""
-    w = replicas("tests.diloco.dtensor_workers:train_sharded_groups", 4,
-                 lighthouse=dict(min_replicas=2, join_timeout_ms=200), sync_every=2, stop_at=3)
+    w = replicas(
+        "tests.diloco.dtensor_workers:train_sharded_groups",
+        4,
+        lighthouse=dict(min_replicas=2, join_timeout_ms=200),
+        sync_every=2,
+        stop_at=3,
+    )
     res = w.join(timeout=150)
     by = {(r["replica"], r["group_rank"]): r for r in res}
     for r in res:

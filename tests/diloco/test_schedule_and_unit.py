@@ -20,6 +20,7 @@ from tests.diloco.fake_manager import FakeGroup, FakeManager, run_replicas
 
 # -- the schedule, as tables -------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "sync_every,n,tau,period,prepare_at",
     [(4, 1, 0, 4, 4), (4, 2, 0, 2, 2), (4, 2, 1, 2, 1), (6, 3, 1, 2, 1), (20, 1, 5, 20, 15)],
@@ -29,7 +30,9 @@ def test_plan_table(sync_every, n, tau, period, prepare_at):
     assert (plan.period, plan.prepare_at) == (period, prepare_at)
 
 
-@pytest.mark.parametrize("sync_every,n,tau", [(5, 2, 0), (4, 2, 2), (4, 2, -1), (0, 1, 0), (4, 0, 0)])
+@pytest.mark.parametrize(
+    "sync_every,n,tau", [(5, 2, 0), (4, 2, 2), (4, 2, -1), (0, 1, 0), (4, 0, 0)]
+)
 def test_plan_rejects(sync_every, n, tau):
     with pytest.raises(ValueError):
         streaming_plan(sync_every, n, tau)
@@ -57,20 +60,38 @@ def _timeline(sync_every, n, tau, steps, fail_syncs=()):
 
 def test_timeline_tables():
     # plain DiLoCo, H=3
-    assert _timeline(3, 1, 0, 6) == [(3, "send", 0), (3, "commit", 0), (6, "send", 0), (6, "commit", 0)]
+    assert _timeline(3, 1, 0, 6) == [
+        (3, "send", 0),
+        (3, "commit", 0),
+        (6, "send", 0),
+        (6, "commit", 0),
+    ]
     # streaming, 2 fragments, H=4 (P=2), tau=1: send one step before the sync
     assert _timeline(4, 2, 1, 8) == [
-        (1, "send", 0), (2, "commit", 0), (3, "send", 1), (4, "commit", 1),
-        (5, "send", 0), (6, "commit", 0), (7, "send", 1), (8, "commit", 1),
+        (1, "send", 0),
+        (2, "commit", 0),
+        (3, "send", 1),
+        (4, "commit", 1),
+        (5, "send", 0),
+        (6, "commit", 0),
+        (7, "send", 1),
+        (8, "commit", 1),
     ]
     # a failed commit retries the same fragment (the manager step did not move)
     assert _timeline(4, 2, 0, 8, fail_syncs={1}) == [
-        (2, "send", 0), (2, "commit", 0), (4, "send", 1), (4, "fail", 1),
-        (6, "send", 1), (6, "commit", 1), (8, "send", 0), (8, "commit", 0),
+        (2, "send", 0),
+        (2, "commit", 0),
+        (4, "send", 1),
+        (4, "fail", 1),
+        (6, "send", 1),
+        (6, "commit", 1),
+        (8, "send", 0),
+        (8, "commit", 0),
     ]
 
 
 # -- the DiLoCo update, by hand ------------------------------------------------
+
 
 class Scalar(nn.Module):
     def __init__(self, w: float) -> None:
@@ -138,7 +159,7 @@ def test_streaming_alpha_merge_by_hand():
         with DiLoCo(m, [a, b], inner, outer, sync_every=2, fragment_update_alpha=0.5):
             for _ in range(2):
                 inner.zero_grad()
-                (0.5 * a.w ** 2 + 0.5 * b.w ** 2).sum().backward()
+                (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
                 inner.step()
                 out.append((a.w.item(), b.w.item()))
         return out
@@ -158,7 +179,7 @@ def test_failed_commit_drops_fragment_progress_and_counts_once():
         with DiLoCo(m, [a, b], inner, outer, sync_every=2) as d:
             for _ in range(3):
                 inner.zero_grad()
-                (0.5 * a.w ** 2 + 0.5 * b.w ** 2).sum().backward()
+                (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
                 inner.step()
                 seen.append((a.w.item(), b.w.item()))
         return seen, m.commit_failures, m.step, d.failed_commits, m.lanes
@@ -196,7 +217,7 @@ def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
     with DiLoCo(m, [a, b], inner, outer, sync_every=4, fragment_sync_delay=tau) as d:
         for _ in range(4):
             inner.zero_grad()
-            (0.5 * a.w ** 2 + 0.5 * b.w ** 2).sum().backward()
+            (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
             _time.sleep(0.1)  # the inner step's compute
             inner.step()
     assert d.syncs == 2

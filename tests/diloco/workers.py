@@ -71,12 +71,13 @@ def quantized(rank, world_size, port, n, lane_index=1, wire="int8"):
             fp32_bytes = wchar() - b0
             if op == dist.ReduceOp.AVG:
                 ref /= world_size
-            parts = [x[: n // 3].clone(), x[n // 3:].clone().to(torch.float64)]
+            parts = [x[: n // 3].clone(), x[n // 3 :].clone().to(torch.float64)]
             b0 = wchar()
             allreduce_quantized(parts, op, pg, wire_dtype=wire_dtype).wait()
             q_bytes = wchar() - b0
             got = torch.cat([parts[0], parts[1].float()])
             err = ((got - ref).abs().mean() / ref.abs().mean()).item()
-            res[name] = dict(err=err, fp32_bytes=fp32_bytes, q_bytes=q_bytes,
-                             digest=got.double().sum().item())
+            res[name] = dict(
+                err=err, fp32_bytes=fp32_bytes, q_bytes=q_bytes, digest=got.double().sum().item()
+            )
     return res

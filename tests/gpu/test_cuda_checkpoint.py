@@ -13,8 +13,9 @@ import torch
 
 from ft.checkpointing import HTTPTransport
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "checkpointing"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpointing")
+)
 from ckpt_testlib import Peer, assert_same  # noqa: E402
 
 TO = timedelta(seconds=30)
@@ -61,8 +62,14 @@ def test_cuda_state_heals_bitwise_from_another_process(payload_path, same_host):
     try:
         url = peer.expect("ready")["url"]
         expected = cuda_state()
-        with HTTPTransport(TO, 4, token="tok", advertise_host="127.0.0.1",
-                           device=torch.device("cuda"), same_host=same_host) as rx:
+        with HTTPTransport(
+            TO,
+            4,
+            token="tok",
+            advertise_host="127.0.0.1",
+            device=torch.device("cuda"),
+            same_host=same_host,
+        ) as rx:
             got = rx.recv_checkpoint(0, url, 5, TO)
             assert rx.last_recv_path == ("same-host" if same_host else "http")
         for name, t in got["model"].items():

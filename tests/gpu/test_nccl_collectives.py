@@ -55,7 +55,9 @@ def test_allreduce(pg, op, dtype):
     dist.all_reduce(t, op=OPS[op], group=pg)
     torch.cuda.synchronize()
     # world size 1: every reduction of one contribution is that contribution
-    expected = torch.stack([x]).sum(0) if op != "avg" else torch.stack([x]).float().mean(0).to(dtype)
+    expected = (
+        torch.stack([x]).sum(0) if op != "avg" else torch.stack([x]).float().mean(0).to(dtype)
+    )
     assert torch.equal(t, expected.to(dtype)), (op, dtype)
 
 

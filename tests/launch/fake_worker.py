@@ -18,8 +18,12 @@ PREFIX = "@ft-progress "
 
 
 def emit(event, **fields):
-    rec = {"event": event, "group": int(os.environ["REPLICA_GROUP_ID"]),
-           "rank": int(os.environ["RANK"]), "time": time.time()}
+    rec = {
+        "event": event,
+        "group": int(os.environ["REPLICA_GROUP_ID"]),
+        "rank": int(os.environ["RANK"]),
+        "time": time.time(),
+    }
     rec.update(fields)
     sys.stdout.write(PREFIX + json.dumps(rec) + "\n")
     sys.stdout.flush()
@@ -47,9 +51,20 @@ def main():
 
     threading.Thread(target=watch, daemon=True).start()
     if a.dump_env:
-        keys = ["MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE",
-                "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS", "FT_LAUNCH_STOP_FILE"]
+        keys = [
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "REPLICA_GROUP_ID",
+            "NUM_REPLICA_GROUPS",
+            "TORCHFT_LIGHTHOUSE",
+            "TORCHELASTIC_RESTART_COUNT",
+            "OMP_NUM_THREADS",
+            "FT_LAUNCH_STOP_FILE",
+        ]
         with open(os.path.join(log_dir, f"env_g{gid}_r{rank}_t{attempt}.json"), "w") as f:
             json.dump({k: os.environ.get(k) for k in keys}, f)
     if a.crash:
@@ -107,8 +122,15 @@ def main():
         injected.clear()
         if ok:
             step += 1
-        emit("step", step=step, loss=1.0 / (1 + step), participants=ngroups, quorum_id=quorum,
-             committed=ok, injected=not ok)
+        emit(
+            "step",
+            step=step,
+            loss=1.0 / (1 + step),
+            participants=ngroups,
+            quorum_id=quorum,
+            committed=ok,
+            injected=not ok,
+        )
     emit("done", step=step, hash=f"fake-{step}", accuracy=0.5)
     return 0
 

@@ -48,11 +48,23 @@ def _alive(pid: int) -> bool:
 def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
     log_dir = tempfile.mkdtemp(prefix="ft-launch-test-")
     summary = os.path.join(log_dir, "summary.json")
-    cmd = [sys.executable, "-m", "ft.launch", "--log-dir", log_dir, "--summary-json", summary,
-           "--status-every", "2", "--timeout", str(wait_s - 15)] + args
+    cmd = [
+        sys.executable,
+        "-m",
+        "ft.launch",
+        "--log-dir",
+        log_dir,
+        "--summary-json",
+        summary,
+        "--status-every",
+        "2",
+        "--timeout",
+        str(wait_s - 15),
+    ] + args
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         out, _ = proc.communicate(timeout=wait_s)
     except subprocess.TimeoutExpired:
@@ -104,9 +116,14 @@ def test_free_port_pair():
 
 def test_usage_errors():
     for argv in (["--replicas", "0", "--", FAKE], ["--", "does_not_exist.py"], []):
-        r = subprocess.run([sys.executable, "-m", "ft.launch"] + argv, cwd=ROOT, timeout=60,
-                           capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=ROOT))
+        r = subprocess.run(
+            [sys.executable, "-m", "ft.launch"] + argv,
+            cwd=ROOT,
+            timeout=60,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
         assert r.returncode == 2, (argv, r.stdout, r.stderr)
 
 
@@ -114,8 +131,25 @@ def test_usage_errors():
 
 
 def test_kill_chaos_restarts_and_finishes():
-    rc, out, s = run_launch(["--replicas", "3", "--chaos", "kill", "--every", "1", "--seed", "3",
-                             "--max-steps", "100", "--restart-delay", "0.1", "--", FAKE], 90)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "3",
+            "--chaos",
+            "kill",
+            "--every",
+            "1",
+            "--seed",
+            "3",
+            "--max-steps",
+            "100",
+            "--restart-delay",
+            "0.1",
+            "--",
+            FAKE,
+        ],
+        90,
+    )
     assert rc == 0, out
     assert s["all_done"] and s["identical"], out
     assert len(s["chaos"]) >= 1 and len(s["restarts"]) >= 1, out
@@ -128,10 +162,30 @@ def test_restarts_use_warm_standbys():
     """Once every group trains, the launcher keeps a standby per rank (a process that imported
     torch and ft ahead of time); a restarted group's ranks are those standbys, they get the
     rank's environment, and unused standbys are reaped at the end."""
-    rc, out, s = run_launch(["--replicas", "2", "--ranks-per-group", "2", "--chaos", "kill",
-                             "--every", "6", "--seed", "1", "--max-steps", "200",
-                             "--restart-delay", "0.1", "--", FAKE, "--dump-env",
-                             "--step-s", "0.05"], 120)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--ranks-per-group",
+            "2",
+            "--chaos",
+            "kill",
+            "--every",
+            "6",
+            "--seed",
+            "1",
+            "--max-steps",
+            "200",
+            "--restart-delay",
+            "0.1",
+            "--",
+            FAKE,
+            "--dump-env",
+            "--step-s",
+            "0.05",
+        ],
+        120,
+    )
     assert rc == 0, out
     assert s["all_done"] and s["identical"], out
     assert s["warm_starts"] >= 2 and "from warm standbys" in out, out
@@ -146,17 +200,53 @@ def test_restarts_use_warm_standbys():
 
 
 def test_no_standby_restarts_cold():
-    rc, out, s = run_launch(["--replicas", "2", "--chaos", "kill", "--every", "1", "--seed", "3",
-                             "--max-steps", "60", "--restart-delay", "0.1", "--no-standby",
-                             "--", FAKE], 90)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--chaos",
+            "kill",
+            "--every",
+            "1",
+            "--seed",
+            "3",
+            "--max-steps",
+            "60",
+            "--restart-delay",
+            "0.1",
+            "--no-standby",
+            "--",
+            FAKE,
+        ],
+        90,
+    )
     assert rc == 0, out
     assert s["restarts"] and s["warm_starts"] == 0 and not s["standby_pids"], out
 
 
 def test_whole_group_restart_and_env():
-    rc, out, s = run_launch(["--replicas", "2", "--ranks-per-group", "2", "--chaos", "kill",
-                             "--every", "1", "--seed", "1", "--max-steps", "60",
-                             "--restart-delay", "0.1", "--", FAKE, "--dump-env"], 90)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--ranks-per-group",
+            "2",
+            "--chaos",
+            "kill",
+            "--every",
+            "1",
+            "--seed",
+            "1",
+            "--max-steps",
+            "60",
+            "--restart-delay",
+            "0.1",
+            "--",
+            FAKE,
+            "--dump-env",
+        ],
+        90,
+    )
     assert rc == 0, out
     restarted = [g for g in s["groups"] if g["tries"] > 1]
     assert restarted, out
@@ -184,18 +274,54 @@ def test_whole_group_restart_and_env():
 
 
 def test_stop_chaos_resumes_without_restart():
-    rc, out, s = run_launch(["--replicas", "2", "--chaos", "stop", "--every", "1",
-                             "--stop-seconds", "0.5", "--seed", "0", "--max-steps", "80",
-                             "--", FAKE], 90)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--chaos",
+            "stop",
+            "--every",
+            "1",
+            "--stop-seconds",
+            "0.5",
+            "--seed",
+            "0",
+            "--max-steps",
+            "80",
+            "--",
+            FAKE,
+        ],
+        90,
+    )
     assert rc == 0, out
     assert s["chaos"] and not s["restarts"], out
     assert "SIGCONT" in out
 
 
 def test_stop_action_kill_restarts():
-    rc, out, s = run_launch(["--replicas", "2", "--chaos", "stop", "--stop-action", "kill",
-                             "--every", "1", "--stop-seconds", "0.3", "--seed", "0",
-                             "--max-steps", "80", "--restart-delay", "0.1", "--", FAKE], 90)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--chaos",
+            "stop",
+            "--stop-action",
+            "kill",
+            "--every",
+            "1",
+            "--stop-seconds",
+            "0.3",
+            "--seed",
+            "0",
+            "--max-steps",
+            "80",
+            "--restart-delay",
+            "0.1",
+            "--",
+            FAKE,
+        ],
+        90,
+    )
     assert rc == 0, out
     assert s["restarts"], out
 
@@ -203,8 +329,22 @@ def test_stop_action_kill_restarts():
 def test_duration_then_sigterm_then_sigkill():
     """A worker that ignores the stop request and SIGTERM is SIGKILLed within the graces."""
     t0 = time.monotonic()
-    rc, out, s = run_launch(["--replicas", "2", "--duration", "2", "--stop-grace", "1",
-                             "--kill-grace", "1", "--", FAKE, "--stubborn"], 60)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--duration",
+            "2",
+            "--stop-grace",
+            "1",
+            "--kill-grace",
+            "1",
+            "--",
+            FAKE,
+            "--stubborn",
+        ],
+        60,
+    )
     assert time.monotonic() - t0 < 30, out
     assert rc == 1, out
     assert "SIGTERM" in out and "SIGKILL" in out, out
@@ -218,8 +358,10 @@ def test_duration_graceful():
 
 
 def test_crash_loop_gives_up():
-    rc, out, s = run_launch(["--replicas", "2", "--restart-delay", "0.05", "--max-crashes", "3",
-                             "--", FAKE, "--crash"], 60)
+    rc, out, s = run_launch(
+        ["--replicas", "2", "--restart-delay", "0.05", "--max-crashes", "3", "--", FAKE, "--crash"],
+        60,
+    )
     assert rc == 1, out
     assert all(g["state"] == "failed" and g["tries"] == 3 for g in s["groups"]), out
     assert "crashing on purpose" in out  # the failed rank's log tail is shown
@@ -243,15 +385,53 @@ def _check_real_run(rc: int, out: str, s: dict, ranks: int) -> None:
 
 def test_train_ddp_survives_kills():
     """3 groups x 1 rank, SIGKILLs every 3 s: training goes on, every replica ends identical."""
-    rc, out, s = run_launch(["--replicas", "3", "--chaos", "kill", "--every", "3", "--seed", "0",
-                             "--max-steps", "400", "--", EXAMPLE, "--step-sleep", "0.02",
-                             "--final-wait", "60"], 170)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "3",
+            "--chaos",
+            "kill",
+            "--every",
+            "3",
+            "--seed",
+            "0",
+            "--max-steps",
+            "400",
+            "--",
+            EXAMPLE,
+            "--step-sleep",
+            "0.02",
+            "--final-wait",
+            "60",
+        ],
+        170,
+    )
     _check_real_run(rc, out, s, ranks=3)
 
 
 def test_train_ddp_two_ranks_per_group():
     """2 groups x 2 ranks: a kill takes the whole group down; it heals and ends identical."""
-    rc, out, s = run_launch(["--replicas", "2", "--ranks-per-group", "2", "--chaos", "kill",
-                             "--every", "3", "--seed", "0", "--max-steps", "300", "--",
-                             EXAMPLE, "--step-sleep", "0.02", "--final-wait", "60"], 170)
+    rc, out, s = run_launch(
+        [
+            "--replicas",
+            "2",
+            "--ranks-per-group",
+            "2",
+            "--chaos",
+            "kill",
+            "--every",
+            "3",
+            "--seed",
+            "0",
+            "--max-steps",
+            "300",
+            "--",
+            EXAMPLE,
+            "--step-sleep",
+            "0.02",
+            "--final-wait",
+            "60",
+        ],
+        170,
+    )
     _check_real_run(rc, out, s, ranks=4)

@@ -44,11 +44,19 @@ class StubProc:
         self.signals.append(sig)
 
 
-def make_group(gid: int, ranks: int = 1, *, state: GroupState = GroupState.RUNNING,
-               progressing: bool = True, **view) -> Group:
+def make_group(
+    gid: int,
+    ranks: int = 1,
+    *,
+    state: GroupState = GroupState.RUNNING,
+    progressing: bool = True,
+    **view,
+) -> Group:
     group = Group(gid, ranks, attempt=1, state=state, progressing=progressing, **view)
-    group.ranks = [RankProc(rank, 1, StubProc(1000 * (gid + 1) + rank), f"/nonexistent/g{gid}r{rank}")
-                   for rank in range(ranks)]
+    group.ranks = [
+        RankProc(rank, 1, StubProc(1000 * (gid + 1) + rank), f"/nonexistent/g{gid}r{rank}")
+        for rank in range(ranks)
+    ]
     return group
 
 
@@ -61,11 +69,29 @@ def make_group(gid: int, ranks: int = 1, *, state: GroupState = GroupState.RUNNI
         (0, 0, RestartPolicy(0.5), 0.5, None),
         (1, 1, RestartPolicy(0.5), 1.0, None),
         (2, 2, RestartPolicy(0.5, max_crashes=3), 2.0, None),
-        (3, 3, RestartPolicy(0.5, max_crashes=3), 4.0, "giving up, 3 tries in a row failed before their first step"),
-        (MAX_BACKOFF_DOUBLINGS + 3, 0, RestartPolicy(0.5, max_crashes=100), 0.5 * 2 ** MAX_BACKOFF_DOUBLINGS, None),
+        (
+            3,
+            3,
+            RestartPolicy(0.5, max_crashes=3),
+            4.0,
+            "giving up, 3 tries in a row failed before their first step",
+        ),
+        (
+            MAX_BACKOFF_DOUBLINGS + 3,
+            0,
+            RestartPolicy(0.5, max_crashes=100),
+            0.5 * 2**MAX_BACKOFF_DOUBLINGS,
+            None,
+        ),
         (0, 4, RestartPolicy(0.1, max_restarts=4), 0.1, "giving up after 4 restart(s)"),
         (0, 3, RestartPolicy(0.1, max_restarts=4), 0.1, None),
-        (5, 2, RestartPolicy(0.1, max_restarts=2, max_crashes=5), 1.6, "giving up after 2 restart(s)"),
+        (
+            5,
+            2,
+            RestartPolicy(0.1, max_restarts=2, max_crashes=5),
+            1.6,
+            "giving up after 2 restart(s)",
+        ),
     ],
 )
 def test_restart_policy(crashes, restarts, policy, delay, give_up):
@@ -134,17 +160,34 @@ def test_rank_proc_signals_only_unreaped_children():
 
 
 def test_child_env(tmp_path):
-    env = ChildEnv(str(tmp_path / "STOP"), str(tmp_path), num_groups=3, max_steps=50,
-                   lighthouse="http://127.0.0.1:1")
+    env = ChildEnv(
+        str(tmp_path / "STOP"),
+        str(tmp_path),
+        num_groups=3,
+        max_steps=50,
+        lighthouse="http://127.0.0.1:1",
+    )
     group = make_group(2, ranks=2)
     group.master_port = 1234
     rank_env = env.for_rank(group, 1)
-    expected = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "RANK": "1", "LOCAL_RANK": "1",
-                "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "REPLICA_GROUP_ID": "2",
-                "NUM_REPLICA_GROUPS": "3", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1",
-                "TORCHELASTIC_RESTART_COUNT": "0", "FT_LAUNCH_ATTEMPT": "1", "FT_MAX_STEPS": "50",
-                "FT_LAUNCH_STOP_FILE": str(tmp_path / "STOP"), "FT_LAUNCH_LOG_DIR": str(tmp_path),
-                "FT_LAUNCH_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+    expected = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1234",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "REPLICA_GROUP_ID": "2",
+        "NUM_REPLICA_GROUPS": "3",
+        "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "FT_LAUNCH_ATTEMPT": "1",
+        "FT_MAX_STEPS": "50",
+        "FT_LAUNCH_STOP_FILE": str(tmp_path / "STOP"),
+        "FT_LAUNCH_LOG_DIR": str(tmp_path),
+        "FT_LAUNCH_PARENT_PID": str(os.getpid()),
+        "PYTHONUNBUFFERED": "1",
+    }
     assert {key: rank_env.get(key) for key in expected} == expected
     assert "RANK" not in env.common() and "FT_MAX_STEPS" not in ChildEnv("s", "d", 1).common()
 
@@ -205,8 +248,9 @@ def test_chaos_spares_the_last_healthy_group():
 
 def test_chaos_stop_then_cont_and_no_chaos_once_stopping():
     said: List[str] = []
-    chaos = ChaosInjector(ChaosConfig(mode="stop", every=0.0, stop_seconds=0.0, seed=0),
-                          said.append, lambda: 1.0)
+    chaos = ChaosInjector(
+        ChaosConfig(mode="stop", every=0.0, stop_seconds=0.0, seed=0), said.append, lambda: 1.0
+    )
     groups = [make_group(0), make_group(1)]
     assert chaos.tick(groups, 0, stopping=False)
     stopped = [rank for group in groups for rank in group.ranks if rank.stopped_until is not None]
@@ -218,8 +262,9 @@ def test_chaos_stop_then_cont_and_no_chaos_once_stopping():
 
 def test_chaos_seed_repeats_choices():
     def victims(seed: int) -> List[int]:
-        chaos = ChaosInjector(ChaosConfig(mode="allreduce", every=0.0, seed=seed),
-                              lambda _: None, lambda: 0.0)
+        chaos = ChaosInjector(
+            ChaosConfig(mode="allreduce", every=0.0, seed=seed), lambda _: None, lambda: 0.0
+        )
         groups = [make_group(gid, ranks=2) for gid in range(4)]
         for _ in range(6):
             chaos.tick(groups, 0, stopping=False)
@@ -237,8 +282,14 @@ def test_no_chaos_without_a_mode():
 
 
 def fixed_groups() -> List[Group]:
-    running = make_group(0, step=12, loss=0.123456, participants=3, quorum_id=77,
-                         stats=GroupStats(restarts=1, heals=2, quorum_changes=3, uncommitted=4))
+    running = make_group(
+        0,
+        step=12,
+        loss=0.123456,
+        participants=3,
+        quorum_id=77,
+        stats=GroupStats(restarts=1, heals=2, quorum_changes=3, uncommitted=4),
+    )
     starting = make_group(1, progressing=False)
     stopped = make_group(2, step=11, loss=0.5, participants=3, quorum_id=77)
     stopped.ranks[0].stopped_until = Deadline.after(60)
@@ -265,7 +316,8 @@ def test_status_line():
     assert status_line(fixed_groups(), QUORUMS) == (
         "status g0[run step=12 loss=0.123 part=3 q=#1] g1[start step=- loss=- part=- q=#-] "
         "g2[STOP step=11 loss=0.500 part=3 q=#1] g3[run step=12 loss=- part=- q=#2] "
-        "g4[restarting step=- loss=- part=- q=#-]")
+        "g4[restarting step=- loss=- part=- q=#-]"
+    )
 
 
 def test_display_plain_status_is_throttled():
@@ -288,19 +340,29 @@ def test_display_tty_redraws_the_table_in_place():
     table = "\n".join(table_lines(fixed_groups(), QUORUMS)) + "\n"
     assert text.startswith(table)
     # the message first erases the six table lines, then takes their place
-    assert text[len(table):].startswith("\x1b[6F\x1b[J[ft-launch ") and text.endswith("s] hello\n")
+    assert text[len(table) :].startswith("\x1b[6F\x1b[J[ft-launch ") and text.endswith("s] hello\n")
     display.leave_table()
     display.say("kept")
-    assert "\x1b[" not in out.getvalue()[len(text):]
+    assert "\x1b[" not in out.getvalue()[len(text) :]
 
 
 def outcome(groups: List[Group], **overrides) -> RunOutcome:
-    fields = dict(elapsed=12.34, groups=groups, chaos_mode="kill",
-                  chaos_log=[{"mode": "kill", "group": 1, "rank": 0, "pid": 5, "time": 4.5,
-                              "step": 8, "max_step": 9}],
-                  restart_log=[{"group": 1, "time": 4.7}], quorum_ids={77: 1, 78: 2},
-                  commits_after_last_chaos=6, max_step=20, stop_reason="", log_dir="/tmp/logs",
-                  standby_pids=[11], warm_starts=1)
+    fields = dict(
+        elapsed=12.34,
+        groups=groups,
+        chaos_mode="kill",
+        chaos_log=[
+            {"mode": "kill", "group": 1, "rank": 0, "pid": 5, "time": 4.5, "step": 8, "max_step": 9}
+        ],
+        restart_log=[{"group": 1, "time": 4.7}],
+        quorum_ids={77: 1, 78: 2},
+        commits_after_last_chaos=6,
+        max_step=20,
+        stop_reason="",
+        log_dir="/tmp/logs",
+        standby_pids=[11],
+        warm_starts=1,
+    )
     fields.update(overrides)
     return RunOutcome(**fields)
 
@@ -308,8 +370,13 @@ def outcome(groups: List[Group], **overrides) -> RunOutcome:
 def finished_groups(hashes=("h" * 64, "h" * 64)) -> List[Group]:
     groups = []
     for gid, digest in enumerate(hashes):
-        group = make_group(gid, state=GroupState.DONE, step=20, accuracy=0.875,
-                           stats=GroupStats(restarts=gid, heals=gid, quorum_changes=1))
+        group = make_group(
+            gid,
+            state=GroupState.DONE,
+            step=20,
+            accuracy=0.875,
+            stats=GroupStats(restarts=gid, heals=gid, quorum_changes=1),
+        )
         group.done[0] = {"event": "done", "step": 20, "hash": digest}
         groups.append(group)
     return groups

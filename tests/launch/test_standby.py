@@ -29,8 +29,13 @@ SCRIPT = textwrap.dedent(
 def start(cwd: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT, STANDBY_ONLY="yes")
     return subprocess.Popen(
-        [sys.executable, "-u", "-m", "ft.launch.standby", *extra], cwd=cwd, env=env,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-u", "-m", "ft.launch.standby", *extra],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -107,7 +112,11 @@ def test_end_of_input_exits_quietly(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    ['{"env": {"A": 1}, "argv": ["x.py"]}\n', '{"env": {}, "argv": []}\n', '{"env": [], "argv": ["x.py"]}\n'],
+    [
+        '{"env": {"A": 1}, "argv": ["x.py"]}\n',
+        '{"env": {}, "argv": []}\n',
+        '{"env": [], "argv": ["x.py"]}\n',
+    ],
 )
 def test_bad_activation_is_refused_with_a_message(tmp_path, line: str) -> None:
     rc, _, err = finish(start(str(tmp_path)), line)

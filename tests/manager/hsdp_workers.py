@@ -35,8 +35,9 @@ TO = timedelta(seconds=10)
 def build_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     # The last layer has 5 outputs: its weight rows split 3 + 2 (uneven shards).
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 5))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5)
+    )
 
 
 def batch(step: int, group: int, group_rank: int):
@@ -74,14 +75,24 @@ def _mesh_facts(mesh: Any, manager: Any) -> Dict[str, Any]:
         "replicate_group": type(mesh.get_group("dp_replicate")).__name__,
         "replicate_manager_is_ours": mesh.get_group("dp_replicate")._manager is manager,
         "shard_group_is_default": mesh.get_group("dp_shard") is dist.group.WORLD,
-        "sliced_replicate_is_managed": isinstance(mesh["dp_replicate"].get_group(),
-                                                  ManagedProcessGroup),
+        "sliced_replicate_is_managed": isinstance(
+            mesh["dp_replicate"].get_group(), ManagedProcessGroup
+        ),
         "sliced_shard_coord": tuple(mesh["dp_shard"].get_coordinate()),
     }
 
 
-def train(proc: int, world_size: int, store_port: int, *, lh_addr: str, run: str,
-          stop_at: int, incarnation: int = 0, park_at: int = -1) -> Dict[str, Any]:
+def train(
+    proc: int,
+    world_size: int,
+    store_port: int,
+    *,
+    lh_addr: str,
+    run: str,
+    stop_at: int,
+    incarnation: int = 0,
+    park_at: int = -1,
+) -> Dict[str, Any]:
     """Trains to step ``stop_at``. With ``park_at``, once step ``park_at`` is committed this rank
     says so in the store and waits there to be killed (so that the test kills it mid-training
     whatever the machine's speed); its group's other rank is then inside the next step."""
@@ -97,8 +108,13 @@ def train(proc: int, world_size: int, store_port: int, *, lh_addr: str, run: str
     group, g = divmod(proc, GROUP_SIZE)
     store = connect_store(store_port)
     prefix = f"{run}/group{group}/inc{incarnation}"
-    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=g,
-                            world_size=GROUP_SIZE, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=g,
+        world_size=GROUP_SIZE,
+        timeout=timedelta(seconds=60),
+    )
     healed: List[Dict[str, Any]] = []
     model = build_model(seed=7 + 1000 * incarnation)  # a restarted group starts elsewhere
     opt_box: List[torch.optim.Optimizer] = []
@@ -108,8 +124,14 @@ def train(proc: int, world_size: int, store_port: int, *, lh_addr: str, run: str
 
     def load_state_dict(sd: Dict[str, Any]) -> None:
         kinds = sorted({type(v).__name__ for v in sd["model"].values()})
-        optim_kinds = sorted({type(v).__name__ for s in sd["optim"]["state"].values()
-                              for k, v in s.items() if k != "step"})
+        optim_kinds = sorted(
+            {
+                type(v).__name__
+                for s in sd["optim"]["state"].values()
+                for k, v in s.items()
+                if k != "step"
+            }
+        )
         healed.append({"kinds": kinds, "optim_kinds": optim_kinds})
         model.load_state_dict(sd["model"])
         opt_box[0].load_state_dict(sd["optim"])
@@ -120,19 +142,33 @@ def train(proc: int, world_size: int, store_port: int, *, lh_addr: str, run: str
         store.wait([f"{prefix}/port"], timedelta(seconds=60))
         port = int(store.get(f"{prefix}/port"))
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=TO), load_state_dict=load_state_dict,
-        state_dict=state_dict, min_replica_size=2, use_async_quorum=False, timeout=TO,
-        quorum_timeout=timedelta(seconds=60), connect_timeout=TO, rank=g,
-        world_size=GROUP_SIZE, store_addr="127.0.0.1", store_port=port, lighthouse_addr=lh_addr,
-        replica_id=f"{run}-group{group}", hostname="127.0.0.1",
+        pg=ft.ProcessGroupGloo(timeout=TO),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=2,
+        use_async_quorum=False,
+        timeout=TO,
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=TO,
+        rank=g,
+        world_size=GROUP_SIZE,
+        store_addr="127.0.0.1",
+        store_port=port,
+        lighthouse_addr=lh_addr,
+        replica_id=f"{run}-group{group}",
+        hostname="127.0.0.1",
         checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=2, advertise_host="127.0.0.1"),
     )
     if g == 0:
         store.set(f"{prefix}/port", str(manager._store_port))
     try:
-        mesh = ft_init_device_mesh(device_type="cpu", mesh_shape=(2, GROUP_SIZE),
-                                   mesh_dim_names=("dp_replicate", "dp_shard"),
-                                   replicate_dim=0, manager=manager)
+        mesh = ft_init_device_mesh(
+            device_type="cpu",
+            mesh_shape=(2, GROUP_SIZE),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+            replicate_dim=0,
+            manager=manager,
+        )
         for layer in (model[0], model[2], model[4]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -161,8 +197,13 @@ def train(proc: int, world_size: int, store_port: int, *, lh_addr: str, run: str
                 time.sleep(0.1)  # the other group is away: wait for it to come back
         kinds = sorted({type(p).__name__ for p in model.parameters()})
         return {
-            "group": group, "rank": g, "incarnation": incarnation, "losses": losses,
-            "healed": healed, "param_kinds": kinds, "mesh": _mesh_facts(mesh, manager),
+            "group": group,
+            "rank": g,
+            "incarnation": incarnation,
+            "losses": losses,
+            "healed": healed,
+            "param_kinds": kinds,
+            "mesh": _mesh_facts(mesh, manager),
             "placements": [str(tuple(p.placements)) for p in model.parameters()],
             "local": local_state(model, opt),
             "full": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
@@ -188,14 +229,25 @@ def mesh_checks(proc: int, world_size: int, store_port: int, *, lh_addr: str) ->
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     store = connect_store(store_port)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"checks/group{proc}", store),
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"checks/group{proc}", store), rank=0, world_size=1
+    )
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=TO), load_state_dict=None, state_dict=None,
-        min_replica_size=2, use_async_quorum=False, timeout=TO,
-        quorum_timeout=timedelta(seconds=60), connect_timeout=TO, rank=0, world_size=1,
-        store_addr="127.0.0.1", store_port=0, lighthouse_addr=lh_addr,
-        replica_id=f"checks{proc}", hostname="127.0.0.1",
+        pg=ft.ProcessGroupGloo(timeout=TO),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=2,
+        use_async_quorum=False,
+        timeout=TO,
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=TO,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=0,
+        lighthouse_addr=lh_addr,
+        replica_id=f"checks{proc}",
+        hostname="127.0.0.1",
         checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1"),
     )
     out: Dict[str, Any] = {}
@@ -203,8 +255,13 @@ def mesh_checks(proc: int, world_size: int, store_port: int, *, lh_addr: str) ->
         # torchtitan registers its own replicate group under the dimension's name first
         ManagedProcessGroup(manager).register("dp_replicate")
         # 3 is a nominal size: two groups run
-        kw = dict(device_type="cpu", mesh_shape=(3, 1), mesh_dim_names=("dp_replicate", "tp"),
-                  replicate_dim=0, manager=manager)
+        kw = dict(
+            device_type="cpu",
+            mesh_shape=(3, 1),
+            mesh_dim_names=("dp_replicate", "tp"),
+            replicate_dim=0,
+            manager=manager,
+        )
         mesh = ft_init_device_mesh(**kw)
         again = ft_init_device_mesh(**kw)
         out["nominal"] = (mesh.size(0), tuple(mesh.shape))
@@ -222,20 +279,36 @@ def mesh_checks(proc: int, world_size: int, store_port: int, *, lh_addr: str) ->
         torch.save(mesh, buf)
         buf.seek(0)
         back = torch.load(buf, weights_only=False)  # a mesh of this test's own making
-        out["pickled"] = (type(back).__name__, back == mesh,
-                          back.get_group(0) is mesh.get_group(0), back.replicate_dim)
+        out["pickled"] = (
+            type(back).__name__,
+            back == mesh,
+            back.get_group(0) is mesh.get_group(0),
+            back.replicate_dim,
+        )
         try:
             mesh._flatten("dp")
             out["flatten"] = "flattened"
         except RuntimeError as e:
             out["flatten"] = str(e)
         ext = extend_device_mesh(mesh["tp"], ManagedProcessGroup(manager), name="ext")
-        out["extended"] = (tuple(ext.shape), ext.mesh_dim_names,
-                           type(ext.get_group("ext")).__name__, tuple(ext.get_coordinate()))
-        alone = ft_init_device_mesh(device_type="cpu", mesh_shape=(2,), mesh_dim_names=("rep",),
-                                    replicate_dim=0, manager=manager)
-        out["one_dim"] = (tuple(alone.shape), tuple(alone.get_coordinate()),
-                          type(alone.get_group()).__name__)
+        out["extended"] = (
+            tuple(ext.shape),
+            ext.mesh_dim_names,
+            type(ext.get_group("ext")).__name__,
+            tuple(ext.get_coordinate()),
+        )
+        alone = ft_init_device_mesh(
+            device_type="cpu",
+            mesh_shape=(2,),
+            mesh_dim_names=("rep",),
+            replicate_dim=0,
+            manager=manager,
+        )
+        out["one_dim"] = (
+            tuple(alone.shape),
+            tuple(alone.get_coordinate()),
+            type(alone.get_group()).__name__,
+        )
         return out
     finally:
         manager.shutdown(wait=False)

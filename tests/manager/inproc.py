@@ -13,20 +13,35 @@ from tests.procs import lighthouse  # noqa: F401  (re-exported: tests/gpu import
 TO = timedelta(seconds=10)
 
 
-def make_manager(lh_addr: str, name: str, rank: int = 0, world_size: int = 1,
-                 store_port: int = 0, pg_timeout: timedelta = TO, **kw: Any) -> ft.Manager:
+def make_manager(
+    lh_addr: str,
+    name: str,
+    rank: int = 0,
+    world_size: int = 1,
+    store_port: int = 0,
+    pg_timeout: timedelta = TO,
+    **kw: Any,
+) -> ft.Manager:
     pg = ft.ProcessGroupGloo(timeout=pg_timeout)
-    kw.setdefault("checkpoint_transport",
-                  HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1"))
+    kw.setdefault(
+        "checkpoint_transport", HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1")
+    )
     kw.setdefault("min_replica_size", 1)
     kw.setdefault("timeout", TO)
     kw.setdefault("quorum_timeout", TO)
     kw.setdefault("connect_timeout", TO)
     return ft.Manager(
-        pg=pg, load_state_dict=kw.pop("load_state_dict", None),
-        state_dict=kw.pop("state_dict", None), rank=rank, world_size=world_size,
-        store_addr="127.0.0.1", store_port=store_port, lighthouse_addr=lh_addr,
-        replica_id=name, hostname="127.0.0.1", **kw,
+        pg=pg,
+        load_state_dict=kw.pop("load_state_dict", None),
+        state_dict=kw.pop("state_dict", None),
+        rank=rank,
+        world_size=world_size,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        lighthouse_addr=lh_addr,
+        replica_id=name,
+        hostname="127.0.0.1",
+        **kw,
     )
 
 

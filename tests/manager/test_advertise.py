@@ -50,7 +50,15 @@ def test_manager_refuses_loopback_toward_a_remote_lighthouse(monkeypatch):
     the setting, before anything connects."""
     monkeypatch.setenv("FT_ADVERTISE_HOST", "127.0.0.1")
     with pytest.raises(ValueError, match="FT_ADVERTISE_HOST"):
-        ft.Manager(pg=ft.ProcessGroupGloo(), load_state_dict=None, state_dict=None,
-                   min_replica_size=1, rank=0, world_size=1, store_addr="127.0.0.1",
-                   store_port=0, lighthouse_addr="http://192.0.2.77:29510",
-                   connect_timeout=timedelta(seconds=1))
+        ft.Manager(
+            pg=ft.ProcessGroupGloo(),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=0,
+            lighthouse_addr="http://192.0.2.77:29510",
+            connect_timeout=timedelta(seconds=1),
+        )

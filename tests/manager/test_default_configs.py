@@ -23,8 +23,12 @@ from tests.procs import Workers, make_store
 
 TARGET_STEP = 3
 COMBOS = [
-    {"name": f"async={a},init_sync={s},min={m}", "use_async_quorum": a, "init_sync": s,
-     "min_replica_size": m}
+    {
+        "name": f"async={a},init_sync={s},min={m}",
+        "use_async_quorum": a,
+        "init_sync": s,
+        "min_replica_size": m,
+    }
     for a, s, m in itertools.product([True, False], [True, False], [1, 2, 3])
 ]
 
@@ -37,18 +41,27 @@ def assert_bitwise_equal(states, name):
         assert other["optim"]["param_groups"] == ref["optim"]["param_groups"], name
         for pid, st in ref["optim"]["state"].items():
             for k, v in st.items():
-                assert torch.equal(v, other["optim"]["state"][pid][k]), \
+                assert torch.equal(v, other["optim"]["state"][pid][k]), (
                     f"{name}: optimizer {pid}.{k} differs (group {g})"
+                )
 
 
 @pytest.mark.parametrize("groups", [2, 3])
 def test_every_default_combination_commits_and_ends_identical(groups: int) -> None:
     store = make_store()
-    with Workers("tests.manager.workers:default_config_combos", groups, store,
-                 combos=COMBOS, target_step=TARGET_STEP) as w:
+    with Workers(
+        "tests.manager.workers:default_config_combos",
+        groups,
+        store,
+        combos=COMBOS,
+        target_step=TARGET_STEP,
+    ) as w:
         for i, combo in enumerate(COMBOS):
-            lh = lighthouse(min_replicas=min(combo["min_replica_size"], groups),
-                            heartbeat_timeout_ms=2000, join_timeout_ms=500)
+            lh = lighthouse(
+                min_replicas=min(combo["min_replica_size"], groups),
+                heartbeat_timeout_ms=2000,
+                join_timeout_ms=500,
+            )
             try:
                 store.set(f"lh/{i}", lh.address())
                 store.wait([f"done/{i}/{g}" for g in range(groups)], timedelta(seconds=60))
@@ -61,7 +74,9 @@ def test_every_default_combination_commits_and_ends_identical(groups: int) -> No
         states = [r[name] for r in results]
         if combo["min_replica_size"] <= groups:
             assert [s["step"] for s in states] == [TARGET_STEP] * groups, (
-                name, [(s["step"], len(s["attempts"])) for s in states])
+                name,
+                [(s["step"], len(s["attempts"])) for s in states],
+            )
             assert_bitwise_equal(states, f"{name} {[s['trace'] for s in states]}")
             # No livelock: commits come at once, not after a long run of failed attempts.
             assert max(len(s["attempts"]) for s in states) <= TARGET_STEP + 2, name

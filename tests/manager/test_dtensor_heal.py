@@ -24,8 +24,13 @@ FULL = torch.arange(30.0).view(5, 6)
 
 def mesh(coord: Sequence[int]) -> DeviceMesh:
     ranks = torch.arange(4).view(2, 2)
-    return DeviceMesh("cpu", ranks, mesh_dim_names=("dp_replicate", "dp_shard"),
-                      _init_backend=False, _rank=coord[0] * 2 + coord[1])
+    return DeviceMesh(
+        "cpu",
+        ranks,
+        mesh_dim_names=("dp_replicate", "dp_shard"),
+        _init_backend=False,
+        _rank=coord[0] * 2 + coord[1],
+    )
 
 
 def piece(full: torch.Tensor, m: DeviceMesh) -> DTensor:
@@ -33,8 +38,9 @@ def piece(full: torch.Tensor, m: DeviceMesh) -> DTensor:
 
     shape, offset = compute_local_shape_and_global_offset(full.shape, m, list(PLACEMENTS))
     local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
-    return DTensor.from_local(local, m, list(PLACEMENTS), run_check=False, shape=full.shape,
-                              stride=full.stride())
+    return DTensor.from_local(
+        local, m, list(PLACEMENTS), run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
@@ -48,12 +54,20 @@ def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
         loaded[i].append(sd)
         states[i]["w"].to_local().copy_(sd["w"].to_local())
 
-    ms = values(in_threads([
-        lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False,
-                                 load_state_dict=lambda sd, i=i: load(i, sd),
-                                 state_dict=lambda i=i: states[i])
-        for i in range(2)
-    ]))
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    use_async_quorum=False,
+                    load_state_dict=lambda sd, i=i: load(i, sd),
+                    state_dict=lambda i=i: states[i],
+                )
+                for i in range(2)
+            ]
+        )
+    )
 
     def step(i: int) -> Dict[str, Any]:
         m = ms[i]
@@ -63,8 +77,13 @@ def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
         # checkpoint staged until should_commit, and the healer joins the allreduce after
         m.allreduce(torch.ones(2)).wait()
         committed = m.should_commit()
-        return {"loaded": loaded[i], "error": error, "step": m.current_step(),
-                "committed": committed, "state": states[i]["w"]}
+        return {
+            "loaded": loaded[i],
+            "error": error,
+            "step": m.current_step(),
+            "committed": committed,
+            "state": states[i]["w"],
+        }
 
     try:
         return values(in_threads([lambda i=i: step(i) for i in range(2)]))

@@ -13,17 +13,20 @@ from ft.coordination.quorum import QuorumResult
 from ft.heal import Healer, check_checkpoint
 
 
-@pytest.mark.parametrize("state, required, error", [
-    ({"user": {"model": 1}, "torchft": {"step": 3}}, ["model"], None),
-    ({"user": {"model": 1, "extra": 2}, "torchft": {}}, ["model"], None),
-    ({"user": {}, "torchft": {}}, [], None),
-    ({"user": {"model": 1}, "torchft": {}}, ["model", "optim"], "keys ['optim']"),
-    ({"user": {"model": 1}}, ["model"], "'user'/'torchft' sections"),
-    ({"torchft": {}}, [], "'user'/'torchft' sections"),
-    ({"user": [1], "torchft": {}}, [], "'user'/'torchft' sections"),
-    ([1, 2], [], "'user'/'torchft' sections"),
-    (None, [], "'user'/'torchft' sections"),
-])
+@pytest.mark.parametrize(
+    "state, required, error",
+    [
+        ({"user": {"model": 1}, "torchft": {"step": 3}}, ["model"], None),
+        ({"user": {"model": 1, "extra": 2}, "torchft": {}}, ["model"], None),
+        ({"user": {}, "torchft": {}}, [], None),
+        ({"user": {"model": 1}, "torchft": {}}, ["model", "optim"], "keys ['optim']"),
+        ({"user": {"model": 1}}, ["model"], "'user'/'torchft' sections"),
+        ({"torchft": {}}, [], "'user'/'torchft' sections"),
+        ({"user": [1], "torchft": {}}, [], "'user'/'torchft' sections"),
+        ([1, 2], [], "'user'/'torchft' sections"),
+        (None, [], "'user'/'torchft' sections"),
+    ],
+)
 def test_check_checkpoint(state: Any, required: List[str], error: Any) -> None:
     if error is None:
         check_checkpoint(state, required)
@@ -64,8 +67,11 @@ def test_send_is_a_no_op_without_receivers_and_reads_no_state() -> None:
         raise AssertionError("state read without receivers")
 
     healer.send(QuorumResult(max_step=3), state, timedelta(seconds=1))
-    healer.send(QuorumResult(max_step=3, recover_dst_replica_ranks=[2]),
-                lambda: {"user": {}, "torchft": {}}, timedelta(seconds=1))
+    healer.send(
+        QuorumResult(max_step=3, recover_dst_replica_ranks=[2]),
+        lambda: {"user": {}, "torchft": {}},
+        timedelta(seconds=1),
+    )
     assert t.sent == [([2], 3, {"user": {}, "torchft": {}})] and not t.abandoned
 
 

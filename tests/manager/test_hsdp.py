@@ -28,8 +28,10 @@ LIGHTHOUSE = dict(min_replicas=1, join_timeout_ms=500)
 def _same(a: Any, b: Any, where: str) -> None:
     if torch.is_tensor(a):
         assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a,
-                           b.view(-1).view(torch.uint8) if b.numel() else b), where
+        assert torch.equal(
+            a.view(-1).view(torch.uint8) if a.numel() else a,
+            b.view(-1).view(torch.uint8) if b.numel() else b,
+        ), where
     elif isinstance(a, dict):
         assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
         for k in a:
@@ -51,15 +53,20 @@ def _check_run(res: Dict[tuple, Dict[str, Any]], name: str) -> None:
         assert r["is_dtensor"] and r["param_kinds"] == ["DTensor"], (name, r["param_kinds"])
         assert set(r["placements"]) == {"(Replicate(), Shard(dim=0))"}, r["placements"]
         assert r["mesh"] == {
-            "type": "ManagedDeviceMesh", "shape": (2, 2), "coord": (0, g),
-            "replicate_group": "ManagedProcessGroup", "replicate_manager_is_ours": True,
-            "shard_group_is_default": True, "sliced_replicate_is_managed": True,
+            "type": "ManagedDeviceMesh",
+            "shape": (2, 2),
+            "coord": (0, g),
+            "replicate_group": "ManagedProcessGroup",
+            "replicate_manager_is_ours": True,
+            "shard_group_is_default": True,
+            "sliced_replicate_is_managed": True,
             "sliced_shard_coord": (g,),
         }, (name, r["mesh"])
     for g in (0, 1):  # the same shard in both groups: bitwise the same model and Adam state
         _same(res[(0, g)]["local"], res[(1, g)]["local"], f"{name}: shard {g}")
-    assert not torch.equal(res[(0, 0)]["local"]["model"]["0.weight"],
-                           res[(0, 1)]["local"]["model"]["0.weight"])  # really two halves
+    assert not torch.equal(
+        res[(0, 0)]["local"]["model"]["0.weight"], res[(0, 1)]["local"]["model"]["0.weight"]
+    )  # really two halves
     assert res[(0, 0)]["local"]["model"]["4.weight"].shape == (3, 32)  # uneven: 5 rows = 3 + 2
     assert res[(0, 1)]["local"]["model"]["4.weight"].shape == (2, 32)
     for key in res:
@@ -101,16 +108,18 @@ def test_hsdp_group_killed_and_restarted_heals_its_dtensor_shards(replicas) -> N
     for key in res:
         _same(clean[key]["local"], res[key]["local"], f"state of {key} vs the fault-free run")
         for step, loss in res[key]["losses"].items():
-            assert loss == clean[key]["losses"][step], (key, step, loss,
-                                                        clean[key]["losses"][step])
+            assert loss == clean[key]["losses"][step], (key, step, loss, clean[key]["losses"][step])
 
 
 def test_ft_mesh_is_a_torch_mesh_whose_replicate_dim_is_the_manager(replicas) -> None:
     """``ft_init_device_mesh``'s mesh, seen by torch: slicing, pickling, DTensor's functional
     collectives over the replicate dimension (through the Manager: an average divides by the
     groups taking part, not by the mesh's nominal size), and torchft's other constructors."""
-    w = replicas("tests.manager.hsdp_workers:mesh_checks", 2,
-                 lighthouse=dict(min_replicas=2, join_timeout_ms=200))
+    w = replicas(
+        "tests.manager.hsdp_workers:mesh_checks",
+        2,
+        lighthouse=dict(min_replicas=2, join_timeout_ms=200),
+    )
     for r in w.join(timeout=120):
         assert r["nominal"] == (3, (3, 1)) and r["live"] == 2, r
         assert r["same_group_again"], r

@@ -25,8 +25,9 @@ def lh():
 
 def managers(lh: Any, n: int, **kw: Any) -> List[ft.Manager]:
     # all start before the first quorum: min_replicas=n for the first one is set by the caller
-    return values(in_threads([lambda i=i: make_manager(lh.address(), f"g{i}", **kw)
-                              for i in range(n)]))
+    return values(
+        in_threads([lambda i=i: make_manager(lh.address(), f"g{i}", **kw) for i in range(n)])
+    )
 
 
 def shutdown(ms: List[ft.Manager]) -> None:
@@ -35,8 +36,14 @@ def shutdown(ms: List[ft.Manager]) -> None:
 
 def test_quorum_timeout_with_missing_rank_is_fast(lh: Any) -> None:
     # A group of 2 ranks where rank 1 never shows up.
-    m = make_manager(lh.address(), "g0", rank=0, world_size=2, use_async_quorum=False,
-                     quorum_timeout=timedelta(seconds=0.3))
+    m = make_manager(
+        lh.address(),
+        "g0",
+        rank=0,
+        world_size=2,
+        use_async_quorum=False,
+        quorum_timeout=timedelta(seconds=0.3),
+    )
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -54,8 +61,7 @@ def test_quorum_timeout_with_missing_rank_is_fast(lh: Any) -> None:
 
 
 def test_max_retries_raises(lh: Any) -> None:
-    m = make_manager(lh.address(), "g0", min_replica_size=2, max_retries=2,
-                     use_async_quorum=False)
+    m = make_manager(lh.address(), "g0", min_replica_size=2, max_retries=2, use_async_quorum=False)
     try:
         for _ in range(2):
             m.start_quorum()
@@ -71,16 +77,28 @@ def test_max_retries_raises(lh: Any) -> None:
 
 def test_fixed_with_spares_numerics() -> None:
     lh = lighthouse(min_replicas=3)
-    ms = managers(lh, 3, min_replica_size=2, use_async_quorum=False,
-                  world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES)
+    ms = managers(
+        lh,
+        3,
+        min_replica_size=2,
+        use_async_quorum=False,
+        world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES,
+    )
     try:
+
         def step(i: int, m: ft.Manager) -> Any:
             m.start_quorum()
             t = torch.full((4,), float(m.participating_rank() or 0) + 1.0)
             t.fill_(10.0 * (i + 1))
             m.allreduce(t).wait()
-            return (t.tolist(), m.num_participants(), m.is_participating(), m.should_commit(),
-                    m.batches_committed(), m.participating_rank())
+            return (
+                t.tolist(),
+                m.num_participants(),
+                m.is_participating(),
+                m.should_commit(),
+                m.batches_committed(),
+                m.participating_rank(),
+            )
 
         out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
         # replica ids sort as g0 < g1 < g2: g2 is the spare and contributes zeros
@@ -101,13 +119,23 @@ def test_init_sync_false_seeded_identical_init_no_heal() -> None:
     for _ in range(2):
         torch.manual_seed(7)
         models.append(torch.nn.Linear(3, 2))
-    ms = values(in_threads([
-        lambda i=i: make_manager(
-            lh.address(), f"g{i}", init_sync=False, use_async_quorum=False,
-            load_state_dict=lambda sd: loads.append(1), state_dict=models[i].state_dict)
-        for i in range(2)
-    ]))
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    init_sync=False,
+                    use_async_quorum=False,
+                    load_state_dict=lambda sd: loads.append(1),
+                    state_dict=models[i].state_dict,
+                )
+                for i in range(2)
+            ]
+        )
+    )
     try:
+
         def run(i: int, m: ft.Manager) -> Any:
             opt = ft.Optimizer(m, torch.optim.SGD(models[i].parameters(), lr=0.1))
             for s in range(3):
@@ -130,14 +158,22 @@ def test_init_sync_false_seeded_identical_init_no_heal() -> None:
 def test_allreduce_avg_sum_errors_and_async_heal() -> None:
     lh = lighthouse(min_replicas=2)
     state = [torch.zeros(3), torch.ones(3)]
-    ms = values(in_threads([
-        lambda i=i: make_manager(
-            lh.address(), f"g{i}", use_async_quorum=True,
-            load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-            state_dict=lambda i=i: {"w": state[i]})
-        for i in range(2)
-    ]))
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    use_async_quorum=True,
+                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+                    state_dict=lambda i=i: {"w": state[i]},
+                )
+                for i in range(2)
+            ]
+        )
+    )
     try:
+
         def step(i: int, m: ft.Manager, op: Any, err: bool) -> Any:
             m.start_quorum()
             t = torch.full((2,), float(i + 1))
@@ -150,23 +186,36 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
             return t.tolist(), fut_val is t, m.is_participating(), m.should_commit()
 
         # step 0, async + init_sync: g1 heals (contributes zeros, not a participant)
-        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False)
-                                 for i, m in enumerate(ms)]))
+        out = values(
+            in_threads(
+                [lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False) for i, m in enumerate(ms)]
+            )
+        )
         assert out[0] == ([1.0, 1.0], True, True, True)
         assert out[1] == ([1.0, 1.0], True, False, True)
         assert torch.equal(state[1], state[0])  # healed state applied in should_commit
-        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.SUM, False)
-                                 for i, m in enumerate(ms)]))
+        out = values(
+            in_threads(
+                [lambda i=i, m=m: step(i, m, dist.ReduceOp.SUM, False) for i, m in enumerate(ms)]
+            )
+        )
         assert [o[0] for o in out] == [[3.0, 3.0]] * 2 and all(o[3] for o in out)
         # a reported error (after the allreduce, e.g. a NaN loss): the step does not commit
-        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, True)
-                                 for i, m in enumerate(ms)], timeout=30))
+        out = values(
+            in_threads(
+                [lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, True) for i, m in enumerate(ms)],
+                timeout=30,
+            )
+        )
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2
         assert [o[3] for o in out] == [False, False]
         assert ms[1].errored() is not None and ms[0].errored() is not None
         # recovers on the next step
-        out = values(in_threads([lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False)
-                                 for i, m in enumerate(ms)]))
+        out = values(
+            in_threads(
+                [lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False) for i, m in enumerate(ms)]
+            )
+        )
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2 and all(o[3] for o in out)
         assert [m.current_step() for m in ms] == [3, 3]
         assert [m.batches_committed() for m in ms] == [1 + 2 + 2, 1 + 2 + 2]
@@ -182,8 +231,9 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
 
         results = {}
         for wire in (True, torch.float8_e4m3fn):  # int8, and the fp8 extension
-            out = values(in_threads([lambda i=i, m=m: quantized(i, m, wire)
-                                     for i, m in enumerate(ms)]))
+            out = values(
+                in_threads([lambda i=i, m=m: quantized(i, m, wire) for i, m in enumerate(ms)])
+            )
             want = (out[0][1] + out[1][1]) / 2
             assert torch.equal(out[0][0], out[1][0])  # every replica gets the same result
             rel = ((out[0][0] - want).abs().mean() / want.abs().mean()).item()
@@ -236,6 +286,7 @@ def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
     lh = lighthouse(min_replicas=2)
     ms = managers(lh, 2, use_async_quorum=False)
     try:
+
         def step(i: int, m: ft.Manager, err: bool) -> Any:
             m.start_quorum()
             t = torch.full((2,), float(i + 1))
@@ -269,6 +320,7 @@ def test_ddp_hook_averages_and_does_not_block() -> None:
     lh = lighthouse(min_replicas=2)
     ms = managers(lh, 2, use_async_quorum=False)
     try:
+
         def run(i: int, m: ft.Manager) -> Any:
             torch.manual_seed(0)
             model = torch.nn.Linear(4, 2)
@@ -280,8 +332,9 @@ def test_ddp_hook_averages_and_does_not_block() -> None:
             opt.step()
             return g, m.current_step()
 
-        (g0, s0), (g1, s1) = values(in_threads([lambda i=i, m=m: run(i, m)
-                                                for i, m in enumerate(ms)]))
+        (g0, s0), (g1, s1) = values(
+            in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)])
+        )
         assert torch.equal(g0, g1) and torch.allclose(g0, torch.full((2, 4), 1.5))
         assert s0 == s1 == 1
     finally:
@@ -295,10 +348,12 @@ def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
     lh = lighthouse(min_replicas=2)
     ms = managers(lh, 2, use_async_quorum=False)
     try:
+
         def make_model() -> torch.nn.Module:
             torch.manual_seed(0)  # the global RNG: build models here, not on the threads
-            return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                       torch.nn.Linear(64, 8))
+            return torch.nn.Sequential(
+                torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+            )
 
         def run(i: int, m: ft.Manager, view: Any, model: torch.nn.Module) -> Any:
             kw = {} if view is None else {"gradient_as_bucket_view": view}
@@ -314,8 +369,14 @@ def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
         out = {}
         for view in (None, False):
             models = [make_model() for _ in ms]
-            out[view] = values(in_threads([lambda i=i, m=m, md=md: run(i, m, view, md)
-                                           for i, (m, md) in enumerate(zip(ms, models))]))
+            out[view] = values(
+                in_threads(
+                    [
+                        lambda i=i, m=m, md=md: run(i, m, view, md)
+                        for i, (m, md) in enumerate(zip(ms, models))
+                    ]
+                )
+            )
         assert [o[1] for o in out[None]] == [True, True]
         assert [o[1] for o in out[False]] == [False, False]
         for a, b, c in zip(out[None][0][0], out[None][1][0], out[False][0][0]):
@@ -361,8 +422,14 @@ def test_distributed_sampler_shards_across_groups() -> None:
     seen = []
     for replica in range(3):
         for r in range(2):
-            s = ft.DistributedSampler(data, replica_rank=replica, num_replica_groups=3,
-                                      group_rank=r, num_replicas=2, shuffle=False)
+            s = ft.DistributedSampler(
+                data,
+                replica_rank=replica,
+                num_replica_groups=3,
+                group_rank=r,
+                num_replicas=2,
+                shuffle=False,
+            )
             assert s.global_rank == r + 2 * replica and s.global_world_size == 6
             seen.append(list(s))
     flat = sorted(x for part in seen for x in part)
@@ -371,7 +438,8 @@ def test_distributed_sampler_shards_across_groups() -> None:
 
 @pytest.mark.parametrize("async_quorum", [False, True])
 def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
-        async_quorum: bool) -> None:
+    async_quorum: bool,
+) -> None:
     """The heal source's state_dict raises once: the step commits nowhere, the healing
     replica learns at once (not after its 10 s timeout) why, heals on the next quorum, and
     every replica ends identical."""
@@ -388,13 +456,22 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
         return {"w": state[0]}
 
     sds = [source_state_dict, lambda: {"w": state[1]}]
-    ms = values(in_threads([
-        lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=async_quorum,
-                                 load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-                                 state_dict=sds[i])
-        for i in range(2)
-    ]))
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    use_async_quorum=async_quorum,
+                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+                    state_dict=sds[i],
+                )
+                for i in range(2)
+            ]
+        )
+    )
     try:
+
         def run(i: int, m: ft.Manager, quorum_ids: List[int]) -> Any:
             out = []
             for _ in range(3):
@@ -446,7 +523,8 @@ def test_stalled_replica_says_what_it_waits_for(caplog: pytest.LogCaptureFixture
             m.start_quorum()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not any(
-                "no step committed" in r.getMessage() for r in caplog.records):
+            "no step committed" in r.getMessage() for r in caplog.records
+        ):
             time.sleep(0.05)
         msgs = [r.getMessage() for r in caplog.records if "no step committed" in r.getMessage()]
         assert msgs, "no stall warning at the default level"

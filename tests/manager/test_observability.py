@@ -29,8 +29,9 @@ class _Records(logging.Handler):
 @pytest.fixture
 def records():
     handler = _Records()
-    loggers = [logging.getLogger(n) for n in ("torchft_quorums", "torchft_commits",
-                                              "torchft_errors")]
+    loggers = [
+        logging.getLogger(n) for n in ("torchft_quorums", "torchft_commits", "torchft_errors")
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)
@@ -50,6 +51,7 @@ def test_records_spans_and_global_ranks(records, monkeypatch) -> None:
     lh = lighthouse(min_replicas=2)
     ms = [make_manager(lh.address(), f"g{i}", use_async_quorum=False) for i in range(2)]
     try:
+
         def step(m: ft.Manager) -> bool:
             m.start_quorum()
             m.allreduce(torch.ones(3)).wait()
@@ -71,12 +73,19 @@ def test_records_spans_and_global_ranks(records, monkeypatch) -> None:
         assert sorted(r.replica_id.split(":")[0] for r in quorums) == ["g0", "g1"]
         for r in quorums:
             assert r.getMessage() == ""
-            assert _fields(r, "job_id", "rank", "step") == {"job_id": "job-42", "rank": 0,
-                                                           "step": 0}
+            assert _fields(r, "job_id", "rank", "step") == {
+                "job_id": "job-42",
+                "rank": 0,
+                "step": 0,
+            }
             assert r.quorum_id == ms[0].quorum_id()
         assert len(commits) == 4
         assert {(r.replica_id.split(":")[0], r.step, r.commit_result) for r in commits} == {
-            ("g0", 0, True), ("g1", 0, True), ("g0", 1, True), ("g1", 1, True)}
+            ("g0", 0, True),
+            ("g1", 0, True),
+            ("g0", 1, True),
+            ("g1", 1, True),
+        }
         assert all(r.job_id == "job-42" and r.rank == 0 for r in commits)
 
         # configure() got each group's peers as job-wide ranks (group world size 1: 0 and 1).
@@ -95,8 +104,11 @@ def test_records_spans_and_global_ranks(records, monkeypatch) -> None:
     # The profiler saw the Manager's spans under torchft's names (the quorum's own spans run on
     # the Manager's quorum thread).
     names = {e.name for e in prof.events()}
-    assert {"torchft::manager::allreduce", "torchft::manager::should_commit",
-            "torchft::manager::wait_quorum"} <= names, names
+    assert {
+        "torchft::manager::allreduce",
+        "torchft::manager::should_commit",
+        "torchft::manager::wait_quorum",
+    } <= names, names
 
 
 def test_a_torchft_style_process_group_gets_only_the_four_arguments() -> None:

@@ -19,14 +19,28 @@ def _members(proto) -> set:
 
 
 def test_the_protocol_names_what_algorithms_call():
-    assert {"use_async_quorum", "num_lanes", "start_quorum", "allreduce", "should_commit",
-            "register_state_dict_fn", "current_step", "num_participants"} <= _members(ManagerLike)
+    assert {
+        "use_async_quorum",
+        "num_lanes",
+        "start_quorum",
+        "allreduce",
+        "should_commit",
+        "register_state_dict_fn",
+        "current_step",
+        "num_participants",
+    } <= _members(ManagerLike)
 
 
-@pytest.mark.parametrize("proto, impl", [
-    (ManagerLike, ft.Manager), (ManagerLike, FakeManager),
-    (GroupServerClient, ManagerClient), (GroupServerClient, LocalManagerClient),
-], ids=["Manager", "FakeManager", "ManagerClient", "LocalManagerClient"])
+@pytest.mark.parametrize(
+    "proto, impl",
+    [
+        (ManagerLike, ft.Manager),
+        (ManagerLike, FakeManager),
+        (GroupServerClient, ManagerClient),
+        (GroupServerClient, LocalManagerClient),
+    ],
+    ids=["Manager", "FakeManager", "ManagerClient", "LocalManagerClient"],
+)
 def test_every_member_exists_with_compatible_parameters(proto, impl):
     for name in _members(proto):
         assert hasattr(impl, name), f"{impl.__name__} lacks {name}"

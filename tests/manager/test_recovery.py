@@ -38,8 +38,11 @@ def assert_identical(results: List[Dict[str, Any]], ranks_per_group: int) -> Non
 
 
 FULL = os.environ.get("FT_TEST_FULL") == "1"
-_full_only = pytest.mark.skipif(not FULL, reason="set FT_TEST_FULL=1 (the two cases above "
-                                "already cover HTTP/PG, sync/async and 1/2 ranks)")
+_full_only = pytest.mark.skipif(
+    not FULL,
+    reason="set FT_TEST_FULL=1 (the two cases above "
+    "already cover HTTP/PG, sync/async and 1/2 ranks)",
+)
 
 
 @pytest.mark.parametrize(
@@ -51,16 +54,24 @@ _full_only = pytest.mark.skipif(not FULL, reason="set FT_TEST_FULL=1 (the two ca
         pytest.param("http", False, 2, marks=_full_only),
     ],
 )
-def test_kill_restart_heals_and_ends_identical(transport: str, async_quorum: bool,
-                                               ranks_per_group: int, replicas) -> None:
+def test_kill_restart_heals_and_ends_identical(
+    transport: str, async_quorum: bool, ranks_per_group: int, replicas
+) -> None:
     groups = 2
     n = groups * ranks_per_group
     ports = [free_port() for _ in range(groups)]
     keys = [f"step/{g}/{r}" for g in range(groups) for r in range(ranks_per_group)]
-    w = replicas(TARGET, n, lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=2000,
-                                            join_timeout_ms=1000),
-                 ports=ports, ranks_per_group=ranks_per_group, async_quorum=async_quorum,
-                 transport=transport, step_sleep=0.1, wait_ready=n)
+    w = replicas(
+        TARGET,
+        n,
+        lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000),
+        ports=ports,
+        ranks_per_group=ranks_per_group,
+        async_quorum=async_quorum,
+        transport=transport,
+        step_sleep=0.1,
+        wait_ready=n,
+    )
     store = w.store
     wait_progress(store, keys, 3, 90, w)
     victims = [w.by_rank(1 * ranks_per_group + r) for r in range(ranks_per_group)]
@@ -93,13 +104,18 @@ def test_kill_restart_heals_and_ends_identical(transport: str, async_quorum: boo
         assert solo, "survivors did not commit while the other group was down"
 
 
-def one_wave(n_groups: int, stop_at: int, lh_kw: Optional[Dict[str, Any]] = None,
-             timeout: float = 90, **kw: Any) -> List[Dict[str, Any]]:
-    lh = {"min_replicas": 1, "heartbeat_timeout_ms": 2000, "join_timeout_ms": 1000,
-          **(lh_kw or {})}
+def one_wave(
+    n_groups: int,
+    stop_at: int,
+    lh_kw: Optional[Dict[str, Any]] = None,
+    timeout: float = 90,
+    **kw: Any,
+) -> List[Dict[str, Any]]:
+    lh = {"min_replicas": 1, "heartbeat_timeout_ms": 2000, "join_timeout_ms": 1000, **(lh_kw or {})}
     ports = [free_port() for _ in range(n_groups)]
-    with Replicas(TARGET, n_groups, lighthouse=lh, ports=ports, stop_at=stop_at,
-                  wait_ready=n_groups, **kw) as w:
+    with Replicas(
+        TARGET, n_groups, lighthouse=lh, ports=ports, stop_at=stop_at, wait_ready=n_groups, **kw
+    ) as w:
         return w.join(timeout)
 
 
@@ -140,9 +156,16 @@ def test_sigstop_survivor_continues_within_heartbeat_timeout(replicas) -> None:
     ports = [free_port() for _ in range(2)]
     keys = ["step/0/0", "step/1/0"]
     # A long op timeout: only the proactive abort can free the survivor quickly.
-    w = replicas(TARGET, 2, lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=hb_ms,
-                                            join_timeout_ms=1000),
-                 ports=ports, wait_ready=2, pg_timeout=60.0, timeout=60.0, step_sleep=0.05)
+    w = replicas(
+        TARGET,
+        2,
+        lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=hb_ms, join_timeout_ms=1000),
+        ports=ports,
+        wait_ready=2,
+        pg_timeout=60.0,
+        timeout=60.0,
+        step_sleep=0.05,
+    )
     store = w.store
     wait_progress(store, keys, 3, 90, w)
     w.by_rank(1).signal(signal.SIGSTOP)
@@ -163,12 +186,21 @@ def test_sigstop_survivor_continues_within_heartbeat_timeout(replicas) -> None:
 
 def test_lighthouse_restart_training_resumes(replicas) -> None:
     port = free_port()
-    lh = dict(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000,
-              bind=f"127.0.0.1:{port}")
+    lh = dict(
+        min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=1000, bind=f"127.0.0.1:{port}"
+    )
     ports = [free_port() for _ in range(2)]
     keys = ["step/0/0", "step/1/0"]
-    w = replicas(TARGET, 2, lighthouse=lh, lh_addr=f"127.0.0.1:{port}", ports=ports,
-                 wait_ready=2, quorum_timeout=30.0, step_sleep=0.05)
+    w = replicas(
+        TARGET,
+        2,
+        lighthouse=lh,
+        lh_addr=f"127.0.0.1:{port}",
+        ports=ports,
+        wait_ready=2,
+        quorum_timeout=30.0,
+        step_sleep=0.05,
+    )
     store = w.store
     wait_progress(store, keys, 3, 90, w)
     w.lh.shutdown()

@@ -130,8 +130,7 @@ def test_exception_with_traceback_keeps_type_message_and_trace() -> None:
     back = pickle.loads(pickle.dumps(e))
     assert isinstance(back, TimeoutError) and str(back) == str(e)
     # attributes of the original stay readable
-    http = ExceptionWithTraceback(
-        urllib.error.HTTPError("u", 503, "busy", None, None))  # type: ignore[arg-type]
+    http = ExceptionWithTraceback(urllib.error.HTTPError("u", 503, "busy", None, None))  # type: ignore[arg-type]
     assert http.code == 503 and "busy" in str(http)
     # what ft's tests log for an error: the original type's name is in it
     corrupt = ExceptionWithTraceback(CheckpointCorruptError("bad crc"))
@@ -153,9 +152,14 @@ def test_get_timeout() -> None:
 
 def test_managed_group_pure_ddp_and_errored_on_two_replicas() -> None:
     lh = lighthouse(min_replicas=2)
-    ms: List[ft.Manager] = values(in_threads(
-        [lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False)
-         for i in range(2)]))
+    ms: List[ft.Manager] = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False)
+                for i in range(2)
+            ]
+        )
+    )
     try:
         with pytest.warns(DeprecationWarning, match="register_state_dict_fn"):
             ms[0].set_state_dict_fns(lambda sd: None, lambda: {"w": 1})
@@ -204,15 +208,29 @@ def test_manager_over_a_fake_wrapper_skips_the_injected_step() -> None:
         if i == 0:
             return make_manager(lh.address(), "g0", use_async_quorum=False)
         return ft.Manager(
-            pg=fake, load_state_dict=None, state_dict=None, min_replica_size=1,
-            use_async_quorum=False, timeout=TO, quorum_timeout=TO, connect_timeout=TO,
-            rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
-            lighthouse_addr=lh.address(), replica_id="g1", hostname="127.0.0.1",
-            checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=0,
-                                               advertise_host="127.0.0.1"))
+            pg=fake,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=False,
+            timeout=TO,
+            quorum_timeout=TO,
+            connect_timeout=TO,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=0,
+            lighthouse_addr=lh.address(),
+            replica_id="g1",
+            hostname="127.0.0.1",
+            checkpoint_transport=HTTPTransport(
+                timeout=TO, num_chunks=0, advertise_host="127.0.0.1"
+            ),
+        )
 
     ms: List[ft.Manager] = values(in_threads([lambda i=i: start(i) for i in range(2)]))
     try:
+
         def step(i: int, m: ft.Manager, inject: bool) -> Any:
             m.start_quorum()
             if inject and i == 1:
@@ -250,8 +268,9 @@ def test_extract_local_tensor_copies_without_grad() -> None:
 
 
 def test_allow_checkpoint_accepts_only_the_staged_step() -> None:
-    transport: HTTPTransport = HTTPTransport(timeout=timedelta(seconds=5), num_chunks=0,
-                                             advertise_host="127.0.0.1")
+    transport: HTTPTransport = HTTPTransport(
+        timeout=timedelta(seconds=5), num_chunks=0, advertise_host="127.0.0.1"
+    )
     try:
         with pytest.raises(CheckpointError, match="no checkpoint of step 3"):
             transport.allow_checkpoint(3)  # nothing staged yet
@@ -341,7 +360,11 @@ def test_errored_wraps_every_error_type_ft_raises_and_keeps_its_type():
     HTTPError), where only one may allocate the instance."""
     import grpc
 
-    from ft.checkpointing import CheckpointCorruptError, CheckpointError, CheckpointNotAvailableError
+    from ft.checkpointing import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointNotAvailableError,
+    )
     from ft.coordination import CoordinationError
     from ft.manager import ExceptionWithTraceback
 
@@ -367,10 +390,18 @@ def test_a_failed_collective_issued_straight_on_the_group_vetoes_the_commit() ->
     out and the group's error is set), should_commit must say no, and the next step, on a
     reconfigured group, commits."""
     lh = lighthouse(min_replicas=2)
-    ms: List[ft.Manager] = values(in_threads(
-        [lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False,
-                                  pg_timeout=timedelta(seconds=1)) for i in range(2)]))
+    ms: List[ft.Manager] = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(), f"g{i}", use_async_quorum=False, pg_timeout=timedelta(seconds=1)
+                )
+                for i in range(2)
+            ]
+        )
+    )
     try:
+
         def failing_step(i: int, m: ft.Manager) -> Any:
             m.start_quorum()
             if i == 1:
@@ -405,10 +436,20 @@ def test_manager_timeout_bounds_its_collectives() -> None:
     """Manager(timeout=1s) over a group built with a 60 s op timeout: an allreduce whose peer
     never joins ends (reported, the step does not commit) within the Manager's timeout."""
     lh = lighthouse(min_replicas=2)
-    ms: List[ft.Manager] = values(in_threads(
-        [lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False,
-                                  pg_timeout=timedelta(seconds=60), timeout=timedelta(seconds=1))
-         for i in range(2)]))
+    ms: List[ft.Manager] = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    use_async_quorum=False,
+                    pg_timeout=timedelta(seconds=60),
+                    timeout=timedelta(seconds=1),
+                )
+                for i in range(2)
+            ]
+        )
+    )
     try:
         assert all(m._pg.timeout == timedelta(seconds=1) for m in ms)
 

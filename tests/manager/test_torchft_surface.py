@@ -33,16 +33,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SKIPPED_MODULES: Dict[str, str] = {
     "ft.quantization": (
         "torchft's fused FP8 Triton kernels (CUDA only); ft.collectives quantizes with plain "
-        "torch ops (int8 / fp8, blockwise) instead"),
+        "torch ops (int8 / fp8, blockwise) instead"
+    ),
 }
 
 KNOWN_DIFFERENCES: Dict[str, str] = {
     "ft.process_group:ProcessGroupGloo": (
         "ft's CPU group is its own backend: (timeout, num_lanes, check_agreement); torchft's "
-        "wraps torch's Gloo and also takes pg= (wrap a group with ProcessGroupWrapper instead)"),
+        "wraps torch's Gloo and also takes pg= (wrap a group with ProcessGroupWrapper instead)"
+    ),
     "ft.process_group:ProcessGroupBaby.num_active_work": (
         "ft's Baby groups run in this process (no child to ask); ft's backend exposes no "
-        "count of in-flight ops"),
+        "count of in-flight ops"
+    ),
 }
 
 # torchft 0.2.0, extracted from its sources (see the module doc). "Class" is the constructor.
@@ -67,8 +70,9 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "ProcessGroup.allgather_into_tensor_coalesced": "output_tensors input_tensors opts",
         "ProcessGroup.allreduce": "tensors opts",
         "ProcessGroup.allreduce_coalesced": "tensors opts",
-        "ProcessGroup.alltoall_base": ("output_buffer input_buffer output_split_sizes "
-                                       "input_split_sizes opts"),
+        "ProcessGroup.alltoall_base": (
+            "output_buffer input_buffer output_split_sizes input_split_sizes opts"
+        ),
         "ProcessGroup.barrier": "opts",
         "ProcessGroup.broadcast": "tensor_list opts",
         "ProcessGroup.broadcast_one": "tensor root",
@@ -93,18 +97,21 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "ProcessGroupWrapper.shutdown": "",
         "ProcessGroupWrapper.set_timeout": "timeout",
         "ProcessGroupWrapper.allgather": "output_tensors input_tensor opts",
-        "ProcessGroupWrapper.allgather_into_tensor_coalesced": ("output_tensors "
-                                                                "input_tensors opts"),
+        "ProcessGroupWrapper.allgather_into_tensor_coalesced": (
+            "output_tensors input_tensors opts"
+        ),
         "ProcessGroupWrapper.allreduce": "tensors opts",
         "ProcessGroupWrapper.allreduce_coalesced": "tensors opts",
-        "ProcessGroupWrapper.alltoall_base": ("output_buffer input_buffer output_split_sizes "
-                                              "input_split_sizes opts"),
+        "ProcessGroupWrapper.alltoall_base": (
+            "output_buffer input_buffer output_split_sizes input_split_sizes opts"
+        ),
         "ProcessGroupWrapper.barrier": "opts",
         "ProcessGroupWrapper.broadcast": "tensor_list opts",
         "ProcessGroupWrapper.recv": "tensors src_rank tag",
         "ProcessGroupWrapper.reduce_scatter": "output_tensors input_tensors opts",
-        "ProcessGroupWrapper.reduce_scatter_tensor_coalesced": ("output_tensors "
-                                                                "input_tensors opts"),
+        "ProcessGroupWrapper.reduce_scatter_tensor_coalesced": (
+            "output_tensors input_tensors opts"
+        ),
         "ProcessGroupWrapper.send": "tensors dst_rank tag",
         "ProcessGroupWrapper.size": "",
         "ProcessGroupWrapper.parent": "@property",
@@ -126,8 +133,9 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "ProcessGroupDummy.allgather_into_tensor_coalesced": "output_tensors input_tensors opts",
         "ProcessGroupDummy.allreduce": "tensors opts",
         "ProcessGroupDummy.allreduce_coalesced": "tensors opts",
-        "ProcessGroupDummy.alltoall_base": ("output_buffer input_buffer output_split_sizes "
-                                            "input_split_sizes opts"),
+        "ProcessGroupDummy.alltoall_base": (
+            "output_buffer input_buffer output_split_sizes input_split_sizes opts"
+        ),
         "ProcessGroupDummy.barrier": "opts",
         "ProcessGroupDummy.broadcast": "tensor_list opts",
         "ProcessGroupDummy.recv": "tensors src_rank tag",
@@ -156,8 +164,9 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "ProcessGroupBaby.allgather_into_tensor_coalesced": "output_tensors input_tensors opts",
         "ProcessGroupBaby.allreduce": "tensors opts",
         "ProcessGroupBaby.allreduce_coalesced": "tensors opts",
-        "ProcessGroupBaby.alltoall_base": ("output_buffer input_buffer output_split_sizes "
-                                           "input_split_sizes opts"),
+        "ProcessGroupBaby.alltoall_base": (
+            "output_buffer input_buffer output_split_sizes input_split_sizes opts"
+        ),
         "ProcessGroupBaby.barrier": "opts",
         "ProcessGroupBaby.broadcast": "tensor_list opts",
         "ProcessGroupBaby.recv": "tensors src_rank tag",
@@ -170,8 +179,9 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "ProcessGroupBabyGloo": "timeout",
         "ProcessGroupBabyGloo.getBackendName": "",
         "ProcessGroupBabyGloo.reduce_scatter": "output_tensors input_tensors opts",
-        "ProcessGroupBabyGloo.reduce_scatter_tensor_coalesced": ("output_tensors "
-                                                                 "input_tensors opts"),
+        "ProcessGroupBabyGloo.reduce_scatter_tensor_coalesced": (
+            "output_tensors input_tensors opts"
+        ),
         "ProcessGroupBabyNCCL": "timeout",
         "ProcessGroupBabyNCCL.getBackendName": "",
         "ProcessGroupBabyXCCL": "timeout",
@@ -181,11 +191,13 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "get_timeout": "timeout_sec_env default_timeout_sec",
         "WorldSizeMode": None,
         "ExceptionWithTraceback": "e",
-        "Manager": ("pg load_state_dict state_dict min_replica_size use_async_quorum timeout "
-                    "quorum_timeout connect_timeout rank world_size world_size_mode "
-                    "store_addr store_port lighthouse_addr replica_id port hostname "
-                    "heartbeat_interval checkpoint_transport init_sync max_retries "
-                    "quorum_retries"),
+        "Manager": (
+            "pg load_state_dict state_dict min_replica_size use_async_quorum timeout "
+            "quorum_timeout connect_timeout rank world_size world_size_mode "
+            "store_addr store_port lighthouse_addr replica_id port hostname "
+            "heartbeat_interval checkpoint_transport init_sync max_retries "
+            "quorum_retries"
+        ),
         "Manager.allow_state_dict_read": "",
         "Manager.disallow_state_dict_read": "",
         "Manager.register_state_dict_fn": "key load_state_dict state_dict",
@@ -210,9 +222,11 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "extract_local_tensor": "t",
         "LocalSGD": "manager model optimizer sync_every",
         "LocalSGD.sync": "",
-        "DiLoCo": ("manager model_fragments inner_optimizer outer_optimizer sync_every "
-                   "backup_device pin_memory use_bucketization bucket_cap_mb should_quantize "
-                   "fragment_sync_delay fragment_update_alpha"),
+        "DiLoCo": (
+            "manager model_fragments inner_optimizer outer_optimizer sync_every "
+            "backup_device pin_memory use_bucketization bucket_cap_mb should_quantize "
+            "fragment_sync_delay fragment_update_alpha"
+        ),
     },
     "ft.ddp": {
         "DistributedDataParallel": "manager module **kwargs",
@@ -230,8 +244,9 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "OptimizerWrapper.state": "@property",
     },
     "ft.data": {
-        "DistributedSampler": ("dataset replica_rank num_replica_groups group_rank "
-                               "num_replicas **kwargs"),
+        "DistributedSampler": (
+            "dataset replica_rank num_replica_groups group_rank num_replicas **kwargs"
+        ),
     },
     "ft.checkpointing": {
         "HTTPTransport": None,
@@ -274,8 +289,7 @@ TORCHFT_0_2_0: Dict[str, Dict[str, Optional[str]]] = {
         "stream_timeout": "callback timeout",
         "context_timeout": "callback timeout",
     },
-    "ft.work": {
-    },
+    "ft.work": {},
     "ft.coordination": {
         "LighthouseClient": None,
         "LighthouseServer": None,
@@ -328,7 +342,7 @@ def _incompatibility(expected: str, params: List[inspect.Parameter]) -> Optional
         return None
     if got[: len(want)] != want:
         return f"torchft takes ({', '.join(want)}), ft takes ({', '.join(got)})"
-    for p in params[len(want):]:
+    for p in params[len(want) :]:
         if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return f"ft adds {p.name!r} after torchft's parameters without a default"
     return None
@@ -389,13 +403,18 @@ def test_known_differences_are_still_real(entry: str) -> None:
     # A documented difference that ft no longer has must leave the list.
     module_name, key = entry.split(":")
     assert _check(module_name, key, TORCHFT_0_2_0[module_name][key]) is not None, (
-        f"{entry} now matches torchft: remove it from KNOWN_DIFFERENCES")
+        f"{entry} now matches torchft: remove it from KNOWN_DIFFERENCES"
+    )
 
 
 def test_the_table_covers_the_new_modules() -> None:
     # The modules this port added are in the table, with their names.
     assert set(TORCHFT_0_2_0["ft.futures"]) == {
-        "future_timeout", "future_wait", "stream_timeout", "context_timeout"}
+        "future_timeout",
+        "future_wait",
+        "stream_timeout",
+        "context_timeout",
+    }
     assert "ParameterServer.forward" in TORCHFT_0_2_0["ft.parameter_server"]
     assert "ExceptionWithTraceback" in TORCHFT_0_2_0["ft.manager"]
 
@@ -418,6 +437,7 @@ def test_setup_logger_needs_no_torch() -> None:
 
     code = "import sys, ft; ft.setup_logger('x'); assert 'torch' not in sys.modules, 'torch'"
     env = {k: v for k, v in os.environ.items() if k != "TORCHFT_USE_OTEL"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=env, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr

@@ -140,17 +140,19 @@ def train(
         loss.backward()
         opt.step()
         err = manager.errored()
-        history.append({
-            "step": step,
-            "committed": manager.current_step() == step + 1,
-            "participants": manager.num_participants(),
-            "errored": None if err is None else f"{type(err).__name__}: {err}",
-            "pre_hash": pre_hash,
-            "injected": injected,
-            "t0": t0,
-            "t1": time.monotonic(),
-            "wall": time.time(),
-        })
+        history.append(
+            {
+                "step": step,
+                "committed": manager.current_step() == step + 1,
+                "participants": manager.num_participants(),
+                "errored": None if err is None else f"{type(err).__name__}: {err}",
+                "pre_hash": pre_hash,
+                "injected": injected,
+                "t0": t0,
+                "t1": time.monotonic(),
+                "wall": time.time(),
+            }
+        )
         test_store.set(f"step/{g}/{r}", str(manager.current_step()))
 
     result = {
@@ -208,17 +210,27 @@ def default_config_combos(
         to = timedelta(seconds=10)
         manager = ft.Manager(
             pg=ft.ProcessGroupGloo(timeout=to),
-            load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
-                                        optim.load_state_dict(sd["optim"])),
+            load_state_dict=lambda sd: (
+                model.load_state_dict(sd["model"]),
+                optim.load_state_dict(sd["optim"]),
+            ),
             state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
             min_replica_size=combo["min_replica_size"],
             use_async_quorum=combo["use_async_quorum"],
             init_sync=combo["init_sync"],
-            timeout=to, quorum_timeout=to, connect_timeout=to,
-            rank=0, world_size=1, store_addr="127.0.0.1", store_port=0,
-            lighthouse_addr=lh_addr, replica_id=f"c{i}g{rank}", hostname="127.0.0.1",
-            checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0,
-                                               advertise_host="127.0.0.1"),
+            timeout=to,
+            quorum_timeout=to,
+            connect_timeout=to,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=0,
+            lighthouse_addr=lh_addr,
+            replica_id=f"c{i}g{rank}",
+            hostname="127.0.0.1",
+            checkpoint_transport=HTTPTransport(
+                timeout=to, num_chunks=0, advertise_host="127.0.0.1"
+            ),
         )
         # Every group heartbeats before any asks for a quorum, so the first quorum holds all.
         test_store.set(f"ready/{i}/{rank}", "1")
@@ -245,8 +257,14 @@ def default_config_combos(
             if committed:
                 optim.step()
             attempts.append(time.monotonic() - t0)
-            trace.append((manager.quorum_id(), manager.num_participants(),
-                          manager.is_participating(), committed))
+            trace.append(
+                (
+                    manager.quorum_id(),
+                    manager.num_participants(),
+                    manager.is_participating(),
+                    committed,
+                )
+            )
         out[combo["name"]] = {
             "step": manager.current_step(),
             "attempts": attempts,

@@ -43,26 +43,52 @@ class Group:
 
     def start(self) -> None:
         self.starts += 1
-        cfg = {"name": self.name, "seed": self.seed, "lighthouse": self.job.lighthouse,
-               "timeout": self.job.op_timeout, "quorum_timeout": self.job.quorum_timeout,
-               "progress": self.progress, "stop_file": self.job.stop_file,
-               "result": self.result, "step_sleep": self.job.step_sleep}
+        cfg = {
+            "name": self.name,
+            "seed": self.seed,
+            "lighthouse": self.job.lighthouse,
+            "timeout": self.job.op_timeout,
+            "quorum_timeout": self.job.quorum_timeout,
+            "progress": self.progress,
+            "stop_file": self.job.stop_file,
+            "result": self.result,
+            "step_sleep": self.job.step_sleep,
+        }
         worker = ["-m", "tests.multihost.worker", json.dumps(cfg)]
         if self.job.torchrun:
             # One torchrun per group, as for a real run: it restarts the whole group when a
             # rank dies, and its c10d rendezvous store is the group's store.
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                    "--nproc-per-node", str(self.ranks), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", "127.0.0.1:29400", "--max-restarts", "3",
-                    "--local-addr", self.job.hosts.addr[self.name],
-                    "--monitor-interval", "0.2", *worker]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(self.ranks),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "127.0.0.1:29400",
+                "--max-restarts",
+                "3",
+                "--local-addr",
+                self.job.hosts.addr[self.name],
+                "--monitor-interval",
+                "0.2",
+                *worker,
+            ]
         else:
             argv = [sys.executable, *worker]
         # FT_ADVERTISE_HOST cleared: the test process may carry a loopback one (other tests
         # set it), and these workers must find their address by the route to the lighthouse.
-        self.proc = self.job.hosts.popen(self.name, argv, self.log,
-                                         env={**self.job.env, "OMP_NUM_THREADS": "1",
-                                              "FT_ADVERTISE_HOST": ""}, label=f"group {self.name}")
+        self.proc = self.job.hosts.popen(
+            self.name,
+            argv,
+            self.log,
+            env={**self.job.env, "OMP_NUM_THREADS": "1", "FT_ADVERTISE_HOST": ""},
+            label=f"group {self.name}",
+        )
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -142,10 +168,17 @@ class Group:
 class Job:
     """``Job(hosts_factory, groups=2)``: a lighthouse on host "lh", groups "a", "b", ..."""
 
-    def __init__(self, make_hosts, groups: int = 2, quorum_timeout: float = 30.0,
-                 op_timeout: float = 5.0, heartbeat_timeout_ms: int = 2000,
-                 step_sleep: float = 0.05, ranks_per_group: int = 1,
-                 torchrun: bool = False) -> None:
+    def __init__(
+        self,
+        make_hosts,
+        groups: int = 2,
+        quorum_timeout: float = 30.0,
+        op_timeout: float = 5.0,
+        heartbeat_timeout_ms: int = 2000,
+        step_sleep: float = 0.05,
+        ranks_per_group: int = 1,
+        torchrun: bool = False,
+    ) -> None:
         names = [chr(ord("a") + i) for i in range(groups)]
         self.torchrun = torchrun
         self.hosts: Hosts = make_hosts(["lh", *names])
@@ -161,26 +194,38 @@ class Job:
         fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(JobSecret.generate().export())
-        self.env = {"PYTHONPATH": REPO, "FT_JOB_SECRET_FILE": secret_file,
-                    "FT_JOB_SECRET": ""}
+        self.env = {"PYTHONPATH": REPO, "FT_JOB_SECRET_FILE": secret_file, "FT_JOB_SECRET": ""}
         self.lighthouse = f"http://{self.hosts.addr['lh']}:{LH_PORT}"
-        self._lh_args = ["--bind", f"{self.hosts.addr['lh']}:{LH_PORT}", "--min_replicas", "1",
-                         "--join_timeout_ms", "1000",
-                         "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--http_bind", ""]
+        self._lh_args = [
+            "--bind",
+            f"{self.hosts.addr['lh']}:{LH_PORT}",
+            "--min_replicas",
+            "1",
+            "--join_timeout_ms",
+            "1000",
+            "--heartbeat_timeout_ms",
+            str(heartbeat_timeout_ms),
+            "--http_bind",
+            "",
+        ]
         self.lh: Optional[Proc] = None
         self.lh_starts = 0
         self.start_lighthouse()
-        self.groups = [Group(self, n, seed=i + 1, ranks=ranks_per_group)
-                       for i, n in enumerate(names)]
+        self.groups = [
+            Group(self, n, seed=i + 1, ranks=ranks_per_group) for i, n in enumerate(names)
+        ]
         for g in self.groups:
             g.start()
 
     def start_lighthouse(self) -> None:
         self.lh_starts += 1
         self.lh = self.hosts.popen(
-            "lh", [sys.executable, "-m", "ft.coordination.cli", *self._lh_args],
-            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"), env=self.env,
-            label="lighthouse")
+            "lh",
+            [sys.executable, "-m", "ft.coordination.cli", *self._lh_args],
+            os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"),
+            env=self.env,
+            label="lighthouse",
+        )
 
     def kill_lighthouse(self) -> None:
         assert self.lh is not None
@@ -194,8 +239,9 @@ class Job:
             code = g.proc.poll() if g.proc is not None else None
             if g.name in allow_dead or code is None:
                 continue
-            assert code == 0 and os.path.exists(self.stop_file), \
+            assert code == 0 and os.path.exists(self.stop_file), (
                 f"group {g.name} exited with {code}:\n{g.tail()}"
+            )
 
     def wait_steps(self, at_least: Dict[str, int], timeout: float, allow_dead: tuple = ()) -> None:
         deadline = time.monotonic() + timeout
@@ -215,8 +261,22 @@ class Job:
     def drop_packets(self, name: str, probability: float) -> None:
         """Drops each packet in and out of host ``name`` with ``probability`` (iptables)."""
         for chain in ("INPUT", "OUTPUT"):
-            self.hosts.run(name, ["iptables", "-A", chain, "-m", "statistic", "--mode", "random",
-                                  "--probability", str(probability), "-j", "DROP"])
+            self.hosts.run(
+                name,
+                [
+                    "iptables",
+                    "-A",
+                    chain,
+                    "-m",
+                    "statistic",
+                    "--mode",
+                    "random",
+                    "--probability",
+                    str(probability),
+                    "-j",
+                    "DROP",
+                ],
+            )
 
     def stop_and_collect(self, extra_steps: int = 3, timeout: float = 60.0) -> List[List[dict]]:
         """Stops every group at one step; returns ``results[group][rank]``."""
@@ -226,8 +286,10 @@ class Job:
         for g in self.groups:
             code = g.proc.wait(timeout)  # AssertionError with its output if it does not stop
             assert code == 0, f"{g.name} exited with {code}:\n{g.tail()}"
-        results = [[torch.load(f"{g.result}.{r}", weights_only=False) for r in range(g.ranks)]
-                   for g in self.groups]
+        results = [
+            [torch.load(f"{g.result}.{r}", weights_only=False) for r in range(g.ranks)]
+            for g in self.groups
+        ]
         assert {x["step"] for rs in results for x in rs} == {target}
         return results
 

@@ -88,18 +88,33 @@ class Hosts:
 
     def run(self, name: str, argv: List[str]) -> None:
         """Runs a short command (``iptables``, ``tc``) on host ``name``; raises if it fails."""
-        r = subprocess.run(["ip", "netns", "exec", self.ns[name], *argv], capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["ip", "netns", "exec", self.ns[name], *argv],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} on {name}: {r.stderr.strip()}")
 
-    def popen(self, name: str, argv: List[str], log_path: str,
-              env: Optional[Dict[str, str]] = None, label: Optional[str] = None) -> Proc:
+    def popen(
+        self,
+        name: str,
+        argv: List[str],
+        log_path: str,
+        env: Optional[Dict[str, str]] = None,
+        label: Optional[str] = None,
+    ) -> Proc:
         """Starts ``argv`` on host ``name`` (tests.procs.Proc, output in ``log_path``); killed
         and reaped by :meth:`close`."""
-        return self.procs.add(Proc(["ip", "netns", "exec", self.ns[name], *argv],
-                                   env={**os.environ, **(env or {})}, log_path=log_path,
-                                   name=label or f"{os.path.basename(argv[0])} on {name}"))
+        return self.procs.add(
+            Proc(
+                ["ip", "netns", "exec", self.ns[name], *argv],
+                env={**os.environ, **(env or {})},
+                log_path=log_path,
+                name=label or f"{os.path.basename(argv[0])} on {name}",
+            )
+        )
 
     def close(self) -> None:
         self.procs.kill_all()

@@ -56,7 +56,8 @@ def test_k8s_lighthouse_deployment_and_service_agree():
     args = lighthouse_args(c["args"])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert args.bind.endswith(f":{ports['grpc']}") and args.http_bind.endswith(
-        f":{ports['dashboard']}")
+        f":{ports['dashboard']}"
+    )
     for p in svc["spec"]["ports"]:
         assert p["targetPort"] in ports
 
@@ -142,7 +143,9 @@ def pod_specs(name):
     return out
 
 
-@pytest.mark.parametrize("name", ["lighthouse.yaml", "groups-jobset.yaml", "groups-indexed-job.yaml"])
+@pytest.mark.parametrize(
+    "name", ["lighthouse.yaml", "groups-jobset.yaml", "groups-indexed-job.yaml"]
+)
 def test_k8s_every_container_reads_the_job_secret_from_a_read_only_secret_volume(name):
     specs = pod_specs(name)
     assert specs
@@ -150,8 +153,11 @@ def test_k8s_every_container_reads_the_job_secret_from_a_read_only_secret_volume
         env = env_of(c)
         path = env["FT_JOB_SECRET_FILE"]["value"]
         assert "FT_JOB_SECRET" not in env and "FT_INSECURE" not in env
-        (mount,) = [m for m in c.get("volumeMounts", [])
-                    if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        (mount,) = [
+            m
+            for m in c.get("volumeMounts", [])
+            if path.startswith(m["mountPath"].rstrip("/") + "/")
+        ]
         assert mount["readOnly"] is True
         assert "subPath" not in mount  # a subPath mount never sees the Secret's updates
         (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
@@ -159,7 +165,7 @@ def test_k8s_every_container_reads_the_job_secret_from_a_read_only_secret_volume
         assert secret["secretName"] == SECRET_NAME
         mode = secret.get("defaultMode", 0o644)
         assert mode & 0o077 == 0, f"{name}: secret volume mode {mode:o} lets others read it"
-        file_in_volume = path[len(mount["mountPath"].rstrip("/")) + 1:]
+        file_in_volume = path[len(mount["mountPath"].rstrip("/")) + 1 :]
         keys = {i["path"]: i["key"] for i in secret.get("items", [])}
         assert file_in_volume in keys, f"{name}: {path} is not a file of the Secret volume"
         assert all(i.get("mode", mode) & 0o077 == 0 for i in secret.get("items", []))
@@ -262,8 +268,13 @@ fi
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_JOB_NUM_NODES": "2",
     }
-    subprocess.run(["bash", os.path.join(DEPLOY, "slurm", "train.sbatch")], cwd=tmp_path,
-                   env=env, check=True, timeout=60)
+    subprocess.run(
+        ["bash", os.path.join(DEPLOY, "slurm", "train.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        timeout=60,
+    )
     lines = [ln.split() for ln in log.read_text().splitlines()]
     assert sorted(ln[0] for ln in lines) == ["groups", "lighthouse"], lines
     paths = set()

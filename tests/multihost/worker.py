@@ -35,8 +35,10 @@ def main(cfg: dict) -> None:
     to = timedelta(seconds=cfg["timeout"])
     manager = ft.Manager(
         pg=ft.ProcessGroupGloo(timeout=to),
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
-                                    optim.load_state_dict(sd["optim"])),
+        load_state_dict=lambda sd: (
+            model.load_state_dict(sd["model"]),
+            optim.load_state_dict(sd["optim"]),
+        ),
         state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
         min_replica_size=1,
         timeout=to,
@@ -63,12 +65,16 @@ def main(cfg: dict) -> None:
             x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
-            progress.write(f"{manager.current_step()} {os.getpid()} {time.time():.3f} "
-                           f"{manager.num_participants()}\n")
+            progress.write(
+                f"{manager.current_step()} {os.getpid()} {time.time():.3f} "
+                f"{manager.num_participants()}\n"
+            )
             progress.flush()
             time.sleep(cfg["step_sleep"])
-    torch.save({"step": manager.current_step(), "model": model.state_dict(),
-                "optim": optim.state_dict()}, f"{cfg['result']}.{rank}")
+    torch.save(
+        {"step": manager.current_step(), "model": model.state_dict(), "optim": optim.state_dict()},
+        f"{cfg['result']}.{rank}",
+    )
     manager.shutdown(wait=False)
 
 

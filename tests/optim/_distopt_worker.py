@@ -74,8 +74,11 @@ def _states_equal(a: Any, b: Any) -> bool:
     if torch.is_tensor(a):
         return torch.is_tensor(b) and torch.equal(a, b)
     if isinstance(a, dict):
-        return (isinstance(b, dict) and a.keys() == b.keys()
-                and all(_states_equal(a[k], b[k]) for k in a))
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_states_equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
     return a == b
@@ -96,18 +99,21 @@ def _snapshot(dopt: Any, scale: torch.Tensor) -> Dict[str, Any]:
 
 
 def _unchanged(before: Dict[str, Any], after: Dict[str, Any]) -> bool:
-    return (_equal(before["worker1"], after["worker1"])
-            and _equal(before["driver"], after["driver"])
-            and _states_equal(before["worker1_state"], after["worker1_state"])
-            and _states_equal(before["driver_state"], after["driver_state"]))
+    return (
+        _equal(before["worker1"], after["worker1"])
+        and _equal(before["driver"], after["driver"])
+        and _states_equal(before["worker1_state"], after["worker1_state"])
+        and _states_equal(before["driver_state"], after["driver_state"])
+    )
 
 
 def _drive(store: Any, steps: int) -> Dict[str, Any]:
     from ft.optim.distributed_optimizer import DistributedOptimizer, StepNotApplied
 
     out: Dict[str, Any] = {}
-    rrefs = (rpc.rpc_sync("worker1", _build, args=("l1", 4, 8, 1))
-             + rpc.rpc_sync("worker2", _build, args=("l2", 8, 2, 2)))
+    rrefs = rpc.rpc_sync("worker1", _build, args=("l1", 4, 8, 1)) + rpc.rpc_sync(
+        "worker2", _build, args=("l2", 8, 2, 2)
+    )
     scale = nn.Parameter(torch.linspace(0.5, 1.5, 2))
     rrefs.append(rpc.RRef(scale))
 
@@ -133,8 +139,11 @@ def _drive(store: Any, steps: int) -> Dict[str, Any]:
         ref_opt.zero_grad()
         nn.functional.mse_loss(l2(torch.tanh(l1(x))) * ref_scale, y).backward()
         ref_opt.step()
-        remote = (rpc.rpc_sync("worker1", _params, args=("l1",))
-                  + rpc.rpc_sync("worker2", _params, args=("l2",)) + [scale.detach()])
+        remote = (
+            rpc.rpc_sync("worker1", _params, args=("l1",))
+            + rpc.rpc_sync("worker2", _params, args=("l2",))
+            + [scale.detach()]
+        )
         equal.append(_equal(remote, [p.detach() for p in ref_params]))
     out["equal"] = equal
     out["changed"] = not torch.equal(ref_scale.detach(), torch.linspace(0.5, 1.5, 2))
@@ -172,13 +181,15 @@ def _drive(store: Any, steps: int) -> Dict[str, Any]:
     return out
 
 
-def main(rank: int, world_size: int, store_port: int, *, rpc_port: int, rpc_timeout: float,
-         steps: int) -> Dict[str, Any]:
+def main(
+    rank: int, world_size: int, store_port: int, *, rpc_port: int, rpc_timeout: float, steps: int
+) -> Dict[str, Any]:
     torch.set_num_threads(1)
     store = connect_store(store_port, timeout_s=60)
     name = "driver" if rank == 0 else f"worker{rank}"
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}",
-                                           rpc_timeout=rpc_timeout, num_worker_threads=8)
+    opts = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{rpc_port}", rpc_timeout=rpc_timeout, num_worker_threads=8
+    )
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
     if rank != 0:
         try:

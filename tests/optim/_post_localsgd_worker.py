@@ -50,8 +50,10 @@ def _net(rank: int) -> _Net:
 
 
 def _groups(m: _Net, lr: float):
-    return [{"params": [m.l1.weight, m.l2.weight], "lr": lr},
-            {"params": [m.l1.bias, m.l2.bias, m.scale, m.unused], "lr": lr / 2}]
+    return [
+        {"params": [m.l1.weight, m.l2.weight], "lr": lr},
+        {"params": [m.l1.bias, m.l2.bias, m.scale, m.unused], "lr": lr / 2},
+    ]
 
 
 def _local_step(model: nn.Module, opt, step: int, rank: int) -> None:
@@ -62,8 +64,9 @@ def _local_step(model: nn.Module, opt, step: int, rank: int) -> None:
     opt.step()
 
 
-def equivalence(rank: int, world_size: int, store_port: int, *, steps: int, period: int,
-                warmup: int) -> Dict[str, Any]:
+def equivalence(
+    rank: int, world_size: int, store_port: int, *, steps: int, period: int, warmup: int
+) -> Dict[str, Any]:
     import ft  # noqa: F401  (registers the "ft" backend)
     import torch.distributed.algorithms.model_averaging.averagers as torch_averagers
     from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGD
@@ -72,8 +75,9 @@ def equivalence(rank: int, world_size: int, store_port: int, *, steps: int, peri
 
     torch.set_num_threads(1)
     store = dist.PrefixStore("equivalence", connect_store(store_port))
-    dist.init_process_group("ft", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "ft", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
+    )
     out: Dict[str, Any] = {"backend": dist.get_backend()}
     try:
         combos = {
@@ -82,20 +86,25 @@ def equivalence(rank: int, world_size: int, store_port: int, *, steps: int, peri
             "torch_opt+ft_avg": (TorchPostLocalSGD, PeriodicModelAverager),
         }
         ref_m = _net(rank)
-        ref = TorchPostLocalSGD(torch.optim.SGD(_groups(ref_m, 0.1), momentum=0.9),
-                                torch_averagers.PeriodicModelAverager(period, warmup))
+        ref = TorchPostLocalSGD(
+            torch.optim.SGD(_groups(ref_m, 0.1), momentum=0.9),
+            torch_averagers.PeriodicModelAverager(period, warmup),
+        )
         runs = {}
         for name, (opt_cls, avg_cls) in combos.items():
             m = _net(rank)
-            runs[name] = (m, opt_cls(torch.optim.SGD(_groups(m, 0.1), momentum=0.9),
-                                     avg_cls(period, warmup)))
+            runs[name] = (
+                m,
+                opt_cls(torch.optim.SGD(_groups(m, 0.1), momentum=0.9), avg_cls(period, warmup)),
+            )
         per_step: Dict[str, List[bool]] = {name: [] for name in runs}
         for step in range(steps):
             _local_step(ref_m, ref, step, rank)
             for name, (m, opt) in runs.items():
                 _local_step(m, opt, step, rank)
-                per_step[name].append(all(torch.equal(a, b) for a, b in
-                                          zip(m.parameters(), ref_m.parameters())))
+                per_step[name].append(
+                    all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_m.parameters()))
+                )
         out["per_step"] = per_step
         out["params"] = {k: v.clone() for k, v in ref_m.state_dict().items()}
         out["unused"] = runs["ft"][0].unused.detach().clone()
@@ -118,8 +127,9 @@ def equivalence(rank: int, world_size: int, store_port: int, *, steps: int, peri
         # Resume: ft's optimizer loads torch's state dict (with "step") mid-period and both
         # continue identically, without a new warmup.
         ft_m = _net(rank)
-        resumed = PostLocalSGDOptimizer(torch.optim.SGD(_groups(ft_m, 0.1), momentum=0.9),
-                                        PeriodicModelAverager(period, warmup))
+        resumed = PostLocalSGDOptimizer(
+            torch.optim.SGD(_groups(ft_m, 0.1), momentum=0.9), PeriodicModelAverager(period, warmup)
+        )
         ft_m.load_state_dict(ref_m.state_dict())
         # (a copy: Optimizer.load_state_dict keeps the given state tensors, which torch's
         # optimizer goes on updating in place)
@@ -128,8 +138,9 @@ def equivalence(rank: int, world_size: int, store_port: int, *, steps: int, peri
         for step in range(steps, steps + period + 1):
             _local_step(ref_m, ref, step, rank)
             _local_step(ft_m, resumed, step, rank)
-        out["resume_equal"] = all(torch.equal(p, q) for p, q in
-                                  zip(ft_m.parameters(), ref_m.parameters()))
+        out["resume_equal"] = all(
+            torch.equal(p, q) for p, q in zip(ft_m.parameters(), ref_m.parameters())
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -147,9 +158,20 @@ def _task(counter: int, group: int):
     return x, y
 
 
-def ft_train(rank: int, world_size: int, store_port: int, *, lh_addr: str, period: int,
-             warmup: int, step_sleep: float, fail_at: Optional[int] = None,
-             seed: int = 0, wait_ready: int = 0, max_iters: int = 3000) -> Dict[str, Any]:
+def ft_train(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    *,
+    lh_addr: str,
+    period: int,
+    warmup: int,
+    step_sleep: float,
+    fail_at: Optional[int] = None,
+    seed: int = 0,
+    wait_ready: int = 0,
+    max_iters: int = 3000,
+) -> Dict[str, Any]:
     from tests.diloco.mp_workers import digest, make_manager
     from ft.utils.tensors import clone_state
 
@@ -223,14 +245,16 @@ def ft_train(rank: int, world_size: int, store_port: int, *, lh_addr: str, perio
         before = averager.rounds
         opt.step()
         if averager.rounds != before:
-            rounds.append({
-                "counter": averager.step,
-                "step": manager.current_step(),
-                "committed": averager.last_committed,
-                "participants": manager.num_participants(),
-                "model": digest(model.state_dict()),
-                "inner": digest(inner.state_dict()),
-            })
+            rounds.append(
+                {
+                    "counter": averager.step,
+                    "step": manager.current_step(),
+                    "committed": averager.last_committed,
+                    "participants": manager.num_participants(),
+                    "model": digest(model.state_dict()),
+                    "inner": digest(inner.state_dict()),
+                }
+            )
         test_store.set(f"count/{rank}", str(averager.step))
         test_store.set(f"step/{rank}", str(manager.current_step()))
         if averager.rounds != before and manager.current_step() >= stop_at:

@@ -66,13 +66,17 @@ def backward(model: nn.Module, step: int, rank: int, world: int) -> None:
     flat.div_(world)
     off = 0
     for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
+        g.copy_(flat[off : off + g.numel()].view_as(g))
         off += g.numel()
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for st in opt.state.values()
-               for v in st.values() if torch.is_tensor(v))
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
 
 
 def params_digest(model: nn.Module) -> str:
@@ -97,9 +101,9 @@ def scenario_equiv(rank: int, world: int, out: Path) -> dict:
             z_t = TorchZero(groups_of(m_t, 0.01), cls, parameters_as_bucket_view=bucket, **kw)
             idx_ft = {id(p): i for i, p in enumerate(m_ft.parameters())}
             idx_t = {id(p): i for i, p in enumerate(m_t.parameters())}
-            same_partition = (
-                [[idx_ft[id(p)] for p in g["params"]] for g in z_ft.optim.param_groups]
-                == [[idx_t[id(p)] for p in g["params"]] for g in z_t.optim.param_groups])
+            same_partition = [
+                [idx_ft[id(p)] for p in g["params"]] for g in z_ft.optim.param_groups
+            ] == [[idx_t[id(p)] for p in g["params"]] for g in z_t.optim.param_groups]
             for step in range(STEPS):
                 if step == 5:  # as an LR scheduler would
                     for z in (z_ft, z_t):
@@ -174,8 +178,11 @@ def scenario_save(rank: int, world: int, out: Path) -> dict:
         res["state_keys_equal"] = list(sd_ft["state"]) == list(sd_t["state"])
         res["state_equal"] = all(
             sd_ft["state"][i].keys() == sd_t["state"][i].keys()
-            and all(torch.equal(sd_ft["state"][i][k], sd_t["state"][i][k]) for k in sd_ft["state"][i])
-            for i in sd_t["state"])
+            and all(
+                torch.equal(sd_ft["state"][i][k], sd_t["state"][i][k]) for k in sd_ft["state"][i]
+            )
+            for i in sd_t["state"]
+        )
         torch.save(sd_t, out / "torch_zero_optim.pt")
     else:
         try:
@@ -261,9 +268,11 @@ def overlap_run(rank: int, make_zero, hook_fn, steps: int, warmup: int, lr_chang
 
 def compare(a: nn.Module, b: nn.Module) -> dict:
     pairs = list(zip(a.parameters(), b.parameters()))
-    return {"equal": all(torch.equal(p, q) for p, q in pairs),
-            "max_abs_diff": max(float((p - q).abs().max()) for p, q in pairs),
-            "digest": params_digest(a)}
+    return {
+        "equal": all(torch.equal(p, q) for p, q in pairs),
+        "max_abs_diff": max(float((p - q).abs().max()) for p, q in pairs),
+        "digest": params_digest(a),
+    }
 
 
 def scenario_overlap(rank: int, world: int, out: Path, backend: str) -> dict:
@@ -275,16 +284,26 @@ def scenario_overlap(rank: int, world: int, out: Path, backend: str) -> dict:
     hooks = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
     for oname, (cls, kw) in OPTIMS.items():
         ref, ref_zero, _ = overlap_run(
-            rank, lambda d: FtZero(d.parameters(), cls, **kw), None, OVERLAP_STEPS, 0,
-            lr_change_at=3)
+            rank,
+            lambda d: FtZero(d.parameters(), cls, **kw),
+            None,
+            OVERLAP_STEPS,
+            0,
+            lr_change_at=3,
+        )
         ref_zero.consolidate_state_dict(to=0)
         ref_sd = ref_zero.state_dict() if rank == 0 else None
         for hname, hook in hooks.items():
             for shard in (False, True):
-                h = (lambda hk, sb: (lambda f, d, z: hk(f, d, z, shard_buckets=sb)))(hook, shard)
+                h = (lambda hk, sb: lambda f, d, z: hk(f, d, z, shard_buckets=sb))(hook, shard)
                 m, z, _ = overlap_run(
-                    rank, lambda d: FtZero(d.parameters(), cls, overlap_with_ddp=True, **kw), h,
-                    OVERLAP_STEPS, 2, lr_change_at=3)
+                    rank,
+                    lambda d: FtZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+                    h,
+                    OVERLAP_STEPS,
+                    2,
+                    lr_change_at=3,
+                )
                 r = compare(m, ref)
                 r["status"] = int(z._overlap_info.status)
                 r["assignments"] = z._overlap_info.num_bucket_assignments
@@ -298,28 +317,47 @@ def scenario_overlap(rank: int, world: int, out: Path, backend: str) -> dict:
                 if rank == 0:
                     sd = z.state_dict()
                     r["sd_groups_equal"] = sd["param_groups"] == ref_sd["param_groups"]
-                    r["sd_state_equal"] = (list(sd["state"]) == list(ref_sd["state"]) and all(
+                    r["sd_state_equal"] = list(sd["state"]) == list(ref_sd["state"]) and all(
                         sd["state"][i].keys() == ref_sd["state"][i].keys()
-                        and all(torch.equal(sd["state"][i][k], ref_sd["state"][i][k])
-                                for k in sd["state"][i]) for i in ref_sd["state"]))
+                        and all(
+                            torch.equal(sd["state"][i][k], ref_sd["state"][i][k])
+                            for k in sd["state"][i]
+                        )
+                        for i in ref_sd["state"]
+                    )
                 res[f"{oname}-{hname}-shard{int(shard)}"] = r
     # Torch's own overlapped ZeRO (torch refuses Gloo: only on the "ft" backend), no LR change
     # (torch's functional optimizer does not follow param_groups).
     from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
-        hook_with_zero_step as torch_hook)
+        hook_with_zero_step as torch_hook,
+    )
+
     cls, kw = OPTIMS["adam"]
     m_ft, _, _ = overlap_run(
-        rank, lambda d: FtZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
-        hook_with_zero_step, OVERLAP_STEPS, 2)
+        rank,
+        lambda d: FtZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+        hook_with_zero_step,
+        OVERLAP_STEPS,
+        2,
+    )
     if backend == "ft":
         m_t, _, _ = overlap_run(
-            rank, lambda d: TorchZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
-            torch_hook, OVERLAP_STEPS, 2)
+            rank,
+            lambda d: TorchZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+            torch_hook,
+            OVERLAP_STEPS,
+            2,
+        )
         res["vs_torch"] = compare(m_ft, m_t)
     else:
         try:
-            overlap_run(rank, lambda d: TorchZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
-                        torch_hook, 0, 0)
+            overlap_run(
+                rank,
+                lambda d: TorchZero(d.parameters(), cls, overlap_with_ddp=True, **kw),
+                torch_hook,
+                0,
+                0,
+            )
             res["torch_refuses"] = None
         except RuntimeError as e:
             res["torch_refuses"] = str(e)
@@ -364,15 +402,20 @@ def main() -> None:
     if a.backend == "ft":
         import ft  # noqa: F401  (registers the backend)
     store = dist.TCPStore("127.0.0.1", a.port, None, False, timeout=timedelta(seconds=60))
-    dist.init_process_group(a.backend, store=store, rank=a.rank, world_size=a.world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        a.backend, store=store, rank=a.rank, world_size=a.world, timeout=timedelta(seconds=60)
+    )
     try:
         if a.scenario == "train":  # one set of processes for both (process start-up is slow)
-            res = {"equiv": scenario_equiv(a.rank, a.world, a.out),
-                   "save": scenario_save(a.rank, a.world, a.out)}
+            res = {
+                "equiv": scenario_equiv(a.rank, a.world, a.out),
+                "save": scenario_save(a.rank, a.world, a.out),
+            }
         elif a.scenario == "overlap":  # one set of processes for both
-            res = {"overlap": scenario_overlap(a.rank, a.world, a.out, a.backend),
-                   "join": scenario_join(a.rank, a.world, a.out)}
+            res = {
+                "overlap": scenario_overlap(a.rank, a.world, a.out, a.backend),
+                "join": scenario_join(a.rank, a.world, a.out),
+            }
         else:
             res = {"resume": scenario_resume}[a.scenario](a.rank, a.world, a.out)
         torch.save(res, a.out / f"rank{a.rank}.pt")

@@ -31,8 +31,14 @@ def ft_backend_skip_reason() -> str | None:
     return None
 
 
-def run_ranks(scenario: str, world: int, out_dir: Path, backend: str = "gloo",
-              timeout: float = 120.0, extra: Sequence[str] = ()) -> List[Path]:
+def run_ranks(
+    scenario: str,
+    world: int,
+    out_dir: Path,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    extra: Sequence[str] = (),
+) -> List[Path]:
     """Run ``world`` worker processes of ``scenario``; fail the test if any fails or hangs.
 
     Returns the per-rank result files (``out_dir/rank{r}.pt``).
@@ -41,11 +47,31 @@ def run_ranks(scenario: str, world: int, out_dir: Path, backend: str = "gloo",
     store = make_store(timeout)
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     with Procs() as group:
-        wait_all([group.python(WORKER, "--scenario", scenario, "--rank", r, "--world", world,
-                               "--port", store.port, "--backend", backend, "--out", out_dir,
-                               *extra, env=env, log_path=out_dir / f"rank{r}.log",
-                               name=f"{scenario} rank {r}")
-                  for r in range(world)], timeout)
+        wait_all(
+            [
+                group.python(
+                    WORKER,
+                    "--scenario",
+                    scenario,
+                    "--rank",
+                    r,
+                    "--world",
+                    world,
+                    "--port",
+                    store.port,
+                    "--backend",
+                    backend,
+                    "--out",
+                    out_dir,
+                    *extra,
+                    env=env,
+                    log_path=out_dir / f"rank{r}.log",
+                    name=f"{scenario} rank {r}",
+                )
+                for r in range(world)
+            ],
+            timeout,
+        )
     return [out_dir / f"rank{r}.pt" for r in range(world)]
 
 

@@ -15,9 +15,11 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 pytestmark = [
-    pytest.mark.skipif(not rpc.is_available(),
-                       reason="torch.distributed.rpc is not available in this torch build, so "
-                              "ft.optim.DistributedOptimizer cannot be used or tested"),
+    pytest.mark.skipif(
+        not rpc.is_available(),
+        reason="torch.distributed.rpc is not available in this torch build, so "
+        "ft.optim.DistributedOptimizer cannot be used or tested",
+    ),
     pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning"),
 ]
 
@@ -43,9 +45,14 @@ def _grads(m: nn.Module, seed: int):
 
 
 def _snap(m, lo):
-    return ([p.detach().clone() for p in m.parameters()],
-            {k: v.clone() if torch.is_tensor(v) else v
-             for st in lo.optim.state.values() for k, v in st.items()})
+    return (
+        [p.detach().clone() for p in m.parameters()],
+        {
+            k: v.clone() if torch.is_tensor(v) else v
+            for st in lo.optim.state.values()
+            for k, v in st.items()
+        },
+    )
 
 
 def test_prepare_changes_nothing_and_commit_is_the_local_step():
@@ -54,13 +61,19 @@ def test_prepare_changes_nothing_and_commit_is_the_local_step():
     for step in range(3):
         grads = _grads(m, step)
         params_before = [p.detach().clone() for p in m.parameters()]
-        state_before = {id(p): {k: v.clone() for k, v in lo.optim.state[p].items()}
-                        for p in m.parameters() if p in lo.optim.state}
+        state_before = {
+            id(p): {k: v.clone() for k, v in lo.optim.state[p].items()}
+            for p in m.parameters()
+            if p in lo.optim.state
+        }
         lo.prepare(f"t{step}", grads)
         # prepared, not applied: parameters, state and .grad as before
         assert all(torch.equal(a, b) for a, b in zip(params_before, m.parameters()))
-        assert {id(p): {k: v.clone() for k, v in lo.optim.state[p].items()}
-                for p in m.parameters() if p in lo.optim.state}.keys() == state_before.keys()
+        assert {
+            id(p): {k: v.clone() for k, v in lo.optim.state[p].items()}
+            for p in m.parameters()
+            if p in lo.optim.state
+        }.keys() == state_before.keys()
         assert all(p.grad is None for p in m.parameters())
         lo.commit(f"t{step}")
         for p, q in zip(ref.parameters(), m.parameters()):
@@ -83,8 +96,12 @@ def test_abort_and_failed_prepare_leave_everything_as_it_was():
         lo.commit("b")
     after = _snap(m, lo)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
-    assert all(torch.equal(before[1][k], after[1][k]) if torch.is_tensor(before[1][k])
-               else before[1][k] == after[1][k] for k in before[1])
+    assert all(
+        torch.equal(before[1][k], after[1][k])
+        if torch.is_tensor(before[1][k])
+        else before[1][k] == after[1][k]
+        for k in before[1]
+    )
     # a gradient of the wrong shape makes the optimizer raise mid-step: rolled back
     bad = {p: torch.ones(7) for p in m.parameters()}
     with pytest.raises(RuntimeError):
@@ -129,11 +146,14 @@ def _wait_key(store, key: str, w, timeout: float) -> None:
     while not store.check([key]):
         for c in w.children:
             if c.proc.poll() is not None:
-                raise AssertionError(f"child {c.rank} exited early ({c.proc.returncode}):\n"
-                                     f"{c.log()}")
+                raise AssertionError(
+                    f"child {c.rank} exited early ({c.proc.returncode}):\n{c.log()}"
+                )
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {key!r} from the driver within {timeout}s:\n"
-                                 + "\n".join(c.log()[-2000:] for c in w.children))
+            raise AssertionError(
+                f"no {key!r} from the driver within {timeout}s:\n"
+                + "\n".join(c.log()[-2000:] for c in w.children)
+            )
         time.sleep(0.02)
 
 
@@ -146,8 +166,15 @@ def test_driver_and_two_workers_bitwise_then_failures_apply_nowhere():
 
     store = make_store()
     env = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
-    with Workers("tests.optim._distopt_worker:main", 3, store, env=env, rpc_port=free_port(),
-                 rpc_timeout=RPC_TIMEOUT, steps=4) as w:
+    with Workers(
+        "tests.optim._distopt_worker:main",
+        3,
+        store,
+        env=env,
+        rpc_port=free_port(),
+        rpc_timeout=RPC_TIMEOUT,
+        steps=4,
+    ) as w:
         victim = w.by_rank(2)
         _wait_key(store, "stop", w, 90)
         victim.stop(timeout=5.0)

@@ -24,28 +24,42 @@ CLASS_CASES = [
     (torch.optim.Adam, F.FunctionalAdam, dict(lr=0.1, weight_decay=0.1, amsgrad=True)),
     (torch.optim.Adam, F.FunctionalAdam, dict(lr=0.05, betas=(0.8, 0.9), maximize=True)),
     (torch.optim.AdamW, F.FunctionalAdamW, dict(lr=0.1)),
-    (torch.optim.AdamW, F.FunctionalAdamW,
-     dict(lr=0.1, weight_decay=0.5, amsgrad=True, maximize=True)),
+    (
+        torch.optim.AdamW,
+        F.FunctionalAdamW,
+        dict(lr=0.1, weight_decay=0.5, amsgrad=True, maximize=True),
+    ),
     (torch.optim.SGD, F.FunctionalSGD, dict(lr=0.1)),
     (torch.optim.SGD, F.FunctionalSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
     (torch.optim.SGD, F.FunctionalSGD, dict(lr=0.1, momentum=0.9, nesterov=True, maximize=True)),
     (torch.optim.SGD, F.FunctionalSGD, dict(lr=0.1, momentum=0.9, dampening=0.5)),
     (torch.optim.RMSprop, F.FunctionalRMSprop, dict(lr=0.01)),
-    (torch.optim.RMSprop, F.FunctionalRMSprop,
-     dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1)),
+    (
+        torch.optim.RMSprop,
+        F.FunctionalRMSprop,
+        dict(lr=0.01, momentum=0.9, centered=True, weight_decay=0.1),
+    ),
     (torch.optim.RMSprop, F.FunctionalRMSprop, dict(lr=0.01, alpha=0.9, maximize=True)),
     (torch.optim.Adagrad, F.FunctionalAdagrad, dict(lr=0.1)),
-    (torch.optim.Adagrad, F.FunctionalAdagrad,
-     dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5,
-          maximize=True)),
+    (
+        torch.optim.Adagrad,
+        F.FunctionalAdagrad,
+        dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5, maximize=True),
+    ),
     (torch.optim.Adadelta, F.FunctionalAdadelta, dict(lr=1.0)),
-    (torch.optim.Adadelta, F.FunctionalAdadelta,
-     dict(lr=0.5, rho=0.8, weight_decay=0.1, maximize=True)),
+    (
+        torch.optim.Adadelta,
+        F.FunctionalAdadelta,
+        dict(lr=0.5, rho=0.8, weight_decay=0.1, maximize=True),
+    ),
     (torch.optim.Adamax, F.FunctionalAdamax, dict(lr=0.01)),
     (torch.optim.Adamax, F.FunctionalAdamax, dict(lr=0.01, weight_decay=0.1, maximize=True)),
     (torch.optim.Rprop, F.FunctionalRprop, dict(lr=0.01)),
-    (torch.optim.Rprop, F.FunctionalRprop,
-     dict(lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0), maximize=True)),
+    (
+        torch.optim.Rprop,
+        F.FunctionalRprop,
+        dict(lr=0.01, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0), maximize=True),
+    ),
 ]
 
 # The optimizers with a fused CPU kernel: (torch class, ft class, kwargs).
@@ -75,8 +89,12 @@ def _grads(step: int, with_gaps: bool) -> List[Optional[torch.Tensor]]:
     return grads
 
 
-def _assert_same(ref_params: List[torch.Tensor], params: List[torch.Tensor],
-                 ref_state: Any, state: Dict[torch.Tensor, Dict[str, torch.Tensor]]) -> None:
+def _assert_same(
+    ref_params: List[torch.Tensor],
+    params: List[torch.Tensor],
+    ref_state: Any,
+    state: Dict[torch.Tensor, Dict[str, torch.Tensor]],
+) -> None:
     for i, (rp, p) in enumerate(zip(ref_params, params)):
         assert torch.equal(rp, p), f"param {i} differs"
         want = dict(ref_state.get(rp, {}))
@@ -154,50 +172,111 @@ def _full(ps: List[torch.Tensor], v: float) -> List[torch.Tensor]:
 # (name, ft function, torch class, class kwargs, function kwargs, initial state lists,
 #  {state list name: torch state key})
 FN_CASES: List[Any] = [
-    ("adam", F.functional_adam, torch.optim.Adam,
-     dict(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
-     dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True,
-          maximize=True),
-     lambda ps: dict(exp_avgs=_zeros(ps), exp_avg_sqs=_zeros(ps), max_exp_avg_sqs=_zeros(ps),
-                     state_steps=_steps(ps)),
-     dict(exp_avgs="exp_avg", exp_avg_sqs="exp_avg_sq", max_exp_avg_sqs="max_exp_avg_sq",
-          state_steps="step")),
-    ("adamw", F.functional_adamw, torch.optim.AdamW, dict(lr=0.1, weight_decay=0.3),
-     dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.3),
-     lambda ps: dict(exp_avgs=_zeros(ps), exp_avg_sqs=_zeros(ps), max_exp_avg_sqs=[],
-                     state_steps=_steps(ps)),
-     dict(exp_avgs="exp_avg", exp_avg_sqs="exp_avg_sq", state_steps="step")),
-    ("sgd", F.functional_sgd, torch.optim.SGD,
-     dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-     dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-     lambda ps: dict(momentum_buffer_list=[None] * len(ps)),
-     dict(momentum_buffer_list="momentum_buffer")),
-    ("sgd-no-momentum", F.functional_sgd, torch.optim.SGD, dict(lr=0.1, maximize=True),
-     dict(lr=0.1, maximize=True), lambda ps: dict(momentum_buffer_list=[]), {}),
-    ("rmsprop", F.functional_rmsprop, torch.optim.RMSprop,
-     dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1, maximize=True),
-     dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1, maximize=True),
-     lambda ps: dict(square_avgs=_zeros(ps), grad_avgs=_zeros(ps),
-                     momentum_buffer_list=_zeros(ps), state_steps=_steps(ps)),
-     dict(square_avgs="square_avg", grad_avgs="grad_avg",
-          momentum_buffer_list="momentum_buffer", state_steps="step")),
-    ("adagrad", F.functional_adagrad, torch.optim.Adagrad,
-     dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.25),
-     dict(lr=0.1, lr_decay=0.01),
-     lambda ps: dict(state_sums=_full(ps, 0.25), state_steps=_steps(ps)),
-     dict(state_sums="sum", state_steps="step")),
-    ("adadelta", F.functional_adadelta, torch.optim.Adadelta, dict(lr=0.5, weight_decay=0.1),
-     dict(lr=0.5, weight_decay=0.1),
-     lambda ps: dict(square_avgs=_zeros(ps), acc_deltas=_zeros(ps), state_steps=_steps(ps)),
-     dict(square_avgs="square_avg", acc_deltas="acc_delta", state_steps="step")),
-    ("adamax", F.functional_adamax, torch.optim.Adamax, dict(lr=0.01, maximize=True),
-     dict(lr=0.01, maximize=True),
-     lambda ps: dict(exp_avgs=_zeros(ps), exp_infs=_zeros(ps), state_steps=_steps(ps)),
-     dict(exp_avgs="exp_avg", exp_infs="exp_inf", state_steps="step")),
-    ("rprop", F.functional_rprop, torch.optim.Rprop, dict(lr=0.01, etas=(0.4, 1.3)),
-     dict(etaminus=0.4, etaplus=1.3),
-     lambda ps: dict(prevs=_zeros(ps), step_sizes=_full(ps, 0.01), state_steps=_steps(ps)),
-     dict(prevs="prev", step_sizes="step_size", state_steps="step")),
+    (
+        "adam",
+        F.functional_adam,
+        torch.optim.Adam,
+        dict(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
+        dict(
+            lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=True
+        ),
+        lambda ps: dict(
+            exp_avgs=_zeros(ps),
+            exp_avg_sqs=_zeros(ps),
+            max_exp_avg_sqs=_zeros(ps),
+            state_steps=_steps(ps),
+        ),
+        dict(
+            exp_avgs="exp_avg",
+            exp_avg_sqs="exp_avg_sq",
+            max_exp_avg_sqs="max_exp_avg_sq",
+            state_steps="step",
+        ),
+    ),
+    (
+        "adamw",
+        F.functional_adamw,
+        torch.optim.AdamW,
+        dict(lr=0.1, weight_decay=0.3),
+        dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.3),
+        lambda ps: dict(
+            exp_avgs=_zeros(ps), exp_avg_sqs=_zeros(ps), max_exp_avg_sqs=[], state_steps=_steps(ps)
+        ),
+        dict(exp_avgs="exp_avg", exp_avg_sqs="exp_avg_sq", state_steps="step"),
+    ),
+    (
+        "sgd",
+        F.functional_sgd,
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+        dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+        lambda ps: dict(momentum_buffer_list=[None] * len(ps)),
+        dict(momentum_buffer_list="momentum_buffer"),
+    ),
+    (
+        "sgd-no-momentum",
+        F.functional_sgd,
+        torch.optim.SGD,
+        dict(lr=0.1, maximize=True),
+        dict(lr=0.1, maximize=True),
+        lambda ps: dict(momentum_buffer_list=[]),
+        {},
+    ),
+    (
+        "rmsprop",
+        F.functional_rmsprop,
+        torch.optim.RMSprop,
+        dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1, maximize=True),
+        dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1, maximize=True),
+        lambda ps: dict(
+            square_avgs=_zeros(ps),
+            grad_avgs=_zeros(ps),
+            momentum_buffer_list=_zeros(ps),
+            state_steps=_steps(ps),
+        ),
+        dict(
+            square_avgs="square_avg",
+            grad_avgs="grad_avg",
+            momentum_buffer_list="momentum_buffer",
+            state_steps="step",
+        ),
+    ),
+    (
+        "adagrad",
+        F.functional_adagrad,
+        torch.optim.Adagrad,
+        dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.25),
+        dict(lr=0.1, lr_decay=0.01),
+        lambda ps: dict(state_sums=_full(ps, 0.25), state_steps=_steps(ps)),
+        dict(state_sums="sum", state_steps="step"),
+    ),
+    (
+        "adadelta",
+        F.functional_adadelta,
+        torch.optim.Adadelta,
+        dict(lr=0.5, weight_decay=0.1),
+        dict(lr=0.5, weight_decay=0.1),
+        lambda ps: dict(square_avgs=_zeros(ps), acc_deltas=_zeros(ps), state_steps=_steps(ps)),
+        dict(square_avgs="square_avg", acc_deltas="acc_delta", state_steps="step"),
+    ),
+    (
+        "adamax",
+        F.functional_adamax,
+        torch.optim.Adamax,
+        dict(lr=0.01, maximize=True),
+        dict(lr=0.01, maximize=True),
+        lambda ps: dict(exp_avgs=_zeros(ps), exp_infs=_zeros(ps), state_steps=_steps(ps)),
+        dict(exp_avgs="exp_avg", exp_infs="exp_inf", state_steps="step"),
+    ),
+    (
+        "rprop",
+        F.functional_rprop,
+        torch.optim.Rprop,
+        dict(lr=0.01, etas=(0.4, 1.3)),
+        dict(etaminus=0.4, etaplus=1.3),
+        lambda ps: dict(prevs=_zeros(ps), step_sizes=_full(ps, 0.01), state_steps=_steps(ps)),
+        dict(prevs="prev", step_sizes="step_size", state_steps="step"),
+    ),
 ]
 
 
@@ -211,8 +290,10 @@ def test_function_matches_torch(case: Any, foreach: bool) -> None:
     lists = make_state(params)
     for s in range(STEPS):
         fn(params, _grads(s, with_gaps=False), **lists, **fn_kw, foreach=foreach)
-    state = {p: {keys[name]: values[i] for name, values in lists.items() if name in keys}
-             for i, p in enumerate(params)}
+    state = {
+        p: {keys[name]: values[i] for name, values in lists.items() if name in keys}
+        for i, p in enumerate(params)
+    }
     _assert_same(ref_params, params, ref_state, state)
 
 
@@ -228,8 +309,11 @@ def _torch_as_functional_optim() -> Callable[..., Any]:
     return as_functional_optim
 
 
-@pytest.mark.parametrize("bad", [torch.optim.NAdam, torch.optim.LBFGS, "Adam", []],
-                         ids=["NAdam", "LBFGS", "str", "unhashable"])
+@pytest.mark.parametrize(
+    "bad",
+    [torch.optim.NAdam, torch.optim.LBFGS, "Adam", []],
+    ids=["NAdam", "LBFGS", "str", "unhashable"],
+)
 def test_unsupported_class_error_type_matches_torch(bad: Any) -> None:
     torch_fn = _torch_as_functional_optim()
     with pytest.raises(Exception) as want:
@@ -264,8 +348,19 @@ def test_contract_errors() -> None:
     with pytest.raises(ValueError, match="Params length: 1. Gradients length: 2"):
         F.FunctionalSGD([p]).step([torch.ones(3), torch.ones(3)])
     with pytest.raises(ValueError, match="exp_avg_sqs has 0 entries but there are 1 params"):
-        F.functional_adam([p], [torch.ones(3)], [torch.zeros(3)], [], [], [torch.tensor(0.0)],
-                          lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+        F.functional_adam(
+            [p],
+            [torch.ones(3)],
+            [torch.zeros(3)],
+            [],
+            [],
+            [torch.tensor(0.0)],
+            lr=0.1,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.0,
+        )
     with pytest.raises(ValueError, match=r"grads\[0\] is None"):
         F.functional_sgd([p], [None], [None], lr=0.1)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="nesterov needs momentum > 0"):

@@ -52,8 +52,9 @@ def _loss(model: torch.nn.Module, step: int, replica: int = 0) -> torch.Tensor:
     return model(_batch(step, replica)).pow(2).sum()
 
 
-def _reference(cls: type, kw: Dict[str, Any], steps: List[int], replica: int = 0
-               ) -> torch.nn.Module:
+def _reference(
+    cls: type, kw: Dict[str, Any], steps: List[int], replica: int = 0
+) -> torch.nn.Module:
     """A normal optimizer's result after stepping on the batches ``steps``."""
     ref = _model()
     opt = cls(ref.parameters(), **kw)
@@ -68,9 +69,12 @@ def _capture(model: torch.nn.Module) -> List[Tuple[torch.Tensor, List[Dict[str, 
     """Every parameter and its in-backward optimizers' state, copied."""
     out = []
     for p in model.parameters():
-        states = [{k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                   for k, v in opt.state[p].items()} if p in opt.state else None
-                  for opt in p._in_backward_optimizers]
+        states = [
+            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+            if p in opt.state
+            else None
+            for opt in p._in_backward_optimizers
+        ]
         out.append((p.detach().clone(), states))
     return out
 
@@ -145,8 +149,9 @@ def test_torch_names_and_attributes() -> None:
 
 def test_register_hook_false_leaves_the_step_to_the_caller() -> None:
     model = _model()
-    apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1},
-                                register_hook=False)
+    apply_optimizer_in_backward(
+        torch.optim.SGD, model.parameters(), {"lr": 0.1}, register_hook=False
+    )
     before = [p.detach().clone() for p in model.parameters()]
     _loss(model, 0).backward()
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
@@ -167,8 +172,9 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="without manager=, so its hook already updated it"):
         rollback_in_backward(model)
     with pytest.raises(ValueError, match="must share one manager"):
-        apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1},
-                                    manager=object())  # type: ignore[arg-type]
+        apply_optimizer_in_backward(
+            torch.optim.SGD, model.parameters(), {"lr": 0.1}, manager=object()
+        )  # type: ignore[arg-type]
 
 
 class _Done:
@@ -196,8 +202,7 @@ class _StandInManager:
 def test_should_commit_raising_rolls_back() -> None:
     m = _StandInManager()
     model = _model()
-    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.01},
-                                manager=m)  # type: ignore[arg-type]
+    apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), {"lr": 0.01}, manager=m)  # type: ignore[arg-type]
     before = _capture(model)
     _loss(model, 0).backward()
     with pytest.raises(RuntimeError, match="max_retries"):
@@ -292,8 +297,9 @@ def test_failed_commit_leaves_params_and_state_as_before(manager: Any, case: Any
 
 def test_rollback_after_backward_raised(manager: Any) -> None:
     model = _model()
-    apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), {"lr": 0.01},
-                                manager=manager)
+    apply_optimizer_in_backward(
+        torch.optim.AdamW, model.parameters(), {"lr": 0.01}, manager=manager
+    )
     before = _capture(model)
     manager.start_quorum()
     _loss(model, 0).backward()  # say a later backward of the step raised here
@@ -307,8 +313,9 @@ def test_rollback_after_backward_raised(manager: Any) -> None:
     _assert_params_equal(_reference(torch.optim.AdamW, {"lr": 0.01}, [1]), model)
 
 
-def _run_replicas(ms: List[Any], models: List[torch.nn.Module], kw: Dict[str, Any],
-                  steps: int) -> List[Any]:
+def _run_replicas(
+    ms: List[Any], models: List[torch.nn.Module], kw: Dict[str, Any], steps: int
+) -> List[Any]:
     def run(i: int, m: Any) -> Any:
         model = models[i]
         apply_optimizer_in_backward(torch.optim.Adam, model.parameters(), kw, manager=m)
@@ -349,11 +356,20 @@ def test_spare_replica_stages_and_applies_at_commit() -> None:
     import ft
 
     lh = lighthouse(min_replicas=2)
-    ms = values(in_threads([
-        lambda i=i: make_manager(lh.address(), f"g{i}", min_replica_size=1,
-                                 use_async_quorum=False,
-                                 world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES)
-        for i in range(2)]))
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    min_replica_size=1,
+                    use_async_quorum=False,
+                    world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES,
+                )
+                for i in range(2)
+            ]
+        )
+    )
     kw = dict(lr=0.01)
     models = [_model(), _model()]
     try:
@@ -374,8 +390,10 @@ def test_async_heal_with_in_backward_steps() -> None:
 
     def fns(model: torch.nn.Module) -> Dict[str, Any]:
         def state_dict() -> Dict[str, Any]:
-            return {"model": model.state_dict(),
-                    "optim": [o.state_dict() for o in get_in_backward_optimizers(model)]}
+            return {
+                "model": model.state_dict(),
+                "optim": [o.state_dict() for o in get_in_backward_optimizers(model)],
+            }
 
         def load_state_dict(sd: Dict[str, Any]) -> None:
             model.load_state_dict(sd["model"])
@@ -385,9 +403,16 @@ def test_async_heal_with_in_backward_steps() -> None:
         return dict(state_dict=state_dict, load_state_dict=load_state_dict)
 
     lh = lighthouse(min_replicas=2)
-    ms = values(in_threads([
-        lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=True, **fns(models[i]))
-        for i in range(2)]))
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(), f"g{i}", use_async_quorum=True, **fns(models[i])
+                )
+                for i in range(2)
+            ]
+        )
+    )
     kw = dict(lr=0.01, weight_decay=0.1)
     try:
         parts = _run_replicas(ms, models, kw, steps=3)

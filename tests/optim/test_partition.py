@@ -50,8 +50,13 @@ def test_random_matches_rule_and_owns_each_exactly_once():
     rng = random.Random(7)
     for _ in range(300):
         world = rng.randint(1, 9)
-        numels = [[rng.choice([0, 1, 2, 3, 17, 64, 1000, rng.randint(0, 5000)])
-                   for _ in range(rng.randint(0, 12))] for _ in range(rng.randint(1, 4))]
+        numels = [
+            [
+                rng.choice([0, 1, 2, 3, 17, 64, 1000, rng.randint(0, 5000)])
+                for _ in range(rng.randint(0, 12))
+            ]
+            for _ in range(rng.randint(1, 4))
+        ]
         part = partition_params(numels, world)
         assert [[list(ix) for ix in gs] for gs in part.per_rank] == torch_style(numels, world)
         for g, group in enumerate(numels):

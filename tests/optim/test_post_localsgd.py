@@ -74,7 +74,7 @@ def test_state_dict_carries_the_averager_step_and_lr_schedulers_work():
         m(torch.ones(1, 3)).sum().backward()
         opt.step()
         sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     sd = opt.state_dict()
     assert sd["step"] == 3 and set(sd) == {"state", "param_groups", "step"}
 
@@ -82,8 +82,9 @@ def test_state_dict_carries_the_averager_step_and_lr_schedulers_work():
     opt2 = PostLocalSGDOptimizer(inner2, _RecordingAverager())
     opt2.load_state_dict(sd)
     assert opt2.averager.step == 3
-    assert torch.equal(inner2.state_dict()["state"][0]["momentum_buffer"],
-                       sd["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        inner2.state_dict()["state"][0]["momentum_buffer"], sd["state"][0]["momentum_buffer"]
+    )
     no_step = {k: v for k, v in sd.items() if k != "step"}
     with pytest.warns(UserWarning, match="no averager step counter"):
         opt2.load_state_dict(no_step)
@@ -115,9 +116,15 @@ def test_bad_arguments():
         PeriodicModelAverager(2, process_group=group).average_parameters([3])
 
 
-@pytest.mark.parametrize("period,warmup,due", [
-    (3, 0, [0, 3, 6, 9]), (3, 2, [2, 5, 8]), (4, 5, [5, 9]), (2, 1, [1, 3, 5, 7, 9]),
-])
+@pytest.mark.parametrize(
+    "period,warmup,due",
+    [
+        (3, 0, [0, 3, 6, 9]),
+        (3, 2, [2, 5, 8]),
+        (4, 5, [5, 9]),
+        (2, 1, [1, 3, 5, 7, 9]),
+    ],
+)
 def test_schedule_is_torchs(monkeypatch, period, warmup, due):
     import ft.optim.post_localsgd as mod
 
@@ -132,8 +139,9 @@ def test_schedule_is_torchs(monkeypatch, period, warmup, due):
 # --------------------------------------------------------------------------- FT averager, units
 
 
-def _ft_replica(rank: int, group: FakeGroup, fail_calls=frozenset(), calls: int = 6,
-                join: bool = False) -> Dict[str, Any]:
+def _ft_replica(
+    rank: int, group: FakeGroup, fail_calls=frozenset(), calls: int = 6, join: bool = False
+) -> Dict[str, Any]:
     torch.manual_seed(rank)  # different weights per replica
     model = nn.Linear(3, 2)
     mgr = FakeManager(group, rank, fail_calls=set(fail_calls))
@@ -155,10 +163,21 @@ def _ft_replica(rank: int, group: FakeGroup, fail_calls=frozenset(), calls: int 
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
-        trace.append((avg.step, avg.rounds, avg.last_committed,
-                      [p.detach().clone() for p in model.parameters()]))
-    return {"trace": trace, "sent": sent, "keys": sorted(mgr.state_fns), "mgr_step": mgr.step,
-            "failed": avg.failed_rounds}
+        trace.append(
+            (
+                avg.step,
+                avg.rounds,
+                avg.last_committed,
+                [p.detach().clone() for p in model.parameters()],
+            )
+        )
+    return {
+        "trace": trace,
+        "sent": sent,
+        "keys": sorted(mgr.state_fns),
+        "mgr_step": mgr.step,
+        "failed": avg.failed_rounds,
+    }
 
 
 def test_ft_rounds_follow_torchs_schedule_and_commit_everywhere():
@@ -189,8 +208,9 @@ def test_ft_failed_round_is_applied_nowhere():
 
 def test_ft_join_retries_until_a_round_commits():
     # replica 1 fails the first join round's allreduce: the join runs a second one
-    a, b = run_replicas(2, lambda r, g: _ft_replica(r, g, fail_calls={0} if r == 1 else (),
-                                                    calls=2, join=True))
+    a, b = run_replicas(
+        2, lambda r, g: _ft_replica(r, g, fail_calls={0} if r == 1 else (), calls=2, join=True)
+    )
     assert a["sent"][:2] == [0, 0]  # join rounds leave the counter alone
     assert a["failed"] == b["failed"] == 1 and a["mgr_step"] == 2
     assert all(torch.equal(x, y) for x, y in zip(a["trace"][1][3], b["trace"][1][3]))
@@ -234,8 +254,10 @@ def test_equivalence_with_torch_on_ft_backend():
     for rank, res in enumerate((r0, r1)):
         assert res["backend"] == "ft"
         for name, eq in res["per_step"].items():
-            assert all(eq), f"rank {rank} {name}: differs from torch at steps " \
-                            f"{[i for i, e in enumerate(eq) if not e]}"
+            assert all(eq), (
+                f"rank {rank} {name}: differs from torch at steps "
+                f"{[i for i, e in enumerate(eq) if not e]}"
+            )
         assert res["steps"] == {n: 10 for n in res["per_step"]} and res["torch_step"] == 10
         assert res["direct_equal"] and res["resume_equal"] and res["resumed_step"] == 10
         assert torch.equal(res["unused"], torch.full((4,), float(rank + 1)))  # never averaged
@@ -243,8 +265,7 @@ def test_equivalence_with_torch_on_ft_backend():
     assert not torch.equal(r0["params"]["l1.weight"], r1["params"]["l1.weight"])
 
 
-def _kill_mid_period(store, w: Workers, rank: int, period: int, warmup: int,
-                     timeout: float) -> int:
+def _kill_mid_period(store, w: Workers, rank: int, period: int, warmup: int, timeout: float) -> int:
     """SIGKILLs child ``rank`` between two rounds: at least one local step done since the last
     round and the call in progress not a round. The child is frozen (SIGSTOP) while its counter
     is read, so the check cannot race with its next step; returns that counter."""
@@ -289,9 +310,16 @@ def test_kill9_mid_period_restart_heals_and_all_groups_end_identical(replicas):
     # dead group stops counting once its heartbeat expires, after 1 s)
     keys = [f"step/{g}" for g in range(3)]
     survivors = [keys[0], keys[2]]
-    w = replicas(f"{WORKER}:ft_train", 3,
-                 lighthouse=dict(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=2000),
-                 period=period, warmup=warmup, step_sleep=0.03, fail_at=fail_at, wait_ready=3)
+    w = replicas(
+        f"{WORKER}:ft_train",
+        3,
+        lighthouse=dict(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=2000),
+        period=period,
+        warmup=warmup,
+        step_sleep=0.03,
+        fail_at=fail_at,
+        wait_ready=3,
+    )
     store = w.store
     _wait_heartbeating(w.lh, 3, 60)
     store.set("go", "1")
@@ -318,7 +346,8 @@ def test_kill9_mid_period_restart_heals_and_all_groups_end_identical(replicas):
     c0, c1, c2 = _committed(g0), _committed(g1), _committed(g2)
     assert g0["joined"]["step"] == g2["joined"]["step"], (
         {k: v for k, v in g0["joined"].items() if "join" in k or k == "step"},
-        {k: v for k, v in g2["joined"].items() if "join" in k or k == "step"})
+        {k: v for k, v in g2["joined"].items() if "join" in k or k == "step"},
+    )
     assert set(c1) <= set(c0) and set(c0) == set(c2), (sorted(c0), sorted(c2))
     for s, r in c0.items():
         for other in (c1, c2):

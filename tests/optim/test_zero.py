@@ -16,8 +16,10 @@ from ft.optim import ZeroRedundancyOptimizer
 WORLD = 3
 
 # Importing torch.distributed.optim scripts its functional optimizers, which warns.
-pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore:`TorchScript:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`TorchScript:DeprecationWarning"),
+]
 
 
 # --------------------------------------------------------------------------- single process
@@ -27,8 +29,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def pg1():
     """A one-rank Gloo default group in this process (bad-input checks need no peers)."""
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     try:
         yield dist.group.WORLD
     finally:
@@ -69,11 +72,14 @@ def test_one_rank_matches_plain_adam(pg1):
     assert za.optim.param_groups[0]["lr"] == 0.005
 
 
-@pytest.mark.parametrize("bad,match", [
-    (torch.optim.Adam([nn.Parameter(torch.ones(1))]), "not an optimizer instance"),
-    (nn.Linear, "subclass of torch.optim.Optimizer"),
-    ("adam", "torch.optim.Optimizer subclass"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (torch.optim.Adam([nn.Parameter(torch.ones(1))]), "not an optimizer instance"),
+        (nn.Linear, "subclass of torch.optim.Optimizer"),
+        ("adam", "torch.optim.Optimizer subclass"),
+    ],
+)
 def test_wrong_optimizer_class(pg1, bad, match):
     with pytest.raises(TypeError, match=match):
         ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], bad, lr=0.1)
@@ -117,13 +123,15 @@ def test_optimizer_class_errors_match_torch(pg1, overlap):
     for label, bad in cases:
         # torch knows only its own functional classes: ft's FunctionalAdam must behave as
         # torch's _FunctionalAdam does.
-        want = _torch_error(dict(cases)["torch functional"] if label == "ft functional" else bad,
-                            overlap)
+        want = _torch_error(
+            dict(cases)["torch functional"] if label == "ft functional" else bad, overlap
+        )
         try:
             # torch's functional classes warn about TorchScript with filter "always": record.
             with warnings.catch_warnings(record=True):
-                ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], bad,
-                                        overlap_with_ddp=overlap, lr=0.1)
+                ZeroRedundancyOptimizer(
+                    [nn.Parameter(torch.ones(2))], bad, overlap_with_ddp=overlap, lr=0.1
+                )
             got = None
         except Exception as e:  # noqa: BLE001
             got = type(e)
@@ -139,24 +147,33 @@ def test_functional_optimizer_messages(pg1):
     with pytest.raises(ValueError, match="only accepted with overlap_with_ddp=True"):
         ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], ft.optim.FunctionalSGD, lr=0.1)
     with pytest.raises(ValueError, match="LBFGS.*no functional counterpart"):
-        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.LBFGS,
-                                overlap_with_ddp=True, lr=0.1)
+        ZeroRedundancyOptimizer(
+            [nn.Parameter(torch.ones(2))], torch.optim.LBFGS, overlap_with_ddp=True, lr=0.1
+        )
     with pytest.raises(TypeError, match="could not build"):
-        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.SGD,
-                                overlap_with_ddp=True, lr=0.1, betas=(0.9, 0.99))
+        ZeroRedundancyOptimizer(
+            [nn.Parameter(torch.ones(2))],
+            torch.optim.SGD,
+            overlap_with_ddp=True,
+            lr=0.1,
+            betas=(0.9, 0.99),
+        )
     # Accepted with overlap: param_groups carries the hyperparameters for LR schedulers.
-    z = ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.Adam,
-                                overlap_with_ddp=True, lr=0.1)
+    z = ZeroRedundancyOptimizer(
+        [nn.Parameter(torch.ones(2))], torch.optim.Adam, overlap_with_ddp=True, lr=0.1
+    )
     assert z.param_groups[0]["lr"] == 0.1 and z.param_groups[0]["betas"] == (0.9, 0.999)
-    z = ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], ft.optim.FunctionalAdam,
-                                overlap_with_ddp=True, lr=0.1)
+    z = ZeroRedundancyOptimizer(
+        [nn.Parameter(torch.ones(2))], ft.optim.FunctionalAdam, overlap_with_ddp=True, lr=0.1
+    )
     assert z.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 def test_unknown_hyperparameter(pg1):
     with pytest.raises(TypeError, match="could not build SGD"):
-        ZeroRedundancyOptimizer([nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1,
-                                betas=(0.9, 0.99))
+        ZeroRedundancyOptimizer(
+            [nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1, betas=(0.9, 0.99)
+        )
 
 
 def test_mixed_devices(pg1):
@@ -248,8 +265,11 @@ def test_load_mismatched_state_dicts(pg1):
     z.load_state_dict(good)
     m(torch.randn(2, 3)).sum().backward()
     z.step()
-    assert all(torch.equal(good["state"][i][k], snapshot["state"][i][k])
-               for i in good["state"] for k in good["state"][i])
+    assert all(
+        torch.equal(good["state"][i][k], snapshot["state"][i][k])
+        for i in good["state"]
+        for k in good["state"][i]
+    )
 
 
 def test_add_param_group(pg1):
@@ -324,8 +344,9 @@ def test_consolidate_and_resume(trained, ranks):
             assert res["groups_equal"] and res["state_keys_equal"] and res["state_equal"]
         else:
             assert "not been consolidated on this rank" in res["other_rank_error"]
-    resumed = [torch.load(f, weights_only=True)
-               for f in ranks("resume", WORLD, out, backend=backend)]
+    resumed = [
+        torch.load(f, weights_only=True) for f in ranks("resume", WORLD, out, backend=backend)
+    ]
     reference = saved[0]["next"]
     for r, res in enumerate(resumed):
         for label in ("ft<-ft", "torch<-ft", "ft<-torch") + (("plain",) if r == 0 else ()):
@@ -339,8 +360,9 @@ def test_trainability_change_rebuilds_plan(pg1, bucket):
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     b = copy.deepcopy(a)
-    za = ZeroRedundancyOptimizer(a.parameters(), torch.optim.SGD,
-                                 parameters_as_bucket_view=bucket, lr=0.1, momentum=0.9)
+    za = ZeroRedundancyOptimizer(
+        a.parameters(), torch.optim.SGD, parameters_as_bucket_view=bucket, lr=0.1, momentum=0.9
+    )
     ob = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
     for i in range(4):
         for m in (a, b):

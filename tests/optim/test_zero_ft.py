@@ -26,9 +26,14 @@ def reference(steps: int) -> List[Dict[str, Any]]:
         x, y = batch(s)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-        out.append({"params": [p.detach().clone() for p in params],
-                    "state": {i: {k: v.clone() for k, v in opt.state[p].items()}
-                              for i, p in enumerate(params)}})
+        out.append(
+            {
+                "params": [p.detach().clone() for p in params],
+                "state": {
+                    i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)
+                },
+            }
+        )
     return out
 
 
@@ -48,8 +53,7 @@ def test_failed_commit_leaves_state_untouched() -> None:
     m = make_manager(lh.address(), "solo", use_async_quorum=False)
     try:
         model = make_model()
-        opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam,
-                                                   lr=1e-2)
+        opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam, lr=1e-2)
         params = list(model.parameters())
 
         def grads(step: int) -> None:
@@ -99,8 +103,12 @@ def test_kill_restart_keeps_every_shard(replicas) -> None:
     n = 3
     keys = [f"step/{r}" for r in range(n)]
     ports = [free_port() for _ in range(n)]
-    w = replicas(TARGET, n, ranks=[],
-                 lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=500))
+    w = replicas(
+        TARGET,
+        n,
+        ranks=[],
+        lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=500),
+    )
     store = w.store
     for r in range(n):
         w.spawn(r, port=ports[r])
@@ -128,15 +136,21 @@ def test_kill_restart_keeps_every_shard(replicas) -> None:
         for h in res["history"]:
             for which in ("owned", "standby"):
                 for i, st in h[which].items():
-                    assert_state_close(st, ref[h["step"]]["state"][i],
-                                       f"replica {res['rank']} step {h['step']} {which} {i}")
+                    assert_state_close(
+                        st,
+                        ref[h["step"]]["state"][i],
+                        f"replica {res['rank']} step {h['step']} {which} {i}",
+                    )
     # While one replica was down, the two survivors together held every parameter's state.
     by_step: Dict[int, List[Dict[str, Any]]] = {}
     for res in results:
         for h in res["history"]:
             by_step.setdefault(h["step"], []).append(h)
-    two = [s for s, hs in by_step.items() if s > kill_step and all(h["n"] == 2 for h in hs)
-           and len(hs) == 2]
+    two = [
+        s
+        for s, hs in by_step.items()
+        if s > kill_step and all(h["n"] == 2 for h in hs) and len(hs) == 2
+    ]
     assert two, sorted((s, [h["n"] for h in hs]) for s, hs in by_step.items())
     for s in two:
         owned = [i for h in by_step[s] for i in h["owned"]]
@@ -152,7 +166,9 @@ def test_kill_restart_keeps_every_shard(replicas) -> None:
     for a, b in zip(results[0]["params"], ref[stop]["params"]):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     final = [r["history"][-1] for r in results]
-    assert all(h["step"] == stop and h["n"] == 3 for h in final), [(h["step"], h["n"]) for h in final]
+    assert all(h["step"] == stop and h["n"] == 3 for h in final), [
+        (h["step"], h["n"]) for h in final
+    ]
     union: Dict[int, Any] = {}
     for h in final:
         for i, st in h["owned"].items():
@@ -177,8 +193,9 @@ def test_overlap_with_ddp_refused() -> None:
 
     params = [torch.nn.Parameter(torch.ones(2))]
     with pytest.raises(NotImplementedError, match="should_commit"):
-        FaultTolerantZeroRedundancyOptimizer(None, params, torch.optim.Adam,
-                                             overlap_with_ddp=True, lr=0.1)
+        FaultTolerantZeroRedundancyOptimizer(
+            None, params, torch.optim.Adam, overlap_with_ddp=True, lr=0.1
+        )
     # A functional optimizer needs the overlap hooks: refused with torch's error type.
     with pytest.raises(ValueError, match="functional optimizer"):
         FaultTolerantZeroRedundancyOptimizer(None, params, FunctionalAdam, lr=0.1)

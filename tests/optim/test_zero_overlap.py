@@ -54,9 +54,9 @@ def test_overlap_equals_step_after_backward(overlap_results):
                 assert c["sd_groups_equal"] and c["sd_state_equal"], where
         assert len({res["overlap"][run]["digest"] for res in results}) == 1, run
         # Every trainable element is stepped by exactly one rank.
-        assert sum(res["overlap"][run]["local_numel"] for res in results) == \
-            sum(res["overlap"][run.replace("interleaved", "step")]["local_numel"]
-                for res in results)
+        assert sum(res["overlap"][run]["local_numel"] for res in results) == sum(
+            res["overlap"][run.replace("interleaved", "step")]["local_numel"] for res in results
+        )
     sharded = results[0]["overlap"]["adam-step-shard1"]
     whole = results[0]["overlap"]["adam-step-shard0"]
     # shard_buckets=True splits the large bucket between the two ranks.
@@ -92,8 +92,9 @@ def test_join_uneven_inputs_matches_torch(overlap_results):
 @pytest.fixture
 def pg1():
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
     try:
         yield dist.group.WORLD
     finally:
@@ -116,8 +117,9 @@ def test_hook_argument_checks(pg1):
     for hook in (hook_with_zero_step, hook_with_zero_step_interleaved):
         with pytest.raises(ValueError, match="overlap_with_ddp=True"):
             hook(allreduce_hook, ddp, plain)
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, overlap_with_ddp=True,
-                                   lr=0.1)
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+    )
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         hook_with_zero_step(allreduce_hook, model, zero)
     # ft's DDP averages through a Manager; its constructor only registers the Manager's hook.
@@ -130,8 +132,12 @@ def test_hook_argument_checks(pg1):
     with pytest.raises(RuntimeError, match="single parameter group"):
         zero.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
     with pytest.raises(ValueError, match="single parameter group"):
-        ZeroRedundancyOptimizer([{"params": [model.weight]}, {"params": [model.bias]}],
-                                torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+        ZeroRedundancyOptimizer(
+            [{"params": [model.weight]}, {"params": [model.bias]}],
+            torch.optim.SGD,
+            overlap_with_ddp=True,
+            lr=0.1,
+        )
     with pytest.warns(UserWarning, match="does nothing"):
         assert zero.step() is None
 
@@ -165,25 +171,28 @@ def test_one_rank_overlap_follows_lr_and_trainability(pg1, interleaved):
             sched_b.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     # The scheduler's last change reaches both local optimizers at their next step.
-    assert za.param_groups[0]["lr"] == zb.param_groups[0]["lr"] == 0.01 * 0.5 ** 5
-    assert za.optim.defaults["lr"] == zb.optim.param_groups[0]["lr"] == 0.01 * 0.5 ** 4
+    assert za.param_groups[0]["lr"] == zb.param_groups[0]["lr"] == 0.01 * 0.5**5
+    assert za.optim.defaults["lr"] == zb.optim.param_groups[0]["lr"] == 0.01 * 0.5**4
     a.module[0].weight.requires_grad_(False)
     with pytest.raises(RuntimeError, match="requires_grad"):
         a(torch.randn(3, 4)).pow(2).sum().backward()
 
 
-@pytest.mark.parametrize("numels,world,shard,want", [
-    # Whole buckets, in order, each to the least-loaded rank (round robin for equal sizes).
-    ([[1], [5], [5], [5]], 2, False, [[(0, 0, 1)], [(1, 0, 1)], [(0, 0, 1)], [(1, 0, 1)]]),
-    ([[10], [1], [1], [1]], 2, False, [[(0, 0, 1)], [(1, 0, 1)], [(1, 0, 1)], [(1, 0, 1)]]),
-    ([[1, 1], [1]], 3, False, [[(0, 0, 2)], [(1, 0, 1)]]),
-    # Sharded: contiguous ranges of ~total/world, cut at parameter midpoints.
-    ([[2, 2], [2, 2]], 2, True, [[(0, 0, 2)], [(1, 0, 2)]]),
-    ([[4, 2, 2]], 2, True, [[(0, 0, 1), (1, 1, 2)]]),
-    ([[1, 1, 1], [1, 1, 1]], 3, True, [[(0, 0, 2), (1, 2, 1)], [(1, 0, 1), (2, 1, 2)]]),
-    ([[100], [1]], 2, True, [[(0, 0, 1)], [(1, 0, 1)]]),
-    ([[100], [1], [1]], 3, True, [[(1, 0, 1)], [(2, 0, 1)], [(2, 0, 1)]]),  # rank 0 idle
-])
+@pytest.mark.parametrize(
+    "numels,world,shard,want",
+    [
+        # Whole buckets, in order, each to the least-loaded rank (round robin for equal sizes).
+        ([[1], [5], [5], [5]], 2, False, [[(0, 0, 1)], [(1, 0, 1)], [(0, 0, 1)], [(1, 0, 1)]]),
+        ([[10], [1], [1], [1]], 2, False, [[(0, 0, 1)], [(1, 0, 1)], [(1, 0, 1)], [(1, 0, 1)]]),
+        ([[1, 1], [1]], 3, False, [[(0, 0, 2)], [(1, 0, 1)]]),
+        # Sharded: contiguous ranges of ~total/world, cut at parameter midpoints.
+        ([[2, 2], [2, 2]], 2, True, [[(0, 0, 2)], [(1, 0, 2)]]),
+        ([[4, 2, 2]], 2, True, [[(0, 0, 1), (1, 1, 2)]]),
+        ([[1, 1, 1], [1, 1, 1]], 3, True, [[(0, 0, 2), (1, 2, 1)], [(1, 0, 1), (2, 1, 2)]]),
+        ([[100], [1]], 2, True, [[(0, 0, 1)], [(1, 0, 1)]]),
+        ([[100], [1], [1]], 3, True, [[(1, 0, 1)], [(2, 0, 1)], [(2, 0, 1)]]),  # rank 0 idle
+    ],
+)
 def test_assign_buckets(numels, world, shard, want):
     assert _assign_buckets(numels, world, shard) == want
 
@@ -206,8 +215,9 @@ def test_one_rank_functional_class_given(pg1, which):
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
         a, b = _ddp(copy.deepcopy(base)), _ddp(copy.deepcopy(base))
-        za = ZeroRedundancyOptimizer(a.parameters(), cls, overlap_with_ddp=True, lr=0.1,
-                                     momentum=0.9)
+        za = ZeroRedundancyOptimizer(
+            a.parameters(), cls, overlap_with_ddp=True, lr=0.1, momentum=0.9
+        )
         zb = ZeroRedundancyOptimizer(b.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
         a.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, a, za))
         for i in range(6):

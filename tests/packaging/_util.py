@@ -31,36 +31,54 @@ def slow_tests_enabled() -> bool:
 
 def skip_unless_enabled() -> None:
     if not slow_tests_enabled():
-        pytest.skip("builds ft from an sdist (minutes): runs in CI (CI=true) or with "
-                    "FT_TEST_PACKAGING=1")
+        pytest.skip(
+            "builds ft from an sdist (minutes): runs in CI (CI=true) or with FT_TEST_PACKAGING=1"
+        )
 
 
 def clean_env(**extra: str) -> Dict[str, str]:
     """This process's environment without what would let a child find the source tree."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")
+    }
     env.setdefault("MAX_JOBS", "2")
     env.update(extra)
     return env
 
 
-def run(cmd: Sequence[str], *, timeout: float, cwd: Optional[Path] = None,
-        env: Optional[Dict[str, str]] = None, check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Optional[Path] = None,
+    env: Optional[Dict[str, str]] = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     start = time.monotonic()
-    r = subprocess.run([str(c) for c in cmd], cwd=str(cwd) if cwd else None, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=str(cwd) if cwd else None,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     r.seconds = time.monotonic() - start  # type: ignore[attr-defined]
     if check and r.returncode != 0:
         raise AssertionError(
             f"exit {r.returncode} after {r.seconds:.0f}s: {shlex.join(map(str, cmd))}\n"
-            f"--- stdout (tail)\n{r.stdout[-4000:]}\n--- stderr (tail)\n{r.stderr[-6000:]}")
+            f"--- stdout (tail)\n{r.stdout[-4000:]}\n--- stderr (tail)\n{r.stderr[-6000:]}"
+        )
     return r
 
 
 def build_sdist(out_dir: Path) -> Path:
     """The sdist, built from the working tree by the PEP 517 hook that pip and `build` call."""
-    code = ("import sys; from setuptools import build_meta; "
-            "print(build_meta.build_sdist(sys.argv[1]))")
+    code = (
+        "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    )
     r = run([sys.executable, "-c", code, out_dir], cwd=ROOT, env=clean_env(), timeout=300)
     name = r.stdout.strip().splitlines()[-1]
     return out_dir / name
@@ -101,17 +119,34 @@ def pip_venv(venv: Path) -> Path:
 
 def expected_sdist_members() -> List[str]:
     """Paths (relative to the sdist's top folder) that the sdist must hold."""
-    patterns = ["csrc/*.cpp", "csrc/*.hpp", "csrc/**/*.cpp", "csrc/**/*.hpp", "proto/*.proto",
-                "tools/*.py", "ft/**/*.py", "ft/coordination/dashboard/*.html",
-                "ft/coordination/_proto/*.pyi"]
+    patterns = [
+        "csrc/*.cpp",
+        "csrc/*.hpp",
+        "csrc/**/*.cpp",
+        "csrc/**/*.hpp",
+        "proto/*.proto",
+        "tools/*.py",
+        "ft/**/*.py",
+        "ft/coordination/dashboard/*.html",
+        "ft/coordination/_proto/*.pyi",
+    ]
     found = set()
     for pattern in patterns:
         for path in glob.glob(str(ROOT / pattern), recursive=True):
             rel = os.path.relpath(path, ROOT)
             if "__pycache__" not in rel:
                 found.add(rel)
-    found |= {"CMakeLists.txt", "LICENSE", "README.md", "pyproject.toml", "setup.py",
-              "MANIFEST.in", "constraints.txt", "examples/deploy/Dockerfile.lighthouse", "PKG-INFO"}
+    found |= {
+        "CMakeLists.txt",
+        "LICENSE",
+        "README.md",
+        "pyproject.toml",
+        "setup.py",
+        "MANIFEST.in",
+        "constraints.txt",
+        "examples/deploy/Dockerfile.lighthouse",
+        "PKG-INFO",
+    }
     return sorted(found)
 
 
@@ -135,4 +170,3 @@ def smoke_installed(python: Path, venv: Path, tmp_path: Path) -> Dict[str, Any]:
     assert f"torch=={major_minor}.*" in out["requires"], out["requires"]
     out["outside"] = outside
     return out
-

@@ -49,15 +49,25 @@ def main() -> None:
     from ft.coordination import rpc_server
     from ft.coordination.dashboard import page_html
 
-    out.update(torch=torch.__version__, c_file=_C.__file__, has_nccl=bool(_C.has_nccl),
-               native_grpc=bool(rpc_server.native_available()),
-               dashboard_bytes=len(page_html()),
-               requires=importlib.metadata.requires("ft-torch"),
-               dist_version=importlib.metadata.version("ft-torch"))
+    out.update(
+        torch=torch.__version__,
+        c_file=_C.__file__,
+        has_nccl=bool(_C.has_nccl),
+        native_grpc=bool(rpc_server.native_available()),
+        dashboard_bytes=len(page_html()),
+        requires=importlib.metadata.requires("ft-torch"),
+        dist_version=importlib.metadata.version("ft-torch"),
+    )
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, "rank", str(r), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     results = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)

@@ -50,9 +50,17 @@ def probe_all(tmp_path, scenarios, grpc=False):
         scenarios = [(c, {"FT_NATIVE_GRPC": "0", **e}) for c, e in scenarios]
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    r = _util.run([sys.executable, script, _util.ROOT / "setup.py",
-                   json.dumps([[list(c), e] for c, e in scenarios])],
-                  cwd=_util.ROOT, env=_util.clean_env(), timeout=180)
+    r = _util.run(
+        [
+            sys.executable,
+            script,
+            _util.ROOT / "setup.py",
+            json.dumps([[list(c), e] for c, e in scenarios]),
+        ],
+        cwd=_util.ROOT,
+        env=_util.clean_env(),
+        timeout=180,
+    )
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -68,12 +76,15 @@ def fake_nccl(tmp_path):
 
 
 def test_defaults_and_debug_flags(tmp_path):
-    default, debug, both, relwdi = probe_all(tmp_path, [
-        (("build_ext",), {"DEBUG": "0", "REL_WITH_DEB_INFO": "0"}),
-        (("build_ext",), {"DEBUG": "1"}),
-        (("build_ext",), {"DEBUG": "ON", "REL_WITH_DEB_INFO": "1"}),
-        (("build_ext",), {"REL_WITH_DEB_INFO": "yes"}),
-    ])
+    default, debug, both, relwdi = probe_all(
+        tmp_path,
+        [
+            (("build_ext",), {"DEBUG": "0", "REL_WITH_DEB_INFO": "0"}),
+            (("build_ext",), {"DEBUG": "1"}),
+            (("build_ext",), {"DEBUG": "ON", "REL_WITH_DEB_INFO": "1"}),
+            (("build_ext",), {"REL_WITH_DEB_INFO": "yes"}),
+        ],
+    )
     assert default["flags"] == ["-O2", "-g0"] and "ft._C" in default["ext"]
     assert debug["flags"] == ["-O0", "-g"] and both["flags"] == ["-O0", "-g"]
     assert relwdi["flags"] == ["-O2", "-g"]
@@ -81,13 +92,24 @@ def test_defaults_and_debug_flags(tmp_path):
 
 def test_nccl_search_order(tmp_path, fake_nccl):
     home = str(fake_nccl)
-    by_home, lib_dir_wins, both_dirs, bad = [r["find_nccl"] for r in probe_all(tmp_path, [
-        (("build_ext",), {"NCCL_HOME": home}),
-        (("build_ext",), {"NCCL_HOME": home, "NCCL_LIB_DIR": f"{home}/elsewhere"}),
-        (("build_ext",), {"NCCL_INCLUDE_DIR": f"{home}/include",
-                          "NCCL_LIB_DIR": f"{home}/elsewhere"}),
-        (("build_ext",), {"NCCL_INCLUDE_DIR": f"{home}/include", "NCCL_LIB_DIR": f"{home}/include"}),
-    ])]
+    by_home, lib_dir_wins, both_dirs, bad = [
+        r["find_nccl"]
+        for r in probe_all(
+            tmp_path,
+            [
+                (("build_ext",), {"NCCL_HOME": home}),
+                (("build_ext",), {"NCCL_HOME": home, "NCCL_LIB_DIR": f"{home}/elsewhere"}),
+                (
+                    ("build_ext",),
+                    {"NCCL_INCLUDE_DIR": f"{home}/include", "NCCL_LIB_DIR": f"{home}/elsewhere"},
+                ),
+                (
+                    ("build_ext",),
+                    {"NCCL_INCLUDE_DIR": f"{home}/include", "NCCL_LIB_DIR": f"{home}/include"},
+                ),
+            ],
+        )
+    ]
     assert by_home == [f"{home}/include", f"{home}/lib64"]
     assert lib_dir_wins == both_dirs == [f"{home}/include", f"{home}/elsewhere"]
     assert bad.startswith("exit: ") and "NCCL_LIB_DIR" in bad
@@ -96,11 +118,20 @@ def test_nccl_search_order(tmp_path, fake_nccl):
 def test_nccl_switches(tmp_path):
     import torch
 
-    default, asked, *off = [r["use_nccl"] for r in probe_all(tmp_path, [
-        (("build_ext",), {}), (("build_ext",), {"USE_NCCL": "1"}),
-        (("build_ext",), {"USE_NCCL": "0"}), (("build_ext",), {"FT_USE_NCCL": "0"}),
-        (("build_ext",), {"USE_CUDA": "0"}), (("build_ext",), {"USE_NCCL": "OFF"}),
-    ])]
+    default, asked, *off = [
+        r["use_nccl"]
+        for r in probe_all(
+            tmp_path,
+            [
+                (("build_ext",), {}),
+                (("build_ext",), {"USE_NCCL": "1"}),
+                (("build_ext",), {"USE_NCCL": "0"}),
+                (("build_ext",), {"FT_USE_NCCL": "0"}),
+                (("build_ext",), {"USE_CUDA": "0"}),
+                (("build_ext",), {"USE_NCCL": "OFF"}),
+            ],
+        )
+    ]
     cuda = torch.version.cuda is not None
     # A CPU torch never builds the NCCL path, whatever is asked; a CUDA torch by default.
     assert default is cuda and asked is cuda
@@ -108,13 +139,17 @@ def test_nccl_switches(tmp_path):
 
 
 def test_native_grpc_switches(tmp_path):
-    results = probe_all(tmp_path, [
-        (("build_ext",), {"FT_NATIVE_GRPC": "0"}),
-        (("bdist_wheel",), {}),
-        (("bdist_wheel",), {"FT_WHEEL_NATIVE_GRPC": "1"}),
-        (("build_ext",), {}),
-        (("build_ext",), {"FT_NATIVE_GRPC": "1"}),
-    ], grpc=True)
+    results = probe_all(
+        tmp_path,
+        [
+            (("build_ext",), {"FT_NATIVE_GRPC": "0"}),
+            (("bdist_wheel",), {}),
+            (("bdist_wheel",), {"FT_WHEEL_NATIVE_GRPC": "1"}),
+            (("build_ext",), {}),
+            (("build_ext",), {"FT_NATIVE_GRPC": "1"}),
+        ],
+        grpc=True,
+    )
     off, wheel, wheel_on, in_place, required = [r.get("grpc", r.get("error")) for r in results]
     assert off is False
     assert wheel is False  # a wheel leaves it out unless asked

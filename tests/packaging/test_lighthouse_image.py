@@ -55,8 +55,9 @@ def test_the_image_steps_give_a_lighthouse_without_torch(tmp_path):
     _util.skip_unless_enabled()
     venv = tmp_path / "venv"
     python = _util.pip_venv(venv)
-    env = _util.clean_env(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}",
-                          PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env = _util.clean_env(
+        PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", PIP_DISABLE_PIP_VERSION_CHECK="1"
+    )
     workdir = tmp_path / "rootfs"
     for op, arg in instructions():
         if op == "WORKDIR":
@@ -67,8 +68,12 @@ def test_the_image_steps_give_a_lighthouse_without_torch(tmp_path):
             for src in srcs:
                 target = workdir / dst / (Path(src).name if dst.endswith("/") else "")
                 if (_util.ROOT / src).is_dir():
-                    shutil.copytree(_util.ROOT / src, workdir / dst, dirs_exist_ok=True,
-                                    ignore=shutil.ignore_patterns("__pycache__"))
+                    shutil.copytree(
+                        _util.ROOT / src,
+                        workdir / dst,
+                        dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"),
+                    )
                 else:
                     shutil.copy(_util.ROOT / src, target)
         elif op == "RUN":
@@ -85,27 +90,38 @@ def test_the_image_steps_give_a_lighthouse_without_torch(tmp_path):
     outside.mkdir()
     r = _util.run([python, "-c", "import torch"], cwd=outside, env=env, timeout=60, check=False)
     assert r.returncode != 0 and "No module named 'torch'" in r.stderr
-    r = _util.run([python, "-m", "pip", "list", "--format=json"], cwd=outside, env=env,
-                  timeout=60)
+    r = _util.run([python, "-m", "pip", "list", "--format=json"], cwd=outside, env=env, timeout=60)
     installed = {p["name"].lower() for p in json.loads(r.stdout)}
     assert {"ft-torch", "grpcio", "protobuf"} <= installed
     assert not installed & {"torch", "numpy"}, installed
     site = _util.venv_site_packages(venv)
     assert not list((site / "ft").rglob("*.so")), "the image must compile nothing"
 
-    h = _util.run([python, "-m", "ft.coordination.cli", "--help"], cwd=outside, env=env,
-                  timeout=60)
+    h = _util.run([python, "-m", "ft.coordination.cli", "--help"], cwd=outside, env=env, timeout=60)
     assert "--min_replicas" in h.stdout
     entry = json.loads(dict(instructions())["ENTRYPOINT"])
-    h = _util.run([venv / "bin" / entry[0], *entry[1:], "--help"], cwd=outside, env=env,
-                  timeout=60)
+    h = _util.run([venv / "bin" / entry[0], *entry[1:], "--help"], cwd=outside, env=env, timeout=60)
     assert "--min_replicas" in h.stdout
 
     # The entrypoint serving for real, on loopback instead of 0.0.0.0 (the venv's ft only: no
     # source tree on its PYTHONPATH).
-    with Proc([venv / "bin" / entry[0], "--bind", "127.0.0.1:0", "--http_bind", "",
-               "--min_replicas", "1", "--join_timeout_ms", "100"],
-              cwd=outside, env=env, source_tree=False, name="ft-lighthouse (image)") as proc:
+    with Proc(
+        [
+            venv / "bin" / entry[0],
+            "--bind",
+            "127.0.0.1:0",
+            "--http_bind",
+            "",
+            "--min_replicas",
+            "1",
+            "--join_timeout_ms",
+            "100",
+        ],
+        cwd=outside,
+        env=env,
+        source_tree=False,
+        name="ft-lighthouse (image)",
+    ) as proc:
         line = proc.wait_for_line(r"^ft-lighthouse ready", 60)
         seen = proc.lines[: proc.lines.index(line) + 1]
         assert line.startswith("ft-lighthouse ready grpc=http://127.0.0.1:"), "\n".join(seen)

@@ -61,8 +61,11 @@ def test_every_pin_lies_in_the_declared_ranges():
     """constraints.txt is one point inside pyproject.toml's ranges (runtime, build, test)."""
     data = pyproject()
     pins = constraints()
-    declared = (data["project"]["dependencies"] + data["build-system"]["requires"]
-                + [r for extra in data["project"]["optional-dependencies"].values() for r in extra])
+    declared = (
+        data["project"]["dependencies"]
+        + data["build-system"]["requires"]
+        + [r for extra in data["project"]["optional-dependencies"].values() for r in extra]
+    )
     for line in declared:
         req = Requirement(line)
         name = req.name.lower().replace("_", "-")
@@ -83,15 +86,24 @@ def test_protobuf_ceiling_matches_the_stubs_gencode():
     own major, so the declared range must stop before the next one."""
     stub = (_util.ROOT / "ft" / "coordination" / "_proto" / "torchft_pb2.py").read_text()
     major = int(re.search(r"^# Protobuf Python Version: (\d+)\.", stub, re.M).group(1))
-    (protobuf,) = [Requirement(r) for r in pyproject()["project"]["dependencies"]
-                   if r.startswith("protobuf")]
+    (protobuf,) = [
+        Requirement(r) for r in pyproject()["project"]["dependencies"] if r.startswith("protobuf")
+    ]
     assert f"<{major + 1}" in [str(s) for s in protobuf.specifier], protobuf
-    assert protobuf.specifier.contains(f"{major}.99") and not protobuf.specifier.contains(f"{major + 1}.0")
+    assert protobuf.specifier.contains(f"{major}.99") and not protobuf.specifier.contains(
+        f"{major + 1}.0"
+    )
 
 
 def test_setup_py_reads_the_version_and_needs_no_other_metadata():
     text = (_util.ROOT / "setup.py").read_text()
-    call = text[text.rindex("setup("):]
-    for field in ("name=", "install_requires=", "entry_points=", "extras_require=",
-                  "package_data=", "python_requires="):
+    call = text[text.rindex("setup(") :]
+    for field in (
+        "name=",
+        "install_requires=",
+        "entry_points=",
+        "extras_require=",
+        "package_data=",
+        "python_requires=",
+    ):
         assert field not in call, f"{field} belongs in pyproject.toml"

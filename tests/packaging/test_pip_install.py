@@ -17,8 +17,17 @@ import shutil
 
 from tests.packaging import _util
 
-IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "*.so", "*.o", "__pycache__",
-                                "*.egg-info", ".hypothesis", ".pytest_cache")
+IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "*.so",
+    "*.o",
+    "__pycache__",
+    "*.egg-info",
+    ".hypothesis",
+    ".pytest_cache",
+)
 
 
 def test_pip_install_dot_in_a_fresh_venv_with_build_isolation(tmp_path):
@@ -34,7 +43,8 @@ def test_pip_install_dot_in_a_fresh_venv_with_build_isolation(tmp_path):
     out = _util.smoke_installed(python, venv, tmp_path)
     outside = out["outside"]
     assert not out["native_grpc"], "a wheel includes the native gRPC server only on request"
-    h = _util.run([venv / "bin" / "ft-lighthouse", "--help"], cwd=outside,
-                  env=_util.clean_env(), timeout=120)
+    h = _util.run(
+        [venv / "bin" / "ft-lighthouse", "--help"], cwd=outside, env=_util.clean_env(), timeout=120
+    )
     assert "--min_replicas" in h.stdout
     _util.run([python, "-m", "pip", "check"], cwd=outside, env=_util.clean_env(), timeout=120)

@@ -44,8 +44,9 @@ def sdist(tmp_path_factory) -> Path:
 
 def _pkg_info(sdist: Path):
     with tarfile.open(sdist) as tar:
-        (member,) = [m for m in tar.getmembers() if m.name.count("/") == 1
-                     and m.name.endswith("/PKG-INFO")]
+        (member,) = [
+            m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO")
+        ]
         text = tar.extractfile(member).read().decode()
     return email.parser.Parser().parsestr(text)
 
@@ -57,8 +58,13 @@ def test_sdist_holds_every_source_and_no_build_output(sdist):
     assert not missing, f"not in the sdist: {missing}"
     # nccl_comm.cpp ships even when the sdist is made next to a CPU torch.
     assert "csrc/nccl_comm.cpp" in names and "csrc/grpc_server/grpc_server.cpp" in names
-    unwanted = [n for n in names if n.endswith((".so", ".o", ".pyc")) or "__pycache__" in n
-                or n.startswith(("tests/", "build/", ".venv/"))]
+    unwanted = [
+        n
+        for n in names
+        if n.endswith((".so", ".o", ".pyc"))
+        or "__pycache__" in n
+        or n.startswith(("tests/", "build/", ".venv/"))
+    ]
     assert not unwanted, unwanted
 
 
@@ -78,12 +84,28 @@ def test_sdist_builds_installs_and_runs_outside_the_tree(sdist, tmp_path):
     src = _util.unpack(sdist, tmp_path / "src")
     venv = tmp_path / "venv"
     python = _util.overlay_venv(venv)
-    has_grpcpp = shutil.which("pkg-config") is not None and subprocess.run(
-        ["pkg-config", "--exists", "grpc++", "libcrypto"]).returncode == 0
+    has_grpcpp = (
+        shutil.which("pkg-config") is not None
+        and subprocess.run(["pkg-config", "--exists", "grpc++", "libcrypto"]).returncode == 0
+    )
     # A wheel leaves the native gRPC server out unless asked: ask, to compile its source too.
     env = _util.clean_env(**({"FT_WHEEL_NATIVE_GRPC": "1"} if has_grpcpp else {}))
-    build = _util.run([python, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-                       "--no-cache-dir", "-v", src], cwd=tmp_path, env=env, timeout=900)
+    build = _util.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--no-build-isolation",
+            "--no-deps",
+            "--no-cache-dir",
+            "-v",
+            src,
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=900,
+    )
     print(f"sdist build+install: {build.seconds:.0f}s")
 
     out = _util.smoke_installed(python, venv, tmp_path)
@@ -93,8 +115,9 @@ def test_sdist_builds_installs_and_runs_outside_the_tree(sdist, tmp_path):
         assert out["native_grpc"], "built with FT_WHEEL_NATIVE_GRPC=1 but not importable"
 
     for script in ("ft-lighthouse", "ft-launch", "torchft_lighthouse"):
-        h = _util.run([venv / "bin" / script, "--help"], cwd=outside, env=_util.clean_env(),
-                      timeout=120)
+        h = _util.run(
+            [venv / "bin" / script, "--help"], cwd=outside, env=_util.clean_env(), timeout=120
+        )
         assert "usage:" in h.stdout, (script, h.stdout)
     assert "--min_replicas" in h.stdout
     # Every requirement of every installed distribution is met (torch==X.Y.* by the torch the
@@ -117,8 +140,9 @@ sys.meta_path.insert(0, HideTorch())
 from setuptools import build_meta
 print(build_meta.build_sdist(sys.argv[1]))
 """
-    r = _util.run([sys.executable, "-c", code, tmp_path], cwd=_util.ROOT, env=_util.clean_env(),
-                  timeout=300)
+    r = _util.run(
+        [sys.executable, "-c", code, tmp_path], cwd=_util.ROOT, env=_util.clean_env(), timeout=300
+    )
     sdist = tmp_path / r.stdout.strip().splitlines()[-1]
     with tarfile.open(sdist) as tar:
         names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}

@@ -34,8 +34,10 @@ def raw_get(port: int, path: str, timeout: float) -> Tuple[int, bytes]:
     """A real request on a fresh connection; (0, b"") if it was refused or cut."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                      f"Connection: close\r\n\r\n".encode())
+            s.sendall(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Connection: close\r\n\r\n".encode()
+            )
             data = b""
             while True:
                 chunk = s.recv(65536)

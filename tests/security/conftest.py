@@ -14,21 +14,72 @@ from tests.coordination.conftest import (  # noqa: F401  (the coordination tests
 
 def make_test_pki(directory: str) -> dict:
     """A throwaway CA and one certificate for 127.0.0.1 / localhost, made with openssl."""
+
     def run(*argv: str) -> None:
-        subprocess.run(["openssl", *argv], cwd=directory, check=True, timeout=60,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run(
+            ["openssl", *argv],
+            cwd=directory,
+            check=True,
+            timeout=60,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     ext = os.path.join(directory, "san.ext")
     with open(ext, "w") as f:
         f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ft test CA")
-    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=localhost")
-    run("x509", "-req", "-in", "host.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", "host.pem", "-days", "2", "-extfile", ext)
-    return {name: os.path.join(directory, f) for name, f in
-            (("cert", "host.pem"), ("key", "host.key"), ("ca", "ca.pem"))}
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ft test CA",
+    )
+    run(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "host.key",
+        "-out",
+        "host.csr",
+        "-subj",
+        "/CN=localhost",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "host.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "host.pem",
+        "-days",
+        "2",
+        "-extfile",
+        ext,
+    )
+    return {
+        name: os.path.join(directory, f)
+        for name, f in (("cert", "host.pem"), ("key", "host.key"), ("ca", "ca.pem"))
+    }
 
 
 @pytest.fixture(scope="session")

@@ -42,8 +42,13 @@ def test_slow_clients_holding_connections_do_not_starve_the_checkpoint_server():
         sent = state()
         src.send_checkpoint([1], 1, sent, TO)
         port = src._server.server_address[1]
-        assert_not_starved(port, "/ft/v1/checkpoint/1/meta?chunks=1&wait=0", idle_timeout, cap,
-                           src._server.open_connections)
+        assert_not_starved(
+            port,
+            "/ft/v1/checkpoint/1/meta?chunks=1&wait=0",
+            idle_timeout,
+            cap,
+            src._server.open_connections,
+        )
         # A recovering replica still gets the whole checkpoint.
         dst = transport(stack)
         got = dst.recv_checkpoint(0, src.metadata(), 1, timedelta(seconds=10))

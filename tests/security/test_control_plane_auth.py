@@ -34,23 +34,37 @@ def refused(exc: BaseException) -> bool:
     return isinstance(exc, CoordinationError) and exc.code == grpc.StatusCode.UNAUTHENTICATED
 
 
-def attacker_quorum(addr: str, secret, replica_id: str = "attacker", step: int = 10 ** 12):
+def attacker_quorum(addr: str, secret, replica_id: str = "attacker", step: int = 10**12):
     with LighthouseClient(addr, 2.0, secret=secret) as c:
-        return c.quorum(replica_id, timeout=2.0, address="http://198.51.100.66:1",
-                        store_address="198.51.100.66:1", step=step, world_size=1, retries=0)
+        return c.quorum(
+            replica_id,
+            timeout=2.0,
+            address="http://198.51.100.66:1",
+            store_address="198.51.100.66:1",
+            step=step,
+            world_size=1,
+            retries=0,
+        )
 
 
 @pytest.mark.parametrize("attacker_secret", [None, WRONG], ids=["no-secret", "wrong-secret"])
 def test_forged_quorum_with_a_huge_step_cannot_take_over_healing(
-        lighthouse_factory, attacker_secret, monkeypatch):
+    lighthouse_factory, attacker_secret, monkeypatch
+):
     monkeypatch.delenv("FT_JOB_SECRET", raising=False)
     lh = lighthouse_factory(min_replicas=2, secret=SECRET)
     results = {}
 
     def member(rid: str, step: int) -> None:
         with LighthouseClient(lh.address(), 5.0, secret=SECRET) as c:
-            results[rid] = c.quorum(rid, timeout=10.0, address=f"http://127.0.0.1:{step + 1}",
-                                    store_address="127.0.0.1:1", step=step, world_size=1)
+            results[rid] = c.quorum(
+                rid,
+                timeout=10.0,
+                address=f"http://127.0.0.1:{step + 1}",
+                store_address="127.0.0.1:1",
+                step=step,
+                world_size=1,
+            )
 
     with pytest.raises(CoordinationError) as e:
         attacker_quorum(lh.address(), attacker_secret)
@@ -113,8 +127,10 @@ def test_made_up_heartbeat_ids_are_refused_and_do_not_block_quorums(lighthouse_f
 def test_forged_subscribe_failures_cancel_does_not_declare_a_live_replica_dead(lighthouse_factory):
     lh = lighthouse_factory(min_replicas=1, secret=SECRET, heartbeat_timeout_ms=5000)
     seen = []
-    with LighthouseClient(lh.address(), 2.0, secret=SECRET) as member, \
-            LighthouseClient(lh.address(), 2.0, secret=SECRET) as watcher:
+    with (
+        LighthouseClient(lh.address(), 2.0, secret=SECRET) as member,
+        LighthouseClient(lh.address(), 2.0, secret=SECRET) as watcher,
+    ):
         sub = watcher.subscribe_failures(seen.append, subscriber="watcher/0")
         assert sub.wait_subscribed(5)
         member.heartbeat("A", timeout=2.0)
@@ -139,8 +155,11 @@ def _manager_env() -> dict:
 
 
 def test_forged_kill_without_the_secret_leaves_the_group_running(children):
-    lh = children("lighthouse", '{"bind": "127.0.0.1:0", "min_replicas": 1, "http_bind": ""}',
-                  env=_manager_env())
+    lh = children(
+        "lighthouse",
+        '{"bind": "127.0.0.1:0", "min_replicas": 1, "http_bind": ""}',
+        env=_manager_env(),
+    )
     lh_addr = lh.address()
     group = children("manager", "victim", lh_addr, "1", env=_manager_env())
     addr = group.address()
@@ -163,9 +182,11 @@ def test_forged_kill_without_the_secret_leaves_the_group_running(children):
 def test_forged_should_commit_is_not_counted_as_a_vote(lighthouse_factory, manager_factory):
     lh = lighthouse_factory(min_replicas=1, secret=SECRET)
     ms = manager_factory("g", lh.address(), world_size=2, secret=SECRET)
-    with ManagerClient(ms.address(), 2.0, secret=SECRET) as rank0, \
-            ManagerClient(ms.address(), 2.0, secret=SECRET) as rank1, \
-            ManagerClient(ms.address(), 2.0) as attacker:
+    with (
+        ManagerClient(ms.address(), 2.0, secret=SECRET) as rank0,
+        ManagerClient(ms.address(), 2.0, secret=SECRET) as rank1,
+        ManagerClient(ms.address(), 2.0) as attacker,
+    ):
         # the attack: vote "no" (or "yes") for rank 1 before rank 1 does
         for vote in (False, True):
             with pytest.raises(CoordinationError) as e:
@@ -184,12 +205,14 @@ def test_forged_should_commit_is_not_counted_as_a_vote(lighthouse_factory, manag
     assert answers == {0: True, 1: True}
 
 
-def test_forged_manager_quorum_cannot_replace_the_checkpoint_address(lighthouse_factory, manager_factory):
+def test_forged_manager_quorum_cannot_replace_the_checkpoint_address(
+    lighthouse_factory, manager_factory
+):
     lh = lighthouse_factory(min_replicas=1, secret=SECRET)
     ms = manager_factory("g", lh.address(), world_size=1, secret=SECRET)
     with ManagerClient(ms.address(), 2.0) as attacker:
         with pytest.raises(CoordinationError) as e:
-            attacker._quorum(0, 10 ** 12, "http://198.51.100.66:1", False, timeout=2.0)
+            attacker._quorum(0, 10**12, "http://198.51.100.66:1", False, timeout=2.0)
         assert refused(e.value)
         with pytest.raises(CoordinationError) as e:
             attacker._checkpoint_metadata(0, timeout=2.0)

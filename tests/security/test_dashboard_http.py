@@ -28,7 +28,9 @@ from tests.coordination._helpers import CoordinationChild
 from tests.procs import Proc, wait_for
 from tests.security._slow_clients import assert_not_starved, raw_get
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+CHROMIUM = (
+    shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+)
 
 # What the dashboard's own page sends with an action (ft/coordination/dashboard/index.html).
 ACTION = {"Content-Type": "application/json", "X-FT-Request": "1"}
@@ -37,10 +39,15 @@ ACTION = {"Content-Type": "application/json", "X-FT-Request": "1"}
 # --- helpers -----------------------------------------------------------------------------
 
 
-def http(url: str, data: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None,
-         timeout: float = 5.0) -> Tuple[int, str]:
-    req = urllib.request.Request(url, data=data, headers=headers or {},
-                                 method="POST" if data is not None else "GET")
+def http(
+    url: str,
+    data: Optional[bytes] = None,
+    headers: Optional[Dict[str, str]] = None,
+    timeout: float = 5.0,
+) -> Tuple[int, str]:
+    req = urllib.request.Request(
+        url, data=data, headers=headers or {}, method="POST" if data is not None else "GET"
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -80,8 +87,13 @@ def registered_victim(stack: ExitStack, lh: LighthouseServer, replica_id: str) -
     client = ManagerClient(child.address(), 5.0)
     stack.callback(client.close)
     client._quorum(0, 0, "", False, 10.0)
-    wait_for(lambda: any(r["replica_id"] == replica_id and r["address"]
-                         for r in lh.status()["replicas"]), 10, "the victim to register")
+    wait_for(
+        lambda: any(
+            r["replica_id"] == replica_id and r["address"] for r in lh.status()["replicas"]
+        ),
+        10,
+        "the victim to register",
+    )
     return child
 
 
@@ -190,15 +202,34 @@ def _exited_unreaped(pid: int) -> bool:
 def headless_chromium(url: str, profile: str, log: str) -> Proc:
     """Chromium loading ``url`` in its own process group; ``kill`` (on the ExitStack) kills
     the whole group and reaps the browser."""
-    return Proc([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--no-first-run", "--disable-extensions", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
-                 "--virtual-time-budget=20000", "--dump-dom", url],
-                log_path=log, name="chromium", process_group=True)
+    return Proc(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--virtual-time-budget=20000",
+            "--dump-dom",
+            url,
+        ],
+        log_path=log,
+        name="chromium",
+        process_group=True,
+    )
 
 
-@pytest.mark.skipif(not CHROMIUM, reason="headless Chromium not installed (apt-get install -y "
-                    "chromium; scripts/setup.sh does it as root): the CSRF attack needs a real browser")
+@pytest.mark.skipif(
+    not CHROMIUM,
+    reason="headless Chromium not installed (apt-get install -y "
+    "chromium; scripts/setup.sh does it as root): the CSRF attack needs a real browser",
+)
 def test_csrf_from_a_page_in_headless_chromium_cannot_kill_a_group(clean_env, tmp_path):
     with ExitStack() as stack:
         lh = stack.enter_context(lighthouse())
@@ -206,18 +237,25 @@ def test_csrf_from_a_page_in_headless_chromium_cannot_kill_a_group(clean_env, tm
         kills = count_kills(lh)
         dashboard = lh.dashboard_address()
         page, reports = stack.enter_context(attacker_site(dashboard))
-        browser = stack.enter_context(headless_chromium(
-            page, str(tmp_path / "profile"), str(tmp_path / "chromium.log")))
+        browser = stack.enter_context(
+            headless_chromium(page, str(tmp_path / "profile"), str(tmp_path / "chromium.log"))
+        )
         deadline = time.monotonic() + 60
         while not reports:
             if time.monotonic() > deadline or _exited_unreaped(browser.pid):
-                raise AssertionError("the attacker page never reported back; chromium log:\n"
-                                     + (tmp_path / "chromium.log").read_text()[-3000:])
+                raise AssertionError(
+                    "the attacker page never reported back; chromium log:\n"
+                    + (tmp_path / "chromium.log").read_text()[-3000:]
+                )
             time.sleep(0.05)
         report = reports[0]
         # The page ran, and the browser sent every simple request to the dashboard ...
-        for name in ("no_cors_json_as_text_plain", "no_cors_query_string", "no_cors_form_body",
-                     "no_cors_custom_header"):
+        for name in (
+            "no_cors_json_as_text_plain",
+            "no_cors_query_string",
+            "no_cors_form_body",
+            "no_cors_custom_header",
+        ):
             assert report[name] == "sent:opaque", report
         # ... while a request that carries the header, or reads an answer, was stopped.
         assert report["cors_custom_header"].startswith("blocked:"), report
@@ -273,8 +311,9 @@ def _form_quorum(lh: LighthouseServer, secret: Optional[JobSecret] = None) -> No
     c = LighthouseClient(lh.address(), 5.0, secret=secret)
     try:
         c.heartbeat("group-0", timeout=2.0)
-        c.quorum("group-0", 5.0, address=MANAGER_ADDR, store_address=STORE_ADDR, step=1,
-                 world_size=1)
+        c.quorum(
+            "group-0", 5.0, address=MANAGER_ADDR, store_address=STORE_ADDR, step=1, world_size=1
+        )
     finally:
         c.close()
     st = lh.status()
@@ -289,17 +328,24 @@ def _assert_reveals_nothing(text: str) -> None:
 def test_status_without_credentials_reveals_no_manager_addresses(clean_env, how):
     secret = JobSecret.generate()
     token = "dashboard-token-0123456789"
-    kw: dict = {"job_secret": {"secret": secret}, "auth_token": {"auth_token": token},
-                # Anyone on the network reaches this one, and no credential is configured.
-                "not_loopback": {"http_bind": "0.0.0.0:0", "insecure": True}}[how]
+    kw: dict = {
+        "job_secret": {"secret": secret},
+        "auth_token": {"auth_token": token},
+        # Anyone on the network reaches this one, and no credential is configured.
+        "not_loopback": {"http_bind": "0.0.0.0:0", "insecure": True},
+    }[how]
     good = {"job_secret": secret.export(), "auth_token": token}.get(how)
     with lighthouse(**kw) as lh:
         _form_quorum(lh, secret if how == "job_secret" else None)
         port = lh._http.server_address[1]
         base = f"http://127.0.0.1:{port}"
 
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"},
-                        {"Authorization": "Bearer " + secret.export()[:-1]}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "Basic x"},
+            {"Authorization": "Bearer " + secret.export()[:-1]},
+        ):
             code, out = http(base + "/api/status", headers=headers)
             _assert_reveals_nothing(out)
             if how == "not_loopback":
@@ -335,8 +381,11 @@ def test_dns_rebinding_cannot_reach_an_open_loopback_dashboard(clean_env):
         code, out = http(base + "/api/status", headers=evil)
         assert code == 403
         _assert_reveals_nothing(out)
-        code, out = http(base + "/api/kill", json.dumps({"replica_id": "group-0"}).encode(),
-                         {**ACTION, **evil, "Origin": f"http://attacker.example:{port}"})
+        code, out = http(
+            base + "/api/kill",
+            json.dumps({"replica_id": "group-0"}).encode(),
+            {**ACTION, **evil, "Origin": f"http://attacker.example:{port}"},
+        )
         assert code == 403, out
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost"):
             code, out = http(base + "/api/status", headers={"Host": host})

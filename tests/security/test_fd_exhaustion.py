@@ -53,14 +53,40 @@ def _open_fds(pid: int) -> int:
 
 
 def _start_lighthouse(transport: str, tmp_path, stack: ExitStack) -> Proc:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("FT_JOB_SECRET", "FT_JOB_SECRET_FILE", "FT_AUTH_TOKEN", "FT_INSECURE",
-                        "FT_LIGHTHOUSE_TRANSPORT")}
-    return stack.enter_context(Proc(  # killed by its own id and reaped on the stack's exit
-        [sys.executable, "-c", _LIMITED.format(n=FD_LIMIT),
-         "--bind", "127.0.0.1:0", "--http_bind", "", "--min_replicas", "1",
-         "--transport", transport, "--log_level", "WARNING"],
-        env=env, log_path=tmp_path / "lighthouse.log", name=f"ft-lighthouse ({transport})"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "FT_JOB_SECRET",
+            "FT_JOB_SECRET_FILE",
+            "FT_AUTH_TOKEN",
+            "FT_INSECURE",
+            "FT_LIGHTHOUSE_TRANSPORT",
+        )
+    }
+    return stack.enter_context(
+        Proc(  # killed by its own id and reaped on the stack's exit
+            [
+                sys.executable,
+                "-c",
+                _LIMITED.format(n=FD_LIMIT),
+                "--bind",
+                "127.0.0.1:0",
+                "--http_bind",
+                "",
+                "--min_replicas",
+                "1",
+                "--transport",
+                transport,
+                "--log_level",
+                "WARNING",
+            ],
+            env=env,
+            log_path=tmp_path / "lighthouse.log",
+            name=f"ft-lighthouse ({transport})",
+        )
+    )
 
 
 def _grpc_port(proc: Proc) -> int:
@@ -69,8 +95,11 @@ def _grpc_port(proc: Proc) -> int:
 
 
 def _heartbeat(port: int, timeout_s: float) -> None:
-    with LighthouseClient(f"http://127.0.0.1:{port}", secret=None,
-                          connect_timeout=datetime.timedelta(seconds=timeout_s)) as client:
+    with LighthouseClient(
+        f"http://127.0.0.1:{port}",
+        secret=None,
+        connect_timeout=datetime.timedelta(seconds=timeout_s),
+    ) as client:
         client.heartbeat("fresh-replica", timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -103,8 +132,11 @@ def test_fd_exhaustion_does_not_stop_the_lighthouse_accepting(transport, tmp_pat
         stack.callback(close_attack)
         for _ in range(ATTACK_SOCKETS):
             attack.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        wait_for(lambda: _open_fds(proc.pid) >= FD_LIMIT, 10,
-                 f"the lighthouse to run out of descriptors ({_open_fds(proc.pid)} open)")
+        wait_for(
+            lambda: _open_fds(proc.pid) >= FD_LIMIT,
+            10,
+            f"the lighthouse to run out of descriptors ({_open_fds(proc.pid)} open)",
+        )
 
         # A client now cannot get in: its connection waits in the listen queue (EMFILE).
         with pytest.raises((TimeoutError, grpc.RpcError, OSError)):
@@ -115,10 +147,13 @@ def test_fd_exhaustion_does_not_stop_the_lighthouse_accepting(transport, tmp_pat
         try:
             _heartbeat(port, 5)
         except Exception as e:  # noqa: BLE001 (report how long it failed for)
-            pytest.fail(f"{transport}: a new client's heartbeat failed {time.monotonic() - closed:.1f}s "
-                        f"after the attack's sockets closed: {type(e).__name__}: {e}")
+            pytest.fail(
+                f"{transport}: a new client's heartbeat failed {time.monotonic() - closed:.1f}s "
+                f"after the attack's sockets closed: {type(e).__name__}: {e}"
+            )
         took = time.monotonic() - closed
         assert took <= RECOVERY_S, (
             f"{transport}: a new client was served {took:.2f}s after the attack ended "
-            f"(want <= {RECOVERY_S}s)")
+            f"(want <= {RECOVERY_S}s)"
+        )
         assert proc.poll() is None, "the lighthouse died"

@@ -33,8 +33,10 @@ def transport(**kw) -> HTTPTransport:
 
 
 def state(w: float) -> dict:
-    return {"model": {"w": torch.full((64, 64), w), "b": torch.arange(10.0) * w},
-            "optim": {"step": STEP, "m": torch.full((128,), w / 2)}}
+    return {
+        "model": {"w": torch.full((64, 64), w), "b": torch.arange(10.0) * w},
+        "optim": {"step": STEP, "m": torch.full((128,), w / 2)},
+    }
 
 
 @pytest.mark.parametrize("source_secret", [None, WRONG], ids=["no-secret", "wrong-secret"])
@@ -76,7 +78,9 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 def test_a_fake_source_learns_no_credential_usable_at_the_real_source():
     _Recorder.captured = []
     fake = http.server.HTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=fake.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(
+        target=fake.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     thread.start()
     try:
         with transport(secret=SECRET) as real, transport(secret=SECRET) as victim:
@@ -91,8 +95,9 @@ def test_a_fake_source_learns_no_credential_usable_at_the_real_source():
                 auth = headers.get("Authorization", "")
                 assert auth.startswith("FT-HMAC ")
                 # the attack: replay the captured request at the real source
-                req = urllib.request.Request(f"http://{real_addr}{path}",
-                                             headers={"Authorization": auth})
+                req = urllib.request.Request(
+                    f"http://{real_addr}{path}", headers={"Authorization": auth}
+                )
                 with pytest.raises(urllib.error.HTTPError) as e:
                     urllib.request.urlopen(req, timeout=5)
                 assert e.value.code == 403
@@ -109,8 +114,11 @@ def test_a_peer_without_the_secret_cannot_download_the_model():
     with transport(secret=SECRET) as src:
         src.send_checkpoint([1], STEP, state(3.0), TO)
         base = src.metadata().split("#")[0]
-        for headers in ({}, {"Authorization": "Bearer " + SECRET},
-                        {"Authorization": "FT-HMAC v1.1.00000000000000000000000000000000.00"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer " + SECRET},
+            {"Authorization": "FT-HMAC v1.1.00000000000000000000000000000000.00"},
+        ):
             req = urllib.request.Request(f"{base}/ft/v1/checkpoint/{STEP}/meta", headers=headers)
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=5)
@@ -135,8 +143,9 @@ def test_a_replayed_checkpoint_request_is_refused():
         rx._open = spy
         rx.recv_checkpoint(0, src.metadata(), STEP, TO)
         host, port, path, token = captured["first"]
-        req = urllib.request.Request(f"http://{host}:{port}{path}",
-                                     headers={"Authorization": f"FT-HMAC {token}"})
+        req = urllib.request.Request(
+            f"http://{host}:{port}{path}", headers={"Authorization": f"FT-HMAC {token}"}
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=5)
         assert e.value.code == 403

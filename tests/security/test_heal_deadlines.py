@@ -42,8 +42,6 @@ def transport(stack: ExitStack, cls: type = HTTPTransport, **kw: Any) -> HTTPTra
     return t
 
 
-
-
 class _Paced(HTTPTransport):
     """Serves each 1 MiB slice in 0.1 s: a transfer a test can catch in flight."""
 
@@ -70,8 +68,9 @@ def test_dangling_meta_does_not_delay_disallow_checkpoint() -> None:
         src.disallow_checkpoint()
         assert time.monotonic() - t0 < 0.2
         # the lease is gone with the checkpoint: its data requests are refused cleanly (410)
-        data_url = (f"{src.metadata()}/ft/v1/checkpoint/3/data?staging={st.id}&lease={lease}"
-                    f"&start=0&end=16")
+        data_url = (
+            f"{src.metadata()}/ft/v1/checkpoint/3/data?staging={st.id}&lease={lease}&start=0&end=16"
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(data_url, timeout=5)
         assert e.value.code == 410
@@ -81,8 +80,9 @@ def test_dangling_meta_does_not_delay_disallow_checkpoint() -> None:
         paced = transport(stack, cls=_Paced, timeout=timedelta(seconds=5))
         dst = transport(stack)
         paced.send_checkpoint([1], 4, sent, TO)
-        with urllib.request.urlopen(f"{paced.metadata()}/ft/v1/checkpoint/4/meta?chunks=4",
-                                    timeout=5) as resp:
+        with urllib.request.urlopen(
+            f"{paced.metadata()}/ft/v1/checkpoint/4/meta?chunks=4", timeout=5
+        ) as resp:
             resp.read()
         run = run_in_thread(lambda: dst.recv_checkpoint(0, paced.metadata(), 4, TO))
         st = paced._staging
@@ -162,8 +162,9 @@ def test_oversized_metadata_from_a_hostile_source_is_refused_in_time(mode: str) 
     server.mode = mode  # type: ignore[attr-defined]
     server.stop = threading.Event()  # type: ignore[attr-defined]
     server.requests: List[str] = []  # type: ignore[misc]
-    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                               daemon=True)
+    serving = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     serving.start()
     try:
         with ExitStack() as stack:

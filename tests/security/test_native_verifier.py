@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from ft.coordination.rpc_server import native_available
 from ft.utils.auth import GRPC_PURPOSE, AuthError, JobSecret, Signer, Verifier
 
-pytestmark = pytest.mark.skipif(not native_available(),
-                                reason="native gRPC server not built (no gRPC C++)")
+pytestmark = pytest.mark.skipif(
+    not native_available(), reason="native gRPC server not built (no gRPC C++)"
+)
 
 SECRET = JobSecret("native-verifier-secret-0123456789abcdef")
 WHAT = "/torchft.LighthouseService/Quorum"
@@ -99,14 +100,19 @@ def test_a_replay_is_refused_by_both_the_same_way():
 
 
 @settings(max_examples=300, deadline=None)
-@given(body=st.binary(max_size=64), what=st.sampled_from([WHAT, "/x", ""]),
-       tamper=st.one_of(st.none(), st.tuples(st.integers(0, 200), st.characters(
-           min_codepoint=32, max_codepoint=126))))
+@given(
+    body=st.binary(max_size=64),
+    what=st.sampled_from([WHAT, "/x", ""]),
+    tamper=st.one_of(
+        st.none(),
+        st.tuples(st.integers(0, 200), st.characters(min_codepoint=32, max_codepoint=126)),
+    ),
+)
 def test_randomized_tokens_get_the_same_verdict(body, what, tamper):
     spec, native = both()
     token = good_token(what, body)
     if tamper is not None:
         i, c = tamper
         i %= len(token)
-        token = token[:i] + c + token[i + 1:]
+        token = token[:i] + c + token[i + 1 :]
     assert native.verify(what, body, token) == python_verdict(spec, what, body, token)

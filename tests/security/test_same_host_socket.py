@@ -49,8 +49,10 @@ def assert_bitwise(a: Dict[str, Any], b: Dict[str, Any]) -> None:
     for k in a:
         if isinstance(a[k], torch.Tensor):
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-            assert torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k],
-                               b[k].view(torch.uint8) if b[k].dim() else b[k]), k
+            assert torch.equal(
+                a[k].view(torch.uint8) if a[k].dim() else a[k],
+                b[k].view(torch.uint8) if b[k].dim() else b[k],
+            ), k
         else:
             assert a[k] == b[k], k
 
@@ -193,7 +195,8 @@ def test_same_host_socket_refuses_another_uid(monkeypatch: pytest.MonkeyPatch) -
         name = src._local.name
         fields = {"op": "fetch", "step": 4, "wait": 0.0, "chunks": 2}
         fields["auth"] = Signer(JobSecret(SECRET), SAME_HOST_PURPOSE).sign(
-            same_host.request_what(name), same_host.request_body(4, 0.0, 2))
+            same_host.request_what(name), same_host.request_body(4, 0.0, 2)
+        )
         body = json.dumps(fields).encode()
         request = len(body).to_bytes(4, "big") + body
         result = _run_as(nobody.pw_uid, nobody.pw_gid, name, request, timeout=5.0)

@@ -23,14 +23,28 @@ def test_full_heal_with_the_job_secret_and_tls(test_pki, use_tls, replicas):
     # HTTP(S) heals: the same-host path (a local socket) would bypass the network path.
     env = {"FT_JOB_SECRET": SECRET, "FT_JOB_SECRET_FILE": "", "FT_CHECKPOINT_SAME_HOST": "0"}
     if use_tls:
-        env.update(FT_TLS_CERT_FILE=test_pki["cert"], FT_TLS_KEY_FILE=test_pki["key"],
-                   FT_TLS_CA_FILE=test_pki["ca"])
+        env.update(
+            FT_TLS_CERT_FILE=test_pki["cert"],
+            FT_TLS_KEY_FILE=test_pki["key"],
+            FT_TLS_CA_FILE=test_pki["ca"],
+        )
     combo = {"name": "heal", "use_async_quorum": False, "init_sync": True, "min_replica_size": 2}
     # The groups read the lighthouse's address from the store ("lh/0"), once it is set below.
-    w = replicas("tests.manager.workers:default_config_combos", 2, env=env, lh_addr_kwarg=None,
-                 lighthouse=dict(min_replicas=2, join_timeout_ms=500, heartbeat_timeout_ms=2000,
-                                 secret=SECRET, tls=tls if use_tls else None),
-                 combos=[combo], target_step=3)
+    w = replicas(
+        "tests.manager.workers:default_config_combos",
+        2,
+        env=env,
+        lh_addr_kwarg=None,
+        lighthouse=dict(
+            min_replicas=2,
+            join_timeout_ms=500,
+            heartbeat_timeout_ms=2000,
+            secret=SECRET,
+            tls=tls if use_tls else None,
+        ),
+        combos=[combo],
+        target_step=3,
+    )
     lh = w.lh
     if use_tls:
         assert lh._server.transport == "grpcio"

@@ -68,8 +68,9 @@ def test_configure_to_an_unreachable_store_honours_its_timeout() -> None:
             if port == silent.port:
                 # its connection was ended: nothing of the victim stays stuck on it
                 end = time.monotonic() + 2
-                while any(t.name == "ft-store-connect" and t.is_alive()
-                          for t in threading.enumerate()):
+                while any(
+                    t.name == "ft-store-connect" and t.is_alive() for t in threading.enumerate()
+                ):
                     assert time.monotonic() < end, "a store connect to the silent server runs on"
                     time.sleep(0.01)
                 assert silent.conns
@@ -79,8 +80,9 @@ def test_configure_to_an_unreachable_store_honours_its_timeout() -> None:
                     assert c.recv(1) == b""  # then the end of the connection
 
         # the group is still usable: configure against a real store works at once
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=10))
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+        )
         t0 = time.monotonic()
         pg.configure(f"127.0.0.1:{store.port}/real", "replica", 0, 1)
         assert time.monotonic() - t0 < TIMEOUT_S
@@ -97,8 +99,9 @@ def test_configure_whose_peers_never_come_honours_its_timeout() -> None:
     """The store answers, but the other rank never configures: every step of configure()
     (store, each lane's Gloo connect) shares the one deadline, instead of each lane waiting
     its own timeout plus Gloo's backstop (3 s for 2 s before)."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=10))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     pg = ProcessGroupGloo(timeout=timedelta(seconds=TIMEOUT_S))
     try:
         t0 = time.monotonic()

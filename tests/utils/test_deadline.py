@@ -12,41 +12,52 @@ import pytest
 from ft.utils.deadline import Deadline, to_seconds, to_timedelta
 
 
-@pytest.mark.parametrize("timeout, seconds", [
-    (None, None),
-    (dt.timedelta(seconds=1.5), 1.5),
-    (dt.timedelta(milliseconds=20), 0.02),
-    (3, 3.0),
-    (0.25, 0.25),
-    (0, 0.0),
-    (-1, -1.0),  # the caller decides what a negative timeout means (an expired deadline)
-    (math.inf, math.inf),
-])
+@pytest.mark.parametrize(
+    "timeout, seconds",
+    [
+        (None, None),
+        (dt.timedelta(seconds=1.5), 1.5),
+        (dt.timedelta(milliseconds=20), 0.02),
+        (3, 3.0),
+        (0.25, 0.25),
+        (0, 0.0),
+        (-1, -1.0),  # the caller decides what a negative timeout means (an expired deadline)
+        (math.inf, math.inf),
+    ],
+)
 def test_to_seconds(timeout, seconds):
     assert to_seconds(timeout) == seconds
 
 
-@pytest.mark.parametrize("bad, error, says", [
-    ("10", TypeError, "str"),
-    (True, TypeError, "bool"),
-    ([1], TypeError, "list"),
-    (math.nan, ValueError, "NaN"),
-])
+@pytest.mark.parametrize(
+    "bad, error, says",
+    [
+        ("10", TypeError, "str"),
+        (True, TypeError, "bool"),
+        ([1], TypeError, "list"),
+        (math.nan, ValueError, "NaN"),
+    ],
+)
 def test_to_seconds_refuses_what_is_not_a_timeout(bad, error, says):
     with pytest.raises(error, match=says):
         to_seconds(bad)
 
 
-@pytest.mark.parametrize("timeout, want", [
-    (dt.timedelta(seconds=2), dt.timedelta(seconds=2)),
-    (2, dt.timedelta(seconds=2)),
-    (0.5, dt.timedelta(milliseconds=500)),
-])
+@pytest.mark.parametrize(
+    "timeout, want",
+    [
+        (dt.timedelta(seconds=2), dt.timedelta(seconds=2)),
+        (2, dt.timedelta(seconds=2)),
+        (0.5, dt.timedelta(milliseconds=500)),
+    ],
+)
 def test_to_timedelta(timeout, want):
     assert to_timedelta(timeout) == want
 
 
-@pytest.mark.parametrize("bad, error", [(None, TypeError), ("1", TypeError), (math.nan, ValueError)])
+@pytest.mark.parametrize(
+    "bad, error", [(None, TypeError), ("1", TypeError), (math.nan, ValueError)]
+)
 def test_to_timedelta_refuses(bad, error):
     with pytest.raises(error):
         to_timedelta(bad)
