@@ -100,9 +100,7 @@ class Healer:
             src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout
         )
         check_checkpoint(state, required_keys)
-        return ReceivedCheckpoint(
-            state, metadata, metadata_s, getattr(self.transport, "last_recv_path", None)
-        )
+        return ReceivedCheckpoint(state, metadata, metadata_s, self.transport.last_recv_path)
 
     def close(self) -> None:
         for peer in self._peer_clients.values():

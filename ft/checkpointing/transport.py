@@ -11,7 +11,7 @@ from __future__ import annotations
 import urllib.error
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Generic, List, TypeVar
+from typing import Generic, List, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -110,6 +110,12 @@ class CheckpointTransport(Generic[T], ABC):
     @abstractmethod
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Receives the state dict for ``step`` from ``src_rank`` (found via ``metadata``)."""
+
+    @property
+    def last_recv_path(self) -> Optional[str]:
+        """How the last ``recv_checkpoint`` moved the bytes ("http", "same-host", ...), for
+        the heal log; None where a transport has only one path or nothing was received."""
+        return None
 
     def shutdown(self, wait: bool = True) -> None:
         """Releases the transport's resources (servers, threads)."""

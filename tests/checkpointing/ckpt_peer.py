@@ -18,12 +18,11 @@ import threading
 import time
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import ckpt_testlib  # noqa: E402
+from tests.checkpointing import ckpt_testlib
 from ft.checkpointing import HTTPTransport, PGTransport  # noqa: E402
 
 

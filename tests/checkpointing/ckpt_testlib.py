@@ -164,7 +164,8 @@ class Peer:
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "ckpt_peer.py"), *args],
+            [sys.executable, "-m", "tests.checkpointing.ckpt_peer", *args],
+            cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,12 +1,8 @@
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import ckpt_testlib  # noqa: E402
+from tests.checkpointing import ckpt_testlib
 
 
 @pytest.fixture(scope="session")

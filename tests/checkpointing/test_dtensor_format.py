@@ -228,7 +228,7 @@ def test_pg_transport_never_receives_a_dtensor_piece_in_place() -> None:
     import threading
 
     import torch.distributed as dist
-    from ckpt_testlib import gloo_pg
+    from tests.checkpointing.ckpt_testlib import gloo_pg
 
     from ft.checkpointing import PGTransport
     from tests.manager.inproc import in_threads

@@ -5,9 +5,7 @@ proxies and throttles below act on it); test_same_host.py covers the same-host p
 
 from __future__ import annotations
 
-import os
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,9 +19,8 @@ from ft.utils import net
 from ft.utils.auth import InsecureServerError
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_testlib import Peer, assert_same, check_payload, run_in_thread  # noqa: E402
+from tests.checkpointing.ckpt_testlib import Peer, assert_same, check_payload, run_in_thread
 
 from tests.corrupting_proxy import CorruptingProxy  # noqa: E402
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -13,9 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_testlib import Peer, assert_same, check_payload, gloo_pg  # noqa: E402
+from tests.checkpointing.ckpt_testlib import Peer, assert_same, check_payload, gloo_pg
 
 from tests.manager.inproc import in_threads  # noqa: E402
 from ft.checkpointing import (  # noqa: E402

@@ -9,7 +9,6 @@ import errno
 import os
 import socket
 import struct
-import sys
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -17,9 +16,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_testlib import Peer, assert_same, check_payload, run_in_thread  # noqa: E402
+from tests.checkpointing.ckpt_testlib import Peer, assert_same, check_payload, run_in_thread
 
 from ft.checkpointing import (  # noqa: E402
     CheckpointAuthError,

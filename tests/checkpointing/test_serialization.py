@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections import OrderedDict
 from typing import Any, List
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_testlib import assert_same, build_state  # noqa: E402
+from tests.checkpointing.ckpt_testlib import assert_same, build_state
 
 from ft.checkpointing import serialization as ser  # noqa: E402
 from ft.checkpointing.transport import CheckpointFormatError  # noqa: E402

@@ -4,8 +4,6 @@ The source is a real second process (tests/checkpointing/ckpt_peer.py) holding t
 the GPU; the receiver places it on the GPU. Both share the one GPU (no NCCL is involved).
 """
 
-import os
-import sys
 from datetime import timedelta
 
 import pytest
@@ -13,10 +11,7 @@ import torch
 
 from ft.checkpointing import HTTPTransport
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpointing")
-)
-from ckpt_testlib import Peer, assert_same  # noqa: E402
+from tests.checkpointing.ckpt_testlib import Peer, assert_same
 
 TO = timedelta(seconds=30)
 

@@ -20,8 +20,6 @@ from typing import List, Tuple
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from ft.launch import cli  # noqa: E402
 from ft.launch.worker import PROGRESS_PREFIX, parse_progress  # noqa: E402
