@@ -48,6 +48,7 @@ from torch.distributed import ReduceOp
 from ft.collectives import BucketedAllreduce
 from ft.process_group import lane
 from ft.protocols import ManagerLike
+from ft.spans import span, span_block
 from ft.utils.tensors import clone_state
 
 __all__ = [
@@ -328,7 +329,7 @@ class LocalSGD(_OnOptimizerStep):
 
     # -- sync -----------------------------------------------------------------
 
-    @torch.profiler.record_function("torchft::local_sgd::sync")
+    @span("torchft::local_sgd::sync")
     def sync(self) -> bool:
         """Starts the quorum, averages the parameters and commits them; returns
         whether they were committed."""
@@ -388,13 +389,13 @@ class _Fragment:
             for n, p in self.params
         ]
 
-    @torch.profiler.record_function("torchft::local_sgd::restore_parameters")
+    @span("torchft::local_sgd::restore_parameters")
     def restore(self) -> None:
         with torch.no_grad():
             for n, p in self.params:
                 _local(p.detach()).copy_(self.backup[n], non_blocking=True)
 
-    @torch.profiler.record_function("torchft::local_sgd::save_parameters")
+    @span("torchft::local_sgd::save_parameters")
     def save(self) -> None:
         with torch.no_grad():
             for n, p in self.params:
@@ -517,7 +518,7 @@ class DiLoCo(_OnOptimizerStep):
         """The process-group lane fragment ``fragment``'s sync runs on."""
         return fragment % self._num_lanes
 
-    @torch.profiler.record_function("torchft::local_sgd::prepare_sync")
+    @span("torchft::local_sgd::prepare_sync")
     def _prepare_sync(self) -> None:
         self._manager.start_quorum()
         f = fragment_for_step(self._manager.current_step(), self._plan.n_fragments)
@@ -533,7 +534,7 @@ class DiLoCo(_OnOptimizerStep):
             )
         self._pending = (f, pseudo, handle)
 
-    @torch.profiler.record_function("torchft::local_sgd::perform_sync")
+    @span("torchft::local_sgd::perform_sync")
     def _perform_sync(self) -> None:
         assert self._pending is not None, "perform_sync without prepare_sync"
         f, pseudo, handle = self._pending
@@ -541,7 +542,7 @@ class DiLoCo(_OnOptimizerStep):
         frag = self._fragments[f]
         t0 = time.perf_counter()
         try:
-            with torch.profiler.record_function("torchft::local_sgd::wait"):
+            with span_block("torchft::local_sgd::wait"):
                 handle.wait()
         except Exception as e:  # the Manager reports its own errors; this is belt and braces
             self._manager.report_error(e)

@@ -76,6 +76,7 @@ from ft.utils import net
 from ft import records
 from ft.heal import Healer
 from ft.protocols import GroupServerClient
+from ft.spans import span, span_block
 from ft.utils.deadline import to_seconds, to_timedelta
 
 __all__ = ["Manager", "WorldSizeMode", "ExceptionWithTraceback", "get_timeout"]
@@ -832,7 +833,7 @@ class Manager:
                 self._apply_pending_state_dict()
                 self._healing = False
 
-    @torch.profiler.record_function("torchft::manager::wait_quorum")
+    @span("torchft::manager::wait_quorum")
     def wait_quorum(self) -> None:
         """Waits for the quorum started by :meth:`start_quorum` (raises its failure)."""
         if self._quorum_future is None:
@@ -847,7 +848,7 @@ class Manager:
             torch.cuda.set_device(device)
         self._async_quorum(*args)
 
-    @torch.profiler.record_function("torchft::manager::_async_quorum")
+    @span("torchft::manager::_async_quorum")
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: timedelta) -> None:
         t0 = time.monotonic()
         self._watch.phase(
@@ -860,7 +861,7 @@ class Manager:
             raise
         self._async_quorum_after(quorum, t0, allow_heal)
 
-    @torch.profiler.record_function("torchft::manager::_client::_quorum")
+    @span("torchft::manager::_client::_quorum")
     def _quorum_call(self, shrink_only: bool, quorum_timeout: timedelta) -> QuorumResult:
         return self._client.quorum(
             group_rank=self._rank,
@@ -927,7 +928,7 @@ class Manager:
                 ],
             }
             try:
-                with torch.profiler.record_function("torchft::manager::_pg::configure"):
+                with span_block("torchft::manager::_pg::configure"):
                     self._pg.configure(
                         store_prefixed_addr,
                         self._replica_id,
@@ -955,9 +956,7 @@ class Manager:
                     f"sending the checkpoint to replica ranks {quorum.recover_dst_replica_ranks}",
                     max_step=quorum.max_step,
                 )
-                with torch.profiler.record_function(
-                    "torchft::manager::_checkpoint_transport::send_checkpoint"
-                ):
+                with span_block("torchft::manager::_checkpoint_transport::send_checkpoint"):
                     self._healer.send(quorum, self._manager_state_dict, self._timeout)
             if quorum.heal:
                 self._healing = True
@@ -967,9 +966,7 @@ class Manager:
                     f"replica rank {quorum.recover_src_replica_rank} at "
                     f"{quorum.recover_src_manager_address}",
                 )
-                with torch.profiler.record_function(
-                    "torchft::manager::_checkpoint_transport::recv_checkpoint"
-                ):
+                with span_block("torchft::manager::_checkpoint_transport::recv_checkpoint"):
                     got = self._healer.receive(
                         quorum, self._rank, self._timeout, self._load_state_dict_fns
                     )
@@ -998,7 +995,7 @@ class Manager:
 
     # ---------------------------------------------------------------- collectives
 
-    @torch.profiler.record_function("torchft::manager::allreduce")
+    @span("torchft::manager::allreduce")
     def allreduce(
         self,
         tensor: torch.Tensor,
@@ -1066,7 +1063,7 @@ class Manager:
 
     # ---------------------------------------------------------------- commit
 
-    @torch.profiler.record_function("torchft::manager::should_commit")
+    @span("torchft::manager::should_commit")
     def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
         """The group-wide decision to commit this step (docs/design.md, "The step protocol", step 3).
 
