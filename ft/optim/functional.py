@@ -511,13 +511,30 @@ class _FunctionalOptimizer:
         # One group only, as in torch: functional optimizers serve one parameter set each.
         self.param_group: Dict[str, List[Tensor]] = {"params": params}
 
+    # What a subclass declares, so that one ``_update`` serves them all: its stateless update
+    # (``functional_*`` above), the state keys whose per-parameter lists it takes, in its
+    # positional order (a key the options leave out of the state, like ``max_exp_avg_sq``
+    # without ``amsgrad``, is passed as an empty list, as torch.optim does), and the keyword
+    # options it takes from ``defaults`` and from attributes of the same name.
+    _functional: Callable[..., None]
+    _state_lists: Tuple[str, ...] = ()
+    _options_from_defaults: Tuple[str, ...] = ()
+    _options_from_attributes: Tuple[str, ...] = ("maximize", "foreach")
+
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         raise NotImplementedError
+
+    def _options(self) -> Dict[str, Any]:
+        options = {k: self.defaults[k] for k in self._options_from_defaults}
+        options.update((a, getattr(self, a)) for a in self._options_from_attributes)
+        return options
 
     def _update(
         self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
     ) -> None:
-        raise NotImplementedError
+        # Every parameter's state has the same keys: the options that decide them are fixed.
+        lists = [[s[k] for s in states] if k in states[0] else [] for k in self._state_lists]
+        type(self)._functional(params, grads, *lists, **self._options())
 
     def _states(self, params: List[Tensor], grads: List[Tensor]) -> List[Dict[str, Tensor]]:
         out = []
@@ -555,7 +572,9 @@ class _FunctionalOptimizer:
 
 
 class _AdamBase(_FunctionalOptimizer):
-    _fn: Callable[..., None]
+    _state_lists = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+    _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    _options_from_attributes = ("amsgrad", "maximize", "foreach", "fused")
 
     def __init__(
         self,
@@ -594,33 +613,11 @@ class _AdamBase(_FunctionalOptimizer):
             st["max_exp_avg_sq"] = _zeros(param)
         return st
 
-    def _update(
-        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
-    ) -> None:
-        d = self.defaults
-        type(self)._fn(
-            params,
-            grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if self.amsgrad else [],
-            [s["step"] for s in states],
-            lr=d["lr"],
-            beta1=d["beta1"],
-            beta2=d["beta2"],
-            eps=d["eps"],
-            weight_decay=d["weight_decay"],
-            amsgrad=self.amsgrad,
-            maximize=self.maximize,
-            foreach=self.foreach,
-            fused=self.fused,
-        )
-
 
 class FunctionalAdam(_AdamBase):
     """Functional ``torch.optim.Adam`` (torch's ``_FunctionalAdam`` arguments)."""
 
-    _fn = staticmethod(functional_adam)
+    _functional = staticmethod(functional_adam)
 
     def __init__(
         self,
@@ -652,7 +649,7 @@ class FunctionalAdam(_AdamBase):
 class FunctionalAdamW(_AdamBase):
     """Functional ``torch.optim.AdamW`` (torch's ``_FunctionalAdamW`` arguments)."""
 
-    _fn = staticmethod(functional_adamw)
+    _functional = staticmethod(functional_adamw)
 
     def __init__(
         self,
@@ -745,6 +742,11 @@ class FunctionalSGD(_FunctionalOptimizer):
 class FunctionalRMSprop(_FunctionalOptimizer):
     """Functional ``torch.optim.RMSprop`` (torch's ``_FunctionalRMSprop`` arguments)."""
 
+    _functional = staticmethod(functional_rmsprop)
+    _state_lists = ("square_avg", "grad_avg", "momentum_buffer", "step")
+    _options_from_defaults = ("lr", "alpha", "eps", "weight_decay", "momentum")
+    _options_from_attributes = ("centered", "maximize", "foreach")
+
     def __init__(
         self,
         params: List[Tensor],
@@ -783,27 +785,6 @@ class FunctionalRMSprop(_FunctionalOptimizer):
             st["grad_avg"] = _zeros(param)
         return st
 
-    def _update(
-        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
-    ) -> None:
-        d = self.defaults
-        functional_rmsprop(
-            params,
-            grads,
-            [s["square_avg"] for s in states],
-            [s["grad_avg"] for s in states] if self.centered else [],
-            [s["momentum_buffer"] for s in states] if d["momentum"] > 0 else [],
-            [s["step"] for s in states],
-            lr=d["lr"],
-            alpha=d["alpha"],
-            eps=d["eps"],
-            weight_decay=d["weight_decay"],
-            momentum=d["momentum"],
-            centered=self.centered,
-            maximize=self.maximize,
-            foreach=self.foreach,
-        )
-
 
 class FunctionalAdagrad(_FunctionalOptimizer):
     """Functional ``torch.optim.Adagrad`` (torch's ``_FunctionalAdagrad`` arguments).
@@ -812,6 +793,11 @@ class FunctionalAdagrad(_FunctionalOptimizer):
     ``warmup_lr_multiplier``, ``warmup_num_iters`` and ``coalesce_grad`` are kept in
     ``defaults``/attributes for compatibility and, as in torch, have no effect.
     """
+
+    _functional = staticmethod(functional_adagrad)
+    _state_lists = ("sum", "step")
+    _options_from_defaults = ("lr", "lr_decay", "weight_decay", "eps")
+    _options_from_attributes = ("maximize", "foreach", "fused")
 
     def __init__(
         self,
@@ -864,27 +850,13 @@ class FunctionalAdagrad(_FunctionalOptimizer):
             "sum": torch.full_like(param, value, memory_format=torch.preserve_format),
         }
 
-    def _update(
-        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
-    ) -> None:
-        d = self.defaults
-        functional_adagrad(
-            params,
-            grads,
-            [s["sum"] for s in states],
-            [s["step"] for s in states],
-            lr=d["lr"],
-            lr_decay=d["lr_decay"],
-            weight_decay=d["weight_decay"],
-            eps=d["eps"],
-            maximize=self.maximize,
-            foreach=self.foreach,
-            fused=self.fused,
-        )
-
 
 class FunctionalAdadelta(_FunctionalOptimizer):
     """Functional ``torch.optim.Adadelta`` (torch's ``_FunctionalAdadelta`` arguments)."""
+
+    _functional = staticmethod(functional_adadelta)
+    _state_lists = ("square_avg", "acc_delta", "step")
+    _options_from_defaults = ("lr", "rho", "eps", "weight_decay")
 
     def __init__(
         self,
@@ -913,28 +885,14 @@ class FunctionalAdadelta(_FunctionalOptimizer):
             "acc_delta": _zeros(param),
         }
 
-    def _update(
-        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
-    ) -> None:
-        d = self.defaults
-        functional_adadelta(
-            params,
-            grads,
-            [s["square_avg"] for s in states],
-            [s["acc_delta"] for s in states],
-            [s["step"] for s in states],
-            lr=d["lr"],
-            rho=d["rho"],
-            eps=d["eps"],
-            weight_decay=d["weight_decay"],
-            maximize=self.maximize,
-            foreach=self.foreach,
-        )
-
 
 class FunctionalAdamax(_FunctionalOptimizer):
     """Functional ``torch.optim.Adamax`` (torch's ``_FunctionalAdamax`` arguments; note its
     default ``lr`` is 1e-3, where ``torch.optim.Adamax``'s is 2e-3)."""
+
+    _functional = staticmethod(functional_adamax)
+    _state_lists = ("exp_avg", "exp_inf", "step")
+    _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
     def __init__(
         self,
@@ -966,28 +924,12 @@ class FunctionalAdamax(_FunctionalOptimizer):
             "exp_inf": _zeros(param),
         }
 
-    def _update(
-        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
-    ) -> None:
-        d = self.defaults
-        functional_adamax(
-            params,
-            grads,
-            [s["exp_avg"] for s in states],
-            [s["exp_inf"] for s in states],
-            [s["step"] for s in states],
-            lr=d["lr"],
-            beta1=d["beta1"],
-            beta2=d["beta2"],
-            eps=d["eps"],
-            weight_decay=d["weight_decay"],
-            maximize=self.maximize,
-            foreach=self.foreach,
-        )
-
 
 class FunctionalRprop(_FunctionalOptimizer):
     """Functional ``torch.optim.Rprop`` (torch's ``_FunctionalRprop`` arguments)."""
+
+    _functional = staticmethod(functional_rprop)
+    _state_lists = ("prev", "step_size", "step")
 
     def __init__(
         self,
@@ -1018,22 +960,15 @@ class FunctionalRprop(_FunctionalOptimizer):
             "step_size": torch.full_like(grad, value),
         }
 
-    def _update(
-        self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
-    ) -> None:
-        functional_rprop(
-            params,
-            grads,
-            [s["prev"] for s in states],
-            [s["step_size"] for s in states],
-            [s["step"] for s in states],
-            step_size_min=self.step_sizes[0],
-            step_size_max=self.step_sizes[1],
-            etaminus=self.etas[0],
-            etaplus=self.etas[1],
-            maximize=self.maximize,
-            foreach=self.foreach,
-        )
+    def _options(self) -> Dict[str, Any]:
+        return {
+            "step_size_min": self.step_sizes[0],
+            "step_size_max": self.step_sizes[1],
+            "etaminus": self.etas[0],
+            "etaplus": self.etas[1],
+            "maximize": self.maximize,
+            "foreach": self.foreach,
+        }
 
 
 # ------------------------------------------------------------------ as_functional_optim

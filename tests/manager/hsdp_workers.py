@@ -96,11 +96,11 @@ def train(
     """Trains to step ``stop_at``. With ``park_at``, once step ``park_at`` is committed this rank
     says so in the store and waits there to be killed (so that the test kills it mid-training
     whatever the machine's speed); its group's other rank is then inside the next step."""
-    import ft
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from ft.checkpointing import HTTPTransport
+    from tests.manager.inproc import make_manager
     from ft.device_mesh import ft_init_device_mesh
 
     logging.basicConfig(level=logging.WARNING)
@@ -141,22 +141,17 @@ def train(
     else:  # the group's store is hosted by its rank 0's Manager
         store.wait([f"{prefix}/port"], timedelta(seconds=60))
         port = int(store.get(f"{prefix}/port"))
-    manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=TO),
+    manager = make_manager(
+        lh_addr,
+        f"{run}-group{group}",
+        rank=g,
+        world_size=GROUP_SIZE,
+        store_port=port,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=2,
         use_async_quorum=False,
-        timeout=TO,
         quorum_timeout=timedelta(seconds=60),
-        connect_timeout=TO,
-        rank=g,
-        world_size=GROUP_SIZE,
-        store_addr="127.0.0.1",
-        store_port=port,
-        lighthouse_addr=lh_addr,
-        replica_id=f"{run}-group{group}",
-        hostname="127.0.0.1",
         checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=2, advertise_host="127.0.0.1"),
     )
     if g == 0:
@@ -219,10 +214,9 @@ def mesh_checks(proc: int, world_size: int, store_port: int, *, lh_addr: str) ->
     gives, and DTensor's own collectives over the replicate dimension."""
     import io
 
-    import ft
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    from ft.checkpointing import HTTPTransport
+    from tests.manager.inproc import make_manager
     from ft.device_mesh import extend_device_mesh, ft_init_device_mesh
     from ft.process_group import ManagedProcessGroup
 
@@ -232,23 +226,12 @@ def mesh_checks(proc: int, world_size: int, store_port: int, *, lh_addr: str) ->
     dist.init_process_group(
         "gloo", store=dist.PrefixStore(f"checks/group{proc}", store), rank=0, world_size=1
     )
-    manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=TO),
-        load_state_dict=None,
-        state_dict=None,
+    manager = make_manager(
+        lh_addr,
+        f"checks{proc}",
         min_replica_size=2,
         use_async_quorum=False,
-        timeout=TO,
         quorum_timeout=timedelta(seconds=60),
-        connect_timeout=TO,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=0,
-        lighthouse_addr=lh_addr,
-        replica_id=f"checks{proc}",
-        hostname="127.0.0.1",
-        checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1"),
     )
     out: Dict[str, Any] = {}
     try:

@@ -1,4 +1,5 @@
-"""In-process helpers: a real lighthouse plus several Managers (one per thread)."""
+"""Helpers for tests that run Managers: a real lighthouse, the loopback Manager factory, and
+threads with bounded waits (several Managers in one process)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,15 @@ def make_manager(
     world_size: int = 1,
     store_port: int = 0,
     pg_timeout: timedelta = TO,
+    pg: Any = None,
     **kw: Any,
 ) -> ft.Manager:
-    pg = ft.ProcessGroupGloo(timeout=pg_timeout)
+    """The one way tests build a Manager on loopback: replica ``name`` of the lighthouse at
+    ``lh_addr``, its store and checkpoint server on 127.0.0.1, a ``ProcessGroupGloo`` with
+    ``pg_timeout`` unless ``pg`` is given, and 10 s timeouts; ``kw`` overrides any other
+    Manager argument. Used in-process (threads) and by the subprocess workers alike."""
+    if pg is None:
+        pg = ft.ProcessGroupGloo(timeout=pg_timeout)
     kw.setdefault(
         "checkpoint_transport", HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1")
     )

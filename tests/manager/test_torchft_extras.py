@@ -207,26 +207,7 @@ def test_manager_over_a_fake_wrapper_skips_the_injected_step() -> None:
     def start(i: int) -> ft.Manager:
         if i == 0:
             return make_manager(lh.address(), "g0", use_async_quorum=False)
-        return ft.Manager(
-            pg=fake,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=1,
-            use_async_quorum=False,
-            timeout=TO,
-            quorum_timeout=TO,
-            connect_timeout=TO,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=0,
-            lighthouse_addr=lh.address(),
-            replica_id="g1",
-            hostname="127.0.0.1",
-            checkpoint_transport=HTTPTransport(
-                timeout=TO, num_chunks=0, advertise_host="127.0.0.1"
-            ),
-        )
+        return make_manager(lh.address(), "g1", pg=fake, use_async_quorum=False)
 
     ms: List[ft.Manager] = values(in_threads([lambda i=i: start(i) for i in range(2)]))
     try:

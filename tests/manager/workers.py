@@ -56,6 +56,7 @@ def train(
 ) -> Dict[str, Any]:
     import ft
     from ft.checkpointing import HTTPTransport, PGTransport
+    from tests.manager.inproc import make_manager
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("ft.coordination").setLevel(logging.ERROR)
@@ -87,7 +88,12 @@ def train(
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
 
-    manager = ft.Manager(
+    manager = make_manager(
+        lh_addr,
+        f"g{g}",
+        rank=r,
+        world_size=ranks_per_group,
+        store_port=ports[g],
         pg=pg,
         load_state_dict=load_state_dict,
         state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
@@ -96,13 +102,6 @@ def train(
         timeout=to,
         quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=to,
-        rank=r,
-        world_size=ranks_per_group,
-        store_addr="127.0.0.1",
-        store_port=ports[g],
-        lighthouse_addr=lh_addr,
-        replica_id=f"g{g}",
-        hostname="127.0.0.1",
         checkpoint_transport=ckpt,
         init_sync=init_sync,
         quorum_retries=quorum_retries,
@@ -192,8 +191,7 @@ def default_config_combos(
     groups, for ``attempts_without_quorum_size`` attempts). It reports the final step, each
     attempt's wall time, and its model and optimizer state, then sets ``done/{i}/{rank}``.
     """
-    import ft
-    from ft.checkpointing import HTTPTransport
+    from tests.manager.inproc import make_manager
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -207,9 +205,9 @@ def default_config_combos(
         torch.manual_seed(7 + (rank if combo["init_sync"] else 0))
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
         optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        to = timedelta(seconds=10)
-        manager = ft.Manager(
-            pg=ft.ProcessGroupGloo(timeout=to),
+        manager = make_manager(
+            lh_addr,
+            f"c{i}g{rank}",
             load_state_dict=lambda sd: (
                 model.load_state_dict(sd["model"]),
                 optim.load_state_dict(sd["optim"]),
@@ -218,19 +216,6 @@ def default_config_combos(
             min_replica_size=combo["min_replica_size"],
             use_async_quorum=combo["use_async_quorum"],
             init_sync=combo["init_sync"],
-            timeout=to,
-            quorum_timeout=to,
-            connect_timeout=to,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=0,
-            lighthouse_addr=lh_addr,
-            replica_id=f"c{i}g{rank}",
-            hostname="127.0.0.1",
-            checkpoint_transport=HTTPTransport(
-                timeout=to, num_chunks=0, advertise_host="127.0.0.1"
-            ),
         )
         # Every group heartbeats before any asks for a quorum, so the first quorum holds all.
         test_store.set(f"ready/{i}/{rank}", "1")
