@@ -319,15 +319,8 @@ def main() -> int:
                 # No update: a barrier step that shows every participant holds the state.
                 committed = manager.should_commit()
                 report_heal()
-                worker.emit(
-                    "step",
-                    step=manager.current_step(),
-                    loss=round(mean_loss, 5),
-                    participants=manager.num_participants(),
-                    quorum_id=manager.quorum_id(),
-                    committed=committed,
-                    injected=injected,
-                    barrier=True,
+                worker.emit_step(
+                    manager, loss=mean_loss, committed=committed, injected=injected, barrier=True
                 )
                 if committed and stop_now > 0:
                     trained = min(step, args.steps)  # no update happens at or after args.steps
@@ -339,29 +332,13 @@ def main() -> int:
             committed = manager.current_step() > step
             report_heal()
             extra = {"hash": state_hash(net, inner_opt)[:12]} if args.debug_hash else {}
-            worker.emit(
-                "step",
-                step=manager.current_step(),
-                loss=round(mean_loss, 5),
-                participants=manager.num_participants(),
-                quorum_id=manager.quorum_id(),
-                committed=committed,
-                injected=injected,
-                **extra,
+            worker.emit_step(
+                manager, loss=mean_loss, committed=committed, injected=injected, **extra
             )
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     except BaseException as e:  # noqa: BLE001 - the launcher restarts the whole group
-        import traceback
-
-        traceback.print_exc()
-        print(
-            f"train_ddp: group {group_id} rank {rank}: {type(e).__name__}: {e}",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
-        os._exit(1)  # do not linger in teardown: the group is restarted as a whole
+        worker.exit_for_restart(f"train_ddp: group {group_id} rank {rank}", e)
 
     test_loss, acc = evaluate(net, x_test, y_test)
     digest = state_hash(net, inner_opt)

@@ -263,15 +263,8 @@ def main() -> int:
             if stop_now > 0 or end_now > 0:
                 committed = manager.should_commit()  # an update-free step: everyone agrees
                 report_heal()
-                worker.emit(
-                    "step",
-                    step=manager.current_step(),
-                    loss=round(mean_loss, 5),
-                    participants=manager.num_participants(),
-                    quorum_id=manager.quorum_id(),
-                    committed=committed,
-                    injected=injected,
-                    barrier=True,
+                worker.emit_step(
+                    manager, loss=mean_loss, committed=committed, injected=injected, barrier=True
                 )
                 if committed and stop_now > 0:
                     trained = min(step, args.steps)
@@ -282,27 +275,11 @@ def main() -> int:
             optimizer.step()  # commits only if every participant succeeded
             committed = manager.current_step() > step
             report_heal()
-            worker.emit(
-                "step",
-                step=manager.current_step(),
-                loss=round(mean_loss, 5),
-                participants=manager.num_participants(),
-                quorum_id=manager.quorum_id(),
-                committed=committed,
-                injected=injected,
-            )
+            worker.emit_step(manager, loss=mean_loss, committed=committed, injected=injected)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     except BaseException as e:  # noqa: BLE001 - the launcher restarts the whole group
-        import traceback
-
-        traceback.print_exc()
-        print(
-            f"train_hsdp: group {group_id} rank {rank}: {type(e).__name__}: {e}",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)  # a group with a dead rank cannot go on: it is restarted as a whole
+        worker.exit_for_restart(f"train_hsdp: group {group_id} rank {rank}", e)
 
     test_loss, acc = evaluate(net, x_test, y_test)
     digest = full_state_hash(net, inner)

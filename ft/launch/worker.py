@@ -29,7 +29,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+import traceback
+from typing import Any, Dict, NoReturn, Optional
 
 PROGRESS_PREFIX = "@ft-progress "
 
@@ -63,6 +64,31 @@ def emit(event: str, **fields: Any) -> None:
         sys.stdout.flush()
     except (OSError, ValueError):  # launcher gone / stdout closed
         pass
+
+
+def emit_step(manager: Any, *, loss: float, committed: bool, **fields: Any) -> None:
+    """The ``step`` record of the step ``manager`` (an ``ft.Manager``) has just ended: its step
+    count after it, the participants and quorum id it ran with, and ``fields``."""
+    emit(
+        "step",
+        step=manager.current_step(),
+        loss=round(loss, 5),
+        participants=manager.num_participants(),
+        quorum_id=manager.quorum_id(),
+        committed=committed,
+        **fields,
+    )
+
+
+def exit_for_restart(who: str, error: BaseException) -> NoReturn:
+    """Ends a worker that failed: the traceback and ``who: Type: message`` go to stderr, then
+    the process exits at once with status 1. Under ft-launch the group is restarted as a
+    whole; a process that lingered in interpreter teardown (joining threads, destroying
+    process groups whose peers are gone) would only hold up that restart."""
+    traceback.print_exception(error)
+    print(f"{who}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def parse_progress(line: str) -> Optional[Dict[str, Any]]:

@@ -22,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ft.launch import cli  # noqa: E402
-from ft.launch.worker import PROGRESS_PREFIX, parse_progress  # noqa: E402
+from ft.launch.worker import PROGRESS_PREFIX, emit_step, parse_progress  # noqa: E402
 from ft.utils.deadline import Deadline  # noqa: E402
 
 FAKE = os.path.join(ROOT, "tests", "launch", "fake_worker.py")
@@ -96,6 +96,43 @@ def test_parse_progress():
     assert parse_progress(PROGRESS_PREFIX + "{not json") is None
     assert parse_progress(PROGRESS_PREFIX + '[1, 2]') is None
     assert parse_progress(PROGRESS_PREFIX + '{"no_event": 1}') is None
+
+
+def test_emit_step_reports_what_the_manager_says(capsys):
+    class Manager:  # the four calls emit_step makes on an ft.Manager
+        def current_step(self):
+            return 7
+
+        def num_participants(self):
+            return 3
+
+        def quorum_id(self):
+            return 12
+
+    emit_step(Manager(), loss=0.1234567, committed=False, injected=True)
+    rec = parse_progress(capsys.readouterr().out)
+    assert {k: v for k, v in rec.items() if k not in ("group", "rank", "time")} == {
+        "event": "step",
+        "step": 7,
+        "loss": 0.12346,
+        "participants": 3,
+        "quorum_id": 12,
+        "committed": False,
+        "injected": True,
+    }
+
+
+def test_exit_for_restart_names_the_worker_and_exits_1():
+    code = (
+        "from ft.launch import worker\n"
+        "try:\n    raise RuntimeError('peer gone')\n"
+        "except RuntimeError as e:\n    worker.exit_for_restart('train: group 1 rank 0', e)\n"
+        "print('not reached')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not reached" not in r.stdout
+    assert "train: group 1 rank 0: RuntimeError: peer gone" in r.stderr
+    assert "Traceback" in r.stderr
 
 
 def test_build_command():
