@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,7 +44,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
+def run_launch(launcher_args: str, worker: List[str], wait_s: float) -> Tuple[int, str, dict]:
+    """Runs ``ft-launch <launcher_args> -- <worker>`` (the launcher's options as one string)
+    with a log folder and summary of its own; returns its status, output and summary. The
+    launcher is interrupted past ``wait_s`` and every child it started must be gone."""
     log_dir = tempfile.mkdtemp(prefix="ft-launch-test-")
     summary = os.path.join(log_dir, "summary.json")
     cmd = [
@@ -58,7 +62,10 @@ def run_launch(args: List[str], wait_s: float) -> Tuple[int, str, dict]:
         "2",
         "--timeout",
         str(wait_s - 15),
-    ] + args
+        *shlex.split(launcher_args),
+        "--",
+        *worker,
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -167,22 +174,8 @@ def test_usage_errors():
 
 def test_kill_chaos_restarts_and_finishes():
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "3",
-            "--chaos",
-            "kill",
-            "--every",
-            "1",
-            "--seed",
-            "3",
-            "--max-steps",
-            "100",
-            "--restart-delay",
-            "0.1",
-            "--",
-            FAKE,
-        ],
+        "--replicas 3 --chaos kill --every 1 --seed 3 --max-steps 100 --restart-delay 0.1",
+        [FAKE],
         90,
     )
     assert rc == 0, out
@@ -198,27 +191,8 @@ def test_restarts_use_warm_standbys():
     torch and ft ahead of time); a restarted group's ranks are those standbys, they get the
     rank's environment, and unused standbys are reaped at the end."""
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--ranks-per-group",
-            "2",
-            "--chaos",
-            "kill",
-            "--every",
-            "6",
-            "--seed",
-            "1",
-            "--max-steps",
-            "200",
-            "--restart-delay",
-            "0.1",
-            "--",
-            FAKE,
-            "--dump-env",
-            "--step-s",
-            "0.05",
-        ],
+        "--replicas 2 --ranks-per-group 2 --chaos kill --every 6 --seed 1 --max-steps 200 --restart-delay 0.1",
+        [FAKE, '--dump-env', '--step-s', '0.05'],
         120,
     )
     assert rc == 0, out
@@ -236,23 +210,8 @@ def test_restarts_use_warm_standbys():
 
 def test_no_standby_restarts_cold():
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--chaos",
-            "kill",
-            "--every",
-            "1",
-            "--seed",
-            "3",
-            "--max-steps",
-            "60",
-            "--restart-delay",
-            "0.1",
-            "--no-standby",
-            "--",
-            FAKE,
-        ],
+        "--replicas 2 --chaos kill --every 1 --seed 3 --max-steps 60 --restart-delay 0.1 --no-standby",
+        [FAKE],
         90,
     )
     assert rc == 0, out
@@ -261,25 +220,8 @@ def test_no_standby_restarts_cold():
 
 def test_whole_group_restart_and_env():
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--ranks-per-group",
-            "2",
-            "--chaos",
-            "kill",
-            "--every",
-            "1",
-            "--seed",
-            "1",
-            "--max-steps",
-            "60",
-            "--restart-delay",
-            "0.1",
-            "--",
-            FAKE,
-            "--dump-env",
-        ],
+        "--replicas 2 --ranks-per-group 2 --chaos kill --every 1 --seed 1 --max-steps 60 --restart-delay 0.1",
+        [FAKE, '--dump-env'],
         90,
     )
     assert rc == 0, out
@@ -310,22 +252,8 @@ def test_whole_group_restart_and_env():
 
 def test_stop_chaos_resumes_without_restart():
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--chaos",
-            "stop",
-            "--every",
-            "1",
-            "--stop-seconds",
-            "0.5",
-            "--seed",
-            "0",
-            "--max-steps",
-            "80",
-            "--",
-            FAKE,
-        ],
+        "--replicas 2 --chaos stop --every 1 --stop-seconds 0.5 --seed 0 --max-steps 80",
+        [FAKE],
         90,
     )
     assert rc == 0, out
@@ -335,26 +263,8 @@ def test_stop_chaos_resumes_without_restart():
 
 def test_stop_action_kill_restarts():
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--chaos",
-            "stop",
-            "--stop-action",
-            "kill",
-            "--every",
-            "1",
-            "--stop-seconds",
-            "0.3",
-            "--seed",
-            "0",
-            "--max-steps",
-            "80",
-            "--restart-delay",
-            "0.1",
-            "--",
-            FAKE,
-        ],
+        "--replicas 2 --chaos stop --stop-action kill --every 1 --stop-seconds 0.3 --seed 0 --max-steps 80 --restart-delay 0.1",
+        [FAKE],
         90,
     )
     assert rc == 0, out
@@ -365,19 +275,8 @@ def test_duration_then_sigterm_then_sigkill():
     """A worker that ignores the stop request and SIGTERM is SIGKILLed within the graces."""
     t0 = time.monotonic()
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--duration",
-            "2",
-            "--stop-grace",
-            "1",
-            "--kill-grace",
-            "1",
-            "--",
-            FAKE,
-            "--stubborn",
-        ],
+        "--replicas 2 --duration 2 --stop-grace 1 --kill-grace 1",
+        [FAKE, '--stubborn'],
         60,
     )
     assert time.monotonic() - t0 < 30, out
@@ -387,14 +286,15 @@ def test_duration_then_sigterm_then_sigkill():
 
 
 def test_duration_graceful():
-    rc, out, s = run_launch(["--replicas", "2", "--duration", "1.5", "--", FAKE], 60)
+    rc, out, s = run_launch("--replicas 2 --duration 1.5", [FAKE], 60)
     assert rc == 0, out
     assert s["all_done"] and s["identical"] and "--duration" in s["stop_reason"], out
 
 
 def test_crash_loop_gives_up():
     rc, out, s = run_launch(
-        ["--replicas", "2", "--restart-delay", "0.05", "--max-crashes", "3", "--", FAKE, "--crash"],
+        "--replicas 2 --restart-delay 0.05 --max-crashes 3",
+        [FAKE, '--crash'],
         60,
     )
     assert rc == 1, out
@@ -421,24 +321,8 @@ def _check_real_run(rc: int, out: str, s: dict, ranks: int) -> None:
 def test_train_ddp_survives_kills():
     """3 groups x 1 rank, SIGKILLs every 3 s: training goes on, every replica ends identical."""
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "3",
-            "--chaos",
-            "kill",
-            "--every",
-            "3",
-            "--seed",
-            "0",
-            "--max-steps",
-            "400",
-            "--",
-            EXAMPLE,
-            "--step-sleep",
-            "0.02",
-            "--final-wait",
-            "60",
-        ],
+        "--replicas 3 --chaos kill --every 3 --seed 0 --max-steps 400",
+        [EXAMPLE, '--step-sleep', '0.02', '--final-wait', '60'],
         170,
     )
     _check_real_run(rc, out, s, ranks=3)
@@ -447,26 +331,8 @@ def test_train_ddp_survives_kills():
 def test_train_ddp_two_ranks_per_group():
     """2 groups x 2 ranks: a kill takes the whole group down; it heals and ends identical."""
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--ranks-per-group",
-            "2",
-            "--chaos",
-            "kill",
-            "--every",
-            "3",
-            "--seed",
-            "0",
-            "--max-steps",
-            "300",
-            "--",
-            EXAMPLE,
-            "--step-sleep",
-            "0.02",
-            "--final-wait",
-            "60",
-        ],
+        "--replicas 2 --ranks-per-group 2 --chaos kill --every 3 --seed 0 --max-steps 300",
+        [EXAMPLE, '--step-sleep', '0.02', '--final-wait', '60'],
         170,
     )
     _check_real_run(rc, out, s, ranks=4)

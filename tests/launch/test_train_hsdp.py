@@ -17,26 +17,8 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_hsdp.py")
 
 def test_train_hsdp_survives_kills():
     rc, out, s = run_launch(
-        [
-            "--replicas",
-            "2",
-            "--ranks-per-group",
-            "2",
-            "--chaos",
-            "kill",
-            "--every",
-            "6",
-            "--seed",
-            "1",
-            "--max-steps",
-            "150",
-            "--",
-            EXAMPLE,
-            "--step-sleep",
-            "0.05",
-            "--final-wait",
-            "60",
-        ],
+        "--replicas 2 --ranks-per-group 2 --chaos kill --every 6 --seed 1 --max-steps 150",
+        [EXAMPLE, '--step-sleep', '0.05', '--final-wait', '60'],
         200,
     )
     _check_real_run(rc, out, s, ranks=4)
