@@ -137,6 +137,9 @@ class _LighthouseState:
         # Cancellation notices for the ticker: ("stream_end", subscriber, time_remaining) or
         # ("cancelled",). Appended without the lock (deque appends are atomic).
         self._events: "collections.deque" = collections.deque()
+        # Quorum calls not yet registered: (member, waiter), appended without the lock and
+        # drained under it (see quorum()).
+        self._arrivals: "collections.deque" = collections.deque()
         self.prev_issued_mono = 0.0
         self.quorum_id = self._initial_quorum_id()
         self.reason = "no participants"
@@ -179,23 +182,42 @@ class _LighthouseState:
                 self.heartbeats[rid] = arrived
 
     def quorum(self, member: QuorumMember, deadline: Deadline, call: Call) -> None:
-        """Registers ``call`` to be answered with ``member``'s next quorum (maybe at once)."""
-        rid = member.replica_id
-        waiter = _Waiter(rid, call, deadline)
+        """Registers ``call`` to be answered with ``member``'s next quorum (maybe at once).
+
+        Arrivals are decided in batches: each is queued, and whichever caller gets the lock
+        registers every queued arrival and evaluates the quorum rule once for all of them; a
+        caller that finds its arrival already taken returns at once. Evaluating the rule costs
+        O(replicas), so one evaluation per arrival made a round of N arrivals cost O(N^2),
+        which at hundreds of replica groups was most of the round. Arrivals queued together
+        were concurrent: deciding once after all of them gives the outcome of one order in
+        which they could have arrived, so the rule (``quorum_compute``) is unchanged.
+        """
+        self._arrivals.append((member, _Waiter(member.replica_id, call, deadline)))
         with self.lock:
+            if not self._arrivals:
+                return  # a concurrent caller registered and decided this arrival
             self._apply_fast_heartbeats_locked()
-            if self.closed:
-                raise _Unavailable("lighthouse is shutting down")
             now = time.monotonic()
-            self.left.pop(rid, None)  # asking for a quorum again: it is back
-            self.heartbeats[rid] = now
-            self.last_member[rid] = member
-            joined = self.participants[rid][0] if rid in self.participants else now
-            self.participants[rid] = (joined, member)
-            self.waiters.add(waiter)
-            call.on_cancel = self._on_waiter_cancelled
+            arrived = []
+            while self._arrivals:
+                arrived.append(self._arrivals.popleft())
+            if self.closed:
+                for _, waiter in arrived:
+                    waiter.call.finish(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+                return
+            for member, waiter in arrived:
+                rid = member.replica_id
+                self.left.pop(rid, None)  # asking for a quorum again: it is back
+                self.heartbeats[rid] = now
+                self.last_member[rid] = member
+                joined = self.participants[rid][0] if rid in self.participants else now
+                self.participants[rid] = (joined, member)
+                self.waiters.add(waiter)
+                waiter.call.on_cancel = self._on_waiter_cancelled
             self._tick_locked(now)
-            if waiter in self.waiters and deadline.at < self.ticker_planned_wake:
+            if any(
+                w in self.waiters and w.deadline.at < self.ticker_planned_wake for _, w in arrived
+            ):
                 self.ticker_wakeup.set()
 
     def has_events(self) -> bool:
@@ -645,10 +667,7 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
                 json.loads(r.data)
             except ValueError as e:
                 _rpc.bad(call, f"requester.data is not valid JSON: {e}")
-        try:
-            state.quorum(wire.member_from_pb(r), deadline, call)
-        except _Unavailable as e:
-            call.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        state.quorum(wire.member_from_pb(r), deadline, call)
 
     def heartbeat(request: pb.LighthouseHeartbeatRequest, call: Call) -> None:
         _rpc.server_deadline(call, "Heartbeat")

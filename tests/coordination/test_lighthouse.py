@@ -11,6 +11,7 @@ import pytest
 from ft.coordination import CoordinationError, LighthouseClient, LighthouseServer
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination._proto import torchft_pb2_grpc as pb_grpc
+from ft.coordination.rpc_server import Call
 from tests.coordination._helpers import parallel, run_threads, wait_for
 
 
@@ -531,3 +532,79 @@ def test_ipv6_loopback(lighthouse_factory):
         pytest.skip("cannot bind [::1]")
     assert "[::1]" in lh.address()
     assert ids(client(lh).quorum("a", 5.0)) == ["a"]
+
+
+# ------------------------------------------------------------------ batched arrivals
+
+
+class _RecordingCall(Call):
+    """A Quorum call as the lighthouse state sees it, recording how it was answered."""
+
+    method = "/torchft.LighthouseService/Quorum"
+
+    def __init__(self) -> None:
+        self.answer = None
+        self.status = None
+        self.on_cancel = None
+
+    def is_active(self) -> bool:
+        return self.answer is None and self.status is None
+
+    def reply_serialized(self, data: bytes) -> bool:
+        self.answer = pb.LighthouseQuorumResponse.FromString(data)
+        return True
+
+    def finish(self, code=grpc.StatusCode.OK, details: str = "") -> bool:
+        self.status = (code, details)
+        return True
+
+
+def test_concurrent_arrivals_are_decided_once_for_all(monkeypatch):
+    """Quorum calls that arrive while the lighthouse is busy are registered together and the
+    quorum rule is evaluated once for the batch (not once per arrival, which made a round of
+    N arrivals cost O(N^2)); every caller gets the same quorum, holding all of them."""
+    from ft.coordination import lighthouse as lh_mod
+    from ft.coordination.quorum import LighthouseOptions, QuorumMember
+    from ft.utils.deadline import Deadline
+
+    evaluations = []
+    rule = lh_mod.quorum_compute
+    monkeypatch.setattr(
+        lh_mod, "quorum_compute", lambda *a: (evaluations.append(len(a[1])), rule(*a))[1]
+    )
+    opts = LighthouseOptions(min_replicas=8, join_timeout_s=60.0, heartbeat_timeout_s=5.0)
+    state = lh_mod._LighthouseState(opts, tick_s=0.1, dead_grace_s=30.0, quorum_id_file=None)
+    calls = [_RecordingCall() for _ in range(8)]
+
+    def ask(i: int) -> None:
+        member = QuorumMember(replica_id=f"r{i}", address=f"a{i}", store_address=f"s{i}", step=0)
+        state.quorum(member, Deadline.after(10.0), calls[i])
+
+    with state.lock:  # busy: the arrivals queue up behind it
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(state._arrivals) == 8, timeout=10)
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+    assert evaluations == [8], evaluations
+    ids = {c.answer.quorum.quorum_id for c in calls}
+    assert len(ids) == 1 and None not in ids
+    for c in calls:
+        assert sorted(p.replica_id for p in c.answer.quorum.participants) == [
+            f"r{i}" for i in range(8)
+        ]
+
+
+def test_arrivals_after_close_are_refused_unavailable():
+    from ft.coordination import lighthouse as lh_mod
+    from ft.coordination.quorum import LighthouseOptions, QuorumMember
+    from ft.utils.deadline import Deadline
+
+    opts = LighthouseOptions(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=5.0)
+    state = lh_mod._LighthouseState(opts, tick_s=0.1, dead_grace_s=30.0, quorum_id_file=None)
+    state.closed = True
+    call = _RecordingCall()
+    state.quorum(QuorumMember(replica_id="r0", address="a"), Deadline.after(5.0), call)
+    assert call.status == (grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
