@@ -2,6 +2,7 @@
 
     python -m bench.zero_bench [--world 3] [--iters 20] [--backend gloo|ft]
     python -m bench.zero_bench --ft [--world 3] [--iters 5]    # fault-tolerant mode
+    python -m bench.zero_bench --ft --ft-iters 8 [--blocks 4 --d 256 --ffn 1024]  # + overlap
     python -m bench.zero_bench --overlap [--world 2] [--iters 10] [--blocks 6 --d 512 --ffn 1536]
 
 Overlap mode (``--overlap``, always the "ft" backend: torch's overlapped ZeRO refuses Gloo)
@@ -27,6 +28,17 @@ steps ran back to back, so it is less sensitive to load changes on a shared mach
 Memory: the bytes of optimizer state (the tensors in ``optimizer.state``) per rank, after the
 steps, against a plain ``torch.optim.Adam`` over the whole model. Adam allocates its state at
 the first step and never grows it, so this is also the peak of persistent state.
+
+Fault-tolerant mode (``--ft``) first measures memory and bytes on the wire with filled
+gradients (``--iters`` steps), then, with ``--ft-iters N > 0``, times whole training iterations
+(zero_grad, forward, backward, step) of FaultTolerantZeroRedundancyOptimizer in three
+configurations, each over its own lighthouse and Managers (sync quorum), one thread per replica:
+stepped after backward (``ft.DistributedDataParallel``), and overlapped through
+``FaultTolerantZeroDDP`` with ``interleaved=False`` and ``interleaved=True``. They run in a new
+order every iteration (the same on every replica, after a barrier), ``--warmup`` iterations
+untimed; reported: the median iteration and ``step()`` time of the slowest replica, the ratio to
+stepping after backward (of the medians, and "paired": the median of per-iteration ratios), and
+whether all configurations ended with bitwise-equal parameters.
 
 Results: docs/benchmarks.md, "ZeRO".
 """
@@ -436,6 +448,152 @@ def ft_mode(world: int, iters: int) -> int:
     return 0
 
 
+FT_ITER_CONFIGS = ("after_backward", "overlap", "overlap_interleaved")
+
+
+def ft_iteration_times(world: int, iters: int, args) -> None:
+    """Iteration time of the fault-tolerant optimizer, stepped after backward vs overlapped
+    (module docstring, "Fault-tolerant mode")."""
+    import threading
+
+    import ft
+    from ft.coordination import LighthouseServer
+    from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
+    from tests.manager.inproc import make_manager
+
+    torch.set_num_threads(1)
+    lhs = {
+        c: LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=world,
+            join_timeout_ms=1000,
+            quorum_tick_ms=20,
+            heartbeat_timeout_ms=5000,
+            http_bind="",
+        )
+        for c in FT_ITER_CONFIGS
+    }
+    base = make_model(args.blocks, args.d, args.ffn)  # seeded: built here, not in threads
+    models = {(c, r): copy.deepcopy(base) for c in FT_ITER_CONFIGS for r in range(world)}
+    barrier = threading.Barrier(world, timeout=300)
+    times: dict = {}
+    out: dict = {}
+
+    def run(r: int) -> None:
+        runs = {}
+        for c in FT_ITER_CONFIGS:
+            m = make_manager(
+                lhs[c].address(),
+                f"{c}-{r}",
+                use_async_quorum=False,
+                init_sync=False,
+                timeout=timedelta(seconds=120),
+                quorum_timeout=timedelta(seconds=120),
+            )
+            model = models[(c, r)]
+            overlap = c != "after_backward"
+            opt = FaultTolerantZeroRedundancyOptimizer(
+                m, model.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=1e-4
+            )
+            if overlap:
+                ddp = FaultTolerantZeroDDP(
+                    m,
+                    model,
+                    opt,
+                    interleaved=c.endswith("interleaved"),
+                    bucket_cap_mb=args.bucket_mb,
+                )
+            else:
+                ddp = ft.DistributedDataParallel(m, model, bucket_cap_mb=args.bucket_mb)
+            runs[c] = (m, ddp, opt)
+        g = torch.Generator().manual_seed(100 + r)
+        for i in range(args.warmup + iters):
+            x = torch.randn(args.batch, args.d, generator=g)
+            y = torch.randn(args.batch, args.d, generator=g)
+            order = list(FT_ITER_CONFIGS)
+            random.Random(i).shuffle(order)
+            for c in order:
+                m, ddp, opt = runs[c]
+                barrier.wait()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                t1 = time.perf_counter()
+                opt.step()
+                t2 = time.perf_counter()
+                if i >= args.warmup:
+                    times.setdefault((c, r), []).append((t2 - t0, t2 - t1))
+        for c in FT_ITER_CONFIGS:
+            m, ddp, opt = runs[c]
+            out[(c, r)] = m.current_step()
+            if c == "overlap_interleaved":
+                ov = sum(b.xbuf.numel() * b.xbuf.element_size() for b in opt._ov_buckets.values())
+                ov += sum(
+                    t.numel() * t.element_size() for bo in opt._ov_opts.values() for t in bo.sb_t
+                )
+                out[("extra", r)] = ov
+                out[("held", r)] = opt.state_bytes()
+                out[("buckets", r)] = len(opt._ov_buckets)
+            m.shutdown(wait=False)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for lh in lhs.values():
+        lh.shutdown()
+    n_params = sum(p.numel() for p in base.parameters())
+    steps = {c: sorted({out[(c, r)] for r in range(world)}) for c in FT_ITER_CONFIGS}
+    print(
+        f"\niteration time, {world} replicas (threads of one process), "
+        f"{n_params / 1e6:.2f}M params, {out[('buckets', 0)]} DDP buckets of {args.bucket_mb} MB, "
+        f"batch {args.batch}, Adam, {iters} iterations after {args.warmup} warm-up "
+        f"(median, slowest replica; committed steps {steps})"
+    )
+    # per iteration: the slowest replica
+    it = {
+        c: [max(times[(c, r)][k][0] for r in range(world)) for k in range(iters)]
+        for c in FT_ITER_CONFIGS
+    }
+    st = {
+        c: [max(times[(c, r)][k][1] for r in range(world)) for k in range(iters)]
+        for c in FT_ITER_CONFIGS
+    }
+    ref = "after_backward"
+    print(f"{'config':<22}{'iter ms':>10}{'step() ms':>11}{'/after':>9}{'paired':>9}")
+    for c in FT_ITER_CONFIGS:
+        med = statistics.median(it[c])
+        paired = statistics.median(a / b for a, b in zip(it[c], it[ref]))
+        print(
+            f"{c:<22}{med * 1e3:>10.1f}{statistics.median(st[c]) * 1e3:>11.1f}"
+            f"{med / statistics.median(it[ref]):>9.3f}{paired:>9.3f}"
+        )
+
+    def params(c: str, r: int) -> list:
+        return [p.detach() for p in models[(c, r)].parameters()]
+
+    replicas_same = all(
+        torch.equal(a, b)
+        for c in FT_ITER_CONFIGS
+        for r in range(1, world)
+        for a, b in zip(params(c, r), params(c, 0))
+    )
+    overlaps_same = all(
+        torch.equal(a, b) for a, b in zip(params("overlap", 0), params("overlap_interleaved", 0))
+    )
+    diff = max((a - b).abs().max().item() for a, b in zip(params("overlap", 0), params(ref, 0)))
+    print(
+        f"bitwise-equal parameters: replicas of each config {replicas_same}; overlap and "
+        f"overlap_interleaved {overlaps_same}; max |overlap - after_backward| {diff:.3g}"
+    )
+    print(
+        f"overlap memory per replica: held state {out[('held', 0)]} bytes (2/N); staged at the "
+        f"vote: the same again; persistent exchange buffers + standby scratch: "
+        f"{[out[('extra', r)] for r in range(world)]} bytes"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=3)
@@ -451,6 +609,12 @@ def main() -> int:
         help="fault-tolerant mode (Manager + buddy copy): memory and bytes per step",
     )
     ap.add_argument(
+        "--ft-iters",
+        type=int,
+        default=0,
+        help="--ft: also time N whole iterations, stepped after backward vs overlapped",
+    )
+    ap.add_argument(
         "--overlap",
         action="store_true",
         help="iteration time with overlap_with_ddp: ft vs ft overlapped vs torch "
@@ -461,11 +625,14 @@ def main() -> int:
     )
     ap.add_argument("--d", type=int, default=512, help="model width")
     ap.add_argument("--ffn", type=int, default=1536, help="hidden width of each block")
-    ap.add_argument("--batch", type=int, default=32, help="overlap mode: batch size")
-    ap.add_argument("--bucket-mb", type=float, default=4.0, help="overlap mode: DDP bucket_cap_mb")
+    ap.add_argument("--batch", type=int, default=32, help="overlap modes: batch size")
+    ap.add_argument("--bucket-mb", type=float, default=4.0, help="overlap modes: DDP bucket_cap_mb")
     args = ap.parse_args()
     if args.ft:
-        return ft_mode(args.world, args.iters)
+        rc = ft_mode(args.world, args.iters)
+        if args.ft_iters > 0:
+            ft_iteration_times(args.world, args.ft_iters, args)
+        return rc
     if args.overlap:
         args.backend = "ft"
         args.warmup = max(args.warmup, 3)

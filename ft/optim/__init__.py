@@ -4,7 +4,8 @@
   ``overlap_with_ddp`` through :func:`hook_with_zero_step` / :func:`hook_with_zero_step_interleaved`
   (``ft.optim.zero_hooks``) and ``Join`` support.
 - :class:`FaultTolerantZeroRedundancyOptimizer` (``ft.optim.zero_ft``): ZeRO-1 across the
-  replica groups of an ``ft.Manager``, with a buddy copy of every shard.
+  replica groups of an ``ft.Manager``, with a buddy copy of every shard; overlapped with
+  backward through :class:`FaultTolerantZeroDDP`.
 - Functional optimizers (``ft.optim.functional``): :func:`as_functional_optim`, the
   ``Functional*`` classes and the ``functional_*`` updates.
 - Optimizer-in-backward (``ft.optim.in_backward``): :func:`apply_optimizer_in_backward`, with
@@ -58,12 +59,17 @@ from ft.optim.post_localsgd import (
 )
 from ft.optim.wrapper import Optimizer, OptimizerWrapper
 from ft.optim.zero import ZeroRedundancyOptimizer
-from ft.optim.zero_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
+from ft.optim.zero_hooks import (
+    FaultTolerantZeroDDP,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+)
 from ft.optim.zero_ft import FaultTolerantZeroRedundancyOptimizer
 
 __all__ = [
     "ZeroRedundancyOptimizer",
     "FaultTolerantZeroRedundancyOptimizer",
+    "FaultTolerantZeroDDP",
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "Optimizer",

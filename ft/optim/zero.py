@@ -82,7 +82,8 @@ Across replica groups, through a Manager, see :mod:`ft.optim.zero_ft`
 (``FaultTolerantZeroRedundancyOptimizer``): shards follow the quorum, each shard's state
 also lives on a buddy replica that steps it locally (0 bytes per step, 0 steps stale),
 and a step that fails to commit restores every shard.  That module's docstring is the
-reference for how it works; it does not overlap with DDP (it says why).
+reference for how it works, including its overlap with DDP (staged per bucket during
+backward, applied after the Manager's vote; ``ft.optim.zero_hooks.FaultTolerantZeroDDP``).
 """
 
 from __future__ import annotations
@@ -478,7 +479,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._initialized = True
 
     # ----------------------------------------------------------------------------- hooks
-    # The fault-tolerant subclass overrides these two to shard across replica groups.
+    # The sharding dimension and its group, in one place (a subclass may shard elsewhere).
 
     def _shard_coords(self) -> Tuple[int, int]:
         """(rank, world_size) of the sharding dimension."""

@@ -37,7 +37,7 @@ Buddy copy (shadow stepping), staleness bound 0 steps, 0 extra bytes per step
     buddy). Requires: every replica computes bitwise the same kernels on the same inputs
     (homogeneous hardware); the parameters themselves are always distributed from the owner.
 
-One step (``step()``)
+One step (``step()``, stepping after backward; for overlap see below)
     1. If the quorum changed: re-partition and migrate state (below).
     2. Step *copies* of the owned shard's state and parameters (transient: +1/N of the state);
        the originals are kept aside, untouched.
@@ -68,28 +68,71 @@ Limitations: per-parameter optimizer state must be tensors (Adam, AdamW, SGD wit
 ...); no ``closure``; the periodic owner/buddy checksum cross-check of the design is not
 implemented.
 
-No overlap with DDP (``overlap_with_ddp=True`` raises ``NotImplementedError``)
-    Overlap (:mod:`ft.optim.zero_hooks`) is for the plain
-    :class:`ft.optim.ZeroRedundancyOptimizer` over one fixed process group. It does not carry
-    over to this class because:
+Overlap with DDP (``overlap_with_ddp=True``)
+    ::
 
-    - a step here is a transaction: its shard updates are kept only if
-      ``manager.should_commit()`` votes yes, which needs the whole backward pass (every
-      gradient allreduce has succeeded) first; an update made inside backward would already
-      have been applied (and broadcast) before the vote;
-    - the shards follow the quorum of the step (``num_participants``/``participating_rank``),
-      which with an async quorum is only known once the first gradient allreduce resolves
-      it, while overlap fixes the shards to DDP's buckets once;
-    - ``ft.DistributedDataParallel``'s one comm hook is the Manager's allreduce, and the
-      buddy copy steps only after a commit.
+        manager = ft.Manager(..., use_async_quorum=False)
+        opt = FaultTolerantZeroRedundancyOptimizer(manager, module.parameters(),
+                                                   torch.optim.Adam, overlap_with_ddp=True,
+                                                   lr=1e-3)
+        model = ft.optim.FaultTolerantZeroDDP(manager, module, opt)  # instead of ft's DDP
+        for batch in data:
+            opt.zero_grad()      # quorum, heal, and the step's shard layout (+ migration)
+            loss(model(batch)).backward()   # shards stepped into staging, params exchanged
+            opt.step()           # the vote; staging -> live only if it commits
 
-    Making it overlap would mean stepping transient copies per bucket and still deciding
-    after backward: no saving over the step after backward that it does now.
+    :class:`ft.optim.zero_hooks.FaultTolerantZeroDDP` is ``ft.DistributedDataParallel`` whose
+    comm hook, after starting the Manager's allreduce of a bucket, hands the bucket to this
+    optimizer. The step stays a transaction; what moves into the backward pass is everything
+    that does not depend on the vote:
+
+    - ``zero_grad()``: the quorum (sync: it returns with the participants known and any heal
+      applied) and the layout of the step, migration included, are settled before forward,
+      so the shards of every bucket are fixed before the first one is ready;
+    - when bucket ``k+1`` is ready (``interleaved=True``; otherwise all buckets when the last
+      is ready), bucket ``k``'s averaged gradient is waited for and the owned and standby
+      parameters of the bucket are stepped into STAGED copies: copies of their state
+      (``clone``), and for the parameters a per-bucket exchange buffer (owned: the stepped
+      values; everything else zero) and scratch tensors (standby: its parameter results are
+      not needed, every replica receives the owner's). Then the bucket's exchange buffer is
+      SUM-allreduced, as the step-after-backward mode does for the whole model. Every replica
+      issues these collectives from the backward thread in bucket order, so their order
+      (gradient ``k+1``, exchange ``k``, ...) is the same everywhere;
+    - ``step()``: waits for the exchanges, then ``manager.should_commit()``. Yes: every
+      parameter takes its received value, the staged state replaces the held state (a swap of
+      references) and versions advance. No: the staging is dropped; parameters, held state
+      and versions were never touched, so nothing changed (the same guarantee as above).
+
+    The live parameters and held state are never written before the vote, so a checkpoint
+    served to a healing replica during the step is never half updated. Given the same
+    averaged gradients the result is bitwise that of the step after backward on CPU (the same
+    per-parameter kernels; with foreach/fused CUDA kernels the grouping differs per bucket).
+    The gradients themselves can differ in the last bit with 3 or more replicas, because
+    FaultTolerantZeroDDP's buckets are in another order than ft.DistributedDataParallel's
+    and a ring allreduce's summation order depends on an element's position.
+
+    Memory, beyond the held 2/N of the state: staged copies of the own and standby shards'
+    state during the step (+2/N of the state, against +1/N when stepping after backward,
+    where the buddy steps after the vote instead), one exchange buffer per bucket (a full
+    copy of the parameters, persistent; the step-after-backward mode allocates the same per
+    step), and scratch for the standby parameters (1/N of the parameters, persistent).
+
+    Requires ``use_async_quorum=False`` (``ValueError`` otherwise): the layout must be fixed,
+    and state migrated to new owners and buddies, before the first bucket is stepped. With
+    an async quorum the participants are known only inside the first bucket's allreduce and
+    a heal is applied at ``should_commit()``, after backward: the migration would then run as
+    blocking collectives inside backward, ahead of every bucket, and a healed state would
+    arrive after the shards were stepped. Not possible with overlap (as with torch's): code
+    between ``backward()`` and ``step()`` that changes gradients (clipping, unscaling), and
+    more than one backward pass through the DDP per step (use ``no_sync()`` to accumulate).
+    The optimizer's parameters must be the DDP module's (``ValueError`` at ``step()``
+    otherwise).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -107,6 +150,41 @@ logger = logging.getLogger(__name__)
 _NOT_HYPER = ("params", "param_names")
 
 
+class _Bucket:
+    """One DDP bucket as the overlapped step sees it: which of this optimizer's parameters it
+    holds (global index, position in the bucket, offset in ``xbuf``) and the exchange buffer
+    (the bucket's parameters, flat, in the order of ``entries``)."""
+
+    __slots__ = ("index", "ids", "entries", "xbuf")
+
+    def __init__(
+        self, index: int, ids: Tuple[int, ...], entries: List[Tuple[int, int, int]], xbuf: Any
+    ) -> None:
+        self.index = index
+        self.ids = ids
+        self.entries = entries
+        self.xbuf = xbuf
+
+
+class _BucketOpts:
+    """The staging optimizers of one bucket for one layout: the owned parameters stepped on
+    views into the bucket's exchange buffer, the standby ones on scratch tensors."""
+
+    __slots__ = ("own", "own_t", "own_opt", "sb", "sb_t", "sb_opt")
+
+    def __init__(
+        self,
+        own: List[Tuple[int, int]],
+        own_t: List[torch.Tensor],
+        own_opt: Optional[torch.optim.Optimizer],
+        sb: List[Tuple[int, int]],
+        sb_t: List[torch.Tensor],
+        sb_opt: Optional[torch.optim.Optimizer],
+    ) -> None:
+        self.own, self.own_t, self.own_opt = own, own_t, own_opt  # (global index, position)
+        self.sb, self.sb_t, self.sb_opt = sb, sb_t, sb_opt
+
+
 class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
     """ZeRO-1 over the replicas of a Manager, with a buddy copy of every shard.
 
@@ -116,8 +194,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: a ``torch.optim.Optimizer`` subclass whose per-parameter state is
             tensors (e.g. ``torch.optim.Adam``).
         state_key: key under which the state is registered with the Manager for healing.
-        overlap_with_ddp: must be False (``True`` raises ``NotImplementedError``; see the
-            module docstring, "No overlap with DDP").
+        overlap_with_ddp: step the shards during backward, through
+            :class:`ft.optim.zero_hooks.FaultTolerantZeroDDP` (module docstring, "Overlap with
+            DDP"); needs a Manager with ``use_async_quorum=False``.
         **defaults: hyperparameters for ``optimizer_class``.
     """
 
@@ -130,23 +209,23 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
-        if overlap_with_ddp:
-            raise NotImplementedError(
-                "FaultTolerantZeroRedundancyOptimizer does not overlap with DDP "
-                "(overlap_with_ddp=True): a step here is a transaction decided by "
-                "manager.should_commit() after backward, over the participants of that step's "
-                "quorum, and an update applied inside backward could not be rolled back. Use "
-                "overlap_with_ddp=False and call step() after backward(); overlap is for the "
-                "plain ft.optim.ZeroRedundancyOptimizer over one process group (see "
-                "ft.optim.zero_hooks)."
-            )
         check_optimizer_class(optimizer_class)
+        if overlap_with_ddp and manager.use_async_quorum:
+            raise ValueError(
+                "FaultTolerantZeroRedundancyOptimizer(overlap_with_ddp=True) requires a Manager "
+                "with use_async_quorum=False: the shards of a step (and any state migrated to "
+                "new owners) must be fixed before backward steps the first bucket. With an "
+                "async quorum the participants are known only inside the first gradient "
+                "allreduce, and a heal is applied at should_commit(), after backward would "
+                "have stepped the shards"
+            )
         full = optimizer_class(params, **defaults)  # no state until a step
         super().__init__(full.param_groups, full.defaults)
         self.manager = manager
         self._optimizer_class = optimizer_class
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._gi = {id(p): i for i, p in enumerate(self._params)}
+        self._gof = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         # Held shard entries: global index -> state dict, and the step each is current for.
         v0 = manager.current_step()
         self._held: Dict[int, Dict[str, Any]] = {i: {} for i in range(len(self._params))}
@@ -159,6 +238,11 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._standby_opt: Optional[torch.optim.Optimizer] = None
         self._templates: Dict[Tuple[int, Tuple[int, ...], torch.dtype], Dict[str, Any]] = {}
         self.stats = {"migrated_bytes": 0, "param_bytes": 0, "steps": 0}
+        self._overlap = bool(overlap_with_ddp)
+        self._ov_ddp: Any = None  # the FaultTolerantZeroDDP that feeds this optimizer
+        self._ov_buckets: Dict[int, _Bucket] = {}  # by DDP bucket index; fixed by ft's DDP
+        self._ov_opts: Dict[int, _BucketOpts] = {}  # per bucket, for the current layout
+        self._ov_reset()
         manager.register_state_dict_fn(state_key, self._load_shards, self._save_shards)
 
     # ------------------------------------------------------------------ state exposure
@@ -215,24 +299,36 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _hyper(self, g: int) -> Dict[str, Any]:
         return {k: v for k, v in self.param_groups[g].items() if k not in _NOT_HYPER}
 
-    def _build_opt(self, idx: List[int]) -> Optional[torch.optim.Optimizer]:
+    def _build_opt(
+        self, idx: List[int], tensors: Optional[List[torch.Tensor]] = None
+    ) -> Optional[torch.optim.Optimizer]:
+        """A local optimizer over parameters ``idx`` (param-group hyperparameters kept), on the
+        parameters themselves with their held state bound, or on ``tensors`` (staging: the
+        state is set per step)."""
         if not idx:
             return None
-        gof = {}
-        for g, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                gof[self._gi[id(p)]] = g
+        bind = tensors is None
+        ts = [self._params[i] for i in idx] if tensors is None else tensors
         groups = []
         for g in range(len(self.param_groups)):
-            ps = [self._params[i] for i in idx if gof[i] == g]
+            ps = [t for i, t in zip(idx, ts) if self._gof[i] == g]
             if ps:
                 groups.append(dict(self._hyper(g), params=ps, _g=g))
         opt = self._optimizer_class([{k: v for k, v in gr.items() if k != "_g"} for gr in groups])
         for gr, og in zip(groups, opt.param_groups):
             og["_g"] = gr["_g"]
-        for i in idx:
-            opt.state[self._params[i]] = self._held.setdefault(i, {})
+        if bind:
+            for i, t in zip(idx, ts):
+                opt.state[t] = self._held.setdefault(i, {})
         return opt
+
+    def _bind_held(self) -> None:
+        """Point the local optimizers at the held state dicts (after the overlapped step
+        replaced them with the staged ones)."""
+        for opt, idx in ((self._own_opt, self._owned), (self._standby_opt, self._standby)):
+            if opt is not None:
+                for i in idx:
+                    opt.state[self._params[i]] = self._held.setdefault(i, {})
 
     def _sync_hyper(self, opt: Optional[torch.optim.Optimizer]) -> None:
         if opt is None:
@@ -241,16 +337,10 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             for k, v in self._hyper(og["_g"]).items():
                 og[k] = v
 
-    def _group_of(self, i: int) -> int:
-        for g, group in enumerate(self.param_groups):
-            if any(p is self._params[i] for p in group["params"]):
-                return g
-        raise AssertionError(i)
-
     def _template(self, i: int) -> Dict[str, Any]:
         """Structure of parameter ``i``'s state (keys, shapes, dtypes) after one step."""
         p = self._params[i]
-        g = self._group_of(i)
+        g = self._gof[i]
         key = (g, tuple(p.shape), p.dtype)
         if key not in self._templates:
             dummy = torch.zeros_like(p, requires_grad=True)
@@ -359,6 +449,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._partition = part
         self._own_opt = self._build_opt(self._owned)
         self._standby_opt = self._build_opt(self._standby)
+        self._ov_opts = {}
         self._layout_key = key
         logger.info(
             "zero_ft layout: participants=%d rank=%s owned=%d standby=%d",
@@ -371,14 +462,29 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Starts the quorum for the step (``manager.start_quorum()``), then zeroes gradients."""
+        """Starts the quorum for the step (``manager.start_quorum()``), then zeroes gradients.
+        With ``overlap_with_ddp``, also fixes the step's shard layout (migrating state on a
+        quorum change), before forward."""
         self.manager.start_quorum()
         super().zero_grad(set_to_none)
+        if self._overlap:
+            self._ov_begin()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("FaultTolerantZeroRedundancyOptimizer does not support closures")
+        if self._overlap and self._ov_active and (self._ov_done or self._ov_pending):
+            self._overlap_step()
+        else:
+            # No bucket went through the DDP hook this step (no FaultTolerantZeroDDP, or no
+            # backward through it): the step after backward gives the same result.
+            self._ov_reset()
+            self._plain_step()
+        return None
+
+    def _plain_step(self) -> None:
+        """The step after backward (module docstring, "One step")."""
         m = self.manager
         snapshot: Optional[Tuple[Dict[int, Dict[str, Any]], List[torch.Tensor]]] = None  # originals
         flats: Dict[torch.dtype, torch.Tensor] = {}
@@ -456,7 +562,192 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                     self._own_opt.state[p] = states[i]
                 p.data = d
             self._layout_key = None if m.errored() is not None else self._layout_key
-        return None
+
+    # ------------------------------------------------------------------ overlap
+    def _ov_reset(self) -> None:
+        """Forget the step's staging (nothing live refers to it)."""
+        self._ov_active = False  # zero_grad() began an overlapped step
+        self._ov_ok = False  # its layout is fixed and nothing has failed so far
+        self._ov_pending: Dict[int, Tuple[_Bucket, Any, Any]] = {}  # ready, not yet staged
+        self._ov_done: List[int] = []  # staged bucket indices, in order
+        self._ov_staged: Dict[int, Dict[str, Any]] = {}  # global index -> stepped state copy
+        self._ov_works: List[Any] = []  # the exchanges in flight
+        for bo in getattr(self, "_ov_opts", {}).values():
+            for opt in (bo.own_opt, bo.sb_opt):
+                if opt is not None:
+                    opt.state.clear()
+
+    def _ov_begin(self) -> None:
+        self._ov_reset()
+        m = self.manager
+        ok = False
+        if m.errored() is None:
+            try:
+                ok = self._ensure_layout()
+            except RuntimeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported: the step will not commit
+                m._report_error(e, abort=True)  # see _plain_step
+                ok = False
+        self._ov_active = True
+        self._ov_ok = ok and m.errored() is None
+
+    def _ov_attach(self, ddp: Any) -> None:
+        if not self._overlap:
+            raise ValueError(
+                "FaultTolerantZeroRedundancyOptimizer must be constructed with "
+                "overlap_with_ddp=True to be stepped by FaultTolerantZeroDDP"
+            )
+        if self._ov_ddp is not None and self._ov_ddp() is not None:
+            raise ValueError("this optimizer is already attached to a FaultTolerantZeroDDP")
+        self._ov_ddp = weakref.ref(ddp)
+
+    def _ov_bucket(self, bucket: Any) -> _Bucket:
+        """This optimizer's view of DDP bucket ``bucket`` (built once; ft's DDP fixes its
+        bucket layout at construction, and a changed layout is rebuilt)."""
+        index = bucket.index()
+        params = bucket.parameters()
+        ids = tuple(id(p) for p in params)
+        b = self._ov_buckets.get(index)
+        if b is not None and b.ids == ids:
+            return b
+        entries: List[Tuple[int, int, int]] = []
+        off, dtype = 0, None
+        for pos, p in enumerate(params):
+            i = self._gi.get(id(p))
+            if i is None:
+                continue  # a module parameter this optimizer does not step
+            entries.append((i, pos, off))
+            off += p.numel()
+            dtype = p.dtype
+        xbuf = torch.zeros(off, dtype=dtype or torch.float32, device=bucket.buffer().device)
+        b = _Bucket(index, ids, entries, xbuf)
+        self._ov_buckets[index] = b
+        self._ov_opts.pop(index, None)
+        return b
+
+    def _ov_bucket_opts(self, b: _Bucket) -> _BucketOpts:
+        bo = self._ov_opts.get(b.index)
+        if bo is not None:
+            return bo
+        owned, standby = set(self._owned), set(self._standby)
+        own = [(i, pos) for i, pos, _ in b.entries if i in owned]
+        own_t = [
+            b.xbuf[o : o + self._params[i].numel()].view_as(self._params[i])
+            for i, _, o in b.entries
+            if i in owned
+        ]
+        sb = [(i, pos) for i, pos, _ in b.entries if i in standby]
+        sb_t = [torch.empty_like(self._params[i]) for i, _ in sb]
+        bo = _BucketOpts(
+            own,
+            own_t,
+            self._build_opt([i for i, _ in own], own_t),
+            sb,
+            sb_t,
+            self._build_opt([i for i, _ in sb], sb_t),
+        )
+        self._ov_opts[b.index] = bo
+        return bo
+
+    def _overlap_bucket_ready(self, bucket: Any, fut: Any, interleaved: bool = True) -> None:
+        """Called by :class:`ft.optim.zero_hooks.FaultTolerantZeroDDP`'s comm hook on the
+        backward thread, after it started bucket ``bucket``'s gradient allreduce (``fut``)."""
+        if not self._ov_active:
+            return  # no zero_grad() began this step: step() steps after backward
+        index = bucket.index()
+        if index in self._ov_pending or index in self._ov_done:
+            raise RuntimeError(
+                f"DDP bucket {index} is ready twice in one step: with overlap_with_ddp=True "
+                "each step runs one backward pass through the DDP (accumulate gradients "
+                "under ddp.no_sync())"
+            )
+        self._ov_pending[index] = (self._ov_bucket(bucket), bucket, fut)
+        if interleaved and index - 1 in self._ov_pending:
+            self._ov_stage(index - 1)
+        if bucket.is_last():
+            for k in sorted(self._ov_pending):
+                self._ov_stage(k)
+
+    @torch.no_grad()
+    def _ov_stage(self, index: int) -> None:
+        """Step the owned and standby parameters of bucket ``index`` into staging (waiting for
+        its averaged gradient), then start the exchange of its owned parameters."""
+        from ft.optim.zero import _bucket_gradients
+
+        b, bucket, fut = self._ov_pending.pop(index)
+        self._ov_done.append(index)
+        fut.wait()  # the Manager's futures complete (with the tensor) even when they fail
+        m = self.manager
+        if not self._ov_ok or m.errored() is not None:
+            # The step will not commit: stage nothing, and skip the exchange as the step
+            # after backward does once the Manager has an error (its allreduce is a no-op).
+            self._ov_ok = False
+            return
+        if not b.entries:
+            return  # none of this optimizer's parameters: nothing to step or exchange
+        grads = _bucket_gradients(bucket, fut.value())
+        bo = self._ov_bucket_opts(b)
+        b.xbuf.zero_()  # the slots of parameters this replica does not own stay zero
+        for (i, _), t in zip(bo.own, bo.own_t):
+            t.copy_(self._params[i].detach())
+        for (i, _), t in zip(bo.sb, bo.sb_t):
+            t.copy_(self._params[i].detach())
+        for ents, ts, opt in ((bo.own, bo.own_t, bo.own_opt), (bo.sb, bo.sb_t, bo.sb_opt)):
+            if opt is None:
+                continue
+            for (i, pos), t in zip(ents, ts):
+                t.grad = grads[pos]
+                st = clone_state(self._held[i])
+                self._ov_staged[i] = st
+                opt.state[t] = st
+            self._sync_hyper(opt)
+            opt.step()
+            for t in ts:
+                t.grad = None  # the gradients are views of DDP's bucket
+        self._ov_works.append(m.allreduce(b.xbuf, reduce_op=ReduceOp.SUM))
+        self.stats["param_bytes"] += b.xbuf.numel() * b.xbuf.element_size()
+
+    def _overlap_step(self) -> None:
+        """The overlapped step's vote: staging becomes live only if it commits."""
+        m = self.manager
+        for k in sorted(self._ov_pending):  # buckets whose successor never came (defensive)
+            self._ov_stage(k)
+        covered = {i for k in self._ov_done for i, _, _ in self._ov_buckets[k].entries}
+        stray = [i for i, p in enumerate(self._params) if p.grad is not None and i not in covered]
+        if stray:
+            self._ov_reset()
+            raise ValueError(
+                f"parameters {stray} of FaultTolerantZeroRedundancyOptimizer have gradients "
+                "but are not in the FaultTolerantZeroDDP's buckets: with overlap_with_ddp=True "
+                "the optimizer's parameters must be the DDP module's"
+            )
+        for w in self._ov_works:
+            w.wait()
+        ok = self._ov_ok and m.errored() is None
+        committed = m.should_commit()
+        if committed and ok:
+            for k in self._ov_done:
+                b = self._ov_buckets[k]
+                for i, _, o in b.entries:
+                    p = self._params[i]
+                    p.detach().copy_(b.xbuf[o : o + p.numel()].view_as(p))
+            self._held.update(self._ov_staged)
+            cur = m.current_step()
+            keep = set(self._owned) | set(self._standby)
+            for i in list(self._held):
+                if i in keep:
+                    self._version[i] = cur
+                else:
+                    del self._held[i]
+                    self._version.pop(i, None)
+            self._bind_held()
+            self.stats["steps"] += 1
+        elif committed:
+            self._layout_key = None  # as in _plain_step: committed without our contribution
+        elif m.errored() is not None:
+            self._layout_key = None
+        self._ov_reset()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_params", None) is None:

@@ -36,13 +36,16 @@ callback instead, whose timing differs between ranks, so the order of collective
 across ranks; torch therefore refuses Gloo. ft's order (reductions, then each bucket's
 broadcasts by rank, in bucket order) is the same on every rank, so Gloo is accepted too.
 
-Not ``ft.DistributedDataParallel``: its gradient average is the Manager's allreduce across
+Not ``ft.DistributedDataParallel`` for these two: its gradient average is the Manager's allreduce across
 replica groups, whose membership changes with each quorum, while this ZeRO shards over one
 fixed process group; and a step applied inside backward would be applied before
 ``manager.should_commit()``, so a step the Manager rejects would still change parameters and
 optimizer state. (DDP also takes one comm hook, and ft's DDP already registers the Manager's.)
-Fault tolerance across replica groups is :class:`ft.optim.FaultTolerantZeroRedundancyOptimizer`,
-which steps after the backward pass.
+Fault tolerance across replica groups is :class:`ft.optim.FaultTolerantZeroRedundancyOptimizer`;
+its overlapped mode has its own DDP, :class:`FaultTolerantZeroDDP` below: the Manager's
+allreduce per bucket, then the bucket's shards stepped into staging copies and their new
+parameters exchanged during backward, applied only if ``step()``'s vote commits
+(``ft/optim/zero_ft.py``, "Overlap with DDP").
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook inspects the returned
@@ -54,9 +57,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ft.ddp import DistributedDataParallel as FtDDP
 from ft.optim.zero import ZeroRedundancyOptimizer
 
-__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved", "FaultTolerantZeroDDP"]
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -72,8 +76,6 @@ def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
             "ZeroRedundancyOptimizer must be constructed with "
             "overlap_with_ddp=True to be stepped by a DDP hook"
         )
-    from ft.ddp import DistributedDataParallel as FtDDP
-
     if isinstance(ddp, FtDDP):
         raise TypeError(
             "ft.DistributedDataParallel cannot carry a ZeRO hook: it averages gradients across "
@@ -82,7 +84,8 @@ def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
             "ZeRO shards over one fixed process group and applies the update inside backward, "
             "before the commit vote. Use torch.nn.parallel.DistributedDataParallel over your "
             "process group (the 'ft' backend works), or, across replica groups, "
-            "ft.optim.FaultTolerantZeroRedundancyOptimizer stepped after backward."
+            "ft.optim.FaultTolerantZeroRedundancyOptimizer(overlap_with_ddp=True) with "
+            "ft.optim.FaultTolerantZeroDDP."
         )
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
@@ -171,3 +174,60 @@ def hook_with_zero_step_interleaved(
         return fut
 
     return hook_with_zero_interleaved_fn
+
+
+class FaultTolerantZeroDDP(FtDDP):
+    """``ft.DistributedDataParallel(manager, module, **kwargs)`` that also runs ``zero``'s
+    overlapped fault-tolerant step (``ft/optim/zero_ft.py``, "Overlap with DDP").
+
+    Each bucket is reduced by the Manager's allreduce, as in ``ft.DistributedDataParallel``;
+    then ``zero`` (a :class:`ft.optim.FaultTolerantZeroRedundancyOptimizer` built with
+    ``overlap_with_ddp=True`` over this module's parameters and the same Manager) steps the
+    shards of bucket ``k`` into staging when bucket ``k+1`` is ready (``interleaved=True``: the
+    optimizer's work overlaps the rest of the backward computation) or every bucket when the
+    last one is ready (``interleaved=False``: the backward computation runs uninterrupted, the
+    optimizer overlaps the reductions still in flight), and starts the bucket's parameter
+    exchange. ``zero.step()`` after ``backward()`` casts the vote and applies the staging.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        module: torch.nn.Module,
+        zero: Any,
+        interleaved: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        from ft.optim.zero_ft import FaultTolerantZeroRedundancyOptimizer
+
+        if not isinstance(zero, FaultTolerantZeroRedundancyOptimizer):
+            raise TypeError(
+                "zero must be an ft.optim.FaultTolerantZeroRedundancyOptimizer, got "
+                f"{type(zero).__module__}.{type(zero).__qualname__}"
+            )
+        if zero.manager is not manager:
+            raise ValueError("zero must use the same Manager as the DDP")
+        zero._ov_attach(self)
+        super().__init__(manager, module, **kwargs)
+        self._ft_zero = zero
+        self._ft_interleaved = bool(interleaved)
+
+    def _build_params_for_reducer(self) -> Any:
+        # ft's DDP fixes its buckets at construction, from the reducer's parameter list in that
+        # list's order. In module order, bucket 0 would hold the first layer, whose gradients
+        # come last: DDP reduces buckets in index order, so no bucket would be reduced, nor
+        # its shards stepped, before backward ends. Reversed (the order torch's own rebuild
+        # finds for a model used in definition order), bucket 0 holds the last layer and is
+        # ready first. The order depends only on the module, so it is the same on every
+        # replica.
+        params, sparse = super()._build_params_for_reducer()
+        return params[::-1], sparse[::-1]
+
+    # Overrides ft's DDP hook (registered by its constructor as ``self._comm_hook``): DDP
+    # takes one comm hook, and this one is the Manager's allreduce plus the staging.
+    def _comm_hook(  # type: ignore[override]
+        self, state: Any, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        fut = FtDDP._comm_hook(state, bucket)
+        self._ft_zero._overlap_bucket_ready(bucket, fut, self._ft_interleaved)
+        return fut

@@ -185,6 +185,14 @@ def main(
     rank: int, world_size: int, store_port: int, *, rpc_port: int, rpc_timeout: float, steps: int
 ) -> Dict[str, Any]:
     torch.set_num_threads(1)
+    # Paid before the RPC agent starts: a process's first torch.optim optimizer imports
+    # torch._dynamo (2.7 s on this 2-core machine under load), and ft.optim takes 0.5 s more.
+    # Inside the first remote call they can outlast the short rpc_timeout that this test
+    # needs for its hang case.
+    import ft.optim.distributed_optimizer  # noqa: F401
+
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])
+
     store = connect_store(store_port, timeout_s=60)
     name = "driver" if rank == 0 else f"worker{rank}"
     opts = rpc.TensorPipeRpcBackendOptions(

@@ -6,6 +6,14 @@ FaultTolerantZeroRedundancyOptimizer(Adam). Every replica trains on the same bat
 count and a plain single-process Adam run is the no-failure reference. After every committed
 step the replica records its owned and standby shard state; progress goes to the test store
 as ``step/{rank}``. Stops when the committed step reaches the store's ``stop_at``.
+
+``overlap=True``: the optimizer is built with ``overlap_with_ddp=True`` and the model wrapped in
+``FaultTolerantZeroDDP`` (``bucket_cap_mb`` small enough for several buckets), and
+``backward_sleep`` seconds pass inside backward (in the hook of the first layer's weight, whose
+bucket is the last: earlier buckets are staged and exchanged by then), so a kill lands
+mid-backward as often as between backward and the vote. ``exact_grads=True`` rounds every
+gradient to bfloat16 precision before it is averaged, so the average over 2 or 3 replicas of
+identical gradients is exact and the run is bitwise the plain single-process Adam run.
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
+def round_grad(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with 8 significant bits: a sum of up to 4 copies of it is exact in fp32."""
+    return g.to(torch.bfloat16).to(g.dtype)
+
+
 def batch(step: int):
     gen = torch.Generator().manual_seed(step)
     return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
@@ -39,10 +52,14 @@ def train(
     port: int,
     step_sleep: float = 0.05,
     max_iters: int = 400,
+    overlap: bool = False,
+    exact_grads: bool = False,
+    bucket_cap_mb: float = 25.0,
+    backward_sleep: float = 0.0,
 ) -> Dict[str, Any]:
     import ft
     from ft.checkpointing import HTTPTransport
-    from ft.optim import FaultTolerantZeroRedundancyOptimizer
+    from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -69,10 +86,18 @@ def train(
         checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
     )
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-    ddp = ft.DistributedDataParallel(manager, model)
+    if exact_grads:
+        for p in model.parameters():
+            p.register_hook(round_grad)
+    if backward_sleep:
+        model[0].weight.register_hook(lambda g: time.sleep(backward_sleep))
     opt = FaultTolerantZeroRedundancyOptimizer(
-        manager, model.parameters(), torch.optim.Adam, lr=1e-2
+        manager, model.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=1e-2
     )
+    if overlap:
+        ddp = FaultTolerantZeroDDP(manager, model, opt, bucket_cap_mb=bucket_cap_mb)
+    else:
+        ddp = ft.DistributedDataParallel(manager, model, bucket_cap_mb=bucket_cap_mb)
     store.set(f"ready/{rank}", "1")
     history: List[Dict[str, Any]] = []
     stop_at = 10**9
@@ -85,6 +110,7 @@ def train(
         step = manager.current_step()
         x, y = batch(step)
         torch.nn.functional.mse_loss(ddp(x), y).backward()
+        staged = len(opt._ov_done)  # buckets staged during backward (overlap)
         if step_sleep:
             time.sleep(step_sleep)
         opt.step()
@@ -97,6 +123,7 @@ def train(
                     "owned": opt.shard_state("owned"),
                     "standby": opt.shard_state("standby"),
                     "bytes": opt.state_bytes(),
+                    "staged": staged,
                 }
             )
         store.set(f"step/{rank}", str(manager.current_step()))

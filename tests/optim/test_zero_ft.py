@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import signal
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from tests.manager.inproc import lighthouse, make_manager
-from tests.optim._zero_ft_worker import batch, make_model
+from tests.optim._zero_ft_worker import batch, make_model, round_grad
 from tests.procs import free_port, wait_progress
 
 TARGET = "tests.optim._zero_ft_worker:train"
 RTOL, ATOL = 1e-4, 1e-6  # averaged gradients are (g+..+g)/N, not bitwise g
 
 
-def reference(steps: int) -> List[Dict[str, Any]]:
-    """Plain Adam over the whole model: params and per-index state after each step."""
+def reference(steps: int, exact_grads: bool = False) -> List[Dict[str, Any]]:
+    """Plain Adam over the whole model: params and per-index state after each step (with the
+    workers' gradient rounding if ``exact_grads``)."""
     model = make_model()
+    if exact_grads:
+        for p in model.parameters():
+            p.register_hook(round_grad)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     params = list(model.parameters())
     out = [{"params": [p.detach().clone() for p in params], "state": {}}]
@@ -99,7 +103,11 @@ def test_failed_commit_leaves_state_untouched() -> None:
         lh.shutdown()
 
 
-def test_kill_restart_keeps_every_shard(replicas) -> None:
+def kill_restart(replicas, **worker_kw: Any) -> Tuple[List[Dict[str, Any]], int, int]:
+    """3 replica groups train; replica 1 is killed with SIGKILL mid-run, the other two go on
+    for 3 steps, then it restarts (new port), heals and all three train 3 more steps.
+    Returns the survivors' and the restarted replica's results, the step at the kill and the
+    final step."""
     n = 3
     keys = [f"step/{r}" for r in range(n)]
     ports = [free_port() for _ in range(n)]
@@ -108,6 +116,7 @@ def test_kill_restart_keeps_every_shard(replicas) -> None:
         n,
         ranks=[],
         lighthouse=dict(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=500),
+        **worker_kw,
     )
     store = w.store
     for r in range(n):
@@ -125,8 +134,11 @@ def test_kill_restart_keeps_every_shard(replicas) -> None:
     stop = max(int(store.get(k)) for k in keys) + 3
     store.set("stop_at", str(stop))
     live = [c for c in w.children if c is not victim]
-    results = w.join(60, live)
+    return w.join(60, live), kill_step, stop
 
+
+def test_kill_restart_keeps_every_shard(replicas) -> None:
+    results, kill_step, stop = kill_restart(replicas)
     ref = reference(stop)
     P = len(ref[0]["params"])
     # Staleness bound 0: every shard entry any replica holds after a committed step (owned
@@ -184,18 +196,67 @@ def test_kill_restart_keeps_every_shard(replicas) -> None:
     assert sum(r["stats"]["migrated_bytes"] for r in results) > 0
 
 
-def test_overlap_with_ddp_refused() -> None:
-    """Overlap is for the plain ZeroRedundancyOptimizer: a step here is decided by the
-    Manager's vote after backward, so it cannot run inside it (no Manager needed to refuse)."""
+def test_kill_restart_overlap_bitwise(replicas) -> None:
+    """The overlapped mode (FaultTolerantZeroDDP, 3 buckets, staging during backward), one
+    replica killed with SIGKILL while it trains (often mid-backward, with staged shards and
+    exchanges in flight), restarted, healed. The gradients are rounded to bfloat16 precision
+    (exactly averaged over 2 or 3 replicas), so the fault-free reference is plain Adam and
+    every comparison is bitwise: every shard (owned and buddy copy) after every committed
+    step on every replica, the final parameters on every replica, and the consolidated final
+    state."""
+    results, kill_step, stop = kill_restart(
+        replicas,
+        overlap=True,
+        exact_grads=True,
+        bucket_cap_mb=0.0001,
+        step_sleep=0.02,
+        backward_sleep=0.03,
+    )
+    ref = reference(stop, exact_grads=True)
+    P = len(ref[0]["params"])
+
+    def same_state(got: Dict[str, Any], want: Dict[str, Any], what: str) -> None:
+        assert got.keys() == want.keys(), what
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (what, k)
+
+    for res in results:
+        assert res["history"], res["rank"]
+        for h in res["history"]:
+            assert h["staged"] == 3, (res["rank"], h["step"], h["staged"])  # overlap was on
+            for which in ("owned", "standby"):
+                for i, st in h[which].items():
+                    same_state(
+                        st,
+                        ref[h["step"]]["state"][i],
+                        f"replica {res['rank']} step {h['step']} {which} {i}",
+                    )
+    assert any(h["n"] == 2 for res in results for h in res["history"])  # it ran degraded
+    assert {r["step"] for r in results} == {stop}
+    for r in results:
+        for a, b in zip(r["params"], ref[stop]["params"]):
+            assert torch.equal(a, b), r["rank"]
+    final = [r["history"][-1] for r in results]
+    assert all(h["step"] == stop and h["n"] == 3 for h in final)
+    union: Dict[int, Any] = {}
+    for h in final:
+        for i, st in h["owned"].items():
+            assert i not in union
+            union[i] = st
+    assert sorted(union) == list(range(P))
+    for i, st in union.items():
+        same_state(st, ref[stop]["state"][i], f"final union {i}")
+    restarted = [r for r in results if r["rank"] == 1][0]
+    assert restarted["history"][0]["step"] > kill_step  # healed, did not restart from 0
+
+
+def test_functional_optimizer_refused() -> None:
+    """A functional optimizer needs explicit gradients, which this class never passes (it
+    steps torch.optim optimizers, also with overlap): refused with torch's error type."""
     import pytest
 
     from ft.optim import FaultTolerantZeroRedundancyOptimizer, FunctionalAdam
 
     params = [torch.nn.Parameter(torch.ones(2))]
-    with pytest.raises(NotImplementedError, match="should_commit"):
-        FaultTolerantZeroRedundancyOptimizer(
-            None, params, torch.optim.Adam, overlap_with_ddp=True, lr=0.1
-        )
-    # A functional optimizer needs the overlap hooks: refused with torch's error type.
     with pytest.raises(ValueError, match="functional optimizer"):
         FaultTolerantZeroRedundancyOptimizer(None, params, FunctionalAdam, lr=0.1)
