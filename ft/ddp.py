@@ -68,13 +68,25 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         # Fix the bucket layout now. Torch rebuilds the buckets once, after the first backward,
         # in gradient-ready order; a replica that (re)starts later would then reduce its first
         # step's buckets in a different layout than its peers, summing mismatched gradients.
-        # Rebuilding here, in parameter order, gives every replica the same layout from step 0.
+        # Rebuilding here, from _build_params_for_reducer's order (see there), gives every
+        # replica the same layout from step 0.
         self.reducer._push_all_rebuilt_params()
         self.reducer._rebuild_buckets()
         self._ft_pg = pg
         self._ft_local_backend = backend
         self._ft_manager = manager
         self.register_comm_hook(manager, self._comm_hook)
+
+    def _build_params_for_reducer(self) -> Any:
+        # The buckets are fixed from this list, in its order, and DDP reduces them in index
+        # order. In module order bucket 0 would hold the first layer, whose gradients come
+        # last in backward, so no bucket's allreduce could start before backward ended.
+        # Reversed (the order torch's own first-step buckets and its rebuild find for a model
+        # used in definition order), bucket 0 holds the last layer and is ready first, and
+        # the allreduces overlap with the rest of backward. The order depends only on the
+        # module, so it is the same on every replica.
+        params, expect_sparse_gradient = super()._build_params_for_reducer()
+        return params[::-1], expect_sparse_gradient[::-1]
 
     @staticmethod
     def _comm_hook(state: "Manager", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -212,17 +212,6 @@ class FaultTolerantZeroDDP(FtDDP):
         self._ft_zero = zero
         self._ft_interleaved = bool(interleaved)
 
-    def _build_params_for_reducer(self) -> Any:
-        # ft's DDP fixes its buckets at construction, from the reducer's parameter list in that
-        # list's order. In module order, bucket 0 would hold the first layer, whose gradients
-        # come last: DDP reduces buckets in index order, so no bucket would be reduced, nor
-        # its shards stepped, before backward ends. Reversed (the order torch's own rebuild
-        # finds for a model used in definition order), bucket 0 holds the last layer and is
-        # ready first. The order depends only on the module, so it is the same on every
-        # replica.
-        params, sparse = super()._build_params_for_reducer()
-        return params[::-1], sparse[::-1]
-
     # Overrides ft's DDP hook (registered by its constructor as ``self._comm_hook``): DDP
     # takes one comm hook, and this one is the Manager's allreduce plus the staging.
     def _comm_hook(  # type: ignore[override]

@@ -387,6 +387,39 @@ def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
         lh.shutdown()
 
 
+def test_ddp_reduces_buckets_during_backward_last_layer_first() -> None:
+    """ft's DDP fixes its buckets last layer first, so the first bucket's allreduce is issued
+    while backward is still computing the first layer's gradients (in parameter order no
+    allreduce could start before backward ended)."""
+    lh = lighthouse(min_replicas=1)
+    ms = managers(lh, 1, use_async_quorum=False)
+    try:
+        m = ms[0]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)
+        )
+        events: List[str] = []
+        allreduce = m.allreduce
+
+        def recording_allreduce(t: torch.Tensor, *a: Any, **kw: Any) -> Any:
+            events.append("allreduce")
+            return allreduce(t, *a, **kw)
+
+        m.allreduce = recording_allreduce  # type: ignore[method-assign]
+        model[0].weight.register_hook(lambda g: events.append("first layer grad"))
+        ddp = ft.DistributedDataParallel(m, model, bucket_cap_mb=0.01)
+        opt = ft.Optimizer(m, torch.optim.SGD(model.parameters(), lr=0.1))
+        opt.zero_grad()
+        ddp(torch.randn(8, 64)).square().mean().backward()
+        assert opt.step() is not False
+        assert events.count("allreduce") >= 2, events
+        assert events.index("allreduce") < events.index("first layer grad"), events
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
 def test_optimizer_wrapper_delegates() -> None:
     class FakeManager:
         def __init__(self) -> None:
