@@ -23,6 +23,14 @@ which is how Gloo sends) measured around the training loop, per outer step
 (= sync_every inner steps), for DDP (per-step gradient allreduce), DiLoCo,
 Streaming DiLoCo (2 fragments) and DiLoCo with int8 quantization.
 
+Rejoin (`--what rejoin`, not part of "all"): replica 0 trains DiLoCo without a
+break; replica 1 (re)joins it again and again, each time with a fresh Manager,
+starting when replica 0 is halfway through an interval, and measures the time
+from building its Manager to its first commit. Two ways, interleaved:
+"heal first" (DiLoCo's join round: a quorum before the first inner step) and
+"train first" (sync_every inner steps from its own initial parameters before its
+first quorum: the behaviour before the join round, and torchft's).
+
 Results: docs/benchmarks.md, "DiLoCo".
 """
 
@@ -101,14 +109,19 @@ class SlowLinkManager(ft.Manager):
 
 
 def make_manager(
-    rank: int, args, run: str, delay: float = 0.0, no_comm: bool = False
+    rank: int,
+    args,
+    run: str,
+    delay: float = 0.0,
+    no_comm: bool = False,
+    min_replica_size: int = 2,
 ) -> SlowLinkManager:
     pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=60), num_lanes=2)
     m = SlowLinkManager(
         pg=pg,
         load_state_dict=None,
         state_dict=None,
-        min_replica_size=2,
+        min_replica_size=min_replica_size,
         use_async_quorum=False,
         rank=0,
         world_size=1,
@@ -214,9 +227,107 @@ def train_ddp(rank, args, steps):
         mgr.shutdown()
 
 
+def _wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout}s")
+        time.sleep(0.001)
+
+
+def survive(args, store) -> dict:
+    """Replica 0 of the rejoin measurement: DiLoCo without a break until the joiner is done;
+    publishes its syncs and how many inner steps it has taken since the last one."""
+    H = args.sync_every
+    model = make_model(args.width, args.depth)
+    mgr = make_manager(0, args, "survivor", min_replica_size=1)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(0))
+    syncs_at, steps = [], []
+    try:
+        with DiLoCo(mgr, [model], inner, outer, sync_every=H) as diloco:
+            local = 0
+            store.set("survivor/local", "0")
+            store.set("survivor/syncs", str(diloco.syncs))
+            while not store.check(["rejoin/done"]):
+                before, t0 = diloco.syncs, time.perf_counter()
+                inner_step(model, inner, x)
+                if diloco.syncs != before:
+                    local = 0
+                    syncs_at.append(time.perf_counter())
+                else:
+                    local += 1
+                    steps.append(time.perf_counter() - t0)
+                store.set("survivor/local", str(local))
+                store.set("survivor/syncs", str(diloco.syncs))
+    finally:
+        mgr.shutdown()
+    gaps = sorted(b - a for a, b in zip(syncs_at, syncs_at[1:]))
+    return dict(
+        interval_ms=gaps[len(gaps) // 2] * 1e3,
+        inner_step_ms=sorted(steps)[len(steps) // 2] * 1e3,
+    )
+
+
+def _visit(args, mode: str) -> float:
+    """One visit of the joiner: seconds from building its Manager to its first commit."""
+    H = args.sync_every
+    t0 = time.perf_counter()
+    model = make_model(args.width, args.depth)
+    mgr = make_manager(1, args, _run_name("joiner"), min_replica_size=1)
+    try:
+        inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1))
+        diloco = DiLoCo(mgr, [model], inner, outer, sync_every=H)
+        if mode == "train_first":
+            for _ in range(H):  # no hook yet: nothing syncs before the quorum
+                inner_step(model, inner, x)
+        with diloco:  # the join round (tau = 0: it commits here)
+            committed = time.perf_counter()
+            if diloco.commits != 1:
+                raise RuntimeError(f"join round did not commit ({mode})")
+            for _ in range(H):  # one more sync with the survivor before leaving
+                inner_step(model, inner, x)
+    finally:
+        mgr.shutdown()
+    return committed - t0
+
+
+def rejoin(args, store) -> dict:
+    """Replica 1 of the rejoin measurement (see the module docstring)."""
+    H = args.sync_every
+    times: dict = {"heal_first": [], "train_first": []}
+    # The first visit (not counted) pays for what a process does once: threads, Gloo, HTTP.
+    for i, mode in enumerate(["heal_first"] + ["train_first", "heal_first"] * args.repeats):
+        # As after a crash: the survivor has synced alone since the last visit (its last
+        # quorum does not hold a replica that is gone), and is halfway through an interval.
+        syncs = int(store.get("survivor/syncs"))
+        _wait_until(lambda: int(store.get("survivor/syncs")) >= syncs + 2, 60, "solo syncs")
+        _wait_until(lambda: int(store.get("survivor/local")) == H // 2, 60, "mid-interval")
+        took = _visit(args, mode)
+        if i:
+            times[mode].append(took)
+    store.set("rejoin/done", "1")
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return dict(
+        restart_to_first_commit_heal_first_ms=med["heal_first"] * 1e3,
+        restart_to_first_commit_train_first_ms=med["train_first"] * 1e3,
+        train_first_over_heal_first=med["train_first"] / med["heal_first"],
+        runs_ms={k: [round(t * 1e3, 1) for t in v] for k, v in times.items()},
+    )
+
+
 def worker(rank: int, args) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
+    if args.what == "rejoin":
+        store = dist.TCPStore(
+            "127.0.0.1", args.store_port, is_master=False, timeout=timedelta(seconds=60)
+        )
+        out["rejoin"] = survive(args, store) if rank == 0 else rejoin(args, store)
+        return out
     H = args.sync_every
     n_params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
     out["params"] = n_params
@@ -279,7 +390,7 @@ def worker(rank: int, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--what", choices=["all", "overlap", "bytes"], default="all")
+    p.add_argument("--what", choices=["all", "overlap", "bytes", "rejoin"], default="all")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=256)
@@ -302,6 +413,7 @@ def main() -> None:
     )
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--lighthouse", default=None)
+    p.add_argument("--store_port", type=int, default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.rank is not None:
@@ -318,16 +430,18 @@ def main() -> None:
 
     # Every run leaves two replicas behind whose heartbeats expire: not worth a warning here.
     logging.getLogger("ft").setLevel(logging.ERROR)
-    # A short join timeout: each run's new replicas need not wait for the previous run's.
+    # A short join timeout: each run's new replicas need not wait for the previous run's. The
+    # rejoin measurement's survivor trains alone between its joiner's visits.
     lh = LighthouseServer(
         bind="127.0.0.1:0",
-        min_replicas=2,
+        min_replicas=1 if args.what == "rejoin" else 2,
         join_timeout_ms=200,
         quorum_tick_ms=20,
         heartbeat_timeout_ms=2000,
         http_bind="",
     )
 
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tmp = tempfile.mkdtemp(prefix="diloco-bench-")
     procs = []
     for r in range(2):
@@ -341,6 +455,8 @@ def main() -> None:
             lh.address(),
             "--json",
             os.path.join(tmp, f"{r}.json"),
+            "--store_port",
+            str(store.port),
         ] + sys.argv[1:]
         procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     try:
@@ -355,6 +471,17 @@ def main() -> None:
         sys.exit(f"bench workers failed: {codes}")
     with open(os.path.join(tmp, "0.json")) as f:
         res = json.load(f)
+    if args.what == "rejoin":
+        with open(os.path.join(tmp, "1.json")) as f:
+            joiner = json.load(f)["rejoin"]
+        print(
+            f"rejoin: 2 replicas on loopback, DiLoCo sync_every={args.sync_every}, model "
+            f"{sum(p.numel() for p in make_model(args.width, args.depth).parameters()):,} fp32 "
+            f"parameters; the joiner starts halfway through the survivor's interval"
+        )
+        for k, v in {**res["rejoin"], **joiner}.items():
+            print(f"  {k:40s} {v}" if isinstance(v, dict) else f"  {k:40s} {v:10.2f}")
+        return
     print(
         f"model: {res['params']:,} fp32 parameters; 2 replicas on loopback (lighthouse + "
         f"ft.Manager + ft.ProcessGroupGloo, 2 lanes); sync_every={args.sync_every}"

@@ -7,7 +7,14 @@ Both wrap an existing inner optimizer through its step hooks:
             inner_opt.zero_grad(); loss(model, batch).backward(); inner_opt.step()
 
 The pure schedule -- which inner step prepares and which syncs a fragment --
-is `streaming_schedule` / `fragment_for_step` below (tested as a table).
+is `streaming_schedule` / `fragment_for_step` below (tested as a table), and the
+pure rule for whose progress counts in a sync is `contributions_after`.
+
+Entering the context runs the join round before the first inner step: the group
+takes part in a sync (waiting for the other groups' next one, and healing from
+them if it is behind) and only then trains. It contributes nothing to that sync:
+every sync sums the groups' tensors together with a weight per group (1: its
+progress counts, 0: it sends zeros) and divides by the total weight.
 
 DiLoCo, per fragment f (of n):
   * keeps a backup of the fragment's global parameters (on `backup_device`,
@@ -16,7 +23,7 @@ DiLoCo, per fragment f (of n):
   * every P = sync_every / n inner steps one fragment syncs; at inner step
     P - tau (tau = fragment_sync_delay) the quorum is started and the
     pseudo-gradient (backup - local) of fragment `current_step() % n` is sent
-    on lane f % num_lanes (one sync is in flight at a time; one lane per
+    with its weight on lane f % num_lanes (one sync is in flight at a time; one lane per
     fragment lets a fragment's sync overlap with the next one's start), and
     at step P it is waited for, the backup restored and `should_commit()`
     asked;
@@ -26,7 +33,8 @@ DiLoCo, per fragment f (of n):
   * on failure the fragment's local progress is dropped (params = backup), and
     since the manager step did not advance the same fragment is retried next.
   * backups and outer-optimizer state are registered with the Manager, so a
-    healing replica receives them.
+    healing replica receives them; it restarts every fragment from them and
+    its progress counts again once each fragment has synced with the others.
 
 DiLoCo needs the synchronous quorum: the fragment is chosen from the manager
 step, and only a synchronous quorum applies a heal (step, backups) before
@@ -215,26 +223,136 @@ def _allreduce_all(
     should_quantize: Union[bool, torch.dtype],
     bucket_cap_bytes: Optional[int],
     use_bucketization: bool,
+    reduce_op: ReduceOp = ReduceOp.AVG,
 ):
-    """Issues the AVG allreduce of `tensors` through the manager on the calling
+    """Issues the allreduce of `tensors` through the manager on the calling
     thread (so on its current lane); returns something with .wait()."""
 
     def one(t: torch.Tensor):
-        return manager.allreduce(t, should_quantize=should_quantize, reduce_op=ReduceOp.AVG)
+        return manager.allreduce(t, should_quantize=should_quantize, reduce_op=reduce_op)
 
     if use_bucketization:
         return BucketedAllreduce(tensors, one, bucket_cap_bytes)
     return _AllWorks([one(t) for t in tensors])
 
 
+# --------------------------------------------------------------------------
+# Who contributes to a sync (pure)
+# --------------------------------------------------------------------------
+
+
+def contributions_after(
+    contributes: Sequence[bool],
+    event: str,
+    fragment: Optional[int] = None,
+    *,
+    first_commit: bool = False,
+) -> Tuple[bool, ...]:
+    """Whether each fragment's local progress counts at its next sync, after ``event``.
+
+    A group's pseudo-gradient (DiLoCo) or parameters (LocalSGD) for fragment f count in f's
+    next sync only if its fragment-f parameters have trained since the same global state the
+    other groups started f's interval from. Otherwise the group sends zeros with weight 0 and
+    the average is taken over the groups that sent weight 1 (see ``DiLoCo``).
+
+    * ``"heal"``: the group has just received the global state (backups, outer optimizer,
+      step) mid-interval and restarts every fragment from it: nothing it holds counts until
+      each fragment has been through one sync with the others.
+    * ``"sync"`` of ``fragment``: every group, this one included, starts the fragment's next
+      interval from the same global state (the new backup on commit, the old one restored
+      otherwise), so the fragment counts from now on. With ``first_commit`` (the join round
+      committed the job's first step: every group starts every fragment from the initial
+      state together) every fragment counts.
+    """
+    flags = tuple(bool(c) for c in contributes)
+    if event == "heal":
+        return (False,) * len(flags)
+    if event != "sync":
+        raise ValueError(f"unknown event {event!r} (expected 'heal' or 'sync')")
+    if first_commit:
+        return (True,) * len(flags)
+    if fragment is None or not 0 <= fragment < len(flags):
+        raise ValueError(f"sync of fragment {fragment!r} outside 0..{len(flags) - 1}")
+    return flags[:fragment] + (True,) + flags[fragment + 1 :]
+
+
+class _WeightedSum:
+    """The SUM allreduce of a sync's tensors together with this group's weight (1: its tensors
+    count, 0: it sends zeros), so that every group divides by the same total weight.
+
+    The weight travels as one extra element of the smallest float32/float64 tensor (no extra
+    collective, the count is exact); with quantization, or without such a tensor, it is a
+    one-element float32 allreduce of its own, issued first and never quantized (a lane that
+    carries a quantized allreduce carries nothing else while it is in flight).
+    """
+
+    def __init__(
+        self,
+        manager: ManagerLike,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        should_quantize: Union[bool, torch.dtype],
+        bucket_cap_bytes: Optional[int],
+        use_bucketization: bool,
+    ) -> None:
+        self.tensors = list(tensors)
+        sent = list(self.tensors)
+        works: List[Any] = []
+        fold = None if should_quantize else _fold_index(self.tensors)
+        if fold is not None:
+            t = self.tensors[fold]
+            buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+            buf[:-1].copy_(t.reshape(-1))
+            buf[-1] = weight
+            self.tensors[fold] = buf[:-1].view(t.shape)
+            sent[fold] = buf
+            self._weight = buf[-1:]
+        else:
+            device = self.tensors[0].device if self.tensors else torch.device("cpu")
+            self._weight = torch.tensor([weight], dtype=torch.float32, device=device)
+            works.append(
+                manager.allreduce(self._weight, should_quantize=False, reduce_op=ReduceOp.SUM)
+            )
+        works.append(
+            _allreduce_all(
+                manager, sent, should_quantize, bucket_cap_bytes, use_bucketization, ReduceOp.SUM
+            )
+        )
+        self._work = _AllWorks(works)
+
+    def wait(self) -> None:
+        self._work.wait()
+
+    def total(self) -> float:
+        """The sum of every group's weight (read after ``wait``)."""
+        return float(self._weight.item())
+
+
+def _fold_index(tensors: Sequence[torch.Tensor]) -> Optional[int]:
+    """The smallest tensor that can carry the weight exactly, or None."""
+    best: Optional[int] = None
+    for i, t in enumerate(tensors):
+        if t.dtype in (torch.float32, torch.float64):
+            if best is None or t.numel() < tensors[best].numel():
+                best = i
+    return best
+
+
 class _OnOptimizerStep:
     """A context manager that calls ``self._step_post_hook`` after every step of
-    ``self._hooked_optimizer`` while it is entered (LocalSGD and DiLoCo share it)."""
+    ``self._hooked_optimizer`` while it is entered (LocalSGD and DiLoCo share it). The first
+    entry runs ``self._join()`` before any inner step: the group takes part in a sync (and
+    heals, if it is behind) before it trains."""
 
     _hooked_optimizer: torch.optim.Optimizer
     _hook: Any = None
+    _joined = False
 
     def __enter__(self):
+        if not self._joined:
+            # Before the hook exists: a join that raises (a quorum timeout) leaves none behind.
+            self._join()
+            self._joined = True
         if self._hook is None:
             self._hook = self._hooked_optimizer.register_step_post_hook(self._step_post_hook)
         return self
@@ -246,6 +364,9 @@ class _OnOptimizerStep:
         return False
 
     def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def _join(self) -> None:
         raise NotImplementedError
 
 
@@ -271,6 +392,13 @@ class LocalSGD(_OnOptimizerStep):
 
     The first `warmup_steps` optimizer steps sync after every step (plain
     synchronous averaging, as torch's post-local SGD warmup).
+
+    Joining: entering the context runs one sync before the first optimizer step (the
+    join round). It blocks until the other groups' next sync, heals from them if this group
+    is behind, and contributes nothing: the average is taken over the groups that trained
+    since the last one (weights, as in ``DiLoCo``). A group that heals during any sync
+    contributes nothing to it either (its parameters are another group's copy). A rejoining
+    group also skips the warmup steps the job has already taken (one committed step each).
     """
 
     def __init__(
@@ -309,6 +437,9 @@ class LocalSGD(_OnOptimizerStep):
             manager.register_state_dict_fn("LocalSGD", self._load_state_dict, self._state_dict)
         self._local_step = 0
         self._total_steps = 0
+        self._healed = False  # set by a heal (the backup's load fn) during a quorum
+        # Total weight of the last sync: how many groups' parameters the average holds.
+        self.contributors: Optional[float] = None
 
     # -- state for healing ----------------------------------------------------
 
@@ -316,6 +447,7 @@ class LocalSGD(_OnOptimizerStep):
         return {"backup": dict(self._backup or {})}
 
     def _load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._healed = True
         for n, b in (self._backup or {}).items():
             b.copy_(state["backup"][n])
 
@@ -329,32 +461,59 @@ class LocalSGD(_OnOptimizerStep):
 
     # -- sync -----------------------------------------------------------------
 
-    @span("torchft::local_sgd::sync")
+    def _join(self) -> None:
+        if self._sync(contribute=False):
+            # Every committed warmup step advanced the step by one (and the join round by
+            # one), so a job at step s has taken at least min(warmup, s - 1) of them.
+            done = min(self._warmup_steps, self._manager.current_step() - 1)
+            self._total_steps = max(self._total_steps, done)
+
     def sync(self) -> bool:
         """Starts the quorum, averages the parameters and commits them; returns
         whether they were committed."""
+        return self._sync(contribute=True)
+
+    @span("torchft::local_sgd::sync")
+    def _sync(self, contribute: bool) -> bool:
         self._local_step = 0
+        self._healed = False
+        step = self._manager.current_step()
         self._manager.start_quorum()
-        averages = [_local(p.detach()).clone() for _, p in self._params]
+        # A heal moves the step (or, at step 0, loads the backup): the parameters are then
+        # another group's, which count already.
+        if self._healed or self._manager.current_step() != step:
+            contribute = False
+        averages = [
+            _local(p.detach()).clone() if contribute else torch.zeros_like(_local(p.detach()))
+            for _, p in self._params
+        ]
         try:
-            _allreduce_all(
+            summed = _WeightedSum(
                 self._manager,
                 averages,
+                1.0 if contribute else 0.0,
                 self._should_quantize,
                 self._bucket_cap,
                 self._use_bucketization,
-            ).wait()
+            )
+            averages = summed.tensors
+            summed.wait()
+            total = summed.total()
         except Exception as e:  # the Manager reports its own errors; this is belt and braces
             self._manager.report_error(e)
+            total = 0.0
         committed = self._manager.should_commit()
+        self.contributors = total
         with torch.no_grad():
             for (n, p), avg in zip(self._params, averages):
                 dst = _local(p.detach())
-                if committed:
+                if committed and total > 0:
+                    avg.div_(total)
                     dst.copy_(avg)
                     if self._backup is not None:
                         self._backup[n].copy_(avg)
                 elif self._backup is not None:
+                    # Not committed, or nobody had anything to average: the last average.
                     dst.copy_(self._backup[n])
         return committed
 
@@ -389,6 +548,10 @@ class _Fragment:
             for n, p in self.params
         ]
 
+    def zeros(self) -> List[torch.Tensor]:
+        # What a group whose progress does not count sends: the pseudo-gradients' shapes.
+        return [torch.zeros_like(_local(p.detach())) for _, p in self.params]
+
     @span("torchft::local_sgd::restore_parameters")
     def restore(self) -> None:
         with torch.no_grad():
@@ -405,7 +568,31 @@ class _Fragment:
 class DiLoCo(_OnOptimizerStep):
     """DiLoCo (sync_every inner steps, then an outer step on the averaged
     pseudo-gradient) and Streaming DiLoCo (several fragments, staggered, with
-    an overlap delay tau and a merge factor alpha). torchft's arguments."""
+    an overlap delay tau and a merge factor alpha). torchft's arguments.
+
+    Joining: entering the context runs the *join round* before the first inner step, as if
+    this group had just taken the P - tau inner steps that precede a sync: the quorum (which
+    waits for the other groups' next sync and heals this group from them if it is behind),
+    then that sync's allreduce, with tau = 0 also the commit. A healed group restarts every
+    fragment from the healed backups (the global state), not from the healing peer's local
+    parameters, so its first inner step starts from the global state, and its inner-step
+    count is the others' (the next sync happens at the same step on every group).
+
+    Contributions: each group sends its pseudo-gradient with a weight, 1 or 0, and the
+    average divides the sum by the total weight. A fragment's progress counts (weight 1) only
+    once the group has been through one sync of that fragment with the others
+    (``contributions_after``): the join round, a heal and the first interval after either
+    send zeros with weight 0. A joiner therefore contributes nothing to the sync it joins,
+    and with n fragments nothing to the first sync of each other fragment (its interval was
+    shorter than the others'). Contributing nothing, rather than weighting the average by
+    inner steps taken, keeps every outer step the average of full-interval pseudo-gradients
+    (what the outer learning rate and momentum are tuned for, and exactly what the healthy
+    groups would compute by themselves: a zero adds nothing to a sum), makes no assumption
+    that progress is proportional to inner steps, and needs no step counts on the wire; a
+    joiner loses at most one partial interval per fragment. A sync that nobody contributes
+    to (the first sync of a fresh job) commits without an outer step. On the fault-free path
+    every weight is 1 and the result is the plain average (the same sum over the same count).
+    """
 
     def __init__(
         self,
@@ -461,7 +648,12 @@ class DiLoCo(_OnOptimizerStep):
             for i, m in enumerate(model_fragments)
         ]
         self._local_step = 0
-        self._pending: Optional[Tuple[int, List[torch.Tensor], Any]] = None
+        # (fragment, pseudo-gradients, allreduce, manager step, is the join round)
+        self._pending: Optional[Tuple[int, List[torch.Tensor], _WeightedSum, int, bool]] = None
+        self._contributes: Tuple[bool, ...] = (False,) * n
+        self._healed = False  # set by a fragment's load fn during a heal
+        # Total weight of the last completed sync: how many groups' pseudo-gradients it averaged.
+        self.contributors: Optional[float] = None
         # Seconds the training loop spent blocked on fragment allreduces at sync points: the
         # communication the schedule did not hide (tau > 0 overlaps it with inner steps).
         self.comm_wait_seconds = 0.0
@@ -494,6 +686,7 @@ class DiLoCo(_OnOptimizerStep):
 
     def _fragment_load_fn(self, frag: _Fragment) -> Callable[[Dict[str, Any]], None]:
         def load(sd: Dict[str, Any]) -> None:
+            self._healed = True
             for n, b in frag.backup.items():
                 b.copy_(sd["original_parameters"][n])
             if self._shared_outer is None:
@@ -512,6 +705,14 @@ class DiLoCo(_OnOptimizerStep):
             self._local_step = 0
             self._perform_sync()
 
+    def _join(self) -> None:
+        # Where the other groups are when they start a quorum: inner step P - tau of a period.
+        self._local_step = self._plan.prepare_at
+        self._prepare_sync(joining=True)
+        if self._local_step == self._plan.period:  # tau = 0: the sync completes here too
+            self._local_step = 0
+            self._perform_sync()
+
     # -- the two halves of a fragment sync ----------------------------------------
 
     def lane_for(self, fragment: int) -> int:
@@ -519,43 +720,65 @@ class DiLoCo(_OnOptimizerStep):
         return fragment % self._num_lanes
 
     @span("torchft::local_sgd::prepare_sync")
-    def _prepare_sync(self) -> None:
+    def _prepare_sync(self, joining: bool = False) -> None:
+        self._healed = False
         self._manager.start_quorum()
-        f = fragment_for_step(self._manager.current_step(), self._plan.n_fragments)
+        if self._healed:
+            # The healing peer's parameters hold its own local progress, which it contributes
+            # itself: restart every fragment from the healed global state instead.
+            for frag in self._fragments:
+                frag.restore()
+            self._contributes = contributions_after(self._contributes, "heal")
+        step = self._manager.current_step()
+        f = fragment_for_step(step, self._plan.n_fragments)
         frag = self._fragments[f]
-        pseudo = frag.pseudo_gradients()
+        contribute = self._contributes[f]
+        pseudo = frag.pseudo_gradients() if contribute else frag.zeros()
         with lane(self.lane_for(f)):
-            handle = _allreduce_all(
+            handle = _WeightedSum(
                 self._manager,
                 pseudo,
+                1.0 if contribute else 0.0,
                 self._should_quantize,
                 self._bucket_cap,
                 self._use_bucketization,
             )
-        self._pending = (f, pseudo, handle)
+        self._pending = (f, handle.tensors, handle, step, joining)
 
     @span("torchft::local_sgd::perform_sync")
     def _perform_sync(self) -> None:
         assert self._pending is not None, "perform_sync without prepare_sync"
-        f, pseudo, handle = self._pending
+        f, pseudo, handle, step, joining = self._pending
         self._pending = None
         frag = self._fragments[f]
         t0 = time.perf_counter()
+        total = 0.0
         try:
             with span_block("torchft::local_sgd::wait"):
                 handle.wait()
+            total = handle.total()
         except Exception as e:  # the Manager reports its own errors; this is belt and braces
             self._manager.report_error(e)
         self.comm_wait_seconds += time.perf_counter() - t0
         local = [_local(p.detach()).clone() for _, p in frag.params] if self._alpha > 0 else None
         frag.restore()
         self.syncs += 1
-        if not self._manager.should_commit():
+        committed = self._manager.should_commit()
+        self.contributors = total
+        # Whether it commits or not, every group starts this fragment's next interval from
+        # the same global state; a committed join round at step 0 starts every fragment.
+        self._contributes = contributions_after(
+            self._contributes, "sync", f, first_commit=joining and committed and step == 0
+        )
+        if not committed:
             # Drop this fragment's local progress: params stay = backup.
             self.failed_commits += 1
             return
-        self._outer_step(frag, pseudo)
-        frag.save()
+        if total > 0:
+            for t in pseudo:
+                t.div_(total)
+            self._outer_step(frag, pseudo)
+            frag.save()
         if local is not None:
             with torch.no_grad():
                 for (_, p), loc in zip(frag.params, local):

@@ -164,7 +164,17 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
     full: Dict[int, str] = {}
     kinds: Dict[str, str] = {}
     local = 0
+
+    def record(now: int) -> None:
+        nonlocal kinds
+        kinds = {k: type(v).__name__ for k, v in _leaves(full_fn())}
+        commits[now] = digest(to_local(state_fn()))
+        full[now] = digest(to_local(full_fn()))
+
     with algo:
+        # The join round committed on entry (with tau > 0 it completes at the first inner step).
+        if getattr(algo, "commits", 1) and manager.current_step() > 0:
+            record(manager.current_step())
         for _ in range(200):
             if manager.current_step() >= cfg["stop_at"]:
                 break
@@ -181,10 +191,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
             local += 1
             now = manager.current_step()
             if now != step_before:
-                st = state_fn()
-                kinds = {k: type(v).__name__ for k, v in _leaves(full_fn())}
-                commits[now] = digest(to_local(st))
-                full[now] = digest(to_local(full_fn()))
+                record(now)
     out = {
         "step": manager.current_step(),
         "commits": commits,
@@ -322,6 +329,8 @@ def train_sharded_groups(
     commits: Dict[int, str] = {}
     local = 0
     with algo:
+        if algo.commits:  # the join round committed on entry
+            commits[manager.current_step()] = digest(to_local(algo.global_state()))
         for _ in range(100):
             if manager.current_step() >= stop_at:
                 break

@@ -77,7 +77,8 @@ def _task(step: int, local: int, rank: int, n: int = 16):
 def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict[str, Any]:
     from ft.local_sgd import DiLoCo, LocalSGD
 
-    torch.manual_seed(7 + 31 * rank)  # different initial weights: init_sync must fix them
+    # different initial weights (and for a restarted group): init_sync or the heal must fix them
+    torch.manual_seed(7 + 31 * rank + 1000 * cfg.get("seed", 0))
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     n_frag = cfg.get("n_frag", 1)
@@ -92,6 +93,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     manager = make_manager(
         rank, lh_addr, max(2, n_frag), load, save, cfg.get("tag", "r"), cfg.get("pg_timeout", 10.0)
     )
+    frags = [model]
     if cfg["algo"] == "localsgd":
         algo = LocalSGD(
             manager,
@@ -141,18 +143,64 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
 
     manager.allreduce = allreduce  # type: ignore[method-assign]
 
+    # How many inner steps this group took before its first quorum (0: it healed first).
+    local = 0
+    inner_before_quorum: List[int] = []
+    real_start_quorum = manager.start_quorum
+
+    def start_quorum(*args, **kwargs):
+        if not inner_before_quorum:
+            inner_before_quorum.append(local)
+        return real_start_quorum(*args, **kwargs)
+
+    manager.start_quorum = start_quorum  # type: ignore[method-assign]
+
+    def params_by_fragment() -> Dict[int, Any]:
+        return {i: {n: p.detach() for n, p in f.named_parameters()} for i, f in enumerate(frags)}
+
+    def backups_by_fragment() -> Dict[int, Any]:
+        g = algo.global_state()
+        return {i: g[f"backup/{i}"] for i in range(len(frags))}
+
     commits: Dict[int, str] = {}
+    backups: Dict[int, str] = {}  # the global parameters (DiLoCo's backups) at each step
+    contributors: Dict[int, Any] = {}
+    first_inner: Dict[str, Any] = {}
     failures = 0
     stop_at = cfg["stop_at"]
-    local = 0
     last = manager.current_step()
     key = f"{cfg.get('tag', 'r')}step/{rank}"
+    test_store.set(f"{cfg.get('tag', 'r')}ready/{rank}", "1")
+    if cfg.get("wait_ready"):
+        # "go": the test sets it once the lighthouse sees every group's heartbeat, so that the
+        # first quorum (the join round) holds all of them.
+        test_store.wait(
+            [f"{cfg.get('tag', 'r')}ready/{i}" for i in range(cfg["wait_ready"])] + ["go"],
+            timedelta(seconds=60),
+        )
+
+    def record_commit(now: int) -> None:
+        commits[now] = digest(state_fn())
+        contributors[now] = getattr(algo, "contributors", None)
+        if cfg["algo"] == "diloco":
+            backups[now] = digest(backups_by_fragment())
+
     with algo:
+        # The join round committed on entry (with tau > 0 it completes at the first inner step).
+        if getattr(algo, "commits", 1) and manager.current_step() != last:
+            record_commit(manager.current_step())
+        last = manager.current_step()
+        test_store.set(key, str(last))
         for _ in range(cfg.get("max_inner", 400)):
             if test_store.check(["stop_at"]):
                 stop_at = int(test_store.get("stop_at"))
             if manager.current_step() >= stop_at:
                 break
+            if not first_inner:
+                first_inner = {
+                    "step": manager.current_step(),
+                    "params": digest(params_by_fragment()),
+                }
             x, y = _task(manager.current_step(), local, rank)
             inner.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
@@ -164,10 +212,11 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
             local += 1
             now = manager.current_step()
             if now != step_before:
-                commits[now] = digest(state_fn())
+                record_commit(now)
             elif syncs_before is not None and algo.syncs != syncs_before:
                 failures += 1
             last = now
+            test_store.set(f"{cfg.get('tag', 'r')}local/{rank}", str(algo._local_step))
             test_store.set(key, str(now))
     out = {
         "step": manager.current_step(),
@@ -178,6 +227,11 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
         "injected": injected,
         "last": last,
         "lanes": sorted(lanes),
+        "backups": backups,
+        "contributors": contributors,
+        "first_inner": first_inner,
+        "inner_before_quorum": inner_before_quorum[0] if inner_before_quorum else None,
+        "model": digest({n: p.detach() for n, p in model.named_parameters()}),
     }
     manager.shutdown(wait=False)
     return out

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.procs import Workers
+from tests.procs import Workers, max_step, wait_progress
 
 TARGET = "tests.diloco.mp_workers:train"
 
@@ -132,4 +132,112 @@ def test_kill_restart_and_late_joiner_heal_global_state(scenario, replicas):
     r1 = w.join(60, [w.by_rank(1)])[0][0]
     assert r0["step"] == r1["step"] == stop
     assert_same_global_state(r0, r1, scenario)
-    assert min(r1["commits"]) > base  # the new replica took the healed step
+    j = min(r1["commits"])  # the step its join round committed
+    assert j > base  # the new replica took the healed step
+    # It healed before its first inner step, which (tau = 1: the join round's sync is still in
+    # flight) starts from the healed backups: replica 0's global state at that step.
+    assert r1["inner_before_quorum"] == 0
+    assert r1["first_inner"]["step"] == j - 1
+    assert r1["first_inner"]["params"] == r0["backups"][j - 1]
+    # It contributed nothing to the join round, nor to the other fragment's next sync (it had
+    # trained that fragment for less than an interval), and to everything after.
+    assert [r0["contributors"][s] for s in (j, j + 1, j + 2)] == [1.0, 1.0, 2.0], r0["contributors"]
+    assert [r1["contributors"][s] for s in (j, j + 1, j + 2)] == [1.0, 1.0, 2.0]
+
+
+def _kill_mid_interval(store, w: Workers, rank: int, sync_every: int, timeout: float) -> int:
+    """SIGKILLs child ``rank`` in the middle of an interval: at least two inner steps taken
+    since its last sync and at least two to go. The child is frozen (SIGSTOP) while its
+    count is read, so the check cannot race with its next step; returns that count."""
+    deadline = time.monotonic() + timeout
+    key = f"c0-local/{rank}"
+    child = w.by_rank(rank)
+
+    def mid(local: int) -> bool:
+        return 2 <= local <= sync_every - 2
+
+    while time.monotonic() < deadline:
+        if store.check([key]) and mid(int(store.get(key))):
+            child.stop(timeout=2.0)
+            local = int(store.get(key))
+            if mid(local):
+                child.signal(signal.SIGKILL)
+                child.proc.wait(10)
+                return local
+            child.signal(signal.SIGCONT)
+        time.sleep(0.002)
+    raise AssertionError(f"group {rank} never reached the middle of an interval in {timeout}s")
+
+
+def _wait_heartbeating(lh, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(r["alive"] for r in lh.status()["replicas"]) < n:
+        assert time.monotonic() < deadline, f"the lighthouse did not see {n} heartbeating groups"
+        time.sleep(0.02)
+
+
+def test_kill9_rejoiner_heals_before_training_and_contributes_nothing(replicas):
+    """3 groups, DiLoCo with sync_every=6. Group 1 is killed -9 in the middle of an interval
+    and restarted with different initial weights. It asks for a quorum before its first inner
+    step, heals from a survivor in the survivors' next sync, contributes nothing to that sync
+    (its average is the 2 survivors'), and its first inner step starts from the global state
+    every group holds at that step. From the next sync on it contributes, and every group ends
+    with a bitwise identical model and outer-optimizer state."""
+    H = 6
+    cfg = dict(
+        algo="diloco",
+        sync_every=H,
+        stop_at=10**6,
+        step_sleep=0.02,
+        max_inner=3000,
+        pg_timeout=4.0,
+        wait_ready=3,
+    )
+    keys = [f"c0-step/{g}" for g in range(3)]
+    survivors = [keys[0], keys[2]]
+    # join_timeout: the first quorum waits for all three groups even on a loaded machine (a
+    # dead group stops counting once its heartbeat expires, after 1 s)
+    w = replicas(
+        TARGET,
+        3,
+        configs=[cfg],
+        lighthouse=dict(min_replicas=2, heartbeat_timeout_ms=1000, join_timeout_ms=2000),
+    )
+    store = w.store
+    _wait_heartbeating(w.lh, 3, 60)
+    store.set("go", "1")
+    wait_progress(store, keys, 2, 60, w)
+    _kill_mid_interval(store, w, 1, H, timeout=30)
+    base = max_step(store, survivors)
+    wait_progress(store, survivors, base + 1, 30, w)  # the survivors sync without it
+    store.delete_key(keys[1])
+    w.spawn(1, configs=[dict(cfg, seed=1, wait_ready=0)])
+    spawned_at = max_step(store, survivors)
+    wait_progress(store, keys, spawned_at + 1, 60, w)  # it joined a sync with them
+    store.set("stop_at", str(max_step(store, keys) + 2))
+    (g0,), (g1,), (g2,) = w.join(60, [w.by_rank(0), w.by_rank(1), w.by_rank(2)])
+
+    # Every group ends bitwise identical: model, backups and outer-optimizer state, step.
+    assert g0["step"] == g1["step"] == g2["step"]
+    assert g0["model"] == g1["model"] == g2["model"]
+    assert g0["final"] == g1["final"] == g2["final"]
+    for g in (g1, g2):
+        for s in set(g["commits"]) & set(g0["commits"]):
+            assert g["commits"][s] == g0["commits"][s], f"global state differs at step {s}"
+
+    # The first sync of the job: all three joined it before training, nothing to average.
+    assert g0["contributors"][1] == g2["contributors"][1] == 0.0, g0["contributors"]
+
+    # The restarted group: a quorum before its first inner step, healed in the join round
+    # (which committed on entry, at step j), no inner step before it.
+    j = min(g1["commits"])
+    assert j > base, (j, base)
+    assert g1["inner_before_quorum"] == 0 and g0["inner_before_quorum"] == 0
+    # The join round averaged the survivors' pseudo-gradients only, on every group ...
+    assert g0["contributors"][j] == g1["contributors"][j] == g2["contributors"][j] == 2.0
+    # ... and the next sync all three.
+    assert g0["contributors"][j + 1] == g1["contributors"][j + 1] == 3.0
+    # Its first inner step started from the global state the survivors hold at that step.
+    assert g1["first_inner"]["step"] == j
+    assert g1["first_inner"]["params"] == g0["backups"][j] == g2["backups"][j]
+    assert g0["failures"] == g1["failures"] == g2["failures"] == 0

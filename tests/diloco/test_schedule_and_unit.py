@@ -11,6 +11,9 @@ from torch import nn
 from ft.local_sgd import (
     DiLoCo,
     LocalSGD,
+    _fold_index,
+    _WeightedSum,
+    contributions_after,
     fragment_for_step,
     streaming_plan,
     streaming_schedule,
@@ -142,11 +145,12 @@ def test_streaming_alpha_merge_by_hand():
     1), loss 0.5 a^2 + 0.5 b^2, inner SGD lr 0.5 (x <- 0.5 x), sync_every 2
     (P = 1, tau = 0), one shared outer plain SGD lr 0.5, alpha = 0.5.
 
-    step 1: local a, b = 0.5, 0.5; fragment 0 syncs: pseudo 1 - 0.5 = 0.5,
-      global a = 1 - 0.5 * 0.5 = 0.75, merged a = 0.5 * 0.75 + 0.5 * 0.5 = 0.625;
-      b untouched (0.5).
-    step 2: local a, b = 0.3125, 0.25; fragment 1 syncs: pseudo 1 - 0.25 = 0.75,
-      global b = 1 - 0.5 * 0.75 = 0.625, merged b = 0.5 * 0.625 + 0.5 * 0.25 = 0.4375.
+    join (on entry, manager step 0): fragment 0's sync, nobody has trained: no outer step.
+    step 1: local a, b = 0.5, 0.5; fragment 1 syncs: pseudo 1 - 0.5 = 0.5,
+      global b = 1 - 0.5 * 0.5 = 0.75, merged b = 0.5 * 0.75 + 0.5 * 0.5 = 0.625;
+      a untouched (0.5).
+    step 2: local a, b = 0.25, 0.3125; fragment 0 syncs: pseudo 1 - 0.25 = 0.75,
+      global a = 1 - 0.5 * 0.75 = 0.625, merged a = 0.5 * 0.625 + 0.5 * 0.25 = 0.4375.
     """
 
     def body(rank, group):
@@ -165,10 +169,11 @@ def test_streaming_alpha_merge_by_hand():
         return out
 
     (out,) = run_replicas(1, body)
-    assert out == [(0.625, 0.5), (0.3125, 0.4375)]  # exact in binary
+    assert out == [(0.5, 0.625), (0.4375, 0.3125)]  # exact in binary
 
 
 def test_failed_commit_drops_fragment_progress_and_counts_once():
+    # One allreduce per sync (the weight rides in the scalar's tensor); call 0 is the join.
     def body(rank, group):
         m = FakeManager(group, rank, fail_calls={1} if rank == 0 else set())
         a, b = Scalar(1.0), Scalar(1.0)
@@ -185,11 +190,12 @@ def test_failed_commit_drops_fragment_progress_and_counts_once():
         return seen, m.commit_failures, m.step, d.failed_commits, m.lanes
 
     for seen, failures, step, dfail, lanes in run_replicas(2, body):
-        # step 1: frag 0 commits (a = 0.5). step 2: frag 1's sync fails -> b back
-        # to its backup 1.0. step 3: frag 1 again (step did not advance): b 1 -> 0.5.
-        assert seen == [(0.5, 0.5), (0.25, 1.0), (0.125, 0.5)]
-        assert (failures, dfail, step) == (1, 1, 2)
-        assert lanes == [0, 1, 1]  # each fragment on its own lane
+        # join: frag 0, nothing to average (step 1). step 1: frag 1's sync fails -> b back
+        # to its backup 1.0 (a = 0.5 local). step 2: frag 1 again (step did not advance):
+        # b 1 -> 0.5 -> pseudo 0.5 -> b = 0.5. step 3: frag 0: a 1 -> 0.125 -> a = 0.125.
+        assert seen == [(0.5, 1.0), (0.25, 0.5), (0.125, 0.25)]
+        assert (failures, dfail, step) == (1, 1, 3)
+        assert lanes == [0, 1, 1, 0]  # each fragment on its own lane
 
 
 @pytest.mark.parametrize("tau", [0, 1])
@@ -220,7 +226,7 @@ def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
             (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
             _time.sleep(0.1)  # the inner step's compute
             inner.step()
-    assert d.syncs == 2
+    assert d.syncs == (3 if tau == 0 else 2)  # with tau = 0 the join round completes on entry
     if tau == 0:
         assert d.comm_wait_seconds >= 2 * 0.045, d.comm_wait_seconds
     else:
@@ -254,7 +260,8 @@ def test_bucketization_switch_and_default_cap_follow_torchft(monkeypatch):
 @pytest.mark.parametrize("keep_backup", [False, True])
 def test_localsgd_commit_and_failed_sync(keep_backup):
     def body(rank, group):
-        m = FakeManager(group, rank, fail_calls={1} if rank == 1 else set())
+        # one allreduce per sync (the weight rides in the scalar's tensor); call 0 is the join
+        m = FakeManager(group, rank, fail_calls={2} if rank == 1 else set())
         model = Scalar(1.0)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         vals = []
@@ -287,6 +294,153 @@ def test_localsgd_warmup_syncs_every_step():
         return m.step, model.w.item()
 
     (s0, w0), (s1, w1) = run_replicas(2, body)
-    # warmup: step 1 avg(0.5, 2.5) = 1.5; step 2 avg(0.75, 2.75) = 1.75; step 3 local.
-    assert s0 == s1 == 2
+    # join: nothing to average; warmup: step 1 avg(0.5, 2.5) = 1.5; step 2 avg(0.75, 2.75)
+    # = 1.75; step 3 local. Three commits: the join round and two warmup syncs.
+    assert s0 == s1 == 3
     assert (w0, w1) == (0.875, 2.875)
+
+
+# -- who contributes to a sync -------------------------------------------------
+
+
+F, T = False, True
+
+
+@pytest.mark.parametrize(
+    "before,event,fragment,first_commit,after",
+    [
+        ((F, F), "sync", 0, True, (T, T)),  # a fresh job's join round: every fragment counts
+        ((F, F), "sync", 0, False, (T, F)),  # a mid-run join at fragment 0: 1 still partial
+        ((F, F), "sync", 1, False, (F, T)),
+        ((T, F), "sync", 1, False, (T, T)),  # ... until fragment 1 has synced once
+        ((T, T), "sync", 1, False, (T, T)),  # the fault-free path
+        ((T, T), "heal", None, False, (F, F)),  # a heal restarts every fragment mid-interval
+        ((T,), "heal", None, False, (F,)),
+        ((F,), "sync", 0, False, (T,)),
+    ],
+)
+def test_contributions_table(before, event, fragment, first_commit, after):
+    assert contributions_after(before, event, fragment, first_commit=first_commit) == after
+
+
+@pytest.mark.parametrize("args", [((T, T), "sync", None), ((T, T), "sync", 2), ((T,), "join", 0)])
+def test_contributions_rejects(args):
+    with pytest.raises(ValueError):
+        contributions_after(*args)
+
+
+@pytest.mark.parametrize(
+    "dtypes_sizes,want",
+    [
+        ([(torch.float32, 10), (torch.float64, 3), (torch.bfloat16, 1)], 1),
+        ([(torch.float32, 5), (torch.float32, 2)], 1),
+        ([(torch.bfloat16, 5), (torch.float16, 2)], None),  # a count is not exact there
+        ([], None),
+    ],
+)
+def test_fold_index_table(dtypes_sizes, want):
+    assert _fold_index([torch.zeros(n, dtype=d) for d, n in dtypes_sizes]) == want
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_weighted_sum_averages_over_contributors_only(quantize):
+    """3 replicas, weights 1, 0, 1: the one with weight 0 sends zeros and every replica
+    divides by 2. The weight rides in the smallest fp32 tensor (one allreduce per tensor);
+    with quantization it is an allreduce of its own."""
+
+    def body(rank, group):
+        m = FakeManager(group, rank)
+        w = 0.0 if rank == 1 else 1.0
+        big = torch.full((4, 3), float(rank + 1)) * w
+        small = torch.full((2,), 10.0 * (rank + 1)) * w
+        s = _WeightedSum(m, [big, small], w, quantize, None, False)
+        s.wait()
+        return s.total(), [t.clone() for t in s.tensors], m.calls
+
+    for total, (big, small), calls in run_replicas(3, body):
+        assert total == 2.0 and calls == (3 if quantize else 2)
+        assert torch.equal(big / total, torch.full((4, 3), 2.0))  # (1 + 3) / 2
+        assert torch.equal(small / total, torch.full((2,), 20.0)) and small.shape == (2,)
+
+
+class _HealOnce(FakeManager):
+    """A FakeManager whose quorum number ``heal_at`` is a heal: every registered state is
+    loaded (here the replica's own, which the fragments' backups share with the others)."""
+
+    def __init__(self, *args, heal_at: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.heal_at = heal_at
+
+    def start_quorum(self, **kw) -> None:
+        super().start_quorum(**kw)
+        if self.quorums == self.heal_at:
+            for load, save in self.state_fns.values():
+                load(save())
+
+
+def test_diloco_healed_group_restarts_from_backups_and_sends_nothing():
+    """w0 = 1, loss 0.5 (w - t)^2 (t = 0 on replica 0, 4 on replica 1), inner SGD lr 0.5,
+    sync_every 1, outer SGD lr 1 with momentum 0.5 (buf <- 0.5 buf + g; w <- w - buf).
+
+    join: nobody has trained: no outer step (the outer optimizer holds no state yet).
+    sync 1: local 0.5 and 2.5, pseudo 0.5 and -1.5, g = -0.5: buf = -0.5, w = 1.5.
+    sync 2: replica 1 heals in its quorum: its parameter goes back to the backup 1.5 and it
+      sends zeros with weight 0; replica 0: local 0.75, pseudo 0.75, g = 0.75 / 1:
+      buf = -0.25 + 0.75 = 0.5, w = 1.0.
+    sync 3: both count again: local 0.5 and 2.5, g = (0.5 - 1.5) / 2 = -0.5:
+      buf = 0.25 - 0.5 = -0.25, w = 1.25.
+    """
+
+    def body(rank, group):
+        m = _HealOnce(group, rank, heal_at=3 if rank == 1 else 0)
+        model = Scalar(1.0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.5)
+        outer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
+        traj, counts = [], []
+        with DiLoCo(m, [model], inner, outer, sync_every=1) as d:
+            counts.append(d.contributors)
+            outer_state_after_join = len(outer.state)
+            for _ in range(3):
+                _quad_step(model, inner, 4.0 * rank)
+                traj.append(model.w.item())
+                counts.append(d.contributors)
+        return traj, counts, outer_state_after_join
+
+    for traj, counts, outer_state in run_replicas(2, body):
+        assert outer_state == 0
+        assert counts == [0.0, 2.0, 1.0, 2.0]
+        assert traj == [1.5, 1.0, 1.25]  # exact in binary
+
+
+def test_localsgd_group_whose_step_moves_in_the_quorum_contributes_nothing():
+    """3 replicas; replica 2's second sync is a heal (its step jumps in the quorum): it sends
+    zeros and every replica takes the average of replicas 0 and 1."""
+
+    class StepJump(FakeManager):
+        def start_quorum(self, **kw) -> None:
+            super().start_quorum(**kw)
+            if self.rank == 2 and self.quorums == 2:
+                self.step += 1  # a heal sets the step the others are at
+                self.jumped = True
+
+        def should_commit(self, timeout=None) -> bool:
+            if getattr(self, "jumped", False):
+                self.jumped = False
+                self.step -= 1  # the fake's commit barrier keys on the step: stay in line
+            return super().should_commit(timeout)
+
+    def body(rank, group):
+        m = StepJump(group, rank)
+        model = Scalar(float(rank))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        with LocalSGD(m, model, opt, sync_every=1) as algo:
+            joined = (model.w.item(), algo.contributors)
+            model.w.data.fill_(10.0 * (rank + 1))
+            opt.zero_grad()
+            model.w.sum().backward()
+            opt.step()
+            return joined, model.w.item(), algo.contributors
+
+    for joined, w, count in run_replicas(3, body):
+        assert joined[1] == 0.0  # the join round: nobody contributes, parameters unchanged
+        assert w == 15.0 and count == 2.0  # (10 + 20) / 2: replica 2's 30 is not in it
