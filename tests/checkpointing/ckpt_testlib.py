@@ -21,6 +21,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
+def payload_model() -> torch.nn.Module:
+    """The model whose state (with its Adam state) the payload carries: an embedding, linear
+    layers and a BatchNorm (buffers, an integer counter)."""
+    return torch.nn.Sequential(
+        torch.nn.Embedding(10, 8),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )
+
+
 def build_state(big_mb: int = 0) -> Dict[str, Any]:
     """A deterministic Manager-style payload: model + Adam state + assorted plain values."""
     threads = torch.get_num_threads()
@@ -28,14 +41,7 @@ def build_state(big_mb: int = 0) -> Dict[str, Any]:
     try:
         g = torch.Generator().manual_seed(1234)
         torch.manual_seed(1234)
-        model = torch.nn.Sequential(
-            torch.nn.Embedding(10, 8),
-            torch.nn.Flatten(),
-            torch.nn.Linear(16, 16),
-            torch.nn.BatchNorm1d(16),
-            torch.nn.ReLU(),
-            torch.nn.Linear(16, 4),
-        )
+        model = payload_model()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         for _ in range(3):
             x = torch.randint(0, 10, (8, 2), generator=g)
@@ -133,14 +139,7 @@ def check_payload(received: Dict[str, Any], big_mb: int = 0) -> None:
     assert_same(expected, received)
     misc = received["user"]["misc"]
     assert misc["tied_a"] is misc["tied_b"], "tied tensors must stay one tensor"
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(10, 8),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16, 16),
-        torch.nn.BatchNorm1d(16),
-        torch.nn.ReLU(),
-        torch.nn.Linear(16, 4),
-    )
+    model = payload_model()
     model.load_state_dict(received["user"]["model"])
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
     opt.load_state_dict(received["user"]["optim"])
