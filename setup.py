@@ -7,10 +7,11 @@
 Extensions:
 * ``ft._C``, the torch backend. It compiles against the torch found at build time; a CUDA torch
   adds the NCCL sources.
-* ``ft.coordination._grpc_server``, the native gRPC server, where gRPC C++ and OpenSSL are
-  installed (``pkg-config grpc++ libcrypto``, e.g. Debian's libgrpc++-dev and libssl-dev). It
-  compiles with pybind11's own headers (``pybind11.get_include()``) and links gRPC C++ and
-  libcrypto, not torch. Without it the lighthouse serves with grpcio.
+* ``ft.coordination._grpc_server``, the native gRPC server and client, where gRPC C++ and
+  OpenSSL are installed (``pkg-config grpc++ libcrypto``, e.g. Debian's libgrpc++-dev and
+  libssl-dev). It compiles with pybind11's own headers (``pybind11.get_include()``) and links
+  gRPC C++ and libcrypto, not torch. Without it the lighthouse serves, and clients call, with
+  grpcio.
 
 Build switches (docs/building.md, "Build switches"; environment; 1/ON/YES/TRUE and 0/OFF/NO/FALSE, as PyTorch's):
 
@@ -280,7 +281,7 @@ def grpc_server_extension():
         return None
     return Extension(
         name="ft.coordination._grpc_server",
-        sources=["csrc/grpc_server/grpc_server.cpp"],
+        sources=["csrc/grpc_server/grpc_server.cpp", "csrc/grpc_server/grpc_client.cpp"],
         include_dirs=[pybind11.get_include()],
         extra_compile_args=optimization_flags() + ["-std=c++17", "-fvisibility=hidden"] + cflags,
         extra_link_args=libs,

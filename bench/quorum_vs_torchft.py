@@ -1,7 +1,7 @@
 """ft's lighthouse and client beside torchft 0.2.0's (Rust), on one harness, in one run.
 
     .venv/bin/python -m bench.quorum_vs_torchft [--groups 2 8 32 256] [--rounds 30]
-        [--heartbeats 3000] [--secret]
+        [--heartbeats 3000] [--secret] [--clients ft-native ft-grpcio torchft]
 
 torchft is installed with ``pip install --no-deps torchft==0.2.0`` into a throwaway venv
 (``$FT_BENCH_TORCHFT_VENV``, default /tmp/ft-bench-torchft) that sees this venv's packages; the
@@ -12,15 +12,21 @@ Harness, the same for both libraries: the lighthouse runs in its own process (ft
 ft.coordination.cli``, native gRPC server; torchft: its ``torchft_lighthouse`` binary). Every
 simulated replica group is a client thread in this process; a round is every group calling
 ``quorum`` at once with unchanged membership, timed from the first call to the last answer.
-All four pairings are measured (client x server), so that the client's and the server's
-shares stay visible.
+Every pairing is measured (client x server), so that the client's and the server's shares stay
+visible. ft's client runs on both of its transports (``LighthouseClient(transport=...)``):
+``ft-native`` (gRPC C++, ft.coordination._grpc_server.Channel) and ``ft-grpcio``.
 
 1. Steady round, median over ``--rounds``, at each ``--groups``, and the lighthouse's CPU per
    round (its threads' scheduler time; /proc/PID/task/*/schedstat).
 2. Heartbeats: one client sends ``--heartbeats`` heartbeats back to back; reported: the
-   lighthouse's CPU per heartbeat, and what that makes for 1024 groups heartbeating at 10 Hz
-   (10,240 heartbeats/s), in cores. This machine cannot generate 10,240 requests/s from Python
-   clients, so the load figure is the measured per-request cost times the rate.
+   lighthouse's CPU per heartbeat and the latency, and what that CPU makes for 1024 groups
+   heartbeating at 10 Hz (10,240 heartbeats/s), in cores.
+3. Heartbeat load: 1024 groups x 10 Hz for real, from ``ft.coordination._grpc_server.
+   LoadGenerator`` (C++, open loop: calls start on schedule whether or not earlier ones were
+   answered) over ``--load-connections`` connections (default 1024: one per group, as in a
+   job), 1024 replica ids, for ``--load-seconds``; reported: the rate achieved, the calls
+   that failed, and the lighthouse's CPU in cores while it ran. Needs the native module; not
+   run with ``--secret`` (the generator does not sign).
 
 With ``--secret`` ft's side runs with a job secret (signed requests, verified in C++); torchft
 has no authentication, so that compares a secured ft with an open torchft.
@@ -189,12 +195,21 @@ class Lighthouse:
 
 
 # --- clients ---------------------------------------------------------------------------------
+CLIENTS = ("ft-native", "ft-grpcio", "torchft")
+
+
 def make_client(kind: str, address: str, secret: bool):
-    """(quorum(replica_id), heartbeat(replica_id)) bound to one new client of ``kind``."""
-    if kind == "ft":
+    """(quorum(replica_id), heartbeat(replica_id)) bound to one new client of ``kind``: one of
+    CLIENTS, or "ft" (ft's default transport)."""
+    if kind.startswith("ft"):
         from ft.coordination import LighthouseClient
 
-        c = LighthouseClient(address, timedelta(seconds=10), secret=SECRET if secret else None)
+        c = LighthouseClient(
+            address,
+            timedelta(seconds=10),
+            secret=SECRET if secret else None,
+            transport=kind[3:] or "auto",
+        )
         return (
             lambda rid: c.quorum(rid, timeout=timedelta(seconds=60), step=1),
             lambda rid: c.heartbeat(rid, timeout=timedelta(seconds=5)),
@@ -218,8 +233,9 @@ def measure_round(
 ) -> Tuple[float, float]:
     lh = Lighthouse(server, n, secret and server == "ft")
     try:
-        use_secret = secret and server == "ft" and client == "ft"
-        if secret and server == "ft" and client != "ft":
+        ft_client = client.startswith("ft")
+        use_secret = secret and server == "ft" and ft_client
+        if secret and server == "ft" and not ft_client:
             return float("nan"), float("nan")  # torchft's client cannot sign
         asks = []
         for i in range(n):
@@ -237,7 +253,7 @@ def measure_round(
 def measure_heartbeat(client: str, server: str, count: int, secret: bool) -> Tuple[float, float]:
     lh = Lighthouse(server, 1, secret and server == "ft")
     try:
-        if secret and server == "ft" and client != "ft":
+        if secret and server == "ft" and not client.startswith("ft"):
             return float("nan"), float("nan")
         _, hb = make_client(client, lh.address, secret and server == "ft")
         for _ in range(100):
@@ -251,12 +267,44 @@ def measure_heartbeat(client: str, server: str, count: int, secret: bool) -> Tup
         lh.stop()
 
 
+def measure_load(
+    server: str, rate: float, seconds: float, connections: int
+) -> Tuple[float, int, int, float, str]:
+    """(rate achieved, calls ok, calls failed, lighthouse cores, first error) of an open-loop
+    heartbeat load of ``rate`` per second from 1024 replica ids (section 3 of the docstring)."""
+    from ft.coordination import _rpc
+    from ft.coordination._proto import torchft_pb2 as pb
+
+    bodies = [
+        pb.LighthouseHeartbeatRequest(replica_id=f"g{i:04d}").SerializeToString()
+        for i in range(1024)
+    ]
+    lh = Lighthouse(server, 1, False)
+    try:
+        gen = _rpc.native.LoadGenerator(
+            _rpc.grpc_target(lh.address), _rpc.CHANNEL_OPTIONS, connections, 60.0
+        )
+        time.sleep(0.5)  # the connections' setup is not part of the load
+        c0, w0 = lh.cpu_s(), time.monotonic()
+        r = gen.run("/torchft.LighthouseService/Heartbeat", bodies, rate, seconds, 5.0)
+        cores = (lh.cpu_s() - c0) / (time.monotonic() - w0)
+        del gen
+        return r["sent"] / r["send_s"], r["ok"], r["failed"], cores, r["first_error"]
+    finally:
+        lh.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32, 256])
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--heartbeats", type=int, default=3000)
     p.add_argument("--secret", action="store_true", help="ft's side with a job secret")
+    p.add_argument(
+        "--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS), help="clients measured"
+    )
+    p.add_argument("--load-seconds", type=float, default=3.0, help="0: no load section")
+    p.add_argument("--load-connections", type=int, default=1024)
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if not a.inner:
@@ -266,19 +314,26 @@ def main() -> None:
             env = dict(os.environ, PYTHONPATH=ROOT, RUST_LOG="error")
             os.execve(py, [py, "-m", "bench.quorum_vs_torchft", "--inner", *sys.argv[1:]], env)
     have_torchft = import_torchft_native() is not None
-    kinds = ["ft", "torchft"] if have_torchft else ["ft"]
-    pairs = [(c, s) for s in kinds for c in kinds]
+    from ft.coordination import _rpc
+
+    servers = ["ft", "torchft"] if have_torchft else ["ft"]
+    clients = [
+        c
+        for c in a.clients
+        if (c != "torchft" or have_torchft) and (c != "ft-native" or _rpc.native is not None)
+    ]
+    pairs = [(c, s) for s in servers for c in clients]
     print(
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; ft secret "
         f"{'on' if a.secret else 'off'}; torchft {'0.2.0' if have_torchft else 'not installed'}"
     )
     print(f"steady quorum round, median of {a.rounds} (lighthouse CPU per round in brackets)")
-    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>34}" for c, s in pairs))
+    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>36}" for c, s in pairs))
     for n in a.groups:
         cells = []
         for c, s in pairs:
             ms, cpu = measure_round(c, s, n, a.rounds, a.secret)
-            cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms CPU]".rjust(34))
+            cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms CPU]".rjust(36))
         print(f"{n:>6}  " + "  ".join(cells), flush=True)
     print(
         f"\nheartbeats, {a.heartbeats} back to back from one client: lighthouse CPU per "
@@ -287,8 +342,24 @@ def main() -> None:
     for c, s in pairs:
         cpu_us, lat_us = measure_heartbeat(c, s, a.heartbeats, a.secret)
         print(
-            f"  {c:>7} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency"
+            f"  {c:>9} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency"
             f" -> {cpu_us * 10240 / 1e6:5.2f} cores at 10,240 heartbeats/s",
+            flush=True,
+        )
+    if a.load_seconds <= 0:
+        return
+    if _rpc.native is None or a.secret:
+        print("\nheartbeat load skipped: " + ("--secret" if a.secret else "no native module"))
+        return
+    print(
+        f"\nheartbeat load: 1024 groups x 10 Hz for {a.load_seconds:g} s, open loop, "
+        f"{a.load_connections} connections: rate achieved, failed calls, lighthouse cores"
+    )
+    for s in servers:
+        rate, ok, failed, cores, err = measure_load(s, 10240, a.load_seconds, a.load_connections)
+        print(
+            f"  {s:>7} server: {rate:7.0f} heartbeats/s, {failed} of {ok + failed} failed,"
+            f" {cores:5.2f} cores" + (f" (first failure: {err})" if err else ""),
             flush=True,
         )
 

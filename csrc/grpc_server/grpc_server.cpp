@@ -52,6 +52,8 @@
 //   `leaving`, unknown fields) goes to Python, which answers it, so every error
 //   message has one source.
 
+#include "grpc_client.hpp"
+
 #include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
@@ -1274,9 +1276,9 @@ grpc::ByteBuffer toByteBuffer(const py::bytes& data) {
 
 PYBIND11_MODULE(_grpc_server, m) {
   m.doc() =
-      "A generic gRPC server (C++ callback API) whose calls Python answers; "
-      "see "
-      "ft.coordination.transport.";
+      "A generic gRPC server (C++ callback API) whose calls Python answers, "
+      "and a unary-call client channel; see ft.coordination.rpc_server and "
+      "ft.coordination.clients.";
 
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
@@ -1388,4 +1390,7 @@ PYBIND11_MODULE(_grpc_server, m) {
              const std::string& token) {
             return v.verify(what, std::string(body), token);
           });
+
+  // The client side: ft's coordination clients' unary calls (grpc_client.cpp).
+  bindClient(m);
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import TYPE_CHECKING, Optional, Tuple
 
@@ -11,6 +12,14 @@ from ..utils.deadline import Deadline, Timeout, to_seconds
 
 if TYPE_CHECKING:
     from ..utils.tls import TLSConfig
+
+try:
+    from . import _grpc_server as native
+except ImportError:  # not built (no gRPC C++ on the build machine)
+    native = None
+
+# A client's transport when it is built with transport="auto": "native" or "grpcio".
+CLIENT_TRANSPORT_ENV = "FT_CLIENT_TRANSPORT"
 
 
 # Servers refuse requests larger than this (RESOURCE_EXHAUSTED); clients accept answers up to it.
@@ -137,13 +146,58 @@ def make_channel(addr: str, tls: Optional["TLSConfig"] = None) -> grpc.Channel:
     return grpc.insecure_channel(grpc_target(addr), options=CHANNEL_OPTIONS)
 
 
+def client_transport(transport: str, tls: bool) -> str:
+    """ "native" or "grpcio": what a client built with ``transport`` uses for its unary calls.
+
+    ``"auto"`` reads ``FT_CLIENT_TRANSPORT`` (default auto: native when built). The native
+    client has no TLS: a TLS client uses grpcio, as a TLS server does.
+    """
+    if transport == "auto":
+        transport = os.environ.get(CLIENT_TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if transport not in ("auto", "native", "grpcio"):
+        raise ValueError(
+            f"client transport must be 'auto', 'native' or 'grpcio', got {transport!r}"
+            f" (argument or {CLIENT_TRANSPORT_ENV})"
+        )
+    if transport == "native":
+        if native is None:
+            raise RuntimeError(
+                "the native gRPC client (ft.coordination._grpc_server) is not built: build ft "
+                "on a machine with gRPC C++ (e.g. apt-get install libgrpc++-dev), or use "
+                "transport='grpcio'"
+            )
+        if tls:
+            raise ValueError("the native gRPC client does not do TLS; use transport='grpcio'")
+    return "native" if transport != "grpcio" and native is not None and not tls else "grpcio"
+
+
+def make_native_channel(addr: str):
+    """A native (gRPC C++) channel with the options of :func:`make_channel`."""
+    return native.Channel(grpc_target(addr), CHANNEL_OPTIONS)
+
+
+# The native client's status codes (gRPC's integers) as grpcio's enum.
+_STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
+
+
+def status_error(code: grpc.StatusCode, details: str, method: str) -> BaseException:
+    """A call's failure -> TimeoutError (missed deadline) or CoordinationError."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(f"{method}: deadline exceeded: {details}")
+    return CoordinationError(code, details, method)
+
+
 def translate(err: grpc.RpcError, method: str) -> BaseException:
     """A client-side RpcError -> TimeoutError (missed deadline) or CoordinationError."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else str(err)) or ""
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TimeoutError(f"{method}: deadline exceeded: {details}")
-    return CoordinationError(code, details, method)
+    return status_error(code, details, method)
+
+
+def native_status(err: BaseException) -> Tuple[grpc.StatusCode, str]:
+    """(code, details) of the native client's CallError."""
+    code, details = err.args
+    return _STATUS_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN), details
 
 
 def wait_ready(channel: grpc.Channel, addr: str, timeout: float) -> None:
@@ -155,6 +209,12 @@ def wait_ready(channel: grpc.Channel, addr: str, timeout: float) -> None:
         # Stop its polling thread now: it would otherwise outlive a channel closed meanwhile.
         ready.cancel()
         raise TimeoutError(f"could not connect to {addr} within {timeout:.3f}s") from None
+
+
+def wait_ready_native(channel, addr: str, timeout: float) -> None:
+    """:func:`wait_ready` for a native channel."""
+    if not channel.wait_connected(max(timeout, 0.0)):
+        raise TimeoutError(f"could not connect to {addr} within {timeout:.3f}s")
 
 
 def server_deadline(context: grpc.ServicerContext, method: str) -> Deadline:

@@ -81,7 +81,13 @@ def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
 
 class _Client:
     """A channel to one server. With a job secret, every request carries its signature
-    (ft.utils.auth): the client serializes the request once, signs those bytes, and sends them."""
+    (ft.utils.auth): the client serializes the request once, signs those bytes, and sends them.
+
+    ``transport``: ``"auto"`` (``FT_CLIENT_TRANSPORT``, else native when built), ``"native"``
+    (gRPC C++: ft.coordination._grpc_server.Channel) or ``"grpcio"``, for unary calls; the
+    failure stream is grpcio's either way, and so is everything over TLS. Both raise the same
+    exceptions (module docstring) for the same failures.
+    """
 
     _service = ""
 
@@ -92,23 +98,32 @@ class _Client:
         *,
         secret: SecretLike = None,
         tls: Optional[TLSConfig] = None,
+        transport: str = "auto",
     ) -> None:
         self._addr = addr
         self._connect_timeout = _rpc.required_seconds(connect_timeout, "connect_timeout")
         secret = resolve_secret(secret)
         self._signer = Signer(secret, GRPC_PURPOSE) if secret is not None else None
-        self._channel = _rpc.make_channel(addr, resolve_tls(tls))
+        tls = resolve_tls(tls)
+        self.transport = _rpc.client_transport(transport, tls is not None)
+        # grpcio's channel connects on its first use: with the native transport, only a
+        # failure stream uses it.
+        self._channel = _rpc.make_channel(addr, tls)
+        self._native = _rpc.make_native_channel(addr) if self.transport == "native" else None
         self._calls = {}
+        self._methods = {}
         for name, (path, response, streams) in _service_methods(self._service).items():
             make = self._channel.unary_stream if streams else self._channel.unary_unary
             self._calls[name] = (
                 path,
                 make(path, request_serializer=None, response_deserializer=response.FromString),
             )
+            self._methods[name] = (path, response.FromString)
         self._connected = False
 
     def _invoke(self, method: str, request, **kwargs):
-        """Sends ``request`` (signed when there is a secret); returns what the stub returns."""
+        """Sends ``request`` through grpcio (signed when there is a secret); returns what the
+        stub returns."""
         path, call = self._calls[method]
         data = request.SerializeToString()
         if self._signer is not None:
@@ -133,23 +148,41 @@ class _Client:
         if t <= 0:
             raise TimeoutError(f"{method}: timeout must be > 0, got {t}")
         deadline = Deadline.after(t)
+        path, parse = self._methods[method]
+        data = request.SerializeToString()  # once; each attempt signs it anew (a fresh nonce)
+        signer, native = self._signer, self._native
+        grpcio_call = self._calls[method][1]
 
         def attempt(remaining: float):
             if wait_for_ready and not self._connected:
                 # Bound the connection phase by connect_timeout as well as by the deadline.
                 connect = min(self._connect_timeout, remaining)
                 try:
-                    _rpc.wait_ready(self._channel, self._addr, connect)
+                    if native is not None:
+                        _rpc.wait_ready_native(native, self._addr, connect)
+                    else:
+                        _rpc.wait_ready(self._channel, self._addr, connect)
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
-            try:
-                resp = self._invoke(
-                    method, request, timeout=remaining, wait_for_ready=wait_for_ready
-                )
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._connected = False
-                raise _rpc.translate(e, method) from None
+            auth = signer.sign(path, data) if signer is not None else ""
+            if native is not None:
+                try:
+                    resp = parse(native.call(path, data, remaining, wait_for_ready, auth))
+                except _rpc.native.CallError as e:
+                    code, details = _rpc.native_status(e)
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self._connected = False
+                    raise _rpc.status_error(code, details, method) from None
+            else:
+                metadata = ((GRPC_METADATA_KEY, auth),) if auth else None
+                try:
+                    resp = grpcio_call(
+                        data, timeout=remaining, wait_for_ready=wait_for_ready, metadata=metadata
+                    )
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self._connected = False
+                    raise _rpc.translate(e, method) from None
             self._connected = True
             return resp
 
@@ -158,6 +191,8 @@ class _Client:
         )
 
     def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
         self._channel.close()
 
     def __enter__(self):
@@ -245,7 +280,13 @@ class FailureSubscription:
 
 
 class LighthouseClient(_Client):
-    """Client of ``LighthouseService``. ``addr``: ``"http://host:port"`` or ``"host:port"``."""
+    """Client of ``LighthouseService``.
+
+    Args:
+        addr: ``"http://host:port"`` or ``"host:port"`` of the lighthouse.
+        connect_timeout: how long to wait for the connection.
+        secret, tls, transport: as for every ft client (docs/security.md).
+    """
 
     _service = "LighthouseService"
 
@@ -335,7 +376,13 @@ class LighthouseClient(_Client):
 
 
 class ManagerClient(_Client):
-    """Client of a replica group's ``ManagerService`` (torchft-compatible names)."""
+    """Client of a replica group's ``ManagerService`` (torchft-compatible names).
+
+    Args:
+        addr: ``"http://host:port"`` or ``"host:port"`` of the ManagerServer.
+        connect_timeout: how long to wait for the connection.
+        secret, tls, transport: as for every ft client (docs/security.md).
+    """
 
     _service = "ManagerService"
 

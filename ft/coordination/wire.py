@@ -53,8 +53,17 @@ def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
     )
 
 
+# QuorumMember is a frozen dataclass without __post_init__: its __init__ only stores the fields,
+# one object.__setattr__ each. Filling the instance's __dict__ at once builds the same object
+# (equal, same hash) in about half the time, which counts where a client decodes a quorum of
+# hundreds of members every step.
+assert not hasattr(QuorumMember, "__post_init__") and not hasattr(QuorumMember, "__slots__")
+_new_member = object.__new__
+
+
 def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
-    return QuorumMember(
+    member = _new_member(QuorumMember)
+    member.__dict__.update(
         replica_id=m.replica_id,
         address=m.address,
         store_address=m.store_address,
@@ -64,6 +73,7 @@ def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
         data=_data_from_wire(m.data),
         commit_failures=m.commit_failures,
     )
+    return member
 
 
 def quorum_to_pb(q: Quorum) -> pb.Quorum:
@@ -80,7 +90,7 @@ def quorum_from_pb(q: pb.Quorum) -> Quorum:
     )
     return Quorum(
         quorum_id=q.quorum_id,
-        participants=tuple(member_from_pb(m) for m in q.participants),
+        participants=tuple([member_from_pb(m) for m in q.participants]),
         created=created,
     )
 

@@ -9,6 +9,7 @@ a fraction of a second and these tests do not depend on the backend build. Start
     lighthouse [LighthouseServer kwargs as JSON]
     cli [ft-lighthouse flags...]
     subscriber REPLICA_ID LIGHTHOUSE_ADDR
+    exit-mid-call LIGHTHOUSE_ADDR CLIENT_TRANSPORT
 
 A mode with the suffix ``-without-torch`` (``cli-without-torch``) runs with torch and ``ft._C``
 hidden: importing either raises ModuleNotFoundError, as on a host where they are not installed.
@@ -84,6 +85,17 @@ def main() -> int:
         while True:
             client.heartbeat(replica_id, timeout=5.0)
             threading.Event().wait(0.05)
+    elif mode == "exit-mid-call":
+        # Returns (the interpreter exits) while daemon threads wait in Quorum calls.
+        lighthouse, transport = sys.argv[2], sys.argv[3]
+        client = coord.LighthouseClient(lighthouse, 5.0, transport=transport)
+        client.heartbeat("exit", timeout=5.0)
+        for i in range(8):
+            threading.Thread(
+                target=lambda i=i: client.quorum(f"exit-{i}", timeout=30.0), daemon=True
+            ).start()
+        threading.Event().wait(0.5)
+        print("EXITING", flush=True)
     elif mode == "cli":
         from ft.coordination.cli import main as cli_main
 

@@ -1,0 +1,552 @@
+// ft.coordination._grpc_server.Channel: unary gRPC calls from Python through
+// gRPC C++, for ft's lighthouse and ManagerServer clients
+// (ft/coordination/clients.py picks it, or grpcio, per client).
+//
+// Why: a grpcio call costs ~0.2 ms of CPU and ~0.3 ms of latency on loopback,
+// most of it in grpcio's Python/Cython layer, under the GIL that every client
+// thread of a process shares. Here the whole call (HTTP/2, waiting for the
+// answer) runs in C++ with the GIL released; Python pays one function call.
+// The calling thread drives the call itself (a completion queue of its own,
+// polled by that thread, as gRPC's synchronous stubs do): no hand-off to
+// another thread and back.
+
+#include "grpc_client.hpp"
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// How long past a call's deadline to wait for gRPC to end it. gRPC ends a call
+// at its deadline by itself; this only bounds the wait should it not.
+constexpr auto kPastDeadlineGrace = std::chrono::seconds(2);
+// While a call waits, it looks for a pending signal (Ctrl-C) this often: a
+// quorum may wait for minutes, and grpcio's calls can be interrupted too.
+constexpr auto kSignalCheckPeriod = std::chrono::milliseconds(200);
+// After a cancellation, gRPC completes the call without the network; allow it
+// this long.
+constexpr auto kCancelGrace = std::chrono::seconds(5);
+
+// The exception Python sees for a call that ended with a status other than OK:
+// args (code: int, the gRPC status code; details: str).
+PyObject* gCallError = nullptr;
+
+bool interpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// Releases the GIL for its scope, for a wait that may outlast the interpreter:
+// a daemon thread still in a call when Python exits. Taking the GIL back while
+// the interpreter finalizes ends the thread with pthread_exit (Python up
+// to 3.13), whose unwinding through this destructor (noexcept) is
+// std::terminate: the process would abort at exit. Such a thread parks here
+// instead, as Python 3.14 parks its own, until the exiting process takes it
+// down.
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  ~GilRelease() {
+    while (interpreterFinalizing()) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+    PyEval_RestoreThread(state_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// grpcio-style options ([(name, int or str)],
+// ft.coordination._rpc.CHANNEL_OPTIONS) as gRPC C++ channel arguments. GIL
+// held.
+grpc::ChannelArguments channelArguments(
+    const std::vector<std::pair<std::string, py::object>>& options) {
+  grpc::ChannelArguments args;
+  for (const auto& [name, value] : options) {
+    if (py::isinstance<py::bool_>(value) || py::isinstance<py::int_>(value)) {
+      args.SetInt(name, value.cast<int>());
+    } else if (py::isinstance<py::str>(value)) {
+      args.SetString(name, value.cast<std::string>());
+    } else {
+      throw py::type_error(
+          "channel option " + name + ": an int or a str is required");
+    }
+  }
+  return args;
+}
+
+// The calls' deadlines: gRPC's ClientContext takes a system_clock time point.
+using Clock = std::chrono::system_clock;
+
+Clock::time_point deadlineAfter(double seconds) {
+  // A NaN or negative timeout is an expired deadline; a huge one is capped (a
+  // year) so that the time point does not overflow.
+  if (!(seconds > 0))
+    seconds = 0;
+  seconds = std::min(seconds, 365.0 * 24 * 3600);
+  return Clock::now() +
+      std::chrono::duration_cast<Clock::duration>(
+             std::chrono::duration<double>(seconds));
+}
+
+// One channel (one HTTP/2 connection, reconnected by gRPC as needed) to one
+// server.
+//
+// Contract:
+// - `call(method, request, timeout_s, wait_for_ready, auth)` makes one unary
+//   call of `method` (e.g. "/torchft.LighthouseService/Heartbeat") with the
+//   serialized `request` and, when `auth` is not empty, the metadata
+//   "ft-auth: <auth>". It returns the serialized response, or raises CallError
+//   (code, details) with the call's gRPC status: DEADLINE_EXCEEDED once
+//   `timeout_s` has passed, UNAVAILABLE when the server cannot be reached (at
+//   once, or at the deadline with `wait_for_ready`), and the server's own
+//   status otherwise. It holds the GIL only to read its arguments and build its
+//   result, never while it waits, and it returns by the deadline (plus
+//   kPastDeadlineGrace should gRPC not end the call itself). A signal handler
+//   that raises (Ctrl-C) cancels the call and its exception propagates.
+// - `wait_connected(timeout_s)` waits (GIL released) until the channel is
+//   connected, at most `timeout_s`; returns whether it is.
+// - Thread-safe: any number of threads may call at once. After `close()`,
+//   calls raise ValueError; calls already in flight finish normally.
+class ClientChannel {
+ public:
+  ClientChannel(
+      const std::string& target,
+      const std::vector<std::pair<std::string, py::object>>& options) {
+    grpc::ChannelArguments args = channelArguments(options);
+    GilRelease nogil;
+    channel_ = grpc::CreateCustomChannel(
+        target,
+        grpc::InsecureChannelCredentials(),
+        args);
+    stub_ = std::make_shared<grpc::GenericStub>(channel_);
+  }
+
+  py::bytes call(
+      const std::string& method,
+      const py::bytes& request,
+      double timeoutS,
+      bool waitForReady,
+      const std::string& auth) {
+    std::shared_ptr<grpc::GenericStub> stub = currentStub();
+    char* data = nullptr;
+    Py_ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
+      throw py::error_already_set();
+    // A copy: the call may outlive this frame (see the end of run()).
+    grpc::Slice slice(data, static_cast<size_t>(size));
+    grpc::ByteBuffer requestBuffer(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    {
+      GilRelease nogil;
+      status =
+          run(*stub,
+              method,
+              requestBuffer,
+              deadlineAfter(timeoutS),
+              waitForReady,
+              auth,
+              &response);
+    }
+    if (status.error_code() == grpc::StatusCode::CANCELLED &&
+        PyErr_Occurred() != nullptr) {
+      throw py::error_already_set(); // a signal handler raised meanwhile
+    }
+    if (!status.ok()) {
+      py::tuple args = py::make_tuple(
+          static_cast<int>(status.error_code()),
+          status.error_message());
+      PyErr_SetObject(gCallError, args.ptr());
+      throw py::error_already_set();
+    }
+    return toBytes(response);
+  }
+
+  bool waitConnected(double timeoutS) {
+    std::shared_ptr<grpc::Channel> channel;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      channel = channel_;
+    }
+    if (!channel)
+      throw py::value_error("Cannot wait on a closed channel");
+    GilRelease nogil;
+    return channel->WaitForConnected(deadlineAfter(timeoutS));
+  }
+
+  void close() {
+    std::shared_ptr<grpc::Channel> channel;
+    std::shared_ptr<grpc::GenericStub> stub;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      channel = std::move(channel_);
+      stub = std::move(stub_);
+    }
+    // Dropped without the GIL: the last reference tears the connection down.
+    GilRelease nogil;
+    stub.reset();
+    channel.reset();
+  }
+
+ private:
+  std::shared_ptr<grpc::GenericStub> currentStub() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!stub_)
+      throw py::value_error("Cannot invoke RPC on closed channel!");
+    return stub_;
+  }
+
+  // The call, GIL released. On a pending Python exception (a signal handler
+  // raised) it cancels the call and returns CANCELLED with the exception set.
+  static grpc::Status run(
+      grpc::GenericStub& stub,
+      const std::string& method,
+      const grpc::ByteBuffer& request,
+      Clock::time_point deadline,
+      bool waitForReady,
+      const std::string& auth,
+      grpc::ByteBuffer* response) {
+    // Heap-held, in case the call outlives this frame (see the end).
+    struct Pending {
+      grpc::ClientContext ctx;
+      grpc::CompletionQueue cq;
+      grpc::ByteBuffer response;
+      grpc::Status status;
+    };
+    auto p = std::make_unique<Pending>();
+    p->ctx.set_deadline(deadline);
+    p->ctx.set_wait_for_ready(waitForReady);
+    if (!auth.empty())
+      p->ctx.AddMetadata("ft-auth", auth);
+    auto rpc = stub.PrepareUnaryCall(&p->ctx, method, request, &p->cq);
+    rpc->StartCall();
+    void* const kDone = p.get();
+    rpc->Finish(&p->response, &p->status, kDone);
+    const Clock::time_point giveUp = deadline + kPastDeadlineGrace;
+    bool done = false;
+    bool interrupted = false;
+    while (!done) {
+      const Clock::time_point now = Clock::now();
+      if (now >= giveUp)
+        break;
+      void* tag = nullptr;
+      bool ok = false;
+      auto r = p->cq.AsyncNext(
+          &tag,
+          &ok,
+          std::min(giveUp, now + kSignalCheckPeriod));
+      if (r == grpc::CompletionQueue::GOT_EVENT && tag == kDone) {
+        done = true;
+      } else if (
+          r == grpc::CompletionQueue::TIMEOUT && !interpreterFinalizing()) {
+        py::gil_scoped_acquire gil;
+        if (PyErr_CheckSignals() != 0) {
+          interrupted = true;
+          break;
+        }
+      }
+    }
+    if (!done) {
+      // Interrupted, or gRPC did not end the call by its deadline: cancel it
+      // and wait for the completion (local, no network) before the context
+      // and the queue go.
+      p->ctx.TryCancel();
+      void* tag = nullptr;
+      bool ok = false;
+      const auto until = Clock::now() + kCancelGrace;
+      while (!done &&
+             p->cq.AsyncNext(&tag, &ok, until) ==
+                 grpc::CompletionQueue::GOT_EVENT) {
+        done = tag == kDone;
+      }
+    }
+    grpc::Status status = interrupted
+        ? grpc::Status(grpc::StatusCode::CANCELLED, "interrupted")
+        : done
+        ? p->status
+        : grpc::Status(
+              grpc::StatusCode::DEADLINE_EXCEEDED,
+              "Deadline Exceeded (the call did not end at its deadline)");
+    if (!done) {
+      // gRPC still holds the context, the queue and the response buffer:
+      // kept alive (leaked) rather than freed under it. Only a gRPC that
+      // ignores both the deadline and the cancellation gets here.
+      (void)rpc.release();
+      (void)p.release();
+      return status;
+    }
+    *response = std::move(p->response);
+    p->cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (p->cq.Next(&tag, &ok)) {
+    }
+    return status;
+  }
+
+  static py::bytes toBytes(const grpc::ByteBuffer& buffer) {
+    grpc::Slice single;
+    if (buffer.TrySingleSlice(&single).ok()) {
+      return py::bytes(
+          reinterpret_cast<const char*>(single.begin()),
+          single.size());
+    }
+    std::vector<grpc::Slice> slices;
+    if (!buffer.Dump(&slices).ok())
+      return py::bytes();
+    std::string out;
+    out.reserve(buffer.Length());
+    for (const auto& s : slices)
+      out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    return py::bytes(out);
+  }
+
+  std::mutex mu_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::shared_ptr<grpc::GenericStub> stub_;
+};
+
+// Open-loop load for benchmarks (bench/quorum_vs_torchft.py): the heartbeats of
+// a thousand replica groups, 10,240 a second, which Python threads cannot send
+// from one machine.
+//
+// Contract:
+// - The constructor opens `connections` channels to `target` (each its own TCP
+// connection, as
+//   each group's client has one) with `options`, and waits until all are
+//   connected, at most `connect_timeout_s` (else RuntimeError).
+// - `run(method, bodies, rate, duration_s, timeout_s)` starts rate x duration_s
+// unary calls
+//   of `method`, on schedule whether or not earlier ones have been answered
+//   (open loop: a slow server does not slow the load down), cycling over
+//   `bodies` and the connections, each call with deadline `timeout_s`. It
+//   returns once every call has ended (by its deadline at the latest;
+//   kPastDeadlineGrace more should gRPC not end one), as a dict: sent, ok,
+//   failed, send_s (from the first call to the last one sent), first_error. One
+//   thread (the caller's, GIL released) sends and reaps; nothing in it blocks
+//   on a call.
+// - Not thread-safe: one run at a time.
+class LoadGenerator {
+ public:
+  LoadGenerator(
+      const std::string& target,
+      const std::vector<std::pair<std::string, py::object>>& options,
+      int connections,
+      double connectTimeoutS) {
+    if (connections < 1)
+      throw py::value_error("connections must be >= 1");
+    grpc::ChannelArguments args = channelArguments(options);
+    // Its own subchannel pool per channel: one connection each, not one shared.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    GilRelease nogil;
+    const auto deadline = deadlineAfter(connectTimeoutS);
+    for (int i = 0; i < connections; ++i) {
+      auto channel = grpc::CreateCustomChannel(
+          target,
+          grpc::InsecureChannelCredentials(),
+          args);
+      stubs_.push_back(std::make_unique<grpc::GenericStub>(channel));
+      channels_.push_back(std::move(channel));
+    }
+    for (auto& channel : channels_) {
+      if (!channel->WaitForConnected(deadline)) {
+        throw std::runtime_error(
+            "load generator: could not connect to " + target);
+      }
+    }
+  }
+
+  py::dict run(
+      const std::string& method,
+      const std::vector<py::bytes>& bodies,
+      double rate,
+      double durationS,
+      double timeoutS) {
+    if (bodies.empty() || !(rate > 0) || !(durationS > 0) || !(timeoutS > 0))
+      throw py::value_error(
+          "bodies must not be empty; rate, duration_s and timeout_s must be > "
+          "0");
+    std::vector<grpc::ByteBuffer> requests;
+    for (const auto& b : bodies) {
+      std::string data = b;
+      grpc::Slice slice(data);
+      requests.emplace_back(&slice, 1);
+    }
+    Result r;
+    {
+      GilRelease nogil;
+      r = send(method, requests, rate, durationS, timeoutS);
+    }
+    py::dict out;
+    out["sent"] = r.sent;
+    out["ok"] = r.ok;
+    out["failed"] = r.failed;
+    out["send_s"] = r.sendS;
+    out["first_error"] = r.firstError;
+    return out;
+  }
+
+ private:
+  struct Result {
+    uint64_t sent = 0;
+    uint64_t ok = 0;
+    uint64_t failed = 0;
+    double sendS = 0;
+    std::string firstError;
+  };
+
+  struct Pending {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> rpc;
+  };
+
+  Result send(
+      const std::string& method,
+      const std::vector<grpc::ByteBuffer>& requests,
+      double rate,
+      double durationS,
+      double timeoutS) {
+    Result r;
+    grpc::CompletionQueue cq;
+    std::unordered_set<Pending*> open;
+    // Takes the calls that end until `until`; with `untilNoneOpen`, only until
+    // every call has ended.
+    auto reap = [&](Clock::time_point until, bool untilNoneOpen) {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq.AsyncNext(&tag, &ok, until) ==
+             grpc::CompletionQueue::GOT_EVENT) {
+        auto* p = static_cast<Pending*>(tag);
+        if (p->status.ok()) {
+          ++r.ok;
+        } else {
+          if (r.failed++ == 0)
+            r.firstError = std::to_string(p->status.error_code()) + ": " +
+                p->status.error_message();
+        }
+        open.erase(p);
+        delete p;
+        if (Clock::now() >= until || (untilNoneOpen && open.empty()))
+          return;
+      }
+    };
+    const uint64_t total = static_cast<uint64_t>(rate * durationS);
+    const auto start = Clock::now();
+    const auto interval = std::chrono::duration<double>(1.0 / rate);
+    Clock::time_point lastDeadline = start;
+    for (uint64_t i = 0; i < total; ++i) {
+      const auto due = start +
+          std::chrono::duration_cast<Clock::duration>(
+                           interval * static_cast<double>(i));
+      if (Clock::now() < due)
+        reap(due, false);
+      auto* p = new Pending();
+      lastDeadline = deadlineAfter(timeoutS);
+      p->ctx.set_deadline(lastDeadline);
+      p->rpc = stubs_[i % stubs_.size()]->PrepareUnaryCall(
+          &p->ctx,
+          method,
+          requests[i % requests.size()],
+          &cq);
+      p->rpc->StartCall();
+      p->rpc->Finish(&p->response, &p->status, p);
+      open.insert(p);
+      ++r.sent;
+    }
+    r.sendS = std::chrono::duration<double>(Clock::now() - start).count();
+    const auto giveUp = lastDeadline + kPastDeadlineGrace;
+    while (!open.empty() && Clock::now() < giveUp)
+      reap(giveUp, true);
+    // Only calls gRPC failed to end by their deadline are left: cancel them,
+    // then collect everything before the queue goes.
+    for (Pending* p : open)
+      p->ctx.TryCancel();
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+      auto* p = static_cast<Pending*>(tag);
+      if (open.erase(p) != 0) {
+        ++r.failed;
+        delete p;
+      }
+    }
+    return r;
+  }
+
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
+};
+
+} // namespace
+
+void bindClient(py::module_& m) {
+  gCallError = PyErr_NewException(
+      "ft.coordination._grpc_server.CallError",
+      PyExc_RuntimeError,
+      nullptr);
+  if (gCallError == nullptr)
+    throw py::error_already_set();
+  m.attr("CallError") = py::handle(gCallError);
+
+  py::class_<ClientChannel>(m, "Channel")
+      .def(
+          py::init<
+              const std::string&,
+              const std::vector<std::pair<std::string, py::object>>&>(),
+          py::arg("target"),
+          py::arg("options"))
+      .def(
+          "call",
+          &ClientChannel::call,
+          py::arg("method"),
+          py::arg("request"),
+          py::arg("timeout"),
+          py::arg("wait_for_ready"),
+          py::arg("auth") = "")
+      .def("wait_connected", &ClientChannel::waitConnected, py::arg("timeout"))
+      .def("close", &ClientChannel::close);
+
+  py::class_<LoadGenerator>(m, "LoadGenerator")
+      .def(
+          py::init<
+              const std::string&,
+              const std::vector<std::pair<std::string, py::object>>&,
+              int,
+              double>(),
+          py::arg("target"),
+          py::arg("options"),
+          py::arg("connections"),
+          py::arg("connect_timeout_s"))
+      .def(
+          "run",
+          &LoadGenerator::run,
+          py::arg("method"),
+          py::arg("bodies"),
+          py::arg("rate"),
+          py::arg("duration_s"),
+          py::arg("timeout_s"));
+}
