@@ -6,6 +6,10 @@ Contract:
   Otherwise it arms a one-shot import hook: when the module ``torch`` finishes executing, the
   backend is registered, and the hook removes itself.
 * A process that never imports torch (a lighthouse) never loads torch or ``ft._C``.
+* When torch is first imported by an ft module's own top level (``import ft.work`` or
+  ``from ft.futures import ...`` as a program's first import), :mod:`ft.process_group` cannot
+  be imported yet: it imports that half-initialised module. The backend is then registered with
+  a creator that imports :mod:`ft.process_group` when ``init_process_group("ft")`` first runs.
 * A failure to register (for example an ``ft._C`` built for another torch) never breaks
   ``import torch``: it is logged as a warning, and the same error is raised again, with its
   cause, by the first use of an ft name that needs the backend.
@@ -27,8 +31,33 @@ from typing import Optional, Sequence
 _TORCH = "torch"
 
 
+_BACKEND = "ft"
+
+
+def _an_ft_module_is_initialising() -> bool:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ft.") and getattr(module.__spec__, "_initializing", False):
+            return True
+    return False
+
+
+def _create_backend(store, rank: int, world_size: int, timeout):
+    from ft.process_group import _create_backend as create
+
+    return create(store, rank, world_size, timeout)
+
+
 def _register() -> None:
-    import ft.process_group  # noqa: F401  (registers "ft" with torch.distributed on import)
+    if not _an_ft_module_is_initialising():
+        import ft.process_group  # noqa: F401  (registers "ft" with torch.distributed on import)
+
+        return
+    import torch.distributed as dist
+
+    if _BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            _BACKEND, _create_backend, extended_api=False, devices=["cpu", "cuda"]
+        )
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):

@@ -85,6 +85,9 @@ T = TypeVar("T")
 
 MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
+# Group rank 0 publishes the lighthouse address here, so that the other ranks of the group need
+# no TORCHFT_LIGHTHOUSE (as in torchft, where only rank 0 reads it).
+LIGHTHOUSE_ADDR_KEY = "lighthouse_addr"
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
@@ -259,7 +262,7 @@ def _future_within(fut: torch.futures.Future, timeout: timedelta) -> torch.futur
     def expire() -> None:
         settle(
             lambda: out.set_exception(
-                TimeoutError(f"future not completed within {timeout.total_seconds():g}s")
+                TimeoutError(f"future did not complete within {timeout.total_seconds():g}s")
             )
         )
 
@@ -382,7 +385,8 @@ class Manager:
         store_addr / store_port: the replica group's TCPStore (default env
             ``MASTER_ADDR``/``MASTER_PORT``). Group rank 0 hosts it (unless torchrun's agent
             already does) and also the group's ManagerServer.
-        lighthouse_addr: default env ``TORCHFT_LIGHTHOUSE``.
+        lighthouse_addr: default env ``TORCHFT_LIGHTHOUSE``; needed by group rank 0 only (the
+            other ranks take it from rank 0 through the store).
         replica_id: the group's name; the Manager appends ``":" + uuid4`` (new on every start).
         port: the ManagerServer's port (default env ``TORCHFT_MANAGER_PORT`` or any).
         hostname: the host peers use to reach this replica (its ManagerServer, checkpoint
@@ -492,9 +496,10 @@ class Manager:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
         lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
-        if not lighthouse_addr:
+        if not lighthouse_addr and self._rank == 0:
             raise ValueError(f"lighthouse_addr is required (or set {LIGHTHOUSE_ENV})")
-        self._lighthouse_addr = lighthouse_addr
+        # Other group ranks may take it from rank 0 (_setup_group).
+        self._lighthouse_addr: Optional[str] = lighthouse_addr or None
 
         # The default transport is made once the advertised host is known (_setup_group), so
         # that it listens on that interface only.
@@ -527,12 +532,16 @@ class Manager:
         heartbeat_interval: timedelta,
         quorum_retries: Optional[int],
     ) -> None:
-        lighthouse_host, _ = split_hostport(self._lighthouse_addr)
+        store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
+        # The host peers are reached through: the lighthouse's, or (a group rank other than 0
+        # given no lighthouse address) the group's store's.
+        if self._lighthouse_addr:
+            peer_host, _ = split_hostport(self._lighthouse_addr)
+        else:
+            peer_host = store_addr
         if hostname is None:
-            hostname = net.advertise_host(toward=lighthouse_host)
-        net.check_reachable_advertisement(
-            hostname, lighthouse_host, f"replica {self._replica_id!r}"
-        )
+            hostname = net.advertise_host(toward=peer_host)
+        net.check_reachable_advertisement(hostname, peer_host, f"replica {self._replica_id!r}")
         if not os.environ.get(net.ADVERTISE_ENV):
             # The checkpoint transport, the store address and Gloo advertise the same host.
             net.set_process_advertise_host(hostname)
@@ -545,7 +554,6 @@ class Manager:
                 bind_host=net.bind_host_for(hostname).strip("[]"),
             )
         self._healer = Healer(self._checkpoint_transport, self._connect_timeout)
-        store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
         if store_port is None:
             env_port = os.environ.get("MASTER_PORT")
             if env_port is None and self._world_size > 1:
@@ -581,8 +589,13 @@ class Manager:
         self._store = store
         self._store_addr = store_addr
         self._store_port = store.port
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        prefixed = dist.PrefixStore(f"torchft/manager/{restart}", store)
+        # First attempt: torchft's keys at the store's root. A torchelastic restart reuses the
+        # agent's store, so each later attempt has its own prefix and never reads the keys of
+        # the attempt before it.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        prefixed = (
+            store if restart == "0" else dist.PrefixStore(f"torchft/manager/{restart}", store)
+        )
 
         if self._rank == 0:
             name = self._replica_id or os.environ.get("REPLICA_GROUP_ID") or "replica"
@@ -604,12 +617,16 @@ class Manager:
                 connect_timeout=self._connect_timeout,
                 quorum_retries=quorum_retries,
             )
+            assert self._lighthouse_addr is not None
+            prefixed.set(LIGHTHOUSE_ADDR_KEY, self._lighthouse_addr)  # before the address
             prefixed.set(MANAGER_ADDR_KEY, self._manager.address())
             prefixed.set(REPLICA_ID_KEY, self._replica_id)
             addr = self._manager.address()
         else:
             addr = prefixed.get(MANAGER_ADDR_KEY).decode()
             self._replica_id = prefixed.get(REPLICA_ID_KEY).decode()
+            if not self._lighthouse_addr and prefixed.check([LIGHTHOUSE_ADDR_KEY]):
+                self._lighthouse_addr = prefixed.get(LIGHTHOUSE_ADDR_KEY).decode()
         # Rank 0 hosts the ManagerServer and calls it directly (no loopback gRPC per step).
         self._client: GroupServerClient = (
             LocalManagerClient(self._manager)
@@ -617,6 +634,10 @@ class Manager:
             else ManagerClient(addr, connect_timeout=self._connect_timeout)
         )
 
+        if not self._lighthouse_addr:
+            # Without a lighthouse address (a group rank other than 0, given none, whose rank
+            # 0 published none) this rank learns of failures from its own ops' errors only.
+            return
         self._lighthouse_client = LighthouseClient(
             self._lighthouse_addr, connect_timeout=self._connect_timeout
         )

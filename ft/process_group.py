@@ -107,7 +107,9 @@ def _failure_to_exception(failure: Optional[Tuple[str, str]]) -> Optional[Except
     kind, message = failure
     if kind == "deadline":
         return ProcessGroupTimeout(message)
-    return ProcessGroupErrored(f"{kind}: {message}")
+    # The generation is aborted once it fails; saying so keeps torchft's wording, which code
+    # written against torchft matches on ("aborted").
+    return ProcessGroupErrored(f"{kind}: {message} (generation aborted; configure() again)")
 
 
 def current_lane() -> int:

@@ -42,7 +42,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class QuorumMember:
-    """One replica group as the lighthouse sees it (proto ``QuorumMember``)."""
+    """One replica group as the lighthouse sees it (proto ``QuorumMember``).
+
+    Args:
+        replica_id: the group's id.
+        address: its ManagerServer's address.
+        store_address: its TCPStore's ``host:port``.
+        step: the step it is at.
+        world_size: its number of ranks.
+        shrink_only: it asks for a quorum of the previous quorum's members only.
+        data: user data it sent with its request (JSON-encodable), or None.
+        commit_failures: how many commits in a row it failed.
+    """
 
     replica_id: str
     address: str = ""
@@ -58,7 +69,13 @@ class QuorumMember:
 
 @dataclass(frozen=True)
 class Quorum:
-    """An issued quorum (proto ``Quorum``). ``participants`` are sorted by replica_id."""
+    """An issued quorum (proto ``Quorum``).
+
+    Args:
+        quorum_id: increases with every new quorum (membership change or commit failures).
+        participants: the members, sorted by replica_id.
+        created: when the lighthouse issued it.
+    """
 
     quorum_id: int
     participants: Tuple[QuorumMember, ...]

@@ -42,6 +42,27 @@ def test_backend_is_registered_whatever_the_import_order(order):
     assert "OK [1.0, 1.0, 1.0]" in r.stdout
 
 
+@pytest.mark.parametrize("first", ["ft.work", "ft.futures", "ft.process_group", "ft.manager"])
+def test_an_ft_module_imported_before_torch_registers_the_backend_without_a_cycle(first):
+    # torch's first import then happens inside that module's own top level, while the
+    # module is half-initialised (torchft's tests start with `from torchft.work import ...`).
+    r = run(f"""
+        import warnings
+        warnings.simplefilter("error", RuntimeWarning)
+        import {first}
+        import torch, torch.distributed as dist
+        assert "ft" in dist.Backend.backend_list, dist.Backend.backend_list
+        dist.init_process_group("ft", store=dist.HashStore(), rank=0, world_size=1)
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        print("OK", t.tolist())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "OK [1.0, 1.0]" in r.stdout
+    assert "could not be registered" not in r.stderr
+
+
 def test_import_ft_loads_neither_torch_nor_the_extension_until_a_name_needs_them():
     r = run("""
         import sys

@@ -448,3 +448,35 @@ def test_manager_timeout_bounds_its_collectives() -> None:
     finally:
         in_threads([lambda m=m: m.shutdown() for m in ms])
         lh.shutdown()
+
+
+def test_group_rank_1_needs_no_lighthouse_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchft reads TORCHFT_LIGHTHOUSE on group rank 0 only; rank 0 hands it to the others
+    # (through the group's store, under torchft's root keys on a first start).
+    import socket
+
+    from ft.manager import LIGHTHOUSE_ADDR_KEY, MANAGER_ADDR_KEY
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    lh = lighthouse(min_replicas=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ms: List[ft.Manager] = values(
+        in_threads(
+            [
+                lambda: make_manager(lh.address(), "g", rank=0, world_size=2, store_port=port),
+                lambda: make_manager(None, "g", rank=1, world_size=2, store_port=port),
+            ]
+        )
+    )
+    try:
+        assert ms[1]._lighthouse_addr == lh.address()
+        assert ms[0]._store.get(LIGHTHOUSE_ADDR_KEY).decode() == lh.address()
+        assert ms[0]._store.get(MANAGER_ADDR_KEY).decode() == ms[0]._manager.address()
+        with pytest.raises(ValueError, match="lighthouse_addr is required"):
+            make_manager(None, "h", rank=0, world_size=1)
+    finally:
+        for m in ms:
+            m.shutdown(wait=False)

@@ -441,3 +441,26 @@ def test_setup_logger_needs_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_coordination_classes_document_their_arguments() -> None:
+    # torchft documents each coordination class with an "Args:" section, and its suite checks
+    # it (coordination_test.py); help() on ft's classes must say as much.
+    from ft.coordination import (
+        LighthouseClient,
+        LighthouseServer,
+        ManagerClient,
+        ManagerServer,
+        Quorum,
+        QuorumMember,
+    )
+
+    for cls in (
+        ManagerClient,
+        ManagerServer,
+        LighthouseServer,
+        LighthouseClient,
+        Quorum,
+        QuorumMember,
+    ):
+        assert "Args:" in (cls.__doc__ or ""), cls
