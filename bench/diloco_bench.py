@@ -284,7 +284,8 @@ def _visit(args, mode: str) -> float:
         if mode == "train_first":
             for _ in range(H):  # no hook yet: nothing syncs before the quorum
                 inner_step(model, inner, x)
-        with diloco:  # the join round (tau = 0: it commits here)
+        with diloco:
+            model(x)  # the first forward runs the join round (tau = 0: it commits there)
             committed = time.perf_counter()
             if diloco.commits != 1:
                 raise RuntimeError(f"join round did not commit ({mode})")

@@ -10,8 +10,8 @@ The pure schedule -- which inner step prepares and which syncs a fragment --
 is `streaming_schedule` / `fragment_for_step` below (tested as a table), and the
 pure rule for whose progress counts in a sync is `contributions_after`.
 
-Entering the context runs the join round before the first inner step: the group
-takes part in a sync (waiting for the other groups' next one, and healing from
+The join round runs before the first inner step (at the first forward of a
+wrapped module, once the context is entered): the group takes part in a sync (waiting for the other groups' next one, and healing from
 them if it is behind) and only then trains. It contributes nothing to that sync:
 every sync sums the groups' tensors together with a weight per group (1: its
 progress counts, 0: it sends zeros) and divides by the total weight.
@@ -340,28 +340,56 @@ def _fold_index(tensors: Sequence[torch.Tensor]) -> Optional[int]:
 
 class _OnOptimizerStep:
     """A context manager that calls ``self._step_post_hook`` after every step of
-    ``self._hooked_optimizer`` while it is entered (LocalSGD and DiLoCo share it). The first
-    entry runs ``self._join()`` before any inner step: the group takes part in a sync (and
-    heals, if it is behind) before it trains."""
+    ``self._hooked_optimizer`` while it is entered (LocalSGD and DiLoCo share it).
+
+    The join: before the group's first inner step, ``self._join()`` makes it take part in a
+    sync (healing first, if it is behind). It runs at the first forward of a wrapped module
+    (``self._join_modules()``), ahead of that module's own forward hooks (FSDP's all-gather
+    among them), so the first inner step computes from the healed parameters; or, should no
+    wrapped module run forward first, before the first optimizer step. Not at ``__enter__``:
+    code that binds the context object (``with DiLoCo(...) as self.diloco``) and reads it in
+    the state-dict functions a heal calls (torchft's trainers do) has bound it by then. A join
+    that raises (a quorum timeout) is tried again at the next forward or step.
+    """
 
     _hooked_optimizer: torch.optim.Optimizer
     _hook: Any = None
+    _join_hooks: Optional[List[Any]] = None
     _joined = False
 
     def __enter__(self):
-        if not self._joined:
-            # Before the hook exists: a join that raises (a quorum timeout) leaves none behind.
-            self._join()
-            self._joined = True
         if self._hook is None:
             self._hook = self._hooked_optimizer.register_step_post_hook(self._step_post_hook)
+        if not self._joined and self._join_hooks is None:
+            hooks = [
+                m.register_forward_pre_hook(self._join_before_use, prepend=True)
+                for m in self._join_modules()
+            ]
+            hooks.append(self._hooked_optimizer.register_step_pre_hook(self._join_before_use))
+            self._join_hooks = hooks
         return self
 
     def __exit__(self, *exc: Any) -> bool:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._remove_join_hooks()
         return False
+
+    def _join_before_use(self, *_args: Any) -> None:
+        if self._joined:
+            return
+        self._join()
+        self._joined = True
+        self._remove_join_hooks()
+
+    def _remove_join_hooks(self) -> None:
+        for h in self._join_hooks or ():
+            h.remove()
+        self._join_hooks = None
+
+    def _join_modules(self) -> List[nn.Module]:
+        raise NotImplementedError
 
     def _step_post_hook(self, _optim: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         raise NotImplementedError
@@ -393,8 +421,8 @@ class LocalSGD(_OnOptimizerStep):
     The first `warmup_steps` optimizer steps sync after every step (plain
     synchronous averaging, as torch's post-local SGD warmup).
 
-    Joining: entering the context runs one sync before the first optimizer step (the
-    join round). It blocks until the other groups' next sync, heals from them if this group
+    Joining: one sync runs before the first optimizer step, at the first forward of the
+    model once the context is entered (the join round). It blocks until the other groups' next sync, heals from them if this group
     is behind, and contributes nothing: the average is taken over the groups that trained
     since the last one (weights, as in ``DiLoCo``). A group that heals during any sync
     contributes nothing to it either (its parameters are another group's copy). A rejoining
@@ -460,6 +488,9 @@ class LocalSGD(_OnOptimizerStep):
             self.sync()
 
     # -- sync -----------------------------------------------------------------
+
+    def _join_modules(self) -> List[nn.Module]:
+        return [self._model]
 
     def _join(self) -> None:
         if self._sync(contribute=False):
@@ -570,7 +601,8 @@ class DiLoCo(_OnOptimizerStep):
     pseudo-gradient) and Streaming DiLoCo (several fragments, staggered, with
     an overlap delay tau and a merge factor alpha). torchft's arguments.
 
-    Joining: entering the context runs the *join round* before the first inner step, as if
+    Joining: the *join round* runs before the first inner step (at the first forward of a
+    fragment once the context is entered; see ``_OnOptimizerStep``), as if
     this group had just taken the P - tau inner steps that precede a sync: the quorum (which
     waits for the other groups' next sync and heals this group from them if it is behind),
     then that sync's allreduce, with tau = 0 also the commit. A healed group restarts every
@@ -704,6 +736,9 @@ class DiLoCo(_OnOptimizerStep):
         if sync:
             self._local_step = 0
             self._perform_sync()
+
+    def _join_modules(self) -> List[nn.Module]:
+        return [frag.module for frag in self._fragments]
 
     def _join(self) -> None:
         # Where the other groups are when they start a quorum: inner step P - tau of a period.

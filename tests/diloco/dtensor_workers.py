@@ -172,9 +172,6 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
         full[now] = digest(to_local(full_fn()))
 
     with algo:
-        # The join round committed on entry (with tau > 0 it completes at the first inner step).
-        if getattr(algo, "commits", 1) and manager.current_step() > 0:
-            record(manager.current_step())
         for _ in range(200):
             if manager.current_step() >= cfg["stop_at"]:
                 break
@@ -183,10 +180,15 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
                 store.wait(["r1-ready"])  # replica 1 joins late, once 0 has outer momentum
             if cfg.get("step_sleep"):
                 time.sleep(cfg["step_sleep"])
+            step_before = manager.current_step()
             x, y = _task(manager.current_step(), local, rank)
             inner.zero_grad()
+            # The first forward runs the join round, which commits there (or with tau > 0 at
+            # the first inner step).
             nn.functional.mse_loss(model(x), y).backward()
-            step_before = manager.current_step()
+            if manager.current_step() != step_before:
+                record(manager.current_step())
+                step_before = manager.current_step()
             inner.step()  # the hook may sync here
             local += 1
             now = manager.current_step()
@@ -329,15 +331,16 @@ def train_sharded_groups(
     commits: Dict[int, str] = {}
     local = 0
     with algo:
-        if algo.commits:  # the join round committed on entry
-            commits[manager.current_step()] = digest(to_local(algo.global_state()))
         for _ in range(100):
             if manager.current_step() >= stop_at:
                 break
+            before = manager.current_step()
             x, y = _task(manager.current_step(), local, replica)
             inner.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            before = manager.current_step()
+            nn.functional.mse_loss(model(x), y).backward()  # the first forward joins
+            if manager.current_step() != before:
+                commits[manager.current_step()] = digest(to_local(algo.global_state()))
+                before = manager.current_step()
             inner.step()
             local += 1
             if manager.current_step() != before:

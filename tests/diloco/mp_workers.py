@@ -186,9 +186,8 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
             backups[now] = digest(backups_by_fragment())
 
     with algo:
-        # The join round committed on entry (with tau > 0 it completes at the first inner step).
-        if getattr(algo, "commits", 1) and manager.current_step() != last:
-            record_commit(manager.current_step())
+        # The join round runs at the first forward (below): it commits there, or with tau > 0
+        # at the first inner step.
         last = manager.current_step()
         test_store.set(key, str(last))
         for _ in range(cfg.get("max_inner", 400)):
@@ -196,18 +195,26 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
                 stop_at = int(test_store.get("stop_at"))
             if manager.current_step() >= stop_at:
                 break
+            step_before = manager.current_step()
+            syncs_before = getattr(algo, "syncs", None)
+            x, y = _task(manager.current_step(), local, rank)
+            inner.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()  # the first forward joins
+            # The join round committed in that forward (LocalSGD; DiLoCo with tau = 0). With
+            # tau > 0 only its heal may have moved the step: it commits at the inner step.
+            sync_done = syncs_before is None or algo.syncs != syncs_before
+            if sync_done and manager.current_step() != step_before:
+                record_commit(manager.current_step())
+                step_before = manager.current_step()
             if not first_inner:
+                # What the first inner step starts from: after the join (and its heal).
                 first_inner = {
                     "step": manager.current_step(),
                     "params": digest(params_by_fragment()),
                 }
-            x, y = _task(manager.current_step(), local, rank)
-            inner.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
             if cfg.get("step_sleep"):
                 time.sleep(cfg["step_sleep"])
             syncs_before = getattr(algo, "syncs", None)
-            step_before = manager.current_step()
             inner.step()  # the hook may sync here
             local += 1
             now = manager.current_step()

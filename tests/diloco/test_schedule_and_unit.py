@@ -101,10 +101,14 @@ class Scalar(nn.Module):
         super().__init__()
         self.w = nn.Parameter(torch.tensor([w], dtype=torch.float64))
 
+    def forward(self) -> torch.Tensor:
+        # LocalSGD/DiLoCo join at the first forward of a module they wrap.
+        return self.w
+
 
 def _quad_step(model, opt, target):
     opt.zero_grad()
-    (0.5 * (model.w - target) ** 2).sum().backward()
+    (0.5 * (model() - target) ** 2).sum().backward()
     opt.step()
 
 
@@ -163,7 +167,7 @@ def test_streaming_alpha_merge_by_hand():
         with DiLoCo(m, [a, b], inner, outer, sync_every=2, fragment_update_alpha=0.5):
             for _ in range(2):
                 inner.zero_grad()
-                (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
+                (0.5 * a() ** 2 + 0.5 * b() ** 2).sum().backward()
                 inner.step()
                 out.append((a.w.item(), b.w.item()))
         return out
@@ -184,7 +188,7 @@ def test_failed_commit_drops_fragment_progress_and_counts_once():
         with DiLoCo(m, [a, b], inner, outer, sync_every=2) as d:
             for _ in range(3):
                 inner.zero_grad()
-                (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
+                (0.5 * a() ** 2 + 0.5 * b() ** 2).sum().backward()
                 inner.step()
                 seen.append((a.w.item(), b.w.item()))
         return seen, m.commit_failures, m.step, d.failed_commits, m.lanes
@@ -223,10 +227,10 @@ def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
     with DiLoCo(m, [a, b], inner, outer, sync_every=4, fragment_sync_delay=tau) as d:
         for _ in range(4):
             inner.zero_grad()
-            (0.5 * a.w**2 + 0.5 * b.w**2).sum().backward()
+            (0.5 * a() ** 2 + 0.5 * b() ** 2).sum().backward()
             _time.sleep(0.1)  # the inner step's compute
             inner.step()
-    assert d.syncs == (3 if tau == 0 else 2)  # with tau = 0 the join round completes on entry
+    assert d.syncs == (3 if tau == 0 else 2)  # with tau = 0 the join completes at the first forward
     if tau == 0:
         assert d.comm_wait_seconds >= 2 * 0.045, d.comm_wait_seconds
     else:
@@ -398,6 +402,7 @@ def test_diloco_healed_group_restarts_from_backups_and_sends_nothing():
         outer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
         traj, counts = [], []
         with DiLoCo(m, [model], inner, outer, sync_every=1) as d:
+            model()  # the first forward runs the join
             counts.append(d.contributors)
             outer_state_after_join = len(outer.state)
             for _ in range(3):
@@ -434,6 +439,7 @@ def test_localsgd_group_whose_step_moves_in_the_quorum_contributes_nothing():
         model = Scalar(float(rank))
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         with LocalSGD(m, model, opt, sync_every=1) as algo:
+            model()  # the first forward runs the join
             joined = (model.w.item(), algo.contributors)
             model.w.data.fill_(10.0 * (rank + 1))
             opt.zero_grad()
@@ -444,3 +450,44 @@ def test_localsgd_group_whose_step_moves_in_the_quorum_contributes_nothing():
     for joined, w, count in run_replicas(3, body):
         assert joined[1] == 0.0  # the join round: nobody contributes, parameters unchanged
         assert w == 15.0 and count == 2.0  # (10 + 20) / 2: replica 2's 30 is not in it
+
+
+def _wrap(algorithm, manager, model, inner):
+    if algorithm == "diloco":
+        outer = torch.optim.SGD(model.parameters(), lr=1.0)
+        return DiLoCo(manager, [model], inner, outer, sync_every=4)
+    return LocalSGD(manager, model, inner, sync_every=4)
+
+
+@pytest.mark.parametrize("algorithm", ["localsgd", "diloco"])
+def test_join_runs_at_the_first_forward_after_the_context_is_bound(algorithm):
+    """The join's quorum (and heal) runs at the first forward of a wrapped module, not at
+    ``__enter__``: state-dict functions that read the bound context object (``with DiLoCo(...)
+    as self.diloco``, as torchft's trainers do) work during its heal. Without a forward first,
+    it runs before the first optimizer step."""
+
+    def body(rank, group):
+        m = FakeManager(group, rank)
+        model = Scalar(1.0)
+        inner = torch.optim.SGD(model.parameters(), lr=0.5)
+        seen = {}
+        with _wrap(algorithm, m, model, inner):
+            seen["after enter"] = m.quorums
+            model()
+            seen["after first forward"] = m.quorums
+            model()
+            seen["after second forward"] = m.quorums
+        with _wrap(algorithm, m, model, inner):
+            model.w.grad = torch.ones_like(model.w)
+            before = m.quorums
+            inner.step()  # no forward first: the join precedes the update
+            seen["step without forward"] = m.quorums - before
+        return seen
+
+    (seen,) = run_replicas(1, body)
+    assert seen == {
+        "after enter": 0,
+        "after first forward": 1,
+        "after second forward": 1,
+        "step without forward": 1,
+    }
