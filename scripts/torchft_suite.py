@@ -120,7 +120,22 @@ _MANAGER_CLIENT = (
     "(torchft's is a Rust class whose constructor Python cannot read; ft's takes addr), then "
     "sets the private _quorum/_checkpoint_metadata"
 )
+_JOIN_ROUND_COUNTS = (
+    "counts the Manager's calls on a mocked Manager from the first step; ft's LocalSGD and "
+    "DiLoCo run a join round (one quorum and allreduce more) before the first inner step "
+    "(docs/design.md, DiLoCo), and DiLoCo reads use_async_quorum where the test sets the "
+    "mock's _use_async_quorum"
+)
+_JOIN_ROUND_NUMERICS = (
+    "compares the parameters step by step with values recorded from torchft; ft's join round "
+    "commits manager step 1 before the first inner step (docs/design.md, DiLoCo), so each "
+    "later sync, and its values, fall one step later"
+)
 KNOWN_FAILURES: Dict[str, str] = {
+    "local_sgd_test.py::LocalSGDTest::test_local_sgd_healthy": _JOIN_ROUND_COUNTS,
+    "local_sgd_test.py::LocalSGDTest::test_local_sgd_recovery": _JOIN_ROUND_COUNTS,
+    "local_sgd_test.py::DiLoCoTest": _JOIN_ROUND_COUNTS,
+    "diloco_regression_test.py::DiLoCoMockedUpdateTest": _JOIN_ROUND_NUMERICS,
     "manager_test.py::TestManager::test_allreduce_error": _MANAGER_CLIENT,
     "manager_test.py::TestManager::test_max_retries": _MANAGER_CLIENT,
     "manager_test.py::TestManager::test_pg_errored": _MANAGER_CLIENT,
