@@ -471,6 +471,8 @@ class Manager:
         self._errored: Optional[ExceptionWithTraceback] = None
         self._healing = False
         self._pending_state_dict: Optional[Dict[str, Any]] = None
+        # The step counters before a heal set them, put back should the healed state not load.
+        self._pending_prior_counters: Optional[Dict[str, int]] = None
         self._participation = Participation(rank=None, contributors=0, commit_size=0)
         self._quorum_future: Optional[_ConcurrentFuture] = None
         self._user_state_dicts: Dict[str, Callable[[], Any]] = {}
@@ -730,13 +732,27 @@ class Manager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def _apply_pending_state_dict(self) -> None:
+        """Loads the healed state, on the training thread (start_quorum in sync mode,
+        should_commit in async mode)."""
         pending = self._pending_state_dict
         self._pending_state_dict = None
         if pending is None:
             return  # the heal failed; the error is already reported
+        try:
+            # DTensors become DTensors again on this rank's own meshes, checked against its
+            # own state (docs/design.md, "HSDP"); a mismatch loads nothing.
+            user = restore_dtensors(pending["user"], lambda: self._manager_state_dict()["user"])
+        except Exception as e:  # noqa: BLE001
+            # Not healed after all: back to this replica's own step, so that the next quorum
+            # heals it again instead of counting it as up to date.
+            if self._pending_prior_counters is not None:
+                self.load_state_dict(self._pending_prior_counters)
+            self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
+            self._report_error(e, abort=True)
+            return
         with self._state_dict_lock.w_lock():
             for key, fn in self._load_state_dict_fns.items():
-                fn(pending["user"][key])
+                fn(user[key])
         self._log.info("heal_applied", "applied the healed state")
 
     # ---------------------------------------------------------------- errors
@@ -991,12 +1007,11 @@ class Manager:
                     got = self._healer.receive(
                         quorum, self._rank, self._timeout, self._load_state_dict_fns
                     )
-                # DTensors arrive as their pieces; they become DTensors again on this rank's
-                # own meshes, checked against its own state (docs/design.md, "HSDP").
-                got.state["user"] = restore_dtensors(
-                    got.state["user"], lambda: self._manager_state_dict()["user"]
-                )
+                # DTensors arrive as their pieces and become DTensors again when the state is
+                # applied, on the training thread (reading this rank's own state here, on the
+                # quorum thread, would race an FSDP forward that swaps the parameters).
                 self._pending_state_dict = got.state
+                self._pending_prior_counters = self.state_dict()
                 self._watch.phase("step", f"collectives with {quorum.replica_ids}")
                 self.load_state_dict(got.state["torchft"])
                 self._step = quorum.max_step

@@ -9,6 +9,8 @@ chosen coordinate), so the heal moves real DTensor pieces with no collective inv
 
 from __future__ import annotations
 
+import threading
+
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -43,12 +45,18 @@ def piece(full: torch.Tensor, m: DeviceMesh) -> DTensor:
     )
 
 
-def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
+def heal_once(meshes: List[DeviceMesh], async_quorum: bool = False) -> List[Dict[str, Any]]:
     """Both groups start at step 0 with their own DTensor (group i holds FULL * (i + 1)); one
-    heals from the other. Returns, per group: what it loaded, its error, step and commit."""
+    heals from the other. Returns, per group: what it loaded, its error, step and commit, and
+    the threads its state_dict function was called on."""
     lh = lighthouse(min_replicas=2)
     states = [{"w": piece(FULL * (i + 1), meshes[i])} for i in range(2)]
     loaded: List[List[Any]] = [[], []]
+    callers: List[List[threading.Thread]] = [[], []]
+
+    def state_dict(i: int) -> Dict[str, Any]:
+        callers[i].append(threading.current_thread())
+        return states[i]
 
     def load(i: int, sd: Dict[str, Any]) -> None:
         loaded[i].append(sd)
@@ -60,9 +68,9 @@ def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
                 lambda i=i: make_manager(
                     lh.address(),
                     f"g{i}",
-                    use_async_quorum=False,
+                    use_async_quorum=async_quorum,
                     load_state_dict=lambda sd, i=i: load(i, sd),
-                    state_dict=lambda i=i: states[i],
+                    state_dict=lambda i=i: state_dict(i),
                 )
                 for i in range(2)
             ]
@@ -71,6 +79,7 @@ def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
 
     def step(i: int) -> Dict[str, Any]:
         m = ms[i]
+        callers[i].clear()
         m.start_quorum()  # sync: the heal is received and applied here
         error = m.errored()
         # as in training, the step's allreduce comes before the vote: the source keeps its
@@ -83,6 +92,8 @@ def heal_once(meshes: List[DeviceMesh]) -> List[Dict[str, Any]]:
             "step": m.current_step(),
             "committed": committed,
             "state": states[i]["w"],
+            "step_thread": threading.current_thread(),
+            "state_dict_threads": list(callers[i]),
         }
 
     try:
@@ -118,3 +129,19 @@ def test_a_shard_mismatch_fails_the_heal_naming_the_key() -> None:
     assert "state_dict['default']['w']: shard mismatch on mesh dimension 'dp_shard'" in str(err)
     assert o["loaded"] == []  # nothing was loaded
     assert not o["committed"] and o["step"] == 0  # the source's step was not taken either
+
+
+def test_async_heal_reads_the_receivers_own_state_on_its_training_thread() -> None:
+    """With the async quorum the heal is received on the quorum thread, but the DTensors are
+    rebuilt against the receiver's own state when it is applied, on the thread that trains:
+    reading it on the quorum thread would race a forward pass (FSDP swaps the parameters
+    there)."""
+    meshes = [mesh((0, 1)), mesh((1, 1))]
+    out = heal_once(meshes, async_quorum=True)
+    healers = [i for i in range(2) if out[i]["loaded"]]
+    assert len(healers) == 1, out
+    i = healers[0]
+    assert type(out[i]["loaded"][0]["w"]) is DTensor
+    assert out[i]["state_dict_threads"], "the receiver's state was never read for the check"
+    assert all(t is out[i]["step_thread"] for t in out[i]["state_dict_threads"]), out[i]
+    assert torch.equal(out[i]["state"].to_local(), out[1 - i]["state"].to_local())
