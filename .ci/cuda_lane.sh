@@ -111,9 +111,11 @@ EOF
 
 # --- 5. the CPU tests against the CUDA build -----------------------------------
 # The backend's own suite (every collective, reconfigure, failures, lanes, bad
-# input) plus coordination: what a CUDA build can change. The whole suite runs on
-# the CPU build in the main lane; FT_CUDA_LANE_TESTS=tests runs it all here too.
-TESTS=${FT_CUDA_LANE_TESTS:-tests/backend tests/coordination}
+# input): ft._C is what a CUDA build changes. Of coordination (which imports
+# neither torch nor ft._C), the native gRPC module this lane also builds: its
+# server and client tests. The whole suite runs on the CPU build in the main
+# lane; FT_CUDA_LANE_TESTS=tests runs it all here too.
+TESTS=${FT_CUDA_LANE_TESTS:-tests/backend tests/coordination/test_rpc_server.py tests/coordination/test_client_transports.py}
 stamp "running $TESTS against the CUDA build"
 set +e
 # shellcheck disable=SC2086
