@@ -282,6 +282,7 @@ def grpc_server_extension():
     return Extension(
         name="ft.coordination._grpc_server",
         sources=["csrc/grpc_server/grpc_server.cpp", "csrc/grpc_server/grpc_client.cpp"],
+        depends=["csrc/grpc_server/grpc_client.hpp", "csrc/grpc_server/request_auth.hpp"],
         include_dirs=[pybind11.get_include()],
         extra_compile_args=optimization_flags() + ["-std=c++17", "-fvisibility=hidden"] + cflags,
         extra_link_args=libs,

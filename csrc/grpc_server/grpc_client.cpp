@@ -11,6 +11,7 @@
 // another thread and back.
 
 #include "grpc_client.hpp"
+#include "request_auth.hpp"
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -113,10 +114,14 @@ Clock::time_point deadlineAfter(double seconds) {
 // server.
 //
 // Contract:
-// - `call(method, request, timeout_s, wait_for_ready, auth)` makes one unary
+// - Made with a `signing_key` (the job secret's gRPC key, ft.utils.auth), the
+//   channel signs every request itself: a fresh token per call, carried in the
+//   request's leading auth field (request_auth.hpp), with the GIL released.
+//   The key stays in this object's memory.
+// - `call(method, request, timeout_s, wait_for_ready)` makes one unary
 //   call of `method` (e.g. "/torchft.LighthouseService/Heartbeat") with the
-//   serialized `request` and, when `auth` is not empty, the metadata
-//   "ft-auth: <auth>". It returns the serialized response, or raises CallError
+//   serialized `request`, signed when the channel has a key. It returns the
+//   serialized response, or raises CallError
 //   (code, details) with the call's gRPC status: DEADLINE_EXCEEDED once
 //   `timeout_s` has passed, UNAVAILABLE when the server cannot be reached (at
 //   once, or at the deadline with `wait_for_ready`), and the server's own
@@ -132,8 +137,12 @@ class ClientChannel {
  public:
   ClientChannel(
       const std::string& target,
-      const std::vector<std::pair<std::string, py::object>>& options) {
+      const std::vector<std::pair<std::string, py::object>>& options,
+      const py::bytes& signingKey) {
     grpc::ChannelArguments args = channelArguments(options);
+    std::string key = signingKey;
+    if (!key.empty())
+      signer_ = std::make_unique<ft_auth::RequestSigner>(std::move(key));
     GilRelease nogil;
     channel_ = grpc::CreateCustomChannel(
         target,
@@ -146,27 +155,37 @@ class ClientChannel {
       const std::string& method,
       const py::bytes& request,
       double timeoutS,
-      bool waitForReady,
-      const std::string& auth) {
+      bool waitForReady) {
     std::shared_ptr<grpc::GenericStub> stub = currentStub();
     char* data = nullptr;
     Py_ssize_t size = 0;
     if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
       throw py::error_already_set();
     // A copy: the call may outlive this frame (see the end of run()).
-    grpc::Slice slice(data, static_cast<size_t>(size));
-    grpc::ByteBuffer requestBuffer(&slice, 1);
+    grpc::Slice body(data, static_cast<size_t>(size));
     grpc::ByteBuffer response;
     grpc::Status status;
     {
       GilRelease nogil;
+      grpc::ByteBuffer requestBuffer;
+      if (signer_) {
+        // Signed when sent: each attempt of a retried call gets its own nonce.
+        grpc::Slice head(
+            ft_auth::signedPrefix(signer_->token(
+                method,
+                reinterpret_cast<const char*>(body.begin()),
+                body.size())));
+        grpc::Slice parts[2] = {std::move(head), std::move(body)};
+        requestBuffer = grpc::ByteBuffer(parts, 2);
+      } else {
+        requestBuffer = grpc::ByteBuffer(&body, 1);
+      }
       status =
           run(*stub,
               method,
               requestBuffer,
               deadlineAfter(timeoutS),
               waitForReady,
-              auth,
               &response);
     }
     if (status.error_code() == grpc::StatusCode::CANCELLED &&
@@ -225,7 +244,6 @@ class ClientChannel {
       const grpc::ByteBuffer& request,
       Clock::time_point deadline,
       bool waitForReady,
-      const std::string& auth,
       grpc::ByteBuffer* response) {
     // Heap-held, in case the call outlives this frame (see the end).
     struct Pending {
@@ -237,8 +255,6 @@ class ClientChannel {
     auto p = std::make_unique<Pending>();
     p->ctx.set_deadline(deadline);
     p->ctx.set_wait_for_ready(waitForReady);
-    if (!auth.empty())
-      p->ctx.AddMetadata("ft-auth", auth);
     auto rpc = stub.PrepareUnaryCall(&p->ctx, method, request, &p->cq);
     rpc->StartCall();
     void* const kDone = p.get();
@@ -322,6 +338,7 @@ class ClientChannel {
     return py::bytes(out);
   }
 
+  std::unique_ptr<ft_auth::RequestSigner> signer_; // set once, then read-only
   std::mutex mu_;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<grpc::GenericStub> stub_;
@@ -516,17 +533,18 @@ void bindClient(py::module_& m) {
       .def(
           py::init<
               const std::string&,
-              const std::vector<std::pair<std::string, py::object>>&>(),
+              const std::vector<std::pair<std::string, py::object>>&,
+              const py::bytes&>(),
           py::arg("target"),
-          py::arg("options"))
+          py::arg("options"),
+          py::arg("signing_key") = py::bytes())
       .def(
           "call",
           &ClientChannel::call,
           py::arg("method"),
           py::arg("request"),
           py::arg("timeout"),
-          py::arg("wait_for_ready"),
-          py::arg("auth") = "")
+          py::arg("wait_for_ready"))
       .def("wait_connected", &ClientChannel::waitConnected, py::arg("timeout"))
       .def("close", &ClientChannel::close);
 

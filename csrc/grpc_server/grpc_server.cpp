@@ -38,8 +38,8 @@
 // - The server accepts its TCP connections itself (see Listener) and keeps
 // accepting after any
 //   accept error, e.g. when the process ran out of file descriptors.
-// - With `set_verifier(key, ...)`, every call's signature (metadata "ft-auth")
-// is checked here,
+// - With `set_verifier(key, ...)`, every call's signature (the request's
+// leading auth field, request_auth.hpp) is checked and taken off here,
 //   before Python sees the call, by the same rule as ft.utils.auth.Verifier
 //   (see RequestVerifier); a call that fails it is finished UNAUTHENTICATED
 //   without taking the GIL, and one that passes reaches Python with
@@ -53,6 +53,7 @@
 //   message has one source.
 
 #include "grpc_client.hpp"
+#include "request_auth.hpp"
 
 #include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
@@ -124,12 +125,8 @@ class CallState {
   CallState(
       CallReactor* reactor,
       std::string method,
-      std::chrono::system_clock::time_point deadline,
-      std::string auth)
-      : reactor_(reactor),
-        method_(std::move(method)),
-        deadline_(deadline),
-        auth_(std::move(auth)) {}
+      std::chrono::system_clock::time_point deadline)
+      : reactor_(reactor), method_(std::move(method)), deadline_(deadline) {}
 
   const std::string& method() const {
     return method_;
@@ -141,12 +138,6 @@ class CallState {
   void markVerified() {
     verified_ = true;
   }
-  // The client's "ft-auth" metadata (the first one; "" when absent), read once
-  // at the start.
-  const std::string& auth() const {
-    return auth_;
-  }
-
   // Seconds until the caller's deadline (huge when it set none; negative once
   // passed).
   double timeRemaining() const {
@@ -199,7 +190,6 @@ class CallState {
   CallReactor* reactor_; // valid until onDone
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
-  const std::string auth_;
   bool verified_ = false;
   std::deque<grpc::ByteBuffer> queued_;
   grpc::ByteBuffer
@@ -213,163 +203,7 @@ class CallState {
   std::atomic<bool> hasOnCancel_{false};
 };
 
-// Checks request signatures exactly as ft.utils.auth.Verifier does (that class
-// is the specification; tests/security/test_native_verifier.py checks both on
-// one table of tokens): a token is "v1.<unix ms>.<32 hex nonce>.<hex
-// HMAC-SHA256>", the HMAC taken with the purpose's key over
-// "v1\n<method>\n<ms>\n<nonce>\n" followed by the request bytes; it is accepted
-// within `skewMs` of this host's clock, and once (nonces are remembered for the
-// skew window, at most `maxNonces` of them; past that the oldest are forgotten
-// and anything as old is refused). Thread-safe. Returns "" when the token is
-// good, else the reason (never the key).
-class RequestVerifier {
- public:
-  RequestVerifier(std::string key, int64_t skewMs, size_t maxNonces)
-      : skewMs_(skewMs), maxNonces_(maxNonces) {
-    // HMAC-SHA256 keyed once: the hash states after absorbing (key ^ ipad) and
-    // (key ^ opad) are kept, and each request copies them. Per request that
-    // saves re-keying and, on OpenSSL 3, the algorithm lookup an HMAC() call
-    // makes every time.
-    sha256_ = EVP_sha256();
-    unsigned char block[64] = {0};
-    if (key.size() > sizeof(block)) {
-      unsigned int n = 0;
-      EVP_Digest(key.data(), key.size(), block, &n, sha256_, nullptr);
-    } else {
-      std::memcpy(block, key.data(), key.size());
-    }
-    unsigned char ipad[64], opad[64];
-    for (size_t i = 0; i < sizeof(block); ++i) {
-      ipad[i] = block[i] ^ 0x36;
-      opad[i] = block[i] ^ 0x5c;
-    }
-    inner_ = EVP_MD_CTX_new();
-    outer_ = EVP_MD_CTX_new();
-    if (inner_ == nullptr || outer_ == nullptr ||
-        EVP_DigestInit_ex(inner_, sha256_, nullptr) != 1 ||
-        EVP_DigestUpdate(inner_, ipad, sizeof(ipad)) != 1 ||
-        EVP_DigestInit_ex(outer_, sha256_, nullptr) != 1 ||
-        EVP_DigestUpdate(outer_, opad, sizeof(opad)) != 1) {
-      throw std::runtime_error(
-          "RequestVerifier: OpenSSL could not set up HMAC-SHA256");
-    }
-    OPENSSL_cleanse(block, sizeof(block));
-    OPENSSL_cleanse(ipad, sizeof(ipad));
-    OPENSSL_cleanse(opad, sizeof(opad));
-  }
-
-  ~RequestVerifier() {
-    EVP_MD_CTX_free(inner_);
-    EVP_MD_CTX_free(outer_);
-  }
-
-  RequestVerifier(const RequestVerifier&) = delete;
-  RequestVerifier& operator=(const RequestVerifier&) = delete;
-
-  std::string verify(
-      const std::string& what,
-      const std::string& body,
-      const std::string& token) {
-    if (token.empty())
-      return "no signature (the caller has no job secret)";
-    // v1 . ms . nonce . mac
-    size_t d1 = token.find('.');
-    size_t d2 = d1 == std::string::npos ? d1 : token.find('.', d1 + 1);
-    size_t d3 = d2 == std::string::npos ? d2 : token.find('.', d2 + 1);
-    if (d3 == std::string::npos ||
-        token.find('.', d3 + 1) != std::string::npos ||
-        token.compare(0, d1, "v1") != 0)
-      return "malformed signature";
-    const std::string ms = token.substr(d1 + 1, d2 - d1 - 1);
-    const std::string nonce = token.substr(d2 + 1, d3 - d2 - 1);
-    const std::string mac = token.substr(d3 + 1);
-    if (ms.empty() || ms.size() > 18 ||
-        ms.find_first_not_of("0123456789") != std::string::npos ||
-        nonce.size() != 32)
-      return "malformed signature";
-    const std::string expected = hexMac(what, ms, nonce, body);
-    if (mac.size() != expected.size() ||
-        CRYPTO_memcmp(mac.data(), expected.data(), expected.size()) != 0)
-      return "bad signature (a different job secret, or an altered request)";
-    const int64_t t = std::stoll(ms);
-    const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            std::chrono::system_clock::now().time_since_epoch())
-                            .count();
-    if (std::llabs(now - t) > skewMs_) {
-      char buf[160];
-      std::snprintf(
-          buf,
-          sizeof(buf),
-          "signature is %.1fs off this host's clock (more than %.0fs: expired, "
-          "or "
-          "clocks disagree)",
-          std::llabs(now - t) / 1000.0,
-          skewMs_ / 1000.0);
-      return buf;
-    }
-    std::lock_guard<std::mutex> g(mu_);
-    prune(now);
-    if (seen_.count(nonce) != 0 || t < forgottenBeforeMs_)
-      return "replayed request (this signature was already used)";
-    seen_.insert(nonce);
-    order_.emplace_back(t, nonce);
-    return std::string();
-  }
-
- private:
-  std::string hexMac(
-      const std::string& what,
-      const std::string& ms,
-      const std::string& nonce,
-      const std::string& body) const {
-    const std::string head = "v1\n" + what + "\n" + ms + "\n" + nonce + "\n";
-    unsigned char inner[EVP_MAX_MD_SIZE], out[EVP_MAX_MD_SIZE];
-    unsigned int innerLen = 0, outLen = 0;
-    EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-    const bool ok = ctx != nullptr && EVP_MD_CTX_copy_ex(ctx, inner_) == 1 &&
-        EVP_DigestUpdate(ctx, head.data(), head.size()) == 1 &&
-        EVP_DigestUpdate(ctx, body.data(), body.size()) == 1 &&
-        EVP_DigestFinal_ex(ctx, inner, &innerLen) == 1 &&
-        EVP_MD_CTX_copy_ex(ctx, outer_) == 1 &&
-        EVP_DigestUpdate(ctx, inner, innerLen) == 1 &&
-        EVP_DigestFinal_ex(ctx, out, &outLen) == 1;
-    EVP_MD_CTX_free(ctx);
-    if (!ok)
-      return std::string(); // matches no token: refused as a bad signature
-    static const char* kHex = "0123456789abcdef";
-    std::string hex(outLen * 2, '0');
-    for (unsigned int i = 0; i < outLen; ++i) {
-      hex[2 * i] = kHex[out[i] >> 4];
-      hex[2 * i + 1] = kHex[out[i] & 15];
-    }
-    return hex;
-  }
-
-  // mu_ held. Forgets nonces older than the window, and the oldest beyond
-  // maxNonces_.
-  void prune(int64_t now) {
-    const int64_t cutoff = now - skewMs_;
-    while (!order_.empty() &&
-           (order_.front().first < cutoff || order_.size() > maxNonces_)) {
-      auto [t, nonce] = std::move(order_.front());
-      order_.pop_front();
-      seen_.erase(nonce);
-      if (t >= cutoff)
-        forgottenBeforeMs_ = std::max(forgottenBeforeMs_, t + 1);
-    }
-  }
-
-  const EVP_MD* sha256_ = nullptr;
-  EVP_MD_CTX* inner_ =
-      nullptr; // read-only after construction (copied per request)
-  EVP_MD_CTX* outer_ = nullptr;
-  const int64_t skewMs_;
-  const size_t maxNonces_;
-  std::mutex mu_;
-  std::unordered_set<std::string> seen_;
-  std::deque<std::pair<int64_t, std::string>> order_;
-  int64_t forgottenBeforeMs_ = 0;
-};
+using ft_auth::RequestVerifier;
 
 // Heartbeats answered without Python: the latest arrival time per replica id
 // since Python last collected them. The request is
@@ -1142,27 +976,12 @@ void CallState::onDone() {
 // --- CallReactor
 // -------------------------------------------------------------------------
 
-// The value of the client's first "ft-auth" metadata entry, "" when it sent
-// none. Equal keys of a multimap keep their arrival order, so lower_bound is
-// the first one sent.
-std::string authMetadata(const grpc::GenericCallbackServerContext* ctx) {
-  const auto& md = ctx->client_metadata();
-  auto it = md.lower_bound(grpc::string_ref("ft-auth"));
-  if (it == md.end() || it->first != grpc::string_ref("ft-auth"))
-    return std::string();
-  return std::string(it->second.data(), it->second.size());
-}
-
 CallReactor::CallReactor(
     grpc::GenericCallbackServerContext* ctx,
     Server* server)
     : server_(server),
       state_(
-          std::make_shared<CallState>(
-              this,
-              ctx->method(),
-              ctx->deadline(),
-              authMetadata(ctx))) {
+          std::make_shared<CallState>(this, ctx->method(), ctx->deadline())) {
   StartRead(&request_);
 }
 
@@ -1192,8 +1011,17 @@ void CallReactor::OnReadDone(bool ok) {
   // Neither check takes the GIL: a refused or routine call costs Python
   // nothing.
   if (RequestVerifier* verifier = server_->verifier()) {
-    const std::string why =
-        verifier->verify(state_->method(), body, state_->auth());
+    // The signature travels in the request's leading field (request_auth.hpp);
+    // it is taken off here, so that Python and the heartbeat table see the
+    // request as its client serialized it.
+    size_t offset = 0;
+    const std::string token =
+        ft_auth::splitSigned(body.data(), body.size(), &offset);
+    const std::string why = verifier->verify(
+        state_->method(),
+        body.data() + offset,
+        body.size() - offset,
+        token);
     if (!why.empty()) {
       state_->finish(
           grpc::Status(
@@ -1204,6 +1032,7 @@ void CallReactor::OnReadDone(bool ok) {
       return;
     }
     state_->markVerified();
+    body.erase(0, offset);
   }
   HeartbeatTable* heartbeats = server_->heartbeats();
   if (heartbeats != nullptr && state_->method() == heartbeats->method() &&
@@ -1283,19 +1112,6 @@ PYBIND11_MODULE(_grpc_server, m) {
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
       .def_property_readonly("verified", &CallState::verified)
-      .def_property_readonly(
-          "auth",
-          [](const CallState& c) {
-            // gRPC admits only printable ASCII in such values; never raise.
-            const std::string& a = c.auth();
-            PyObject* s = PyUnicode_DecodeUTF8(
-                a.data(),
-                static_cast<Py_ssize_t>(a.size()),
-                "replace");
-            if (s == nullptr)
-              throw py::error_already_set();
-            return py::reinterpret_steal<py::str>(s);
-          })
       .def_property(
           "on_cancel",
           [](CallState& c) { return c.peekOnCancel(); },
@@ -1388,7 +1204,27 @@ PYBIND11_MODULE(_grpc_server, m) {
              const std::string& what,
              const py::bytes& body,
              const std::string& token) {
-            return v.verify(what, std::string(body), token);
+            char* data = nullptr;
+            Py_ssize_t size = 0;
+            if (PyBytes_AsStringAndSize(body.ptr(), &data, &size) != 0)
+              throw py::error_already_set();
+            return v.verify(what, data, static_cast<size_t>(size), token);
+          });
+
+  // The C++ signer alone, for the test that holds it to
+  // ft.utils.auth.Verifier.
+  py::class_<ft_auth::RequestSigner>(m, "RequestSigner")
+      .def(py::init<std::string>(), py::arg("key"))
+      .def(
+          "token",
+          [](ft_auth::RequestSigner& s,
+             const std::string& what,
+             const py::bytes& body) {
+            char* data = nullptr;
+            Py_ssize_t size = 0;
+            if (PyBytes_AsStringAndSize(body.ptr(), &data, &size) != 0)
+              throw py::error_already_set();
+            return s.token(what, data, static_cast<size_t>(size));
           });
 
   // The client side: ft's coordination clients' unary calls (grpc_client.cpp).

@@ -171,9 +171,10 @@ def client_transport(transport: str, tls: bool) -> str:
     return "native" if transport != "grpcio" and native is not None and not tls else "grpcio"
 
 
-def make_native_channel(addr: str):
-    """A native (gRPC C++) channel with the options of :func:`make_channel`."""
-    return native.Channel(grpc_target(addr), CHANNEL_OPTIONS)
+def make_native_channel(addr: str, signing_key: bytes = b""):
+    """A native (gRPC C++) channel with the options of :func:`make_channel`; with a
+    ``signing_key`` (ft.utils.auth.Signer.key) it signs every request it sends."""
+    return native.Channel(grpc_target(addr), CHANNEL_OPTIONS, signing_key)
 
 
 # The native client's status codes (gRPC's integers) as grpcio's enum.

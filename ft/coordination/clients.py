@@ -48,7 +48,7 @@ from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from . import wire
 from .quorum import FailureNotification, Quorum, QuorumResult
-from ..utils.auth import GRPC_METADATA_KEY, GRPC_PURPOSE, SecretLike, Signer, resolve_secret
+from ..utils.auth import GRPC_PURPOSE, SecretLike, Signer, resolve_secret
 from ..utils.deadline import Deadline
 from ..utils.tls import TLSConfig, resolve_tls
 from ..utils.retry import retry_until
@@ -81,7 +81,8 @@ def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
 
 class _Client:
     """A channel to one server. With a job secret, every request carries its signature
-    (ft.utils.auth): the client serializes the request once, signs those bytes, and sends them.
+    (ft.utils.auth): the client serializes the request once, and each attempt sends those bytes
+    behind a fresh signature (the native channel signs in C++, grpcio's path in Python).
 
     ``transport``: ``"auto"`` (``FT_CLIENT_TRANSPORT``, else native when built), ``"native"``
     (gRPC C++: ft.coordination._grpc_server.Channel) or ``"grpcio"``, for unary calls; the
@@ -109,7 +110,11 @@ class _Client:
         # grpcio's channel connects on its first use: with the native transport, only a
         # failure stream uses it.
         self._channel = _rpc.make_channel(addr, tls)
-        self._native = _rpc.make_native_channel(addr) if self.transport == "native" else None
+        self._native = (
+            _rpc.make_native_channel(addr, self._signer.key if self._signer is not None else b"")
+            if self.transport == "native"
+            else None
+        )
         self._calls = {}
         self._methods = {}
         for name, (path, response, streams) in _service_methods(self._service).items():
@@ -124,10 +129,12 @@ class _Client:
     def _invoke(self, method: str, request, **kwargs):
         """Sends ``request`` through grpcio (signed when there is a secret); returns what the
         stub returns."""
+        return self._invoke_serialized(method, request.SerializeToString(), **kwargs)
+
+    def _invoke_serialized(self, method: str, data: bytes, **kwargs):
         path, call = self._calls[method]
-        data = request.SerializeToString()
         if self._signer is not None:
-            kwargs["metadata"] = ((GRPC_METADATA_KEY, self._signer.sign(path, data)),)
+            data = self._signer.sign_request(path, data)
         return call(data, **kwargs)
 
     def _call(
@@ -150,8 +157,7 @@ class _Client:
         deadline = Deadline.after(t)
         path, parse = self._methods[method]
         data = request.SerializeToString()  # once; each attempt signs it anew (a fresh nonce)
-        signer, native = self._signer, self._native
-        grpcio_call = self._calls[method][1]
+        native = self._native
 
         def attempt(remaining: float):
             if wait_for_ready and not self._connected:
@@ -164,20 +170,18 @@ class _Client:
                         _rpc.wait_ready(self._channel, self._addr, connect)
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
-            auth = signer.sign(path, data) if signer is not None else ""
             if native is not None:
                 try:
-                    resp = parse(native.call(path, data, remaining, wait_for_ready, auth))
+                    resp = parse(native.call(path, data, remaining, wait_for_ready))
                 except _rpc.native.CallError as e:
                     code, details = _rpc.native_status(e)
                     if code == grpc.StatusCode.UNAVAILABLE:
                         self._connected = False
                     raise _rpc.status_error(code, details, method) from None
             else:
-                metadata = ((GRPC_METADATA_KEY, auth),) if auth else None
                 try:
-                    resp = grpcio_call(
-                        data, timeout=remaining, wait_for_ready=wait_for_ready, metadata=metadata
+                    resp = self._invoke_serialized(
+                        method, data, timeout=remaining, wait_for_ready=wait_for_ready
                     )
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.UNAVAILABLE:

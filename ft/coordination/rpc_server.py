@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from . import _rpc
-from ..utils.auth import GRPC_METADATA_KEY, AuthError, Verifier
+from ..utils.auth import AuthError, Verifier, split_signed
 
 if TYPE_CHECKING:
     from ..utils.tls import TLSConfig
@@ -83,16 +83,13 @@ class Call:
     """
 
     method: str
-    # True when the transport already checked the call's signature (the native server does,
-    # in C++); the dispatcher then does not check it again (its nonce is spent).
+    # True when the transport already checked the call's signature and took it off the request
+    # (the native server does, in C++); the dispatcher then does not check it again (its nonce
+    # is spent).
     verified: bool = False
 
     def time_remaining(self) -> float:
         """Seconds until the caller's deadline (inf when it set none)."""
-        raise NotImplementedError
-
-    def auth_token(self) -> str:
-        """The caller's request signature (metadata ``ft-auth``; "" when it sent none)."""
         raise NotImplementedError
 
     def is_active(self) -> bool:
@@ -145,10 +142,6 @@ class _NativeCall(Call):
         r = self._c.time_remaining()
         return _NO_DEADLINE if r > _rpc.NO_DEADLINE_S else r
 
-    def auth_token(self) -> str:
-        # Read once by the C++ server when the call started: no metadata walk here.
-        return self._c.auth
-
     def is_active(self) -> bool:
         return self._c.is_active()
 
@@ -179,11 +172,6 @@ class _GrpcioCall(Call):
 
     def __init__(self, method: str, context: grpc.ServicerContext) -> None:
         self.method = method
-        self._auth = ""
-        for key, value in context.invocation_metadata() or ():
-            if key == GRPC_METADATA_KEY:
-                self._auth = value if isinstance(value, str) else ""
-                break
         self._on_cancel: Optional[Callable[[], None]] = None
         self._cancelled = False
         self._ctx = context
@@ -198,9 +186,6 @@ class _GrpcioCall(Call):
     def time_remaining(self) -> float:
         r = self._ctx.time_remaining()
         return _NO_DEADLINE if r is None or r > _rpc.NO_DEADLINE_S else r
-
-    def auth_token(self) -> str:
-        return self._auth
 
     def is_active(self) -> bool:
         return not self._finished and self._ctx.is_active()
@@ -384,9 +369,13 @@ class RpcServer:
         if method is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
             return
+        if not call.verified:
+            # The signature rides in the request's leading field (ft.utils.auth); off it comes,
+            # checked or not, so the request parses as its client serialized it.
+            data, token = split_signed(data)
         if self._verifier is not None and not call.verified:
             try:
-                self._verifier.verify(call.method, data, call.auth_token())
+                self._verifier.verify(call.method, data, token)
             except AuthError as e:
                 call.finish(
                     grpc.StatusCode.UNAUTHENTICATED,

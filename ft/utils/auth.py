@@ -11,7 +11,8 @@ Where the secret comes from, in order: an explicit ``secret=`` argument; the fil
 and a nonce, so a captured request cannot be replayed and nothing a peer receives lets it speak
 for the job.
 
-Request signature (gRPC metadata ``ft-auth``, HTTP ``Authorization: FT-HMAC <token>``)::
+Request signature (HTTP: ``Authorization: FT-HMAC <token>``; gRPC: a leading field of the
+request message, see below)::
 
     token = "v1.<unix ms>.<nonce: 32 hex>.<hex HMAC-SHA256(k, "v1\\n<what>\\n<ms>\\n<nonce>\\n" + body)>"
 
@@ -19,6 +20,13 @@ where ``k`` is a key derived from the secret for one purpose (gRPC, checkpoint r
 checkpoint content), ``what`` names the request (the gRPC method, or the HTTP path and query),
 and ``body`` is the serialized request. A verifier accepts a token once, within
 ``FT_AUTH_MAX_SKEW_S`` (default 120 s) of its own clock.
+
+On gRPC the token travels inside the request message, as a length-delimited field numbered
+``AUTH_FIELD_NUMBER`` placed ahead of the request's own fields (``body`` is the bytes after it).
+A server that does not know the field (torchft's) skips it as unknown; ft's servers take it off
+before anything parses the request. Why not gRPC metadata: a header value that changes on every
+request cannot be indexed by HPACK, and carrying it cost more than signing it did
+(docs/security.md, "What authentication costs").
 
 Serving without a secret is allowed on loopback only; elsewhere it needs ``insecure=True`` (or
 ``FT_INSECURE=1``), and every start logs a warning that says what that gives up.
@@ -46,7 +54,7 @@ __all__ = [
     "SECRET_ENV",
     "SECRET_FILE_ENV",
     "INSECURE_ENV",
-    "GRPC_METADATA_KEY",
+    "AUTH_FIELD_NUMBER",
     "HTTP_SCHEME",
     "GRPC_PURPOSE",
     "CHECKPOINT_REQUEST_PURPOSE",
@@ -59,6 +67,7 @@ __all__ = [
     "Signer",
     "Verifier",
     "resolve_secret",
+    "split_signed",
     "resolve_insecure",
     "check_exposure",
 ]
@@ -67,7 +76,8 @@ SECRET_ENV = "FT_JOB_SECRET"
 SECRET_FILE_ENV = "FT_JOB_SECRET_FILE"
 INSECURE_ENV = "FT_INSECURE"
 MAX_SKEW_ENV = "FT_AUTH_MAX_SKEW_S"
-GRPC_METADATA_KEY = "ft-auth"
+# The gRPC request field that carries the signature (no torchft message uses numbers this high).
+AUTH_FIELD_NUMBER = 8001
 HTTP_SCHEME = "FT-HMAC"
 
 # What a key is for (JobSecret.key): a signature made for one cannot pass for another.
@@ -86,6 +96,42 @@ DEFAULT_MAX_SKEW_S = 120.0
 # job, sending 10k requests a second for minutes, could reach it).
 MAX_REMEMBERED_NONCES = 1 << 21
 _VERSION = "v1"
+# Tokens are ~115 bytes; a longer field is not a signature (and is refused as malformed).
+_MAX_TOKEN_BYTES = 255
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+# The auth field's key on the wire: field AUTH_FIELD_NUMBER, wire type 2 (length-delimited).
+_AUTH_TAG = _varint((AUTH_FIELD_NUMBER << 3) | 2)
+_MALFORMED = "\x01malformed"  # what split_signed reports for a broken field; never verifies
+
+
+def split_signed(data: bytes) -> Tuple[bytes, str]:
+    """``(request, token)``: the request bytes after a leading auth field and the token it
+    carries, or ``(data, "")`` when there is none. A broken field (its length too long, or past
+    the end) gives a token that no verifier accepts."""
+    if not data.startswith(_AUTH_TAG):
+        return data, ""
+    pos, length = len(_AUTH_TAG), 0
+    for shift in (0, 7):
+        if pos >= len(data):
+            return data, _MALFORMED
+        b = data[pos]
+        pos += 1
+        length |= (b & 0x7F) << shift
+        if not b & 0x80:
+            if length > _MAX_TOKEN_BYTES or pos + length > len(data):
+                return data, _MALFORMED
+            return data[pos + length :], data[pos : pos + length].decode("ascii", "replace")
+    return data, _MALFORMED
 
 
 class AuthError(PermissionError):
@@ -260,6 +306,17 @@ class Signer:
         ms = str(int(time.time() * 1000))
         nonce = _nonces.next()
         return f"{_VERSION}.{ms}.{nonce}.{_mac(self._key, what, ms, nonce, body)}"
+
+    def sign_request(self, what: str, body: bytes) -> bytes:
+        """``body`` (a serialized gRPC request for method ``what``) with its signature in a
+        leading auth field (:func:`split_signed` takes it apart)."""
+        token = self.sign(what, body).encode("ascii")
+        return _AUTH_TAG + _varint(len(token)) + token + body
+
+    @property
+    def key(self) -> bytes:
+        """The purpose's key, for the native client that signs in C++ (it stays in process)."""
+        return self._key
 
     def mac(self, *parts: bytes) -> bytes:
         """A plain HMAC over ``parts`` (for signed content; the other end calls :meth:`check`)."""

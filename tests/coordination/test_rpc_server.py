@@ -264,30 +264,37 @@ def test_on_cancel_set_after_the_caller_left_is_called_at_once(serve):
         assert not calls[0].write(pb.FailureNotification())  # over: writes refused
 
 
-@pytest.mark.skipif(
-    not rpc_server.native_available(), reason="native gRPC server not built (no gRPC C++)"
-)
-def test_native_call_exposes_the_ft_auth_metadata():
+@pytest.mark.parametrize("with_verifier", [True, False], ids=["verifier", "no-verifier"])
+def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_verifier):
+    """The signature rides in the request's leading field (ft.utils.auth): whichever transport
+    and whether or not it checks signatures, the handler gets the request its client serialized,
+    and with a verifier a broken or missing field is refused with the reason."""
+    from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier
+
+    secret = JobSecret("rpc-server-test-secret-0123456789")
     seen = []
 
-    def heartbeat(req, call):
-        seen.append(call.auth_token())
-        call.reply(pb.LighthouseHeartbeatResponse())
+    def quorum(req, call):
+        seen.append((req.requester.replica_id, call.verified))
+        call.reply(pb.LighthouseQuorumResponse())
 
-    s = RpcServer(
-        "127.0.0.1:0",
-        {SVC + "Heartbeat": Method(pb.LighthouseHeartbeatRequest, heartbeat)},
-        transport="native",
-    )
-    try:
-        channel, stub = stub_for(s)
-        with channel:
-            req = pb.LighthouseHeartbeatRequest(replica_id="a")
-            stub["Heartbeat"](req, timeout=5, metadata=(("ft-auth", "x"),))
-            stub["Heartbeat"](req, timeout=5)
-            stub["Heartbeat"](
-                req, timeout=5, metadata=(("ft-auth", "first"), ("ft-auth", "second"))
-            )
-        assert seen == ["x", "", "first"]
-    finally:
-        s.shutdown(0.1)
+    verifier = Verifier(secret, GRPC_PURPOSE) if with_verifier else None
+    s = serve({SVC + "Quorum": Method(pb.LighthouseQuorumRequest, quorum)}, verifier=verifier)
+    body = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a")).SerializeToString()
+    signed = Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body)
+    assert signed.endswith(body) and len(signed) > len(body)
+    channel, stub = stub_for(s)
+    with channel:
+        stub["Raw"](signed, timeout=5)
+        assert [r for r, _ in seen] == ["a"]
+        broken = signed[:3] + bytes([200]) + signed[4:]  # a length past the token's end
+        if with_verifier:
+            for bad, why in ((body, "no signature"), (broken, "malformed signature")):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub["Raw"](bad, timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert why in e.value.details()
+            assert len(seen) == 1
+        else:
+            stub["Raw"](body, timeout=5)
+            assert [r for r, _ in seen] == ["a", "a"]

@@ -19,7 +19,6 @@ import pytest
 from ft.coordination import CoordinationError, LighthouseClient, ManagerClient
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.utils.auth import (
-    GRPC_METADATA_KEY,
     GRPC_PURPOSE,
     InsecureServerError,
     JobSecret,
@@ -93,18 +92,19 @@ def test_replayed_request_is_refused(lighthouse_factory):
     target = lh.address().replace("http://", "")
     path = "/torchft.LighthouseService/Heartbeat"
     body = pb.LighthouseHeartbeatRequest(replica_id="r").SerializeToString()
-    token = Signer(JobSecret(SECRET), GRPC_PURPOSE).sign(path, body)
+    signed = Signer(JobSecret(SECRET), GRPC_PURPOSE).sign_request(path, body)
+    head = signed[: len(signed) - len(body)]  # the leading auth field alone
     with grpc.insecure_channel(target) as ch:
         call = ch.unary_unary(path, request_serializer=None, response_deserializer=None)
-        call(body, timeout=5.0, metadata=((GRPC_METADATA_KEY, token),))  # the genuine request
+        call(signed, timeout=5.0)  # the genuine request
         with pytest.raises(grpc.RpcError) as e:
-            call(body, timeout=5.0, metadata=((GRPC_METADATA_KEY, token),))  # the replay
+            call(signed, timeout=5.0)  # the replay
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "replayed" in e.value.details()
         # a signature moved onto another request (another replica id) does not verify either
         other = pb.LighthouseHeartbeatRequest(replica_id="someone-else").SerializeToString()
         with pytest.raises(grpc.RpcError) as e:
-            call(other, timeout=5.0, metadata=((GRPC_METADATA_KEY, token),))
+            call(head + other, timeout=5.0)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "bad signature" in e.value.details()
     assert "someone-else" not in lh._state.heartbeats

@@ -1,6 +1,7 @@
 """The native gRPC server checks request signatures in C++ (RequestVerifier in
-csrc/grpc_server/grpc_server.cpp). ft.utils.auth.Verifier is the specification: on every token
-of a table, and on randomized ones, both give the same verdict and the same reason."""
+csrc/grpc_server/request_auth.hpp), and the native client signs there (RequestSigner).
+ft.utils.auth.Verifier is the specification: on every token of a table, and on randomized ones,
+both give the same verdict and the same reason, and the C++ signer's tokens verify by it."""
 
 from __future__ import annotations
 
@@ -116,3 +117,41 @@ def test_randomized_tokens_get_the_same_verdict(body, what, tamper):
         i %= len(token)
         token = token[:i] + c + token[i + 1 :]
     assert native.verify(what, body, token) == python_verdict(spec, what, body, token)
+
+
+def test_native_signer_tokens_verify_by_the_specification_once_each():
+    """The native client signs in C++ (request_auth.hpp RequestSigner): its tokens verify by
+    ft.utils.auth.Verifier, are fresh on every call, and bind the method and the body."""
+    from ft.coordination import _grpc_server
+
+    spec = Verifier(SECRET, GRPC_PURPOSE)
+    signer = _grpc_server.RequestSigner(Signer(SECRET, GRPC_PURPOSE).key)
+    tokens = [signer.token(WHAT, b"body") for _ in range(100)]
+    assert len(set(tokens)) == 100
+    for t in tokens:
+        assert python_verdict(spec, WHAT, b"body", t) == ""
+    assert "replayed" in python_verdict(spec, WHAT, b"body", tokens[0])
+    assert "bad signature" in python_verdict(spec, "/x", b"body", signer.token(WHAT, b"body"))
+    assert "bad signature" in python_verdict(spec, WHAT, b"other", signer.token(WHAT, b"body"))
+    other_job = _grpc_server.RequestSigner(
+        Signer(JobSecret("another-job-secret-0123456789abcdef"), GRPC_PURPOSE).key
+    )
+    assert "bad signature" in python_verdict(spec, WHAT, b"body", other_job.token(WHAT, b"body"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.binary(max_size=200), cut=st.integers(0, 300))
+def test_split_signed_gives_back_the_request_and_refuses_a_broken_field(body, cut):
+    """split_signed(sign_request(m, body)) is (body, a token that verifies); any truncation of
+    the signed bytes either loses the field (no token) or yields a token that does not verify."""
+    from ft.utils.auth import split_signed
+
+    spec = Verifier(SECRET, GRPC_PURPOSE)
+    signed = Signer(SECRET, GRPC_PURPOSE).sign_request(WHAT, body)
+    request, token = split_signed(signed)
+    assert request == body
+    cut_request, cut_token = split_signed(signed[: min(cut, len(signed))])
+    if cut < len(signed):
+        assert python_verdict(spec, WHAT, cut_request, cut_token) != ""
+    assert python_verdict(spec, WHAT, request, token) == ""
+    assert split_signed(body) == (body, "") or body.startswith(signed[:3])
