@@ -16,10 +16,11 @@ namespace py = pybind11;
 namespace {
 
 // Builds torch's own ProcessGroupGloo through its Python binding (torch ships
-// no Gloo headers), by way of ft.process_group._new_gloo. Called from
-// configure(), on the configuring thread; the
-// binding releases the GIL while it waits for peers.
-c10::intrusive_ptr<c10d::Backend> makeGloo(
+// no Gloo headers), by way of ft.process_group._new_gloo, which also names the
+// epoll instances of the Gloo devices it built. Called from configure(), on
+// the configuring thread; the binding releases the GIL while it waits for
+// peers.
+ft::GlooLane makeGloo(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
@@ -31,10 +32,12 @@ c10::intrusive_ptr<c10d::Backend> makeGloo(
   // Gloo's own timeout is a backstop: ft's watchdog fires first.
   const auto innerTimeout =
       timeout + std::max(std::chrono::milliseconds(1000), timeout / 10);
-  py::object pg = factory(store, rank, size, innerTimeout);
-  auto backend = pg.cast<c10::intrusive_ptr<c10d::Backend>>();
-  pg = py::object(); // drop the Python wrapper while we hold the GIL
-  return backend;
+  py::tuple made = factory(store, rank, size, innerTimeout);
+  ft::GlooLane lane;
+  lane.backend = made[0].cast<c10::intrusive_ptr<c10d::Backend>>();
+  lane.epolls = made[1].cast<std::vector<int>>();
+  made = py::tuple(); // drop the Python wrapper while we hold the GIL
+  return lane;
 }
 
 const char* kindName(ft::FailureKind kind) {

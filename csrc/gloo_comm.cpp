@@ -2,15 +2,12 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include <dirent.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <string>
@@ -27,46 +24,9 @@ void setGlooFactory(GlooFactory factory) {
   glooFactory = std::move(factory);
 }
 
-OwnedSockets::FdTable OwnedSockets::snapshot() {
-  FdTable table;
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) {
-    return table;
-  }
-  const int dirFd = dirfd(dir);
-  while (struct dirent* entry = readdir(dir)) {
-    char* end = nullptr;
-    long fd = std::strtol(entry->d_name, &end, 10);
-    if (end == entry->d_name || *end != '\0' || fd == dirFd) {
-      continue;
-    }
-    char target[128] = {0};
-    const std::string path = std::string("/proc/self/fd/") + entry->d_name;
-    ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
-    if (n <= 0) {
-      continue;
-    }
-    target[n] = '\0';
-    unsigned long inode = 0;
-    if (std::sscanf(target, "socket:[%lu]", &inode) == 1) {
-      table.sockets.push_back({static_cast<int>(fd), inode});
-    } else if (std::strcmp(target, "anon_inode:[eventpoll]") == 0) {
-      table.epolls.push_back(static_cast<int>(fd));
-    }
-  }
-  closedir(dir);
-  return table;
-}
-
-OwnedSockets OwnedSockets::fromNewEpolls(
-    const FdTable& before,
-    const FdTable& after) {
-  OwnedSockets owned;
-  for (int epoll : after.epolls) {
-    if (std::find(before.epolls.begin(), before.epolls.end(), epoll) !=
-        before.epolls.end()) {
-      continue;
-    }
+std::vector<OwnedSockets::Socket> OwnedSockets::registered() const {
+  std::vector<Socket> out;
+  for (int epoll : epolls_) {
     std::ifstream info("/proc/self/fdinfo/" + std::to_string(epoll));
     std::string line;
     while (std::getline(info, line)) {
@@ -79,19 +39,27 @@ OwnedSockets OwnedSockets::fromNewEpolls(
       if (pos == std::string::npos) {
         continue;
       }
-      unsigned long inode = std::strtoul(line.c_str() + pos + 5, nullptr, 16);
-      for (const auto& s : after.sockets) {
-        if (s.fd == fd && s.inode == inode) {
-          owned.sockets_.push_back(s);
-        }
+      const unsigned long inode =
+          std::strtoul(line.c_str() + pos + 5, nullptr, 16);
+      struct stat st{};
+      if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
+          static_cast<unsigned long>(st.st_ino) != inode) {
+        continue; // not a socket (Gloo's wakeup fd), or closed meanwhile
       }
+      out.push_back({fd, inode});
     }
   }
-  return owned;
+  return out;
 }
 
 void OwnedSockets::sever() const {
-  for (const auto& s : sockets_) {
+  std::vector<Socket> sockets;
+  try {
+    sockets = registered();
+  } catch (...) {
+    return; // out of memory reading /proc: nothing we can cut
+  }
+  for (const auto& s : sockets) {
     struct stat st{};
     if (fstat(s.fd, &st) != 0 || !S_ISSOCK(st.st_mode) ||
         static_cast<unsigned long>(st.st_ino) != s.inode) {
@@ -171,16 +139,19 @@ std::shared_ptr<Transport> connectGloo(
     factory = glooFactory;
   }
   TORCH_CHECK(factory, "ft: no Gloo factory installed (import ft first)");
-  const auto before = OwnedSockets::snapshot();
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
+  std::vector<int> epolls;
   lanes.reserve(numLanes);
   for (int i = 0; i < numLanes; ++i) {
     auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
         "lane" + std::to_string(i),
         store);
-    lanes.push_back(factory(laneStore, rank, size, timeout));
+    auto lane = factory(laneStore, rank, size, timeout);
+    TORCH_CHECK(lane.backend, "ft: the Gloo factory returned no backend");
+    lanes.push_back(std::move(lane.backend));
+    epolls.insert(epolls.end(), lane.epolls.begin(), lane.epolls.end());
   }
-  auto sockets = OwnedSockets::fromNewEpolls(before, OwnedSockets::snapshot());
+  OwnedSockets sockets(std::move(epolls));
   // Gloo's full-mesh connect can return on one rank while its peer is still
   // finishing the handshake. Wait until every rank is done, so that a quick
   // reconfigure (which severs this generation's sockets) cannot break a peer

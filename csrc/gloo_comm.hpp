@@ -7,9 +7,12 @@
 //
 // Gloo has no abort: a stuck op lives until Gloo's own timeout, and when a
 // stopped peer resumes, its data would still land in the caller's tensor.
-// So we note the sockets a generation's construction opened and, on abort,
-// shut them down. The stuck op then fails at once (like a dead peer) and no
-// more bytes can arrive for it.
+// So, on abort, we shut down the sockets of the generation's Gloo pairs. The
+// stuck op then fails at once (like a dead peer) and no more bytes can arrive
+// for it. Those sockets, and only those, are the ones registered in the epoll
+// instances of the lanes' own Gloo devices: other groups, or other ranks of
+// this one, may live in the same process, and cutting their sockets would
+// break their ops.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -26,7 +29,16 @@
 
 namespace ft {
 
-using GlooFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+// One lane's inner communicator, and the epoll instances of the Gloo devices
+// it was built with (each device registers its listener and its pairs'
+// sockets in its own epoll instance). The factory tells them apart from any
+// other epoll instance of the process (ft.process_group._gloo_devices).
+struct GlooLane {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<int> epolls;
+};
+
+using GlooFactory = std::function<GlooLane(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
@@ -34,41 +46,35 @@ using GlooFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
 
 void setGlooFactory(GlooFactory factory);
 
-// The connected sockets of a generation's Gloo pairs, identified by (fd,
-// inode) so a descriptor number reused later by someone else is never touched.
+// The connected sockets of a generation's Gloo pairs: those registered in its
+// lanes' epoll instances (read from /proc/self/fdinfo when asked, so a pair
+// that connects lazily, after configure(), is included), each identified by
+// (fd, inode) so a descriptor number reused by someone else is never touched.
 //
-// Other threads open sockets while a generation is being built (the TCPStore
-// server accepting a peer, gRPC), so "sockets that appeared meanwhile" is not
-// enough. Each Gloo communicator creates its own epoll instance and registers
-// its pairs there; /proc/self/fdinfo of an epoll fd created during the build
-// lists exactly those sockets.
+// The epoll descriptors stay valid as long as the lanes' Gloo devices live,
+// that is, as long as the transport that holds this.
 class OwnedSockets {
  public:
   struct Socket {
     int fd;
     unsigned long inode;
   };
-  struct FdTable {
-    std::vector<Socket> sockets;
-    std::vector<int> epolls;
-  };
 
-  static FdTable snapshot();
-  // The sockets registered in epoll instances that `after` has and `before`
-  // had not.
-  static OwnedSockets fromNewEpolls(
-      const FdTable& before,
-      const FdTable& after);
+  OwnedSockets() = default;
+  explicit OwnedSockets(std::vector<int> epolls) : epolls_(std::move(epolls)) {}
 
-  // shutdown(SHUT_RDWR) on every connected socket that is still the one we
-  // recorded. Safe to call more than once, from any thread.
+  // The sockets registered in the epoll instances now (listeners included).
+  std::vector<Socket> registered() const;
+
+  // shutdown(SHUT_RDWR) on every connected socket registered now. Safe to
+  // call more than once, from any thread.
   void sever() const;
   size_t size() const {
-    return sockets_.size();
+    return registered().size();
   }
 
  private:
-  std::vector<Socket> sockets_;
+  std::vector<int> epolls_;
 };
 
 // The Gloo transport: `numLanes` Gloo communicators under per-lane store

@@ -623,8 +623,11 @@ def _release_before_interpreter_exit() -> None:
     _C._drain_releaser(True)
 
 
-def _new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """torch's ProcessGroupGloo for one lane of the ft backend (called from C++).
+def _new_gloo(
+    store: dist.Store, rank: int, size: int, timeout: timedelta
+) -> Tuple[dist.ProcessGroupGloo, List[int]]:
+    """torch's ProcessGroupGloo for one lane of the ft backend (called from C++), and the
+    epoll instances of its Gloo devices (see :func:`_gloo_devices`).
 
     Gloo listens on, and tells its peers, the replica's advertised address
     (:func:`ft.utils.net.chosen_advertise_host`): by default Gloo resolves the host name, which on
@@ -641,17 +644,81 @@ def _new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> di
         if left <= 0:
             raise TimeoutError("configure()'s deadline passed before this lane could connect")
         connect_timeout = min(timeout, timedelta(seconds=left))
-    host = net.chosen_advertise_host()
-    if host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
-        pg = dist.ProcessGroupGloo(store, rank, size, connect_timeout)
-    else:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = connect_timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
-        pg = dist.ProcessGroupGloo(store, rank, size, opts)
+    devices, epolls = _gloo_devices()
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = connect_timeout
+    opts._devices = devices
+    opts._threads = 2 * len(devices)  # as torch's own constructor sets it
+    pg = dist.ProcessGroupGloo(store, rank, size, opts)
     if connect_timeout != timeout:
         pg.set_timeout(timeout)  # the ops' bound (its connections and contexts too)
-    return pg
+    return pg, epolls
+
+
+def _epoll_fds() -> set:
+    """This process's epoll descriptors (empty where /proc is not)."""
+    out = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventpoll]":
+                out.add(int(name))
+        except OSError:
+            continue  # closed meanwhile
+    return out
+
+
+# Serializes the creation of ft's Gloo devices in this process (see _gloo_devices).
+_gloo_device_lock = threading.Lock()
+_GLOO_DEVICE_TRIES = 8
+
+
+def _gloo_devices() -> Tuple[list, List[int]]:
+    """The Gloo devices of one lane, as torch's own ProcessGroupGloo constructor would pick
+    them (``GLOO_SOCKET_IFNAME``'s interfaces, else the advertised address, else the default
+    device), and the epoll instances they created.
+
+    Gloo has no abort, so aborting a generation shuts down the sockets its lanes' devices
+    registered in their epoll instances (csrc/gloo_comm.hpp). Those must be exactly this lane's:
+    several groups, or several ranks of one group, may connect at the same time in one process,
+    and a socket of theirs cut by our abort breaks their ops (a peer shutting down then fails
+    the survivors' send/recv in the same process). Each Gloo device creates one epoll instance
+    when it is built, so the devices are built here, one lane at a time in this process, between
+    two looks at /proc/self/fd: the epoll instances that appeared are theirs. Should another
+    thread create an epoll instance meanwhile, the devices are dropped and built again.
+    """
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    host = None if ifname else net.chosen_advertise_host()
+    create_device = dist.ProcessGroupGloo.create_device
+
+    def build() -> list:
+        if len(ifname) > 1:  # torch's rule
+            return [create_device(interface=name) for name in ifname.split(",")]
+        if host is None:
+            return [dist.ProcessGroupGloo.create_default_device()]
+        return [create_device(hostname=host.strip("[]"))]
+
+    with _gloo_device_lock:
+        for attempt in range(_GLOO_DEVICE_TRIES):
+            before = _epoll_fds()
+            devices = build()
+            new = _epoll_fds() - before
+            if len(new) == len(devices) or attempt == _GLOO_DEVICE_TRIES - 1:
+                break
+            devices.clear()  # drops them, closing their epoll instances; try again
+    if len(new) != len(devices):
+        # Other threads kept creating epoll instances: own every new one (an abort may then
+        # also cut their sockets) rather than none (a stuck op would outlive the abort).
+        logger.warning(
+            "ft: %d epoll instances appeared while this lane's %d Gloo devices were built; "
+            "an abort of this generation shuts down the sockets of all of them",
+            len(new),
+            len(devices),
+        )
+    return devices, sorted(new)
 
 
 # The deadline of the configure() running on this thread (None outside one): _new_gloo runs

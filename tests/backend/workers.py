@@ -483,6 +483,185 @@ def per_op_deadlines(
     return res
 
 
+# --- one process, several groups or ranks: an abort cuts only its own sockets ---
+
+
+def _bounded(fn, timeout_s, what):
+    """Runs ``fn`` on a thread; its result, or AssertionError naming ``what`` after
+    ``timeout_s``. The exception ``fn`` raised is raised here."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True, name=what)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise AssertionError(f"{what} did not finish within {timeout_s}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _wait_for_new_key(store, baseline, timeout_s, what):
+    """Waits until the store holds more than ``baseline`` keys: the configure() started on
+    another thread has written its first one (its lane 0's Gloo address), so it is past
+    building that lane's Gloo device and waits for its peers."""
+    end = time.monotonic() + timeout_s
+    while store.num_keys() <= baseline:
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: no new store key within {timeout_s}s")
+        time.sleep(0.005)
+
+
+def _error_of(fn):
+    try:
+        fn()
+        return None
+    except Exception as e:  # noqa: BLE001 - the test reads the text
+        return f"{type(e).__name__}: {e}"
+
+
+def ranks_as_threads_one_shuts_down(rank, world_size, port, timeout_s=10.0):
+    """torchft's test_collective_with_resiliency(send/recv), in one process: ranks 0, 1, 2 of
+    one group are threads here. Rank 2 starts configuring first (its connect is in flight
+    while ranks 0 and 1 build their Gloo devices), then shuts down at once; ranks 0 and 1
+    then send/recv, and regroup as a world of 2."""
+    store = connect_store(port)
+    pgs = [ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)) for _ in range(3)]
+    res = {}
+
+    def configure(r, prefix, ws):
+        return threading.Thread(
+            target=lambda: pgs[r].configure(f"{ADDR}:{port}/{prefix}", "test", r, ws),
+            daemon=True,
+        )
+
+    baseline = store.num_keys()
+    threads = [configure(2, "all3", 3)]
+    threads[0].start()
+    _wait_for_new_key(store, baseline, timeout_s, "rank 2's configure")
+    threads += [configure(0, "all3", 3), configure(1, "all3", 3)]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "configure of 3 ranks did not finish"
+
+    pgs[2].shutdown()  # the "crashed" rank: its sockets, and only those, are cut
+
+    got = torch.zeros(2)
+
+    def send():
+        pgs[0].send([torch.full((2,), 7.0)], 1, 0).wait()
+
+    def recv():
+        pgs[1].recv([got], 0, 0).wait()
+
+    sender = threading.Thread(target=lambda: res.__setitem__("send_error", _error_of(send)))
+    sender.start()
+    res["recv_error"] = _bounded(lambda: _error_of(recv), 2 * timeout_s, "recv")
+    sender.join(2 * timeout_s)
+    assert not sender.is_alive(), "send did not finish"
+    res["received"] = got
+
+    # The survivors regroup without rank 2 and allreduce.
+    threads = [configure(0, "survivors", 2), configure(1, "survivors", 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), "configure of the survivors did not finish"
+    sums = [torch.full((2,), float(r + 1)) for r in range(2)]
+    ops = [
+        threading.Thread(target=lambda r=r: dist.all_reduce(sums[r], group=pgs[r]))
+        for r in range(2)
+    ]
+    for t in ops:
+        t.start()
+    for t in ops:
+        t.join(2 * timeout_s)
+        assert not t.is_alive(), "the survivors' allreduce did not finish"
+    res["sums"] = sums
+    for pg in pgs[:2]:
+        pg.shutdown()
+    return res
+
+
+def two_groups_one_shuts_down(rank, world_size, port, timeout_s=10.0):
+    """Two ft groups, A and B, over the same two processes (a parameter server's concurrent
+    sessions, say). In rank 0's process, B connects while A's configure is in flight (rank 1
+    joins A only after B). Rank 0 then shuts A down: rank 1's op on A fails (its peer is
+    gone), and B, in both processes, must keep working: send/recv, allreduce, reconfigure."""
+    store = connect_store(port)
+    a = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+    b = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+    wait = timedelta(seconds=3 * timeout_s)
+    res = {}
+    if rank == 0:
+        store.wait(["idle/1"], wait)
+        baseline = store.num_keys()
+        a_configure = threading.Thread(
+            target=lambda: a.configure(f"{ADDR}:{port}/a", "test", 0, 2), daemon=True
+        )
+        a_configure.start()
+        _wait_for_new_key(store, baseline, timeout_s, "A's configure")
+        store.set("a_in_flight", "1")
+        b.configure(f"{ADDR}:{port}/b", "test", 0, 2)
+        a_configure.join(2 * timeout_s)
+        assert not a_configure.is_alive(), "A's configure did not finish"
+    else:
+        store.set("idle/1", "1")
+        store.wait(["a_in_flight"], wait)
+        b.configure(f"{ADDR}:{port}/b", "test", 1, 2)
+        a.configure(f"{ADDR}:{port}/a", "test", 1, 2)
+    for pg in (a, b):
+        t = torch.ones(2)
+        dist.all_reduce(t, group=pg)
+        assert torch.equal(t, torch.full((2,), 2.0)), t
+
+    if rank == 0:
+        a.shutdown()
+        store.set("a_shut", "1")
+    else:
+        store.wait(["a_shut"], wait)
+        start = time.monotonic()
+        res["a_error"] = _error_of(lambda: dist.all_reduce(torch.ones(2), group=a))
+        res["a_error_after_s"] = time.monotonic() - start
+
+    peer = 1 - rank
+    got = torch.zeros(3)
+
+    def send_recv():
+        # Rank 0 sends first, rank 1 receives first: one exchange each way.
+        mine = torch.full((3,), float(rank + 1))
+        if rank == 0:
+            b.send([mine], peer, 5).wait()
+            b.recv([got], peer, 6).wait()
+        else:
+            b.recv([got], peer, 5).wait()
+            b.send([mine], peer, 6).wait()
+
+    res["b_send_recv_error"] = _error_of(send_recv)
+    res["b_received"] = got
+    t = torch.full((2,), float(rank + 1))
+    res["b_allreduce_error"] = _error_of(lambda: dist.all_reduce(t, group=b))
+    res["b_sum"] = t
+    res["b_errored"] = repr(b.errored())
+    b.configure(f"{ADDR}:{port}/b2", "test", rank, 2)
+    u = torch.full((2,), float(rank + 1))
+    dist.all_reduce(u, group=b)
+    res["b2_sum"] = u
+    b.shutdown()
+    if rank == 1:
+        a.shutdown()
+    return res
+
+
 # --- lanes -------------------------------------------------------------------
 
 
