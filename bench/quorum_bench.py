@@ -28,15 +28,12 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
 
 from ft.coordination import LighthouseClient
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the lighthouse's cwd
+from ft.coordination.cli import LighthouseProcess, start_lighthouse_process
 
 
 def start_lighthouse(
@@ -45,47 +42,15 @@ def start_lighthouse(
     tick_ms: int,
     join_timeout_ms: int,
     transport: str = "auto",
-):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ft.coordination.cli",
-            "--bind",
-            "127.0.0.1:0",
-            "--min_replicas",
-            str(min_replicas),
-            "--heartbeat_timeout_ms",
-            str(heartbeat_timeout_ms),
-            "--quorum_tick_ms",
-            str(tick_ms),
-            "--join_timeout_ms",
-            str(join_timeout_ms),
-            "--http_bind",
-            "",
-            "--log_level",
-            "ERROR",
-            "--transport",
-            transport,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
+) -> LighthouseProcess:
+    return start_lighthouse_process(
+        min_replicas,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+        quorum_tick_ms=tick_ms,
+        join_timeout_ms=join_timeout_ms,
+        log_level="ERROR",
+        transport=transport,
     )
-    line = proc.stdout.readline()
-    if not line.startswith("ft-lighthouse ready"):
-        proc.kill()
-        raise RuntimeError(f"lighthouse did not start: {line!r}")
-    return proc, line.split("grpc=")[1].split()[0]
-
-
-def stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def timed_rounds(n: int, rounds: int, ask) -> list:
@@ -234,18 +199,12 @@ def bench_rounds(n: int, rounds: int, transport: str) -> dict:
     """Median round times, and CPU per round: the lighthouse's (its whole process over the
     phase, divided by the rounds: includes its tick thread) and the callers' (summed)."""
     lh_cpu, full_cpu = {}, {}
-    proc, addr = start_lighthouse(n, 5000, 100, 60000, transport)
-    try:
-        floor = timed_rounds_mp(n, rounds, addr, "heartbeat", proc.pid)
-        lh_times = timed_rounds_mp(n, rounds, addr, "lighthouse", proc.pid, lh_cpu)
-    finally:
-        stop(proc)
+    with start_lighthouse(n, 5000, 100, 60000, transport) as server:
+        floor = timed_rounds_mp(n, rounds, server.address, "heartbeat", server.pid)
+        lh_times = timed_rounds_mp(n, rounds, server.address, "lighthouse", server.pid, lh_cpu)
     # A fresh lighthouse: the full-stack groups have new replica ids.
-    proc, addr = start_lighthouse(n, 5000, 100, 60000, transport)
-    try:
-        full_times = timed_rounds_mp(n, rounds, addr, "full", proc.pid, full_cpu)
-    finally:
-        stop(proc)
+    with start_lighthouse(n, 5000, 100, 60000, transport) as server:
+        full_times = timed_rounds_mp(n, rounds, server.address, "full", server.pid, full_cpu)
     return {
         "lighthouse_server_cpu_ms": lh_cpu["server_ms"],
         "lighthouse_client_cpu_ms": lh_cpu["client_ms"],
@@ -261,9 +220,9 @@ def bench_rounds(n: int, rounds: int, transport: str) -> dict:
 
 
 def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int, transport: str) -> dict:
-    proc, addr = start_lighthouse(1, heartbeat_timeout_ms, tick_ms, 60000, transport)
+    server = start_lighthouse(1, heartbeat_timeout_ms, tick_ms, 60000, transport)
     try:
-        lh = LighthouseClient(addr, timedelta(seconds=10))
+        lh = LighthouseClient(server.address, timedelta(seconds=10))
         to_notify, to_quorum = [], []
         for trial in range(trials):
             ids = [f"t{trial}-g{i}" for i in range(4)]
@@ -320,7 +279,7 @@ def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int, transport:
             "quorum_max_ms": max(to_quorum) * 1000,
         }
     finally:
-        stop(proc)
+        server.stop()
 
 
 def main() -> None:

@@ -172,6 +172,19 @@ def worker(
 OVERLAP_CONFIGS = ("ft", "ft_overlap", "ft_overlap_interleaved", "torch_overlap")
 
 
+def shuffled_iterations(n: int, configs: tuple, seed: int, batch: int, d: int):
+    """Yields, per iteration, its index, a random batch ``(x, y)`` and ``configs`` in a fresh
+    order, the same on every rank (seeded by the index): no config always runs right after
+    the same other one."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        x = torch.randn(batch, d, generator=g)
+        y = torch.randn(batch, d, generator=g)
+        order = list(configs)
+        random.Random(i).shuffle(order)
+        yield i, x, y, order
+
+
 def overlap_worker(rank: int, world: int, port: int, args) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
         hook_with_zero_step as torch_hook,
@@ -206,15 +219,11 @@ def overlap_worker(rank: int, world: int, port: int, args) -> None:
                 }[name]
                 ddp.register_comm_hook(None, hook(allreduce_hook, ddp, zero))
             runs[name] = (model, ddp, zero, overlap)
-        g = torch.Generator().manual_seed(100 + rank)
         times = {name: [] for name in OVERLAP_CONFIGS}
-        for i in range(args.warmup + args.iters):
-            x = torch.randn(args.batch, args.d, generator=g)
-            y = torch.randn(args.batch, args.d, generator=g)
-            # A fresh order every iteration, the same on every rank (seeded by i): no config
-            # always runs right after the same other one.
-            order = list(OVERLAP_CONFIGS)
-            random.Random(i).shuffle(order)
+        schedule = shuffled_iterations(
+            args.warmup + args.iters, OVERLAP_CONFIGS, 100 + rank, args.batch, args.d
+        )
+        for i, x, y, order in schedule:
             for name in order:
                 model, ddp, zero, overlap = runs[name]
                 dist.barrier()
@@ -352,6 +361,57 @@ def launch(args) -> int:
     return 0
 
 
+FT_ITER_CONFIGS = ("after_backward", "overlap", "overlap_interleaved")
+
+
+def ft_lighthouse(world: int):
+    """An in-process lighthouse for ``world`` replica groups (fault-tolerant modes)."""
+    from ft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=world,
+        join_timeout_ms=1000,
+        quorum_tick_ms=20,
+        heartbeat_timeout_ms=5000,
+        http_bind="",
+    )
+
+
+def ft_replica(lh_addr: str, replica_id: str, model: nn.Module, config=None, bucket_mb=4.0):
+    """One replica group of the fault-tolerant modes: ``(manager, ddp, optimizer)``, a Manager
+    (sync quorum) and FaultTolerantZeroRedundancyOptimizer(Adam) over ``model``. ``config``
+    (one of ``FT_ITER_CONFIGS``) also wraps ``model`` in the DDP it trains through:
+    ``ft.DistributedDataParallel`` for ``after_backward``, ``FaultTolerantZeroDDP`` (the
+    optimizer overlapped) otherwise; without one, ``ddp`` is None and the optimizer steps
+    after backward."""
+    import ft
+    from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
+    from tests.manager.inproc import make_manager
+
+    m = make_manager(
+        lh_addr,
+        replica_id,
+        use_async_quorum=False,
+        init_sync=False,
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=120),
+    )
+    overlap = config not in (None, "after_backward")
+    opt = FaultTolerantZeroRedundancyOptimizer(
+        m, model.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=1e-4
+    )
+    if config is None:
+        ddp = None
+    elif overlap:
+        ddp = FaultTolerantZeroDDP(
+            m, model, opt, interleaved=config.endswith("interleaved"), bucket_cap_mb=bucket_mb
+        )
+    else:
+        ddp = ft.DistributedDataParallel(m, model, bucket_cap_mb=bucket_mb)
+    return m, ddp, opt
+
+
 def ft_mode(world: int, iters: int) -> int:
     """Fault-tolerant mode: ``world`` replica groups (one thread each, in-process lighthouse and
     Managers, sync quorum), FaultTolerantZeroRedundancyOptimizer(Adam) on the same model.
@@ -361,32 +421,14 @@ def ft_mode(world: int, iters: int) -> int:
     quorum changes)."""
     import threading
 
-    from ft.coordination import LighthouseServer
-    from ft.optim import FaultTolerantZeroRedundancyOptimizer
-    from tests.manager.inproc import make_manager
-
     torch.set_num_threads(1)
-    lh = LighthouseServer(
-        bind="127.0.0.1:0",
-        min_replicas=world,
-        join_timeout_ms=1000,
-        quorum_tick_ms=20,
-        heartbeat_timeout_ms=5000,
-        http_bind="",
-    )
+    lh = ft_lighthouse(world)
+    models = [make_model() for _ in range(world)]  # seeded: built here, not in threads
     out: dict = {}
 
     def run(r: int) -> None:
-        m = make_manager(
-            lh.address(),
-            f"b{r}",
-            use_async_quorum=False,
-            init_sync=False,
-            timeout=timedelta(seconds=120),
-            quorum_timeout=timedelta(seconds=120),
-        )
-        model = make_model()
-        opt = FaultTolerantZeroRedundancyOptimizer(m, model.parameters(), torch.optim.Adam, lr=1e-4)
+        model = models[r]
+        m, _, opt = ft_replica(lh.address(), f"b{r}", model)
         for _ in range(iters):
             opt.zero_grad()
             fill_grads(model)
@@ -396,12 +438,7 @@ def ft_mode(world: int, iters: int) -> int:
             dt = time.perf_counter() - t0
             out.setdefault(r, []).append((dt, opt.stats["migrated_bytes"] - mig0))
         out[f"bytes{r}"] = opt.state_bytes()
-        out[f"own{r}"] = sum(
-            v.numel() * v.element_size()
-            for st in opt.state.values()
-            for v in st.values()
-            if torch.is_tensor(v)
-        )
+        out[f"own{r}"] = state_bytes(opt)  # opt.state is the owned shard
         out[f"param{r}"] = opt.stats["param_bytes"] // max(1, opt.stats["steps"])
         out[f"committed{r}"] = m.current_step()
         m.shutdown(wait=False)
@@ -448,31 +485,13 @@ def ft_mode(world: int, iters: int) -> int:
     return 0
 
 
-FT_ITER_CONFIGS = ("after_backward", "overlap", "overlap_interleaved")
-
-
 def ft_iteration_times(world: int, iters: int, args) -> None:
     """Iteration time of the fault-tolerant optimizer, stepped after backward vs overlapped
     (module docstring, "Fault-tolerant mode")."""
     import threading
 
-    import ft
-    from ft.coordination import LighthouseServer
-    from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
-    from tests.manager.inproc import make_manager
-
     torch.set_num_threads(1)
-    lhs = {
-        c: LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=world,
-            join_timeout_ms=1000,
-            quorum_tick_ms=20,
-            heartbeat_timeout_ms=5000,
-            http_bind="",
-        )
-        for c in FT_ITER_CONFIGS
-    }
+    lhs = {c: ft_lighthouse(world) for c in FT_ITER_CONFIGS}
     base = make_model(args.blocks, args.d, args.ffn)  # seeded: built here, not in threads
     models = {(c, r): copy.deepcopy(base) for c in FT_ITER_CONFIGS for r in range(world)}
     barrier = threading.Barrier(world, timeout=300)
@@ -480,38 +499,14 @@ def ft_iteration_times(world: int, iters: int, args) -> None:
     out: dict = {}
 
     def run(r: int) -> None:
-        runs = {}
-        for c in FT_ITER_CONFIGS:
-            m = make_manager(
-                lhs[c].address(),
-                f"{c}-{r}",
-                use_async_quorum=False,
-                init_sync=False,
-                timeout=timedelta(seconds=120),
-                quorum_timeout=timedelta(seconds=120),
-            )
-            model = models[(c, r)]
-            overlap = c != "after_backward"
-            opt = FaultTolerantZeroRedundancyOptimizer(
-                m, model.parameters(), torch.optim.Adam, overlap_with_ddp=overlap, lr=1e-4
-            )
-            if overlap:
-                ddp = FaultTolerantZeroDDP(
-                    m,
-                    model,
-                    opt,
-                    interleaved=c.endswith("interleaved"),
-                    bucket_cap_mb=args.bucket_mb,
-                )
-            else:
-                ddp = ft.DistributedDataParallel(m, model, bucket_cap_mb=args.bucket_mb)
-            runs[c] = (m, ddp, opt)
-        g = torch.Generator().manual_seed(100 + r)
-        for i in range(args.warmup + iters):
-            x = torch.randn(args.batch, args.d, generator=g)
-            y = torch.randn(args.batch, args.d, generator=g)
-            order = list(FT_ITER_CONFIGS)
-            random.Random(i).shuffle(order)
+        runs = {
+            c: ft_replica(lhs[c].address(), f"{c}-{r}", models[(c, r)], c, args.bucket_mb)
+            for c in FT_ITER_CONFIGS
+        }
+        schedule = shuffled_iterations(
+            args.warmup + iters, FT_ITER_CONFIGS, 100 + r, args.batch, args.d
+        )
+        for i, x, y, order in schedule:
             for c in order:
                 m, ddp, opt = runs[c]
                 barrier.wait()

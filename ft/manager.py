@@ -310,6 +310,16 @@ class _ManagedWork(dist.Work):
         return self._fut
 
 
+class _EveryName:
+    """Holds every name: the keyword names of a function that takes ``**kwargs``."""
+
+    def __contains__(self, _name: object) -> bool:
+        return True
+
+
+_EVERY_NAME = _EveryName()
+
+
 def _keyword_parameters(fn: Callable[..., Any]) -> Any:
     """The keyword names ``fn`` accepts (a set-like that holds every name if it takes
     ``**kwargs``)."""
@@ -317,13 +327,8 @@ def _keyword_parameters(fn: Callable[..., Any]) -> Any:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return frozenset()
-
-    class _All:
-        def __contains__(self, _name: object) -> bool:
-            return True
-
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return _All()
+        return _EVERY_NAME
     return frozenset(
         p.name
         for p in params

@@ -59,6 +59,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, this file sees scripts/ on sys.path, not the checkout whose ft it tests (and
+# whose ft its children import, through PYTHONPATH).
+sys.path.insert(0, str(ROOT))
+
+from ft.coordination.cli import start_lighthouse_process  # noqa: E402
+
 VERSION = "0.2.0"
 SDIST = f"torchft-{VERSION}.tar.gz"
 SDIST_SHA256 = "542e17910039735d6686517f98ed49686ba23fc4283b15cf1d984a251eb1546a"
@@ -715,41 +721,6 @@ class ExampleResult:
     rewrites: Dict[str, List[str]] = field(default_factory=dict)
 
 
-def _start_lighthouse(work: Path, env: Dict[str, str], deadline_s: float):
-    log = open(work / "lighthouse.log", "w+b")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ft.coordination.cli",
-            "--bind",
-            "127.0.0.1:0",
-            "--min_replicas",
-            "2",
-            "--join_timeout_ms",
-            "10000",
-            "--http_bind",
-            "",
-        ],
-        cwd=work,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end and proc.poll() is None:
-        log.seek(0)
-        m = re.search(rb"ready grpc=(\S+)", log.read())
-        if m:
-            return proc, log, m.group(1).decode()
-        time.sleep(0.1)
-    _kill_group(proc)
-    log.seek(0)
-    raise RuntimeError(f"the lighthouse did not start: {log.read()[-2000:]!r}")
-
-
 def run_example(
     src: Path, work: Path, deps: Path, script: str, steps: int, timeout: float
 ) -> ExampleResult:
@@ -771,7 +742,15 @@ def run_example(
         script, False, 0.0, "", substitutions=[why for _, _, why in subs], rewrites=rw.as_dict()
     )
     t0 = time.monotonic()
-    lighthouse, lh_log, addr = _start_lighthouse(run_dir, env, 60.0)
+    lighthouse = start_lighthouse_process(
+        2,
+        join_timeout_ms=10000,
+        cwd=run_dir,
+        env=env,
+        log_path=run_dir / "lighthouse.log",
+        new_session=True,
+    )
+    addr = lighthouse.address
     procs: List[subprocess.Popen] = []
     logs = []
     try:
@@ -812,14 +791,13 @@ def run_example(
     finally:
         for p in procs:
             _kill_group(p)
-        _kill_group(lighthouse)
+        lighthouse.stop()
     res.seconds = time.monotonic() - t0
     outs = []
     for log in logs:
         log.seek(0)
         outs.append(log.read().decode(errors="replace"))
         log.close()
-    lh_log.close()
     steps_seen = [max((int(s) for s in re.findall(r"step[= ](\d+)", o)), default=-1) for o in outs]
     together = all(re.search(r"participants=2\b", o) for o in outs)
     if all(rc == 0 for rc in res.returncodes) and together:

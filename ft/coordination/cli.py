@@ -14,6 +14,10 @@ defaults to 100 ms, as torchft's), ``--quorum_tick_ms 100``, ``--heartbeat_timeo
 
 Every flag is accepted in underscore and dash spelling (``--min_replicas`` / ``--min-replicas``).
 SIGTERM and SIGINT shut the server down cleanly (exit status 0).
+
+Scripts and benchmarks that need a lighthouse in a process of its own start it with
+:func:`start_lighthouse_process`, which waits (bounded) for the ready line and reaps the
+process when stopped.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
-from typing import Optional, Sequence
+from typing import IO, Any, Optional, Sequence
 
 from . import _rpc
 from .lighthouse import (
@@ -36,8 +43,15 @@ from .lighthouse import (
 )
 from ..utils import net
 from ..utils.auth import SECRET_FILE_ENV, InsecureServerError, resolve_secret
+from ..utils.deadline import Deadline
 
 DEFAULT_PORT = 29510
+
+# The one line main() prints once it serves, for scripts and tests.
+READY_PREFIX = "ft-lighthouse ready"
+_READY = re.compile(rf"^{READY_PREFIX} grpc=(\S+)", re.MULTILINE)
+# The directory that holds the ``ft`` package: a child started there runs this same ft.
+_FT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kw) -> None:
@@ -180,9 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except InsecureServerError as e:
         print(f"ft-lighthouse: {e}", file=sys.stderr)
         return 2
-    # One machine-readable line for scripts and tests.
     print(
-        f"ft-lighthouse ready grpc={server.address()} dashboard={server.dashboard_address()}",
+        f"{READY_PREFIX} grpc={server.address()} dashboard={server.dashboard_address()}",
         flush=True,
     )
     try:
@@ -209,6 +222,131 @@ def _start(args, http_bind: str, secret) -> LighthouseServer:
         secret=secret,
         insecure=args.insecure or None,
     )
+
+
+class LighthouseProcess:
+    """A lighthouse in a child process, as :func:`start_lighthouse_process` returns it:
+    ``address`` (its gRPC address), ``proc`` (the ``subprocess.Popen``), ``log_path`` (the
+    file its stdout and stderr go to; None for an unnamed one). ``stop()``, also on leaving a
+    ``with`` block, ends and reaps it."""
+
+    def __init__(
+        self, proc: subprocess.Popen, log: IO[bytes], log_path: Optional[str], own_group: bool
+    ) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.address = ""
+        self._log = log
+        self._own_group = own_group
+        self._final_output: Optional[str] = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        """What the lighthouse wrote so far (all it wrote, once stopped)."""
+        if self._final_output is not None:
+            return self._final_output
+        # pread: the child writes through the same open file, whose offset must not move.
+        fd = self._log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+    def stop(self, grace: float = 10.0) -> Optional[int]:
+        """SIGTERM to the child (to its process group with ``new_session``; the lighthouse
+        shuts down cleanly), SIGKILL if it has not exited ``grace`` seconds later; reaps it.
+        Returns its exit status (None if it outlived SIGKILL by ``grace``). Calling it again
+        does nothing more."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.returncode is not None:
+                break
+            # Until the child is reaped, its pid (and the group it leads) is still its own.
+            try:
+                if self._own_group:
+                    os.killpg(self.proc.pid, sig)
+                else:
+                    os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.returncode is not None and self._final_output is None:
+            self._final_output = self.output()
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "LighthouseProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_lighthouse_process(
+    min_replicas: int,
+    *,
+    bind: str = "127.0.0.1:0",
+    http_bind: str = "",
+    ready_timeout: float = 60.0,
+    cwd: Any = None,
+    env: Optional[dict] = None,
+    log_path: Any = None,
+    new_session: bool = False,
+    **flags: Any,
+) -> LighthouseProcess:
+    """Starts ``python -m ft.coordination.cli`` (this interpreter) and returns once it printed
+    its ready line, with its address. ``flags`` are more of its flags by dest name
+    (``heartbeat_timeout_ms=500`` -> ``--heartbeat_timeout_ms 500``; True: the bare flag; None
+    or False: left out). Its output goes to ``log_path`` (default: an unnamed temporary file,
+    which nothing outlives). It runs in ``cwd`` (default: the directory that holds this
+    ``ft`` package) with ``env`` (default: this process's environment). By default it stays in
+    the caller's process group, so that whatever kills the caller's group (a terminal's
+    Ctrl-C, ``timeout``) ends it too; with ``new_session`` it leads a session of its own, and
+    ``stop()`` signals that whole group.
+
+    Raises RuntimeError, with the tail of its output, if it exits or ``ready_timeout`` seconds
+    pass before the ready line; it is stopped and reaped first, as it is on any other
+    exception while waiting (KeyboardInterrupt included)."""
+    argv = [sys.executable, "-m", "ft.coordination.cli", "--bind", bind]
+    argv += ["--min_replicas", str(min_replicas), "--http_bind", http_bind]
+    for name, value in flags.items():
+        if value is True:
+            argv.append(f"--{name}")
+        elif value is not None and value is not False:
+            argv += [f"--{name}", str(value)]
+    log: IO[bytes] = tempfile.TemporaryFile() if log_path is None else open(log_path, "w+b")
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=str(cwd) if cwd is not None else _FT_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
+    except BaseException:
+        log.close()
+        raise
+    lh = LighthouseProcess(proc, log, None if log_path is None else str(log_path), new_session)
+    try:
+        deadline = Deadline.after(ready_timeout)
+        while True:
+            exited = proc.poll() is not None
+            m = _READY.search(lh.output())
+            if m:
+                lh.address = m.group(1)
+                return lh
+            if exited or deadline.expired:
+                break
+            deadline.sleep(0.05)
+        what = f"exited ({proc.returncode})" if exited else f"not ready in {ready_timeout}s"
+        raise RuntimeError(f"the lighthouse did not start: {what}; output:\n{lh.output()[-2000:]}")
+    except BaseException:
+        lh.stop()
+        raise
 
 
 if __name__ == "__main__":

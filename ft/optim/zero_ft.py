@@ -330,6 +330,17 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for i in idx:
                     opt.state[self._params[i]] = self._held.setdefault(i, {})
 
+    def _retire_unheld(self, step: int) -> None:
+        """After a committed step: the owned and standby entries are current for ``step``;
+        every other held entry (a shard this replica no longer owns or backs up) is dropped."""
+        keep = set(self._owned) | set(self._standby)
+        for i in list(self._held):
+            if i in keep:
+                self._version[i] = step
+            else:
+                del self._held[i]
+                self._version.pop(i, None)
+
     def _sync_hyper(self, opt: Optional[torch.optim.Optimizer]) -> None:
         if opt is None:
             return
@@ -540,14 +551,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             for i, dt, o in offsets:
                 p = self._params[i]
                 p.detach().copy_(flats[dt][o : o + p.numel()].view_as(p))
-            cur = m.current_step()
-            keep = set(self._owned) | set(self._standby)
-            for i in list(self._held):
-                if i in keep:
-                    self._version[i] = cur
-                else:
-                    del self._held[i]
-                    self._version.pop(i, None)
+            self._retire_unheld(m.current_step())
             self.stats["steps"] += 1
         elif committed:
             # Committed without our contribution (cannot happen for a healthy participant:
@@ -733,14 +737,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                     p = self._params[i]
                     p.detach().copy_(b.xbuf[o : o + p.numel()].view_as(p))
             self._held.update(self._ov_staged)
-            cur = m.current_step()
-            keep = set(self._owned) | set(self._standby)
-            for i in list(self._held):
-                if i in keep:
-                    self._version[i] = cur
-                else:
-                    del self._held[i]
-                    self._version.pop(i, None)
+            self._retire_unheld(m.current_step())
             self._bind_held()
             self.stats["steps"] += 1
         elif committed:

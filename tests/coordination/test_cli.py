@@ -1,11 +1,13 @@
-"""ft-lighthouse: flags in both spellings, --help, logging of quorum changes, clean shutdown."""
+"""ft-lighthouse: flags in both spellings, --help, logging of quorum changes, clean shutdown;
+start_lighthouse_process, the launcher scripts and benchmarks use."""
 
+import os
 import signal
 
 import pytest
 
 from ft.coordination import LighthouseClient
-from ft.coordination.cli import build_parser, main
+from ft.coordination.cli import build_parser, main, start_lighthouse_process
 from tests.coordination._helpers import wait_for
 
 
@@ -119,3 +121,43 @@ def test_lighthouse_runs_and_forms_a_quorum_without_torch(children):
     child.proc.send_signal(signal.SIGTERM)
     assert child.wait(10) == 0, child.output()
     assert "is hidden" not in child.output()
+
+
+@pytest.mark.parametrize("new_session", [False, True])
+def test_start_lighthouse_process_serves_then_stops_and_reaps(new_session):
+    with start_lighthouse_process(
+        1, quorum_tick_ms=20, join_timeout_ms=100, log_level="INFO", new_session=new_session
+    ) as lh:
+        assert (os.getpgid(lh.pid) == lh.pid) is new_session
+        q = LighthouseClient(lh.address, 5.0).quorum("launched", 5.0)
+        assert [p.replica_id for p in q.participants] == ["launched"]
+        assert lh.log_path is None  # an unnamed file: nothing to clean up, however this ends
+    assert lh.proc.returncode == 0  # SIGTERM: a clean shutdown, and reaped
+    assert "shutting down" in lh.output()  # still readable once stopped
+    assert lh.stop() == 0  # again: nothing more to do
+
+
+def test_start_lighthouse_process_fails_with_output_and_reaps(tmp_path):
+    log = tmp_path / "lh.log"
+    with pytest.raises(RuntimeError, match=r"(?s)exited \(2\).*no_such_flag") as e:
+        start_lighthouse_process(1, no_such_flag=1, log_path=log)
+    assert "did not start" in str(e.value)
+    assert "no_such_flag" in log.read_text()  # a log the caller named is kept
+
+
+def test_start_lighthouse_process_bounds_the_wait(tmp_path, monkeypatch):
+    """A child that never prints the ready line is stopped and reaped at the deadline."""
+    import subprocess
+
+    started = []
+    real = subprocess.Popen
+
+    def popen(argv, **kw):
+        p = real([argv[0], "-c", "import time; time.sleep(60)"], **kw)
+        started.append(p)
+        return p
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(RuntimeError, match=r"not ready in 0.5s"):
+        start_lighthouse_process(1, ready_timeout=0.5, log_path=tmp_path / "lh.log")
+    assert started[0].returncode == -signal.SIGTERM

@@ -41,27 +41,25 @@ def digest(obj: Any) -> str:
 def make_manager(
     rank: int, lh_addr: str, pg_lanes: int, load, save, tag: str, pg_timeout: float = 10.0
 ):
-    import ft
+    """Replica group ``rank``'s Manager (one rank, replica id ``{tag}{rank}``, sync quorum)
+    through ``tests.manager.inproc.make_manager``: a Gloo group of ``pg_lanes`` lanes, and
+    ``pg_timeout`` seconds for its ops, the Manager's collectives and connects and the
+    checkpoint transport (the quorum: 30 s)."""
     from ft.checkpointing import HTTPTransport
+    from tests.manager import inproc
 
     to = timedelta(seconds=pg_timeout)
-    pg = ft.ProcessGroupGloo(timeout=to, num_lanes=pg_lanes)
-    return ft.Manager(
-        pg=pg,
+    return inproc.make_manager(
+        lh_addr,
+        f"{tag}{rank}",
+        pg_timeout=to,
+        pg_lanes=pg_lanes,
         load_state_dict=load,
         state_dict=save,
-        min_replica_size=1,
         use_async_quorum=False,
         timeout=to,
         quorum_timeout=timedelta(seconds=30),
         connect_timeout=to,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=0,
-        lighthouse_addr=lh_addr,
-        replica_id=f"{tag}{rank}",
-        hostname="127.0.0.1",
         checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import ft
 from ft.checkpointing import HTTPTransport
@@ -22,14 +22,17 @@ def make_manager(
     store_port: int = 0,
     pg_timeout: timedelta = TO,
     pg: Any = None,
+    pg_lanes: Optional[int] = None,
     **kw: Any,
 ) -> ft.Manager:
     """The one way tests build a Manager on loopback: replica ``name`` of the lighthouse at
     ``lh_addr``, its store and checkpoint server on 127.0.0.1, a ``ProcessGroupGloo`` with
-    ``pg_timeout`` unless ``pg`` is given, and 10 s timeouts; ``kw`` overrides any other
-    Manager argument. Used in-process (threads) and by the subprocess workers alike."""
+    ``pg_timeout`` (and ``pg_lanes`` lanes; default: the backend's) unless ``pg`` is given,
+    and 10 s timeouts; ``kw`` overrides any other Manager argument. Used in-process (threads)
+    and by the subprocess workers alike."""
     if pg is None:
-        pg = ft.ProcessGroupGloo(timeout=pg_timeout)
+        lanes = {} if pg_lanes is None else {"num_lanes": pg_lanes}
+        pg = ft.ProcessGroupGloo(timeout=pg_timeout, **lanes)
     kw.setdefault(
         "checkpoint_transport", HTTPTransport(timeout=TO, num_chunks=0, advertise_host="127.0.0.1")
     )
