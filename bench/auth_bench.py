@@ -20,9 +20,9 @@ and their ratio (on / off). Target: at most 1.03 for each.
 2. step: the ft loop of bench/manager_bench.py (Manager + ft DDP + async quorum, 2 groups,
    16 MiB MLP): median step time.
 3. cost: what a signature costs per request, measured alone (deterministic, unlike the
-   rounds on a shared 2-core machine): the client's sign, the native server's C++ check and
-   grpcio's Python check, beside the CPU one Heartbeat RPC costs client and server without a
-   secret (one client, back to back, on the native lighthouse).
+   rounds on a shared 2-core machine): the native client's C++ sign, the native server's C++
+   check, and grpcio's Python sign and check, beside the CPU one Heartbeat RPC costs client
+   and server without a secret (one client, back to back, on the native lighthouse).
 4. heal: HTTPTransport, source and receiver in this process on loopback, HTTP path (the
    same-host path is off), a --heal-mb MiB state: median transfer time. With the secret the
    source signs the metadata and each range's checksum; the bytes are read once either way.
@@ -159,10 +159,15 @@ def bench_cost(requests: int) -> None:
     for t in tokens:
         verifier.verify(path, body, t)
     python_verify_us = (time.perf_counter() - t0) / n * 1e6
-    native_verify_us = float("nan")
+    native_verify_us = native_sign_us = float("nan")
     if native_available():
         from ft.coordination import _grpc_server
 
+        native_signer = _grpc_server.RequestSigner(signer.key)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            native_signer.token(path, body)
+        native_sign_us = (time.perf_counter() - t0) / n * 1e6  # includes the Python call
         native = _grpc_server.RequestVerifier(*verifier.native_config())
         tokens = [signer.sign(path, body) for _ in range(n)]
         t0 = time.perf_counter()
@@ -170,22 +175,23 @@ def bench_cost(requests: int) -> None:
             native.verify(path, body, t)
         native_verify_us = (time.perf_counter() - t0) / n * 1e6  # includes the Python call
     set_auth(False)
-    proc, addr = quorum_bench.start_lighthouse(1, 5000, 100, 60000, "native")
+    lighthouse = quorum_bench.start_lighthouse(1, 5000, 100, 60000, "native")
     try:
-        c = LighthouseClient(addr, timedelta(seconds=10))
+        c = LighthouseClient(lighthouse.address, timedelta(seconds=10))
         for _ in range(300):
             c.heartbeat("cost", timeout=5)
-        s0, c0 = quorum_bench.process_cpu_s(proc.pid), time.process_time()
+        s0, c0 = quorum_bench.process_cpu_s(lighthouse.pid), time.process_time()
         for _ in range(requests):
             c.heartbeat("cost", timeout=5)
         client_us = (time.process_time() - c0) / requests * 1e6
-        server_us = (quorum_bench.process_cpu_s(proc.pid) - s0) / requests * 1e6
+        server_us = (quorum_bench.process_cpu_s(lighthouse.pid) - s0) / requests * 1e6
     finally:
-        quorum_bench.stop(proc)
+        lighthouse.stop()
     print(f"cost of a signature per request ({n} signatures; RPC CPU over {requests} heartbeats)")
     print(
-        f"  client: sign {sign_us:.1f} us, against {client_us:.0f} us of CPU per RPC without "
-        f"a secret: {sign_us / client_us * 100:.1f} %"
+        f"  client: native C++ sign {native_sign_us:.1f} us (grpcio's Python sign "
+        f"{sign_us:.1f} us), against {client_us:.0f} us of CPU per RPC without a secret: "
+        f"{native_sign_us / client_us * 100:.1f} %"
     )
     print(
         f"  server: native C++ check {native_verify_us:.1f} us (grpcio's Python check "
@@ -272,7 +278,7 @@ def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
                 set_auth(mode == "on")  # the lighthouse process inherits it
                 procs[mode] = quorum_bench.start_lighthouse(n, 5000, 100, 60000, transport)
             set_auth(False)
-            addrs = {m: p[1] for m, p in procs.items()}
+            addrs = {m: p.address for m, p in procs.items()}
             ctx = mp.get_context("spawn")
             barrier, results = ctx.Barrier(n), ctx.Queue()
             callers = [
@@ -298,8 +304,8 @@ def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
                         p.join(5)
         finally:
             set_auth(False)
-            for proc, _ in procs.values():
-                quorum_bench.stop(proc)
+            for lighthouse in procs.values():
+                lighthouse.stop()
 
         def round_times(mode: str) -> List[float]:
             return [
