@@ -157,8 +157,9 @@ def _lock_timeout(deadline: Deadline) -> float:
     return -1 if left == float("inf") else left
 
 
-def _socket_links() -> Dict[int, str]:
-    """This process's socket descriptors: fd -> "socket:[inode]" (empty where /proc is not)."""
+def _fd_links(kind: str) -> Dict[int, str]:
+    """This process's descriptors whose /proc link starts with ``kind`` ("socket:",
+    "anon_inode:[eventpoll]"): fd -> link (empty where /proc is not)."""
     out: Dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
@@ -169,9 +170,14 @@ def _socket_links() -> Dict[int, str]:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue  # closed meanwhile
-        if link.startswith("socket:"):
+        if link.startswith(kind):
             out[int(name)] = link
     return out
+
+
+def _socket_links() -> Dict[int, str]:
+    """This process's socket descriptors: fd -> "socket:[inode]"."""
+    return _fd_links("socket:")
 
 
 def _shut_new_connections(before: Dict[int, str], port: int) -> int:
@@ -656,19 +662,8 @@ def _new_gloo(
 
 
 def _epoll_fds() -> set:
-    """This process's epoll descriptors (empty where /proc is not)."""
-    out = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[eventpoll]":
-                out.add(int(name))
-        except OSError:
-            continue  # closed meanwhile
-    return out
+    """This process's epoll descriptors."""
+    return set(_fd_links("anon_inode:[eventpoll]"))
 
 
 # Serializes the creation of ft's Gloo devices in this process (see _gloo_devices).
