@@ -17,8 +17,11 @@ Contract:
     ``quorum.max_step`` through the transport, and returns it only if it has the Manager's two
     sections (``"user"`` and ``"torchft"``, both dicts) and a ``"user"`` entry for every key in
     ``required_keys``; otherwise :class:`ValueError` names what is missing.
-  * Clients of other groups' ManagerServers are cached by address (closing a gRPC channel costs
-    ~200 ms), at most :data:`MAX_PEER_CLIENTS` at a time; ``close()`` closes them all.
+  * Clients of other groups' ManagerServers are made by ``client_factory(address,
+    connect_timeout=...)`` (default :class:`~ft.coordination.ManagerClient`; the Manager passes
+    ``ft.manager.ManagerClient``) and called by torchft's names (``_checkpoint_metadata``).
+    They are cached by address (closing a gRPC channel costs ~200 ms), at most
+    :data:`MAX_PEER_CLIENTS` at a time; ``close()`` closes them all.
 """
 
 from __future__ import annotations
@@ -56,10 +59,14 @@ class Healer:
     """Sends and fetches the live state of one replica group (see the module docstring)."""
 
     def __init__(
-        self, transport: CheckpointTransport[Dict[str, Any]], connect_timeout: timedelta
+        self,
+        transport: CheckpointTransport[Dict[str, Any]],
+        connect_timeout: timedelta,
+        client_factory: Callable[..., ManagerClient] = ManagerClient,
     ) -> None:
         self.transport = transport
         self._connect_timeout = connect_timeout
+        self._client_factory = client_factory
         self._peer_clients: Dict[str, ManagerClient] = {}
 
     def send(
@@ -94,7 +101,7 @@ class Healer:
             )
         t0 = time.monotonic()
         peer = self._peer_client(quorum.recover_src_manager_address)
-        metadata = peer.checkpoint_metadata(group_rank, timeout=timeout)
+        metadata = peer._checkpoint_metadata(group_rank, timeout=timeout)
         metadata_s = time.monotonic() - t0
         state = self.transport.recv_checkpoint(
             src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout
@@ -112,7 +119,7 @@ class Healer:
         if client is None:
             if len(self._peer_clients) >= MAX_PEER_CLIENTS:
                 self.close()
-            client = ManagerClient(address, connect_timeout=self._connect_timeout)
+            client = self._client_factory(address, connect_timeout=self._connect_timeout)
             self._peer_clients[address] = client
         return client
 

@@ -560,7 +560,11 @@ class Manager:
                 advertise_host=hostname,
                 bind_host=net.bind_host_for(hostname).strip("[]"),
             )
-        self._healer = Healer(self._checkpoint_transport, self._connect_timeout)
+        # The heal source's client comes from this module's ManagerClient too, as in torchft:
+        # one name to substitute for every ManagerServer the Manager talks to.
+        self._healer = Healer(
+            self._checkpoint_transport, self._connect_timeout, client_factory=ManagerClient
+        )
         if store_port is None:
             env_port = os.environ.get("MASTER_PORT")
             if env_port is None and self._world_size > 1:
@@ -905,7 +909,9 @@ class Manager:
 
     @span("torchft::manager::_client::_quorum")
     def _quorum_call(self, shrink_only: bool, quorum_timeout: timedelta) -> QuorumResult:
-        return self._client.quorum(
+        # torchft's name for the call (GroupServerClient), so a stand-in written for torchft's
+        # client drives the Manager.
+        return self._client._quorum(
             group_rank=self._rank,
             step=self._step,
             checkpoint_metadata=self._checkpoint_transport.metadata(),

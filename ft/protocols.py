@@ -83,7 +83,13 @@ class ManagerLike(Protocol):
 @runtime_checkable
 class GroupServerClient(Protocol):
     """A client of the replica group's ManagerServer (docs/design.md, "Roles"). A missed
-    deadline raises TimeoutError; any other failure a CoordinationError naming the call."""
+    deadline raises TimeoutError; any other failure a CoordinationError naming the call.
+
+    ``_quorum`` and ``_checkpoint_metadata`` are torchft's names for ``quorum`` and
+    ``checkpoint_metadata`` (the same calls); the Manager and the Healer call these and
+    ``should_commit``, torchft client's methods, so that a stand-in for torchft's client (a
+    ``mock.patch("torchft.manager.ManagerClient", autospec=True)`` ported to ft) drives them.
+    """
 
     def quorum(
         self,
@@ -100,6 +106,23 @@ class GroupServerClient(Protocol):
 
     def checkpoint_metadata(self, rank: int, timeout: Any) -> str:
         """The checkpoint metadata ``rank`` sent with its latest quorum request."""
+        ...
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: Any,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+    ) -> Any:
+        """``quorum``, by torchft's name."""
+        ...
+
+    def _checkpoint_metadata(self, rank: int, timeout: Any) -> str:
+        """``checkpoint_metadata``, by torchft's name."""
         ...
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: Any) -> bool:

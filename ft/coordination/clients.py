@@ -39,7 +39,7 @@ import functools
 import json
 import logging
 import threading
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Self, Tuple
 
 import grpc
 
@@ -88,19 +88,26 @@ class _Client:
     (gRPC C++: ft.coordination._grpc_server.Channel) or ``"grpcio"``, for unary calls; the
     failure stream is grpcio's either way, and so is everything over TLS. Both raise the same
     exceptions (module docstring) for the same failures.
+
+    The constructor is ``__new__``, as in torchft's clients (Rust classes, built by their
+    ``__new__``): ``inspect.signature`` and ``help()`` show the arguments and Python checks
+    them, while ``mock.patch(..., autospec=True)``, which checks calls of a class against its
+    ``__init__``, accepts any call, as it does for torchft's. A test written against torchft
+    (``client_mock()`` to reach the instance mock) runs unchanged.
     """
 
     _service = ""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         addr: str,
         connect_timeout: Timeout,
         *,
         secret: SecretLike = None,
         tls: Optional[TLSConfig] = None,
         transport: str = "auto",
-    ) -> None:
+    ) -> Self:
+        self = super().__new__(cls)
         self._addr = addr
         self._connect_timeout = _rpc.required_seconds(connect_timeout, "connect_timeout")
         secret = resolve_secret(secret)
@@ -125,6 +132,7 @@ class _Client:
             )
             self._methods[name] = (path, response.FromString)
         self._connected = False
+        return self
 
     def _invoke(self, method: str, request, **kwargs):
         """Sends ``request`` through grpcio (signed when there is a secret); returns what the

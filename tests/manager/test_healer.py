@@ -79,3 +79,38 @@ def test_receive_refuses_a_quorum_that_names_no_source() -> None:
     healer = Healer(_Transport(fail=False), timedelta(seconds=1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="names no source"):
         healer.receive(QuorumResult(quorum_id=4, heal=True), 0, timedelta(seconds=1), [])
+
+
+def test_receive_asks_the_source_through_the_client_factory_by_torchft_s_name() -> None:
+    # The Manager passes ft.manager.ManagerClient, so one substitution of that name (as torchft's
+    # tests patch torchft.manager.ManagerClient) covers the heal source's client too.
+    made: List[Any] = []
+
+    class _Peer:
+        def __init__(self, addr: str, connect_timeout: timedelta) -> None:
+            made.append((addr, connect_timeout))
+            self.asked: List[Any] = []
+
+        def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+            self.asked.append((rank, timeout))
+            return "meta"
+
+        def close(self) -> None:
+            pass
+
+    class _Recv(_Transport):
+        last_recv_path = "test"
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout) -> Any:
+            assert (src_rank, metadata, step) == (0, "meta", 9)
+            return {"user": {"default": {}}, "torchft": {"step": 9}}
+
+    healer = Healer(_Recv(fail=False), timedelta(seconds=3), client_factory=_Peer)  # type: ignore[arg-type]
+    q = QuorumResult(
+        heal=True, max_step=9, recover_src_replica_rank=0, recover_src_manager_address="src:1"
+    )
+    got = healer.receive(q, 2, timedelta(seconds=1), ["default"])
+    assert got.metadata == "meta" and got.state["torchft"] == {"step": 9}
+    assert made == [("src:1", timedelta(seconds=3))]
+    assert healer._peer_clients["src:1"].asked == [(2, timedelta(seconds=1))]
+    healer.close()

@@ -59,3 +59,11 @@ def test_the_fake_is_a_manager_like_at_run_time():
     assert isinstance(fake, ManagerLike)
     assert fake.use_async_quorum is True and fake.num_lanes == 3
     assert not isinstance(object(), ManagerLike)
+
+
+@pytest.mark.parametrize("impl", [ManagerClient, LocalManagerClient])
+def test_torchft_s_names_are_the_same_calls(impl):
+    # The Manager and the Healer call _quorum and _checkpoint_metadata (torchft's names, so a
+    # stand-in for torchft's client drives them): they must stay the public calls themselves.
+    assert impl._quorum is impl.quorum
+    assert impl._checkpoint_metadata is impl.checkpoint_metadata

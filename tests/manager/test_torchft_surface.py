@@ -464,3 +464,32 @@ def test_coordination_classes_document_their_arguments() -> None:
         QuorumMember,
     ):
         assert "Args:" in (cls.__doc__ or ""), cls
+
+
+def test_coordination_clients_show_and_check_their_arguments_yet_autospec_like_torchft() -> None:
+    # torchft's clients are Rust classes built by their __new__: mock.patch(autospec=True), which
+    # checks a class's calls against its __init__, accepts any call of them, and torchft's own
+    # tests reach the instance mock with client_mock(). ft's are built by __new__ too: the same
+    # holds, while help() and Python still name and require addr and connect_timeout.
+    from unittest import mock
+
+    from ft.coordination import LighthouseClient, ManagerClient
+
+    for cls in (ManagerClient, LighthouseClient):
+        params = inspect.signature(cls).parameters
+        assert list(params)[:2] == ["addr", "connect_timeout"], cls
+        assert all(
+            params[p].default is inspect.Parameter.empty for p in ("addr", "connect_timeout")
+        )
+        with pytest.raises(TypeError, match="'addr'"):
+            cls()  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="'connect_timeout'"):
+            cls("localhost:1")  # type: ignore[call-arg]
+
+    with mock.patch("ft.manager.ManagerClient", autospec=True) as client_mock:
+        import ft.manager
+
+        instance = client_mock()
+        assert ft.manager.ManagerClient("localhost:1", connect_timeout=1.0) is instance
+        with pytest.raises(TypeError):
+            instance._quorum(0)  # the methods' signatures are still checked
