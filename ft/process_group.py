@@ -643,6 +643,9 @@ def _new_gloo(
     Gloo's timeout bounds both its connect and, later, its ops. Called from a configure(), the
     connect gets only what is left of that call's deadline, and the ops ``timeout`` after it.
     """
+    # The devices first: building them may wait for another lane's (a process-wide lock), and
+    # that wait comes out of the connect's share of the deadline.
+    devices, epolls = _gloo_devices()
     deadline: Optional[Deadline] = getattr(_configuring, "deadline", None)
     connect_timeout = timeout
     if deadline is not None:
@@ -650,7 +653,6 @@ def _new_gloo(
         if left <= 0:
             raise TimeoutError("configure()'s deadline passed before this lane could connect")
         connect_timeout = min(timeout, timedelta(seconds=left))
-    devices, epolls = _gloo_devices()
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = connect_timeout
     opts._devices = devices
@@ -703,8 +705,15 @@ def _gloo_devices() -> Tuple[list, List[int]]:
             new = _epoll_fds() - before
             if len(new) == len(devices) or attempt == _GLOO_DEVICE_TRIES - 1:
                 break
+            if not before and not new:
+                break  # no /proc to read: nothing a retry could tell apart
             devices.clear()  # drops them, closing their epoll instances; try again
-    if len(new) != len(devices):
+    if not new:
+        logger.warning(
+            "ft: this process's epoll instances cannot be read (/proc/self/fd): an abort cannot "
+            "cut this lane's Gloo sockets, so a stuck op lasts until Gloo's own timeout"
+        )
+    elif len(new) != len(devices):
         # Other threads kept creating epoll instances: own every new one (an abort may then
         # also cut their sockets) rather than none (a stuck op would outlive the abort).
         logger.warning(

@@ -38,12 +38,13 @@
 // - The server accepts its TCP connections itself (see Listener) and keeps
 // accepting after any
 //   accept error, e.g. when the process ran out of file descriptors.
-// - With `set_verifier(key, ...)`, every call's signature (the request's
-// leading auth field, request_auth.hpp) is checked and taken off here,
-//   before Python sees the call, by the same rule as ft.utils.auth.Verifier
-//   (see RequestVerifier); a call that fails it is finished UNAUTHENTICATED
-//   without taking the GIL, and one that passes reaches Python with
-//   `call.verified` true.
+// - With a `verifier` (Server's argument), every call's signature (the
+//   request's leading auth field, request_auth.hpp) is checked and taken off
+//   here, before Python sees the call, by the same rule as
+//   ft.utils.auth.Verifier (see RequestVerifier); a call that fails it is
+//   finished UNAUTHENTICATED without taking the GIL, and one that passes
+//   reaches Python with `call.verified` true. Without a verifier the field
+//   reaches Python, whose dispatcher takes it off.
 // - With `enable_heartbeat_fast_path(method, ...)`, a well-formed heartbeat on
 // `method` is
 //   answered here without the GIL: the replica id and the time it arrived are
@@ -1218,6 +1219,14 @@ PYBIND11_MODULE(_grpc_server, m) {
              const std::string& body) {
             return s.token(what, body.data(), body.size());
           });
+
+  // The C++ parse of a request's leading auth field alone, for the test that
+  // holds it to ft.utils.auth.split_signed: (offset of the request, token).
+  m.def("split_signed", [](const std::string& data) {
+    size_t offset = 0;
+    std::string token = ft_auth::splitSigned(data.data(), data.size(), &offset);
+    return py::make_tuple(offset, py::bytes(token));
+  });
 
   // The client side: ft's coordination clients' unary calls (grpc_client.cpp).
   bindClient(m);

@@ -49,7 +49,8 @@ DEFAULT_PORT = 29510
 
 # The one line main() prints once it serves, for scripts and tests.
 READY_PREFIX = "ft-lighthouse ready"
-_READY = re.compile(rf"^{READY_PREFIX} grpc=(\S+)", re.MULTILINE)
+# The whole line (a line still being written does not match yet).
+_READY = re.compile(rf"^{READY_PREFIX} grpc=(\S+) dashboard=\S*\n", re.MULTILINE)
 # The directory that holds the ``ft`` package: a child started there runs this same ft.
 _FT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -26,7 +26,7 @@ On gRPC the token travels inside the request message, as a length-delimited fiel
 A server that does not know the field (torchft's) skips it as unknown; ft's servers take it off
 before anything parses the request. Why not gRPC metadata: a header value that changes on every
 request cannot be indexed by HPACK, and carrying it cost more than signing it did
-(docs/security.md, "What authentication costs").
+(docs/benchmarks.md, "Authentication").
 
 Serving without a secret is allowed on loopback only; elsewhere it needs ``insecure=True`` (or
 ``FT_INSECURE=1``), and every start logs a warning that says what that gives up.
@@ -130,7 +130,11 @@ def split_signed(data: bytes) -> Tuple[bytes, str]:
         if not b & 0x80:
             if length > _MAX_TOKEN_BYTES or pos + length > len(data):
                 return data, _MALFORMED
-            return data[pos + length :], data[pos : pos + length].decode("ascii", "replace")
+            try:
+                token = data[pos : pos + length].decode("ascii")
+            except UnicodeDecodeError:  # tokens are ASCII; anything else is not one of ours
+                return data, _MALFORMED
+            return data[pos + length :], token
     return data, _MALFORMED
 
 
@@ -350,6 +354,8 @@ class Verifier:
     def verify(self, what: str, body: bytes, token: Optional[str]) -> None:
         if not token:
             raise AuthError("no signature (the caller has no job secret)")
+        if not token.isascii():  # hmac.compare_digest refuses non-ASCII text
+            raise AuthError("malformed signature")
         parts = token.split(".")
         if len(parts) != 4 or parts[0] != _VERSION or not parts[1].isdigit() or len(parts[2]) != 32:
             raise AuthError("malformed signature")

@@ -13,6 +13,7 @@ from ft.coordination import LighthouseClient, LighthouseServer
 from ft.coordination import _rpc
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination.rpc_server import native_available
+from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer
 
 pytestmark = pytest.mark.skipif(
     not native_available(), reason="native gRPC server not built (no gRPC C++)"
@@ -21,8 +22,13 @@ pytestmark = pytest.mark.skipif(
 PATH = "/torchft.LighthouseService/Heartbeat"
 
 
-@pytest.fixture
-def lighthouse():
+SECRET = "fast-path-test-secret-0123456789abcdef"
+
+
+@pytest.fixture(params=[False, True], ids=["open", "secret"])
+def lighthouse(request):
+    """A native lighthouse whose Python heartbeat handler counts its calls; with and without a
+    job secret (signed heartbeats must take the C++ path too, once their signature is off)."""
     lh = LighthouseServer(
         "127.0.0.1:0",
         1,
@@ -31,7 +37,9 @@ def lighthouse():
         quorum_tick_ms=20,
         heartbeat_timeout_ms=500,
         http_bind="",
+        secret=SECRET if request.param else None,
     )
+    lh.test_secret = SECRET if request.param else None
     python_calls = []
     original = lh._state.heartbeat
 
@@ -47,6 +55,8 @@ def lighthouse():
 
 
 def raw_call(lh, body: bytes, timeout=5.0):
+    if lh.test_secret is not None:
+        body = Signer(JobSecret(lh.test_secret), GRPC_PURPOSE).sign_request(PATH, body)
     with grpc.insecure_channel(lh.address().replace("http://", "")) as ch:
         return ch.unary_unary(PATH, request_serializer=None, response_deserializer=None)(
             body, timeout=timeout
@@ -56,7 +66,7 @@ def raw_call(lh, body: bytes, timeout=5.0):
 def test_a_routine_heartbeat_is_answered_without_python_and_still_counts(lighthouse):
     lh, python_calls = lighthouse
     before = time.monotonic()
-    with LighthouseClient(lh.address(), 5.0) as c:
+    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret) as c:
         c.heartbeat("fast-replica", timeout=5.0)
     after = time.monotonic()
     assert python_calls == []
@@ -72,7 +82,7 @@ def test_heartbeats_answered_in_cpp_keep_a_replica_alive_and_their_absence_expir
     def replica(name):
         return {r["replica_id"]: r for r in lh.status()["replicas"]}[name]
 
-    with LighthouseClient(lh.address(), 5.0) as c:
+    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret) as c:
         q = c.quorum("alive", timeout=5.0)
         assert [m.replica_id for m in q.participants] == ["alive"]
         for _ in range(10):  # 1 s of heartbeats every 0.1 s: twice the heartbeat timeout
@@ -136,7 +146,7 @@ def test_a_heartbeat_without_a_deadline_is_refused_by_python(lighthouse):
 
 def test_leaving_goes_to_python_and_forgets_the_replica_at_once(lighthouse):
     lh, python_calls = lighthouse
-    with LighthouseClient(lh.address(), 5.0) as c:
+    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret) as c:
         c.heartbeat("bye", timeout=5.0)
         c.heartbeat("bye", timeout=5.0, leaving=True)
         c.heartbeat("bye", timeout=5.0)  # a late one (still in flight when it left): ignored

@@ -275,7 +275,9 @@ def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_
     seen = []
 
     def quorum(req, call):
-        seen.append((req.requester.replica_id, call.verified))
+        # Nothing of the auth field is left for the parser: the request re-serializes to
+        # exactly its client's bytes (protobuf keeps unknown fields it skipped).
+        seen.append((req.requester.replica_id, call.verified, req.SerializeToString()))
         call.reply(pb.LighthouseQuorumResponse())
 
     verifier = Verifier(secret, GRPC_PURPOSE) if with_verifier else None
@@ -283,13 +285,20 @@ def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_
     body = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a")).SerializeToString()
     signed = Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body)
     assert signed.endswith(body) and len(signed) > len(body)
+    checked_in_cpp = with_verifier and s.transport == "native"
     channel, stub = stub_for(s)
     with channel:
         stub["Raw"](signed, timeout=5)
-        assert [r for r, _ in seen] == ["a"]
+        assert seen == [("a", checked_in_cpp, body)]
         broken = signed[:3] + bytes([200]) + signed[4:]  # a length past the token's end
+        head = signed[: len(signed) - len(body)]
+        twice = head + Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body)
         if with_verifier:
-            for bad, why in ((body, "no signature"), (broken, "malformed signature")):
+            for bad, why in (
+                (body, "no signature"),
+                (broken, "malformed signature"),
+                (twice, "bad signature"),  # the first field signs what follows: not the body
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     stub["Raw"](bad, timeout=5)
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -297,4 +306,4 @@ def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_
             assert len(seen) == 1
         else:
             stub["Raw"](body, timeout=5)
-            assert [r for r, _ in seen] == ["a", "a"]
+            assert seen[1] == ("a", False, body)

@@ -155,3 +155,45 @@ def test_split_signed_gives_back_the_request_and_refuses_a_broken_field(body, cu
         assert python_verdict(spec, WHAT, cut_request, cut_token) != ""
     assert python_verdict(spec, WHAT, request, token) == ""
     assert split_signed(body) == (body, "") or body.startswith(signed[:3])
+
+
+def _signed_field(token: bytes, length: int = -1) -> bytes:
+    from ft.utils.auth import _AUTH_TAG, _varint
+
+    return _AUTH_TAG + _varint(len(token) if length < 0 else length) + token
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.one_of(
+        st.binary(max_size=300),
+        # a leading auth field, well formed or not: any token bytes, any declared length
+        st.builds(
+            lambda tok, n, rest: _signed_field(tok, n) + rest,
+            st.binary(max_size=300),
+            st.integers(-1, 400),
+            st.binary(max_size=40),
+        ),
+    )
+)
+def test_cpp_and_python_take_the_auth_field_off_the_same_way(data):
+    """The native server's parse (request_auth.hpp splitSigned) and ft.utils.auth.split_signed
+    give the same request and the same token on every input, hostile ones included."""
+    from ft.coordination import _grpc_server
+    from ft.utils.auth import split_signed
+
+    request, token = split_signed(data)
+    offset, native_token = _grpc_server.split_signed(data)
+    assert data[offset:] == request
+    assert native_token.decode("ascii") == token
+
+
+@settings(max_examples=200, deadline=None)
+@given(token=st.binary(min_size=1, max_size=160))
+def test_binary_tokens_get_the_same_verdict_and_never_raise(token):
+    """Token bytes come from the request body now (any bytes, not just header-safe ASCII):
+    both verifiers refuse them with the same reason, and Python's never raises anything but
+    AuthError."""
+    spec, native = both()
+    text = token.decode("latin-1")
+    assert native.verify(WHAT, b"body", text) == python_verdict(spec, WHAT, b"body", text)
