@@ -56,6 +56,7 @@
 #include "grpc_client.hpp"
 #include "request_auth.hpp"
 
+#include <absl/synchronization/mutex.h>
 #include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
@@ -1109,6 +1110,13 @@ PYBIND11_MODULE(_grpc_server, m) {
       "A generic gRPC server (C++ callback API) whose calls Python answers, "
       "and a unary-call client channel; see ft.coordination.rpc_server and "
       "ft.coordination.clients.";
+
+  // Abseil built without NDEBUG (as some distributions ship it, Debian's
+  // among them) checks every mutex acquisition for lock-order cycles, a debug
+  // aid that recorded a graph node per lock: 5-8 % of a lighthouse's CPU under
+  // heartbeat load. gRPC's own locks are what it checks; ft's code takes
+  // none of them. Off, as in a release build of Abseil.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
