@@ -108,22 +108,9 @@ class GroupServerClient(Protocol):
         """The checkpoint metadata ``rank`` sent with its latest quorum request."""
         ...
 
-    def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: Any,
-        init_sync: bool = True,
-        commit_failures: int = 0,
-    ) -> Any:
-        """``quorum``, by torchft's name."""
-        ...
-
-    def _checkpoint_metadata(self, rank: int, timeout: Any) -> str:
-        """``checkpoint_metadata``, by torchft's name."""
-        ...
+    # torchft's names for the same calls (the clients define them the same way).
+    _quorum = quorum
+    _checkpoint_metadata = checkpoint_metadata
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: Any) -> bool:
         """This rank's vote; returns the group's decision once every rank voted."""
