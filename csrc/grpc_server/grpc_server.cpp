@@ -1017,13 +1017,22 @@ void CallReactor::OnReadDone(bool ok) {
     // it is taken off here, so that Python and the heartbeat table see the
     // request as its client serialized it.
     size_t offset = 0;
-    const std::string token =
-        ft_auth::splitSigned(body.data(), body.size(), &offset);
-    const std::string why = verifier->verify(
-        state_->method(),
-        body.data() + offset,
-        body.size() - offset,
-        token);
+    std::string why;
+    try {
+      const std::string token =
+          ft_auth::splitSigned(body.data(), body.size(), &offset);
+      why = verifier->verify(
+          state_->method(),
+          body.data() + offset,
+          body.size() - offset,
+          token);
+    } catch (const std::exception& e) { // bad_alloc: never into gRPC's thread
+      state_->finish(
+          grpc::Status(
+              grpc::StatusCode::INTERNAL,
+              std::string("could not check the signature: ") + e.what()));
+      return;
+    }
     if (!why.empty()) {
       state_->finish(
           grpc::Status(
