@@ -42,6 +42,11 @@ constexpr auto kSignalCheckPeriod = std::chrono::milliseconds(200);
 // this long.
 constexpr auto kCancelGrace = std::chrono::seconds(5);
 
+// After a stream's write failed, how long its pending read may take to bring
+// the server's status before the stream is cancelled (the call is already
+// over: this is local work).
+constexpr auto kStreamEndGrace = std::chrono::seconds(1);
+
 // The exception Python sees for a call that ended with a status other than OK:
 // args (code: int, the gRPC status code; details: str).
 PyObject* gCallError = nullptr;
@@ -110,6 +115,286 @@ Clock::time_point deadlineAfter(double seconds) {
              std::chrono::duration<double>(seconds));
 }
 
+// `body` as the request gRPC sends: behind a fresh signature (the leading auth
+// field, request_auth.hpp) when there is a signer. GIL not needed.
+grpc::ByteBuffer requestBuffer(
+    ft_auth::RequestSigner* signer,
+    const std::string& method,
+    grpc::Slice body) {
+  if (signer == nullptr)
+    return grpc::ByteBuffer(&body, 1);
+  grpc::Slice head(
+      ft_auth::signedPrefix(signer->token(
+          method,
+          reinterpret_cast<const char*>(body.begin()),
+          body.size())));
+  grpc::Slice parts[2] = {std::move(head), std::move(body)};
+  return grpc::ByteBuffer(parts, 2);
+}
+
+// Raises CallError(code, details) for a status other than OK. GIL held.
+[[noreturn]] void raiseCallError(const grpc::Status& status) {
+  py::tuple args = py::make_tuple(
+      static_cast<int>(status.error_code()),
+      status.error_message());
+  PyErr_SetObject(gCallError, args.ptr());
+  throw py::error_already_set();
+}
+
+// One client-streaming call kept open across sends: the lighthouse's heartbeat
+// stream (LighthouseService.HeartbeatStream), where one message costs the
+// server a DATA frame instead of a whole call.
+//
+// Contract:
+// - Made by `Channel.open_stream(method)`; nothing reaches the network before
+//   the first send. It keeps the channel's connection and signing key even if
+//   the channel is closed first.
+// - `send(request, timeout_s)` writes one message (signed, as a call's request
+//   is, when the channel has a key), opening the call first when none is open.
+//   It returns once gRPC has taken the previous message for the transport and
+//   started writing this one, within timeout_s, GIL released. It raises
+//   CallError(code, details) when the call is over: the server's status when
+//   the server ended it (UNIMPLEMENTED from a server without the method,
+//   INVALID_ARGUMENT for a message it does not take, ...), UNAVAILABLE when the
+//   connection is down or broke, DEADLINE_EXCEEDED when the previous message
+//   was not taken in time. The call is then gone; the next send opens a new
+//   one. A message that send() accepted may still be refused by the server, or
+//   lost with the connection: that error comes with the next send.
+// - `close(timeout_s)` half-closes an open call and waits (at most timeout_s,
+//   then cancels) for its status, returned as (code, details); None when no
+//   call was open. The stream can be used again afterwards.
+// - Thread-safe: sends and closes are serialized.
+class ClientStream {
+ public:
+  ClientStream(
+      std::shared_ptr<grpc::GenericStub> stub,
+      std::shared_ptr<ft_auth::RequestSigner> signer,
+      std::string method)
+      : stub_(std::move(stub)),
+        signer_(std::move(signer)),
+        method_(std::move(method)) {}
+
+  ~ClientStream() {
+    // Local work only (a cancellation completes without the network).
+    std::lock_guard<std::mutex> g(mu_);
+    if (call_)
+      abandon();
+  }
+
+  void send(const py::bytes& request, double timeoutS) {
+    char* data = nullptr;
+    Py_ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
+      throw py::error_already_set();
+    grpc::Slice body(data, static_cast<size_t>(size));
+    grpc::Status status;
+    {
+      GilRelease nogil;
+      std::lock_guard<std::mutex> g(mu_);
+      status = sendLocked(std::move(body), deadlineAfter(timeoutS));
+    }
+    if (!status.ok())
+      raiseCallError(status);
+  }
+
+  py::object close(double timeoutS) {
+    bool wasOpen = false;
+    grpc::Status status;
+    {
+      GilRelease nogil;
+      std::lock_guard<std::mutex> g(mu_);
+      wasOpen = static_cast<bool>(call_);
+      if (wasOpen)
+        status = closeLocked(deadlineAfter(timeoutS));
+    }
+    if (!wasOpen)
+      return py::none();
+    return py::make_tuple(
+        static_cast<int>(status.error_code()),
+        status.error_message());
+  }
+
+ private:
+  // One open call. Every operation's tag is the address of one of the tag
+  // members; each completes exactly once.
+  struct Call {
+    grpc::ClientContext ctx;
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
+    grpc::ByteBuffer outgoing; // the message being written
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    int outstanding = 0;
+    bool readDone =
+        false;            // the server ended the call (its answer or a failure)
+    bool writing = false; // a message is being written
+    bool writeFailed = false; // the last write failed: the call is over
+    char tStart = 0, tRead = 0, tWrite = 0, tWritesDone = 0, tFinish = 0;
+  };
+
+  // Takes completions until `want` completes (true, its ok in *ok) or
+  // `until` passes (false). With `want` nullptr: until any one completes.
+  bool waitFor(void* want, Clock::time_point until, bool* ok) {
+    while (true) {
+      void* tag = nullptr;
+      bool tagOk = false;
+      if (call_->cq.AsyncNext(&tag, &tagOk, until) !=
+          grpc::CompletionQueue::GOT_EVENT)
+        return false;
+      --call_->outstanding;
+      if (tag == &call_->tRead)
+        call_->readDone = true;
+      if (tag == &call_->tWrite) {
+        call_->writing = false;
+        call_->writeFailed = !tagOk;
+      }
+      if (want == nullptr || tag == want) {
+        *ok = tagOk;
+        return true;
+      }
+    }
+  }
+
+  // Takes the completions already there (the read, when the server ended the
+  // call).
+  void poll() {
+    bool ok = false;
+    while (call_->outstanding > 0 && waitFor(nullptr, Clock::now(), &ok)) {
+    }
+  }
+
+  grpc::Status sendLocked(grpc::Slice body, Clock::time_point deadline) {
+    if (!call_) {
+      call_ = std::make_unique<Call>();
+      call_->rw = stub_->PrepareCall(&call_->ctx, method_, &call_->cq);
+      call_->rw->StartCall(&call_->tStart);
+      ++call_->outstanding;
+      bool ok = false;
+      if (!waitFor(&call_->tStart, deadline, &ok))
+        return abandon(
+            grpc::StatusCode::DEADLINE_EXCEEDED,
+            "Deadline Exceeded (opening the stream)");
+      if (!ok) {
+        call_->readDone = true; // no read was posted: the call never started
+        return end();
+      }
+      // Posted now and left pending: it completes when the server ends the
+      // call, which is how a send learns that it did.
+      call_->rw->Read(&call_->response, &call_->tRead);
+      ++call_->outstanding;
+    }
+    poll();
+    if (call_->readDone)
+      return end();
+    grpc::Status previous = awaitWrite(deadline);
+    if (!previous.ok())
+      return previous;
+    call_->outgoing = requestBuffer(signer_.get(), method_, std::move(body));
+    call_->rw->Write(
+        call_->outgoing,
+        grpc::WriteOptions().set_write_through(),
+        &call_->tWrite);
+    ++call_->outstanding;
+    call_->writing = true;
+    return awaitWrite(deadline);
+  }
+
+  // Waits until the previous message was taken (or the call ended). Why not
+  // wait for each write before returning: its completion reaches this thread
+  // only at gRPC's next poll, about a millisecond later, busy in part; by the
+  // next heartbeat it is long there.
+  grpc::Status awaitWrite(Clock::time_point deadline) {
+    bool ok = false;
+    if (call_->writing && !waitFor(&call_->tWrite, deadline, &ok))
+      return abandon(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          "Deadline Exceeded (the stream did not take the previous message)");
+    if (call_->writeFailed || call_->readDone)
+      return end();
+    return grpc::Status::OK;
+  }
+
+  grpc::Status closeLocked(Clock::time_point deadline) {
+    poll();
+    if (!call_->readDone) {
+      grpc::Status previous = awaitWrite(deadline);
+      if (!previous.ok())
+        return previous;
+      call_->rw->WritesDone(&call_->tWritesDone);
+      ++call_->outstanding;
+      bool ok = false;
+      if (!waitFor(&call_->tRead, deadline, &ok))
+        return abandon(
+            grpc::StatusCode::DEADLINE_EXCEEDED,
+            "Deadline Exceeded (closing the stream)");
+    }
+    return end(/*endedByClient=*/true);
+  }
+
+  // The call is over (the server ended it, or a write or the start failed):
+  // its status, and the call gone.
+  grpc::Status end(bool endedByClient = false) {
+    bool ok = false;
+    if (!call_->readDone) {
+      // A failed write: the call is over and the read completes by itself,
+      // with the server's status behind it. Should it not, cancel.
+      waitFor(&call_->tRead, Clock::now() + kStreamEndGrace, &ok);
+      if (!call_->readDone) {
+        call_->ctx.TryCancel();
+        waitFor(&call_->tRead, Clock::now() + kCancelGrace, &ok);
+      }
+    }
+    const auto until = Clock::now() + kCancelGrace;
+    call_->rw->Finish(&call_->status, &call_->tFinish);
+    ++call_->outstanding;
+    grpc::Status status = waitFor(&call_->tFinish, until, &ok)
+        ? call_->status
+        : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream did not end");
+    if (status.ok() && !endedByClient) {
+      status = grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          "the server ended the stream");
+    }
+    release();
+    return status;
+  }
+
+  // Cancels the call and drops it once gRPC is done with it.
+  grpc::Status abandon(
+      grpc::StatusCode code = grpc::StatusCode::CANCELLED,
+      const std::string& why = "cancelled") {
+    call_->ctx.TryCancel();
+    release();
+    return grpc::Status(code, why);
+  }
+
+  // Drains what is still outstanding (after a cancellation or the end:
+  // local, no network), then drops the call.
+  void release() {
+    const auto until = Clock::now() + kCancelGrace;
+    bool ok = false;
+    while (call_->outstanding > 0 && waitFor(nullptr, until, &ok)) {
+    }
+    if (call_->outstanding > 0) {
+      // gRPC kept an operation past the cancellation: keep what it may still
+      // touch (leaked) rather than free it under it.
+      (void)call_.release();
+      return;
+    }
+    call_->cq.Shutdown();
+    void* tag = nullptr;
+    while (call_->cq.Next(&tag, &ok)) {
+    }
+    call_.reset();
+  }
+
+  const std::shared_ptr<grpc::GenericStub> stub_;
+  const std::shared_ptr<ft_auth::RequestSigner> signer_;
+  const std::string method_;
+  std::mutex mu_;
+  std::unique_ptr<Call> call_;
+};
+
 // One channel (one HTTP/2 connection, reconnected by gRPC as needed) to one
 // server.
 //
@@ -142,7 +427,7 @@ class ClientChannel {
     grpc::ChannelArguments args = channelArguments(options);
     std::string key = signingKey;
     if (!key.empty())
-      signer_ = std::make_unique<ft_auth::RequestSigner>(std::move(key));
+      signer_ = std::make_shared<ft_auth::RequestSigner>(std::move(key));
     GilRelease nogil;
     channel_ = grpc::CreateCustomChannel(
         target,
@@ -167,23 +452,11 @@ class ClientChannel {
     grpc::Status status;
     {
       GilRelease nogil;
-      grpc::ByteBuffer requestBuffer;
-      if (signer_) {
-        // Signed when sent: each attempt of a retried call gets its own nonce.
-        grpc::Slice head(
-            ft_auth::signedPrefix(signer_->token(
-                method,
-                reinterpret_cast<const char*>(body.begin()),
-                body.size())));
-        grpc::Slice parts[2] = {std::move(head), std::move(body)};
-        requestBuffer = grpc::ByteBuffer(parts, 2);
-      } else {
-        requestBuffer = grpc::ByteBuffer(&body, 1);
-      }
+      // Signed when sent: each attempt of a retried call gets its own nonce.
       status =
           run(*stub,
               method,
-              requestBuffer,
+              requestBuffer(signer_.get(), method, std::move(body)),
               deadlineAfter(timeoutS),
               waitForReady,
               &response);
@@ -192,14 +465,13 @@ class ClientChannel {
         PyErr_Occurred() != nullptr) {
       throw py::error_already_set(); // a signal handler raised meanwhile
     }
-    if (!status.ok()) {
-      py::tuple args = py::make_tuple(
-          static_cast<int>(status.error_code()),
-          status.error_message());
-      PyErr_SetObject(gCallError, args.ptr());
-      throw py::error_already_set();
-    }
+    if (!status.ok())
+      raiseCallError(status);
     return toBytes(response);
+  }
+
+  std::unique_ptr<ClientStream> openStream(const std::string& method) {
+    return std::make_unique<ClientStream>(currentStub(), signer_, method);
   }
 
   bool waitConnected(double timeoutS) {
@@ -338,7 +610,7 @@ class ClientChannel {
     return py::bytes(out);
   }
 
-  std::unique_ptr<ft_auth::RequestSigner> signer_; // set once, then read-only
+  std::shared_ptr<ft_auth::RequestSigner> signer_; // set once, then read-only
   std::mutex mu_;
   std::shared_ptr<grpc::Channel> channel_;
   std::shared_ptr<grpc::GenericStub> stub_;
@@ -363,6 +635,14 @@ class ClientChannel {
 //   failed, send_s (from the first call to the last one sent), first_error. One
 //   thread (the caller's, GIL released) sends and reaps; nothing in it blocks
 //   on a call.
+// - `run_streams(method, bodies, rate, duration_s, timeout_s)` sends the same
+//   load as messages on one client-streaming call per connection (the
+//   heartbeat stream), each stream opened before the clock starts and closed
+//   after the last message; a message due while its stream still writes the
+//   previous one goes out right after it. `ok`/`failed` count messages
+//   written or not; `streams_failed` counts streams that did not end OK (the
+//   first one's status in first_error). Returns by timeout_s after the last
+//   message plus kPastDeadlineGrace.
 // - Not thread-safe: one run at a time.
 class LoadGenerator {
  public:
@@ -415,23 +695,259 @@ class LoadGenerator {
       GilRelease nogil;
       r = send(method, requests, rate, durationS, timeoutS);
     }
+    return toDict(r);
+  }
+
+  py::dict runStreams(
+      const std::string& method,
+      const std::vector<py::bytes>& bodies,
+      double rate,
+      double durationS,
+      double timeoutS) {
+    if (bodies.empty() || !(rate > 0) || !(durationS > 0) || !(timeoutS > 0))
+      throw py::value_error(
+          "bodies must not be empty; rate, duration_s and timeout_s must be > "
+          "0");
+    std::vector<grpc::ByteBuffer> requests;
+    for (const auto& b : bodies) {
+      std::string data = b;
+      grpc::Slice slice(data);
+      requests.emplace_back(&slice, 1);
+    }
+    Result r;
+    {
+      GilRelease nogil;
+      r = sendOnStreams(method, requests, rate, durationS, timeoutS);
+    }
+    return toDict(r);
+  }
+
+ private:
+  struct Result;
+  static py::dict toDict(const Result& r) {
     py::dict out;
     out["sent"] = r.sent;
     out["ok"] = r.ok;
     out["failed"] = r.failed;
     out["send_s"] = r.sendS;
     out["first_error"] = r.firstError;
+    out["streams_failed"] = r.streamsFailed;
     return out;
   }
 
- private:
   struct Result {
     uint64_t sent = 0;
     uint64_t ok = 0;
     uint64_t failed = 0;
+    uint64_t streamsFailed = 0;
     double sendS = 0;
     std::string firstError;
   };
+
+  // One heartbeat stream and its operations' tags (each op's tag is its own
+  // address; the op knows its stream).
+  struct Stream;
+  struct StreamOp {
+    Stream* stream;
+    enum Kind { kStart, kRead, kWrite, kWritesDone, kFinish } kind;
+  };
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    StreamOp start{this, StreamOp::kStart};
+    StreamOp read{this, StreamOp::kRead};
+    StreamOp write{this, StreamOp::kWrite};
+    StreamOp writesDone{this, StreamOp::kWritesDone};
+    StreamOp finish{this, StreamOp::kFinish};
+    bool started = false;
+    bool broken = false;
+    bool writing = false;
+    bool closing = false;
+    bool finished = false;
+    bool finishIssued = false;
+    // The answer (or the stream's end) was read; gRPC wants that before
+    // Finish. Posted at start, so that a stream the server ends early is seen.
+    bool readDone = false;
+    uint64_t backlog = 0; // messages due while writing
+    size_t next = 0;      // which request goes next
+  };
+
+  Result sendOnStreams(
+      const std::string& method,
+      const std::vector<grpc::ByteBuffer>& requests,
+      double rate,
+      double durationS,
+      double timeoutS) {
+    Result r;
+    grpc::CompletionQueue cq;
+    std::vector<std::unique_ptr<Stream>> streams;
+    size_t openOps = 0; // operations started and not yet completed
+    auto startWrite = [&](Stream* s) {
+      s->writing = true;
+      ++openOps;
+      s->rw->Write(requests[s->next++ % requests.size()], &s->write);
+    };
+    auto issueFinish = [&](Stream* s) {
+      s->finishIssued = true;
+      ++openOps;
+      s->rw->Finish(&s->status, &s->finish);
+    };
+    auto closeStream = [&](Stream* s) {
+      s->closing = true;
+      if (!s->broken) {
+        ++openOps;
+        s->rw->WritesDone(&s->writesDone);
+      }
+      if (s->readDone)
+        issueFinish(s);
+    };
+    bool allSent = false;
+    auto handle = [&](void* tag, bool ok) {
+      --openOps;
+      auto* op = static_cast<StreamOp*>(tag);
+      Stream* s = op->stream;
+      switch (op->kind) {
+        case StreamOp::kStart:
+          s->started = ok;
+          s->broken = !ok;
+          if (ok) {
+            ++openOps;
+            s->rw->Read(&s->response, &s->read);
+          } else {
+            s->readDone = true;
+          }
+          break;
+        case StreamOp::kRead:
+          s->readDone = true;
+          if (s->closing && !s->finishIssued)
+            issueFinish(s);
+          break;
+        case StreamOp::kWrite:
+          s->writing = false;
+          if (ok) {
+            ++r.ok;
+          } else {
+            ++r.failed;
+            s->broken = true;
+          }
+          if (s->backlog > 0 && !s->broken) {
+            --s->backlog;
+            startWrite(s);
+          } else if (s->broken) {
+            r.failed += s->backlog;
+            s->backlog = 0;
+          }
+          if (allSent && !s->writing && !s->closing)
+            closeStream(s);
+          break;
+        case StreamOp::kWritesDone:
+          break;
+        case StreamOp::kFinish:
+          s->finished = true;
+          if (!s->status.ok() && r.streamsFailed++ == 0)
+            r.firstError = std::to_string(s->status.error_code()) + ": " +
+                s->status.error_message();
+          break;
+      }
+    };
+    // Takes the completions until `until` (sleeps when none can come).
+    auto reap = [&](Clock::time_point until) {
+      void* tag = nullptr;
+      bool ok = false;
+      while (Clock::now() < until) {
+        if (openOps == 0) {
+          std::this_thread::sleep_until(until);
+          return;
+        }
+        if (cq.AsyncNext(&tag, &ok, until) != grpc::CompletionQueue::GOT_EVENT)
+          return;
+        handle(tag, ok);
+      }
+    };
+    const auto connectBy = deadlineAfter(timeoutS);
+    for (auto& stub : stubs_) {
+      auto s = std::make_unique<Stream>();
+      s->rw = stub->PrepareCall(&s->ctx, method, &cq);
+      ++openOps;
+      s->rw->StartCall(&s->start);
+      streams.push_back(std::move(s));
+    }
+    size_t started = 0;
+    while (started < streams.size() && Clock::now() < connectBy) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, connectBy) !=
+          grpc::CompletionQueue::GOT_EVENT)
+        break;
+      if (static_cast<StreamOp*>(tag)->kind == StreamOp::kStart)
+        ++started;
+      handle(tag, ok);
+    }
+    const uint64_t total = static_cast<uint64_t>(rate * durationS);
+    const auto start = Clock::now();
+    const auto interval = std::chrono::duration<double>(1.0 / rate);
+    for (uint64_t i = 0; i < total; ++i) {
+      const auto due = start +
+          std::chrono::duration_cast<Clock::duration>(
+                           interval * static_cast<double>(i));
+      if (Clock::now() < due)
+        reap(due);
+      Stream* s = streams[i % streams.size()].get();
+      ++r.sent;
+      if (!s->started || s->broken) {
+        ++r.failed;
+      } else if (s->writing) {
+        ++s->backlog;
+      } else {
+        startWrite(s);
+      }
+    }
+    r.sendS = std::chrono::duration<double>(Clock::now() - start).count();
+    allSent = true;
+    for (auto& s : streams) {
+      if (!s->writing && !s->closing && s->started)
+        closeStream(s.get());
+    }
+    const auto giveUp = deadlineAfter(timeoutS) + kPastDeadlineGrace;
+    while (openOps > 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, giveUp) != grpc::CompletionQueue::GOT_EVENT)
+        break;
+      handle(tag, ok);
+    }
+    // Whatever gRPC did not end by now: cancel, then collect everything
+    // before the queue and the streams go.
+    for (auto& s : streams) {
+      if (!s->finished)
+        s->ctx.TryCancel();
+      if (!s->started && !s->closing) {
+        // Never started: nothing else was issued on it.
+      } else if (!s->closing) {
+        closeStream(s.get());
+      }
+    }
+    while (openOps > 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, Clock::now() + kCancelGrace) !=
+          grpc::CompletionQueue::GOT_EVENT)
+        break;
+      handle(tag, ok);
+    }
+    for (auto& s : streams) {
+      if (!s->finished && r.streamsFailed++ == 0)
+        r.firstError = "stream did not end";
+    }
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+    return r;
+  }
 
   struct Pending {
     grpc::ClientContext ctx;
@@ -546,7 +1062,12 @@ void bindClient(py::module_& m) {
           py::arg("timeout"),
           py::arg("wait_for_ready"))
       .def("wait_connected", &ClientChannel::waitConnected, py::arg("timeout"))
+      .def("open_stream", &ClientChannel::openStream, py::arg("method"))
       .def("close", &ClientChannel::close);
+
+  py::class_<ClientStream>(m, "ClientStream")
+      .def("send", &ClientStream::send, py::arg("request"), py::arg("timeout"))
+      .def("close", &ClientStream::close, py::arg("timeout"));
 
   py::class_<LoadGenerator>(m, "LoadGenerator")
       .def(
@@ -562,6 +1083,14 @@ void bindClient(py::module_& m) {
       .def(
           "run",
           &LoadGenerator::run,
+          py::arg("method"),
+          py::arg("bodies"),
+          py::arg("rate"),
+          py::arg("duration_s"),
+          py::arg("timeout_s"))
+      .def(
+          "run_streams",
+          &LoadGenerator::runStreams,
           py::arg("method"),
           py::arg("bodies"),
           py::arg("rate"),

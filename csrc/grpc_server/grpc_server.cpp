@@ -45,13 +45,18 @@
 //   finished UNAUTHENTICATED without taking the GIL, and one that passes
 //   reaches Python with `call.verified` true. Without a verifier the field
 //   reaches Python, whose dispatcher takes it off.
-// - With `enable_heartbeat_fast_path(method, ...)`, a well-formed heartbeat on
-// `method` is
-//   answered here without the GIL: the replica id and the time it arrived are
-//   recorded, and Python collects them with `take_heartbeats()`. Anything
-//   unusual (no deadline, a name that is empty, too long or not UTF-8,
-//   `leaving`, unknown fields) goes to Python, which answers it, so every error
-//   message has one source.
+// - With a `heartbeat` table (Server's argument), a well-formed heartbeat on
+//   its method is answered here without the GIL: the replica id and the time
+//   it arrived are recorded, and Python collects them with
+//   `take_heartbeats()`. Anything unusual (no deadline, a name that is empty,
+//   too long or not UTF-8, `leaving`, unknown fields) goes to Python, which
+//   answers it, so every error message has one source.
+// - Its stream method (client streaming, one heartbeat per message) never
+//   reaches Python: each message is checked (signature) and recorded as a
+//   unary heartbeat is. A message the table does not take ends the stream
+//   (INVALID_ARGUMENT; UNAVAILABLE once the fast path is closed), and the
+//   client sends that heartbeat unary. When the client closes its side the
+//   stream ends OK with one empty LighthouseHeartbeatResponse.
 
 #include "grpc_client.hpp"
 #include "request_auth.hpp"
@@ -212,22 +217,45 @@ using ft_auth::RequestVerifier;
 // torchft.LighthouseHeartbeatRequest {string replica_id = 1; bool leaving =
 // 2;}; only the plain case (field 1 alone, leaving absent or false) is taken
 // here.
+//
+// `streamMethod` (may be empty: none) is the client-streaming form (ft
+// extension, LighthouseService.HeartbeatStream): every message of one
+// long-lived call is one such request, recorded the same way. Why: a unary call
+// costs the server a new HTTP/2 stream, its headers, a call object and its
+// trailers; a message on an open stream is one DATA frame. At a thousand groups
+// heartbeating ten times a second that is most of the lighthouse's CPU
+// (docs/benchmarks.md, "Quorum").
 class HeartbeatTable {
  public:
-  HeartbeatTable(std::string method, size_t maxNameBytes, double noDeadlineS)
+  HeartbeatTable(
+      std::string method,
+      std::string streamMethod,
+      size_t maxNameBytes,
+      double noDeadlineS)
       : method_(std::move(method)),
+        streamMethod_(std::move(streamMethod)),
         maxNameBytes_(maxNameBytes),
         noDeadlineS_(noDeadlineS) {}
 
   const std::string& method() const {
     return method_;
   }
+  const std::string& streamMethod() const {
+    return streamMethod_;
+  }
 
-  // True when the heartbeat was recorded (the caller answers OK); false: leave
-  // it to Python.
-  bool record(const std::string& request, double secondsToDeadline) {
+  // A unary heartbeat: true when it was recorded (the caller answers OK);
+  // false: leave it to Python. Only calls with a deadline are taken here (a
+  // call without one is unusual: Python decides).
+  bool recordUnary(const std::string& request, double secondsToDeadline) {
     if (!(secondsToDeadline > 0) || secondsToDeadline > noDeadlineS_)
       return false;
+    return record(request);
+  }
+
+  // One message of a heartbeat stream or a unary heartbeat: true when it was
+  // recorded; false when it is not the plain case (see above).
+  bool record(const std::string& request) {
     std::string name;
     if (!parse(request, &name))
       return false;
@@ -325,6 +353,7 @@ class HeartbeatTable {
   }
 
   const std::string method_;
+  const std::string streamMethod_;
   const size_t maxNameBytes_;
   const double noDeadlineS_;
   std::mutex mu_;
@@ -346,7 +375,14 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
   void OnDone() override;
 
  private:
+  // One message of a heartbeat stream (verified): recorded, and the next one
+  // read; anything the table does not take ends the stream, and the client
+  // sends that heartbeat unary, so that Python answers it.
+  void onStreamedHeartbeat(const std::string& body);
+
   Server* server_;
+  // A heartbeat stream whose first message was taken.
+  bool streaming_ = false;
   grpc::ByteBuffer request_;
   std::shared_ptr<CallState> state_;
 };
@@ -824,6 +860,11 @@ class Server {
   RequestVerifier* verifier() const {
     return verifier_.get();
   }
+  // Whether `method` is the heartbeat stream (open or closed).
+  bool isHeartbeatStream(const std::string& method) const {
+    return heartbeats_ && !heartbeats_->streamMethod().empty() &&
+        method == heartbeats_->streamMethod();
+  }
   // The heartbeat fast path while it is open, else nullptr.
   HeartbeatTable* heartbeats() const {
     return heartbeatsOpen_.load(std::memory_order_acquire) ? heartbeats_.get()
@@ -988,6 +1029,12 @@ CallReactor::CallReactor(
 }
 
 void CallReactor::OnReadDone(bool ok) {
+  if (!ok && streaming_) {
+    // The client closed its side (or went away: then the answer goes nowhere).
+    grpc::Slice empty;
+    state_->reply(grpc::ByteBuffer(&empty, 1)); // LighthouseHeartbeatResponse
+    return;
+  }
   if (!ok) {
     state_->finish(
         grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
@@ -1045,9 +1092,13 @@ void CallReactor::OnReadDone(bool ok) {
     state_->markVerified();
     body.erase(0, offset);
   }
+  if (server_->isHeartbeatStream(state_->method())) {
+    onStreamedHeartbeat(body);
+    return;
+  }
   HeartbeatTable* heartbeats = server_->heartbeats();
   if (heartbeats != nullptr && state_->method() == heartbeats->method() &&
-      heartbeats->record(body, state_->timeRemaining())) {
+      heartbeats->recordUnary(body, state_->timeRemaining())) {
     grpc::Slice empty;
     state_->reply(
         grpc::ByteBuffer(&empty, 1)); // LighthouseHeartbeatResponse {}
@@ -1075,6 +1126,29 @@ void CallReactor::OnReadDone(bool ok) {
     state_->finish(
         grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
   }
+}
+
+void CallReactor::onStreamedHeartbeat(const std::string& body) {
+  HeartbeatTable* heartbeats = server_->heartbeats();
+  if (heartbeats == nullptr) {
+    // Closed: the lighthouse is shutting down, and Python answers every
+    // heartbeat from now on.
+    state_->finish(
+        grpc::Status(
+            grpc::StatusCode::UNAVAILABLE,
+            "heartbeat stream closed by the server: send heartbeats unary"));
+    return;
+  }
+  if (!heartbeats->record(body)) {
+    state_->finish(
+        grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "heartbeat stream takes only a plain heartbeat (a valid replica "
+            "id, not leaving, no other fields): send this one unary"));
+    return;
+  }
+  streaming_ = true;
+  StartRead(&request_);
 }
 
 void CallReactor::OnCancel() {
@@ -1168,8 +1242,8 @@ PYBIND11_MODULE(_grpc_server, m) {
                       py::object verifier,
                       py::object heartbeat) {
             // verifier: (key bytes, skew ms, max remembered nonces) or None.
-            // heartbeat: (method path, max name bytes, no-deadline seconds) or
-            // None.
+            // heartbeat: (method path, stream method path or "", max name
+            // bytes, no-deadline seconds) or None.
             std::unique_ptr<RequestVerifier> v;
             if (!verifier.is_none()) {
               auto t = verifier.cast<py::tuple>();
@@ -1183,8 +1257,9 @@ PYBIND11_MODULE(_grpc_server, m) {
               auto t = heartbeat.cast<py::tuple>();
               h = std::make_unique<HeartbeatTable>(
                   t[0].cast<std::string>(),
-                  t[1].cast<size_t>(),
-                  t[2].cast<double>());
+                  t[1].cast<std::string>(),
+                  t[2].cast<size_t>(),
+                  t[3].cast<double>());
             }
             return std::make_unique<Server>(
                 address,

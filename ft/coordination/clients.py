@@ -39,6 +39,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from typing import Callable, Dict, Iterator, Optional, Self, Tuple
 
 import grpc
@@ -71,11 +72,13 @@ def _transient(exc: BaseException) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
-    """method name -> (full path, response class, streams) for one service of the proto."""
+    """method name -> (full path, response class, streams) for one service of the proto
+    (request-streaming methods, which have their own clients, left out)."""
     desc = pb.DESCRIPTOR.services_by_name[service]
     return {
         m.name: (f"/{desc.full_name}/{m.name}", getattr(pb, m.output_type.name), m.server_streaming)
         for m in desc.methods
+        if not m.client_streaming
     }
 
 
@@ -291,6 +294,59 @@ class FailureSubscription:
         self._thread.join(timeout)
 
 
+class _HeartbeatStream:
+    """Routine heartbeats as messages of one long-lived ``HeartbeatStream`` call (native
+    transport). Why: a unary call costs the lighthouse a new HTTP/2 stream, headers, a call
+    object and trailers; a message on an open stream is one DATA frame. At a thousand groups
+    heartbeating ten times a second that halves the lighthouse's CPU (docs/benchmarks.md,
+    "Quorum").
+
+    The stream is used only after a ``Heartbeat`` call succeeded (the first heartbeat, and the
+    first after any failure of the stream), so that whatever the lighthouse refuses (a name,
+    a signature) is reported by a unary answer, never hidden by a stream that takes a message
+    before refusing it. A server that ends the stream for another reason than the connection
+    (UNIMPLEMENTED from a lighthouse without the method, such as torchft's) leaves heartbeats
+    unary for ``RETRY_AFTER_S``. A message the stream did not take by the deadline raises
+    TimeoutError, as a unary heartbeat would (a new stream opens later).
+    """
+
+    RETRY_AFTER_S = 60.0
+    # Closing waits this long for the lighthouse's answer (then cancels).
+    CLOSE_TIMEOUT_S = 1.0
+
+    def __init__(self, channel, method: str) -> None:
+        self._stream = channel.open_stream(method)
+        self._ready = False  # a unary heartbeat succeeded since the stream last failed
+        self._unary_until = 0.0
+        self.sent = 0  # heartbeats the stream took
+
+    def send(self, request: pb.LighthouseHeartbeatRequest, timeout: float) -> bool:
+        """True: sent on the stream; False: send it as a Heartbeat call."""
+        if not self._ready:
+            return False
+        try:
+            self._stream.send(request.SerializeToString(), timeout)
+        except _rpc.native.CallError as e:
+            self._ready = False
+            code, details = _rpc.native_status(e)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError(f"Heartbeat: {details}") from None
+            if code not in _rpc.TRANSIENT_CODES:
+                self._unary_until = time.monotonic() + self.RETRY_AFTER_S
+                logger.debug("heartbeat stream: %s %s; unary heartbeats for a while", code, details)
+            return False
+        self.sent += 1
+        return True
+
+    def unary_succeeded(self) -> None:
+        if time.monotonic() >= self._unary_until:
+            self._ready = True
+
+    def close(self) -> None:
+        self._ready = False
+        self._stream.close(self.CLOSE_TIMEOUT_S)
+
+
 class LighthouseClient(_Client):
     """Client of ``LighthouseService``.
 
@@ -301,6 +357,15 @@ class LighthouseClient(_Client):
     """
 
     _service = "LighthouseService"
+
+    def __new__(cls, *args, **kwargs) -> Self:
+        self = super().__new__(cls, *args, **kwargs)
+        self._heartbeats = (
+            _HeartbeatStream(self._native, f"/torchft.{cls._service}/HeartbeatStream")
+            if self._native is not None
+            else None
+        )
+        return self
 
     def quorum(
         self,
@@ -349,13 +414,24 @@ class LighthouseClient(_Client):
         leaving: bool = False,
     ) -> None:
         """One heartbeat. ``leaving=True`` says the replica shuts down cleanly (an ft
-        extension; a torchft lighthouse ignores it and times the replica out instead)."""
-        self._call(
-            "Heartbeat",
-            pb.LighthouseHeartbeatRequest(replica_id=replica_id, leaving=leaving),
-            timeout,
-            wait_for_ready,
-        )
+        extension; a torchft lighthouse ignores it and times the replica out instead).
+
+        On the native transport a routine heartbeat is a message on one long-lived stream
+        (``HeartbeatStream``, see :class:`_HeartbeatStream`); otherwise, and whenever the
+        stream cannot take it, a ``Heartbeat`` call."""
+        request = pb.LighthouseHeartbeatRequest(replica_id=replica_id, leaving=leaving)
+        deadline = Deadline.after(_rpc.required_seconds(timeout, "Heartbeat"))
+        stream = self._heartbeats if not leaving else None
+        if stream is not None and stream.send(request, deadline.remaining()):
+            return
+        self._call("Heartbeat", request, max(deadline.remaining(), 1e-3), wait_for_ready)
+        if stream is not None:
+            stream.unary_succeeded()
+
+    def close(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.close()
+        super().close()
 
     def subscribe_failures(
         self,

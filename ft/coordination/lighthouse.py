@@ -1097,6 +1097,7 @@ class LighthouseServer:
             # Routine heartbeats are answered in C++ (native server): the lighthouse's CPU per
             # replica group stays small when thousands of groups heartbeat.
             fast_heartbeat=_SERVICE + "Heartbeat",
+            fast_heartbeat_stream=_SERVICE + "HeartbeatStream",
         )
         self._state.take_fast_heartbeats = self._server.take_heartbeats
         self._port = self._server.port

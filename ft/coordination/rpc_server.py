@@ -290,6 +290,11 @@ class RpcServer:
             whose well-formed calls the C++ server answers itself, without Python; collect
             them with :meth:`take_heartbeats`. Other calls of that method (leaving, malformed)
             still reach its handler. Ignored on grpcio, where the handler sees every call.
+        fast_heartbeat_stream: native only, with ``fast_heartbeat``: the full name of the
+            client-streaming form (one ``LighthouseHeartbeatRequest`` per message), answered
+            entirely in C++; a message it cannot take ends the stream, and the client sends
+            that heartbeat unary. Not served on grpcio (UNIMPLEMENTED: clients fall back to
+            unary heartbeats).
     """
 
     def __init__(
@@ -303,6 +308,7 @@ class RpcServer:
         verifier: Optional[Verifier] = None,
         tls: Optional["TLSConfig"] = None,
         fast_heartbeat: Optional[str] = None,
+        fast_heartbeat_stream: Optional[str] = None,
     ) -> None:
         if transport not in ("auto", "native", "grpcio"):
             raise ValueError(f"transport must be 'auto', 'native' or 'grpcio', got {transport!r}")
@@ -330,7 +336,12 @@ class RpcServer:
                     keepalive_ms,
                     verifier=verifier.native_config() if verifier is not None else None,
                     heartbeat=(
-                        (fast_heartbeat, _rpc.MAX_NAME_LEN, _rpc.NO_DEADLINE_S)
+                        (
+                            fast_heartbeat,
+                            fast_heartbeat_stream or "",
+                            _rpc.MAX_NAME_LEN,
+                            _rpc.NO_DEADLINE_S,
+                        )
                         if fast_heartbeat
                         else None
                     ),

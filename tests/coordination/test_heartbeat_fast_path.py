@@ -1,25 +1,33 @@
 """The native lighthouse answers routine heartbeats in C++ (RpcServer ``fast_heartbeat``):
 they count exactly as heartbeats Python receives, and every unusual one still gets Python's
-answer (errors have one source). On grpcio every heartbeat goes through Python."""
+answer (errors have one source). On grpcio every heartbeat goes through Python.
+
+The same holds for heartbeats sent as messages of one ``HeartbeatStream`` call (the native
+client's routine heartbeats, ``fast_heartbeat_stream``): recorded in C++, never in Python; a
+message the C++ table does not take ends the stream, and the client's next heartbeat is a
+Heartbeat call that gets Python's answer."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
 import pytest
 
-from ft.coordination import LighthouseClient, LighthouseServer
+from ft.coordination import CoordinationError, LighthouseClient, LighthouseServer
 from ft.coordination import _rpc
 from ft.coordination._proto import torchft_pb2 as pb
 from ft.coordination.rpc_server import native_available
 from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer
+from tests.procs import free_port
 
 pytestmark = pytest.mark.skipif(
     not native_available(), reason="native gRPC server not built (no gRPC C++)"
 )
 
 PATH = "/torchft.LighthouseService/Heartbeat"
+STREAM = "/torchft.LighthouseService/HeartbeatStream"
 
 
 SECRET = "fast-path-test-secret-0123456789abcdef"
@@ -162,3 +170,186 @@ def test_after_shutdown_begins_heartbeats_get_unavailable(lighthouse):
     with pytest.raises(grpc.RpcError) as e:
         raw_call(lh, pb.LighthouseHeartbeatRequest(replica_id="late").SerializeToString())
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+
+
+# --- heartbeats on a stream
+
+
+def open_stream(lh, secret="use the lighthouse's"):
+    """A raw native heartbeat stream to ``lh``, signed with its secret (or ``secret``)."""
+    secret = lh.test_secret if secret == "use the lighthouse's" else secret
+    key = Signer(JobSecret(secret), GRPC_PURPOSE).key if secret is not None else b""
+    channel = _rpc.make_native_channel(lh.address(), key)
+    return channel, channel.open_stream(STREAM)
+
+
+def hb(replica_id: str, **kw) -> bytes:
+    return pb.LighthouseHeartbeatRequest(replica_id=replica_id, **kw).SerializeToString()
+
+
+def recorded(lh, replica_id: str, timeout: float = 5.0) -> bool:
+    """Whether the lighthouse has a heartbeat of ``replica_id`` (the C++ table is collected by
+    ``status()``; a streamed message is written before the server records it, so poll)."""
+    end = time.monotonic() + timeout
+    while True:
+        lh.status()
+        if replica_id in lh._state.heartbeats or time.monotonic() >= end:
+            return replica_id in lh._state.heartbeats
+        time.sleep(0.01)
+
+
+def test_streamed_heartbeats_skip_python_and_keep_a_replica_alive(lighthouse):
+    lh, python_calls = lighthouse
+
+    def replica(name):
+        return {r["replica_id"]: r for r in lh.status()["replicas"]}[name]
+
+    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret, transport="native") as c:
+        c.quorum("streamed", timeout=5.0)
+        for _ in range(10):  # 1 s of heartbeats every 0.1 s: twice the heartbeat timeout
+            c.heartbeat("streamed", timeout=5.0)
+            time.sleep(0.1)
+        # The first was a Heartbeat call (it checks what the lighthouse accepts); the rest
+        # went on the stream, and none reached Python.
+        assert c._heartbeats.sent == 9
+        assert python_calls == []
+        assert replica("streamed")["alive"]
+        time.sleep(0.8)  # an open stream with nothing on it is no heartbeat
+        assert not replica("streamed")["alive"]
+
+
+def test_a_stream_records_each_message_and_ends_ok_when_the_client_closes(lighthouse):
+    lh, python_calls = lighthouse
+    channel, stream = open_stream(lh)
+    for name in ("s1", "s2", "s3"):
+        stream.send(hb(name), 5.0)
+    assert stream.close(5.0) == (0, "")
+    assert all(recorded(lh, name) for name in ("s1", "s2", "s3"))
+    assert python_calls == []
+    assert stream.close(1.0) is None  # nothing open any more
+    channel.close()
+
+
+def send_until_refused(stream, first: bytes, then: bytes, attempts: int = 5):
+    """Sends ``first``, then ``then``, until a send raises (the server's end of the stream
+    reaches the client with the send of the message it refused, or with a later one); returns
+    the CallError."""
+    for i in range(attempts):
+        try:
+            stream.send(first if i == 0 else then, 5.0)
+        except _rpc.native.CallError as e:
+            return e
+        time.sleep(0.05)
+    raise AssertionError(f"the stream took {attempts} messages after it should have ended")
+
+
+def test_a_message_the_table_refuses_ends_the_stream_and_the_stream_reopens(lighthouse):
+    lh, python_calls = lighthouse
+    channel, stream = open_stream(lh)
+    stream.send(hb("before"), 5.0)
+    e = send_until_refused(stream, hb("bye", leaving=True), hb("after"))  # refused by the server
+    code, details = _rpc.native_status(e)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "send this one unary" in details
+    assert python_calls == []
+    assert recorded(lh, "before") and not recorded(lh, "after", timeout=0.2)
+    assert "bye" not in lh._state.left  # the leaving message was not taken
+    stream.send(hb("again"), 5.0)  # a new call
+    assert recorded(lh, "again")
+    channel.close()
+
+
+def test_a_wrongly_signed_stream_is_refused_and_records_nothing(lighthouse):
+    lh, _ = lighthouse
+    if lh.test_secret is None:
+        pytest.skip("the lighthouse has no secret")
+    for secret in (None, "another-job-secret-0123456789abcdef"):
+        channel, stream = open_stream(lh, secret)
+        e = send_until_refused(stream, hb("intruder"), hb("intruder"))
+        assert _rpc.native_status(e)[0] == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
+    assert not recorded(lh, "intruder", timeout=0.2)
+
+
+def test_the_client_reports_every_refused_heartbeat(lighthouse):
+    """The stream is used only after a Heartbeat call succeeded: what the lighthouse refuses
+    is raised by every heartbeat, never taken silently by a stream."""
+    lh, _ = lighthouse
+    cases = [("", grpc.StatusCode.INVALID_ARGUMENT, lh.test_secret)]
+    if lh.test_secret is not None:
+        cases.append(("ok-name", grpc.StatusCode.UNAUTHENTICATED, "wrong-secret-0123456789abcdef"))
+    for name, code, secret in cases:
+        with LighthouseClient(lh.address(), 5.0, secret=secret, transport="native") as c:
+            for _ in range(3):
+                with pytest.raises(CoordinationError) as e:
+                    c.heartbeat(name, timeout=5.0)
+                assert e.value.code == code
+            assert c._heartbeats.sent == 0
+
+
+def test_when_the_fast_path_closes_the_stream_ends_and_heartbeats_get_pythons_answer(lighthouse):
+    lh, _ = lighthouse
+    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret, transport="native") as c:
+        c.heartbeat("late", timeout=5.0)
+        c.heartbeat("late", timeout=5.0)
+        assert c._heartbeats.sent == 1
+        lh._server.close_heartbeat_fast_path()
+        lh._state.close()
+        # The next message ends the stream; the end reaches the client with that send or
+        # one of the next, which is then sent as a Heartbeat call.
+        for _ in range(4):
+            try:
+                c.heartbeat("late", timeout=0.5)  # UNAVAILABLE is retried until the deadline
+            except CoordinationError as e:
+                assert e.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.details
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("heartbeats went on being taken after the fast path closed")
+
+
+def test_a_lighthouse_without_the_stream_gets_heartbeat_calls():
+    """A lighthouse that does not serve HeartbeatStream (grpcio here; torchft's lighthouse
+    likewise) answers UNIMPLEMENTED once; the client then sends Heartbeat calls."""
+    lh = LighthouseServer(
+        "127.0.0.1:0", 1, transport="grpcio", heartbeat_timeout_ms=500, http_bind=""
+    )
+    try:
+        with LighthouseClient(lh.address(), 5.0, transport="native") as c:
+            # A call, then the stream (at most a message or two taken by gRPC and lost with the
+            # refused stream: one heartbeat interval, against a timeout of many), then calls.
+            for _ in range(4):
+                c.heartbeat("plain", timeout=5.0)
+                time.sleep(0.05)
+            assert c._heartbeats.sent <= 2
+            assert c._heartbeats._unary_until > time.monotonic()
+            for _ in range(5):
+                before = time.monotonic()
+                c.heartbeat("plain", timeout=5.0)
+                assert lh._state.heartbeats["plain"] >= before  # each one arrived
+    finally:
+        lh.shutdown(0.1)
+
+
+def test_streamed_heartbeats_resume_after_the_lighthouse_restarts(children):
+    port = free_port()
+    spec = json.dumps({"bind": f"127.0.0.1:{port}", "min_replicas": 1, "transport": "native"})
+    lh = children("lighthouse", spec)
+    addr = lh.address()
+    with LighthouseClient(addr, 5.0, transport="native") as c:
+        for _ in range(3):
+            c.heartbeat("r", timeout=5.0)
+        assert c._heartbeats.sent == 2
+        lh.kill()  # SIGKILL, reaped
+        failures = 0
+        for _ in range(3):
+            try:
+                c.heartbeat("r", timeout=1.0, wait_for_ready=False)
+            except (CoordinationError, TimeoutError):
+                failures += 1
+        assert failures >= 2  # at most one taken by a dying connection
+        lh = children("lighthouse", spec)
+        lh.address()
+        sent = c._heartbeats.sent
+        for _ in range(3):
+            c.heartbeat("r", timeout=5.0)
+        assert c._heartbeats.sent == sent + 2  # a call first, then a new stream

@@ -33,6 +33,11 @@ class LighthouseServiceStub:
                 request_serializer=torchft__pb2.SubscribeFailuresRequest.SerializeToString,
                 response_deserializer=torchft__pb2.FailureNotification.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_unary(
+                '/torchft.LighthouseService/HeartbeatStream',
+                request_serializer=torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+                response_deserializer=torchft__pb2.LighthouseHeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
@@ -58,6 +63,16 @@ class LighthouseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HeartbeatStream(self, request_iterator, context):
+        """ft extension: heartbeats as messages of one long-lived call, each message what a
+        Heartbeat call would send (leaving is sent with Heartbeat). The lighthouse answers at the
+        end, when the client closes its side. A server without it answers UNIMPLEMENTED and the
+        client sends Heartbeat calls instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +90,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     servicer.SubscribeFailures,
                     request_deserializer=torchft__pb2.SubscribeFailuresRequest.FromString,
                     response_serializer=torchft__pb2.FailureNotification.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.HeartbeatStream,
+                    request_deserializer=torchft__pb2.LighthouseHeartbeatRequest.FromString,
+                    response_serializer=torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -158,6 +178,33 @@ class LighthouseService:
             '/torchft.LighthouseService/SubscribeFailures',
             torchft__pb2.SubscribeFailuresRequest.SerializeToString,
             torchft__pb2.FailureNotification.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/torchft.LighthouseService/HeartbeatStream',
+            torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+            torchft__pb2.LighthouseHeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
