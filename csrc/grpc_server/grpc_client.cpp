@@ -234,7 +234,8 @@ class ClientStream {
 
   // Takes completions until `want` completes (true, its ok in *ok) or
   // `until` passes (false). With `want` nullptr: until any one completes.
-  bool waitFor(void* want, Clock::time_point until, bool* ok) {
+  template <typename Deadline>
+  bool waitFor(void* want, const Deadline& until, bool* ok) {
     while (true) {
       void* tag = nullptr;
       bool tagOk = false;
@@ -256,10 +257,12 @@ class ClientStream {
   }
 
   // Takes the completions already there (the read, when the server ended the
-  // call).
+  // call). The deadline is gRPC's "infinitely past": a deadline of now is
+  // rounded up to the next millisecond, and the poll would wait that long.
   void poll() {
     bool ok = false;
-    while (call_->outstanding > 0 && waitFor(nullptr, Clock::now(), &ok)) {
+    const gpr_timespec past = gpr_inf_past(GPR_CLOCK_MONOTONIC);
+    while (call_->outstanding > 0 && waitFor(nullptr, past, &ok)) {
     }
   }
 
