@@ -22,11 +22,13 @@ visible. ft's client runs on both of its transports (``LighthouseClient(transpor
    lighthouse's CPU per heartbeat and the latency, and what that CPU makes for 1024 groups
    heartbeating at 10 Hz (10,240 heartbeats/s), in cores.
 3. Heartbeat load: 1024 groups x 10 Hz for real, from ``ft.coordination._grpc_server.
-   LoadGenerator`` (C++, open loop: calls start on schedule whether or not earlier ones were
-   answered) over ``--load-connections`` connections (default 1024: one per group, as in a
-   job), 1024 replica ids, for ``--load-seconds``; reported: the rate achieved, the calls
-   that failed, and the lighthouse's CPU in cores while it ran. Needs the native module; not
-   run with ``--secret`` (the generator does not sign).
+   LoadGenerator`` (C++, open loop: heartbeats go out on schedule whether or not earlier ones
+   were answered) over ``--load-connections`` connections (default 1024: one per group, as in
+   a job), 1024 replica ids, for ``--load-seconds``; reported: the rate achieved, the
+   heartbeats that failed, and the lighthouse's CPU in cores while it ran. Both lighthouses
+   get Heartbeat calls (what torchft's client sends); ft's also gets the same load as messages
+   on one HeartbeatStream call per group (what ft's native client sends). Needs the native
+   module; not run with ``--secret`` (the generator does not sign).
 
 With ``--secret`` ft's side runs with a job secret (signed requests, verified in C++); torchft
 has no authentication, so that compares a secured ft with an open torchft.
@@ -268,10 +270,12 @@ def measure_heartbeat(client: str, server: str, count: int, secret: bool) -> Tup
 
 
 def measure_load(
-    server: str, rate: float, seconds: float, connections: int
+    server: str, rate: float, seconds: float, connections: int, streamed: bool = False
 ) -> Tuple[float, int, int, float, str]:
-    """(rate achieved, calls ok, calls failed, lighthouse cores, first error) of an open-loop
-    heartbeat load of ``rate`` per second from 1024 replica ids (section 3 of the docstring)."""
+    """(rate achieved, heartbeats ok, failed, lighthouse cores, first error) of an open-loop
+    heartbeat load of ``rate`` per second from 1024 replica ids (section 3 of the docstring):
+    Heartbeat calls, or with ``streamed`` messages on one HeartbeatStream call per connection
+    (what ft's native client sends; ft's lighthouse only)."""
     from ft.coordination import _rpc
     from ft.coordination._proto import torchft_pb2 as pb
 
@@ -286,7 +290,13 @@ def measure_load(
         )
         time.sleep(0.5)  # the connections' setup is not part of the load
         c0, w0 = lh.cpu_s(), time.monotonic()
-        r = gen.run("/torchft.LighthouseService/Heartbeat", bodies, rate, seconds, 5.0)
+        if streamed:
+            r = gen.run_streams(
+                "/torchft.LighthouseService/HeartbeatStream", bodies, rate, seconds, 5.0
+            )
+            r["failed"] += r["streams_failed"]
+        else:
+            r = gen.run("/torchft.LighthouseService/Heartbeat", bodies, rate, seconds, 5.0)
         cores = (lh.cpu_s() - c0) / (time.monotonic() - w0)
         del gen
         return r["sent"] / r["send_s"], r["ok"], r["failed"], cores, r["first_error"]
@@ -355,11 +365,15 @@ def main() -> None:
         f"\nheartbeat load: 1024 groups x 10 Hz for {a.load_seconds:g} s, open loop, "
         f"{a.load_connections} connections: rate achieved, failed calls, lighthouse cores"
     )
-    for s in servers:
-        rate, ok, failed, cores, err = measure_load(s, 10240, a.load_seconds, a.load_connections)
+    loads = [("ft", True)] + [(s, False) for s in servers]
+    for s, streamed in loads:
+        rate, ok, failed, cores, err = measure_load(
+            s, 10240, a.load_seconds, a.load_connections, streamed
+        )
+        how = "one HeartbeatStream per group" if streamed else "Heartbeat calls"
         print(
-            f"  {s:>7} server: {rate:7.0f} heartbeats/s, {failed} of {ok + failed} failed,"
-            f" {cores:5.2f} cores" + (f" (first failure: {err})" if err else ""),
+            f"  {s:>7} server, {how:>29}: {rate:7.0f} heartbeats/s, {failed} of {ok + failed}"
+            f" failed, {cores:5.2f} cores" + (f" (first failure: {err})" if err else ""),
             flush=True,
         )
 

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +42,10 @@ constexpr auto kSignalCheckPeriod = std::chrono::milliseconds(200);
 // After a cancellation, gRPC completes the call without the network; allow it
 // this long.
 constexpr auto kCancelGrace = std::chrono::seconds(5);
+
+// The header with which ft's lighthouse confirms a heartbeat stream
+// (grpc_server.cpp: CallReactor::onStreamedHeartbeat).
+constexpr const char* kStreamConfirmedHeader = "ft-heartbeat-stream";
 
 // After a stream's write failed, how long its pending read may take to bring
 // the server's status before the stream is cancelled (the call is already
@@ -151,15 +156,22 @@ grpc::ByteBuffer requestBuffer(
 //   the channel is closed first.
 // - `send(request, timeout_s)` writes one message (signed, as a call's request
 //   is, when the channel has a key), opening the call first when none is open.
-//   It returns once gRPC has taken the previous message for the transport and
-//   started writing this one, within timeout_s, GIL released. It raises
+//   It returns once gRPC has taken the message for the transport (the first
+//   message of a call: once the server also confirmed the stream with its
+//   headers, which ft's lighthouse sends after recording that message), within
+//   timeout_s, GIL released. It raises
 //   CallError(code, details) when the call is over: the server's status when
 //   the server ended it (UNIMPLEMENTED from a server without the method,
 //   INVALID_ARGUMENT for a message it does not take, ...), UNAVAILABLE when the
-//   connection is down or broke, DEADLINE_EXCEEDED when the previous message
-//   was not taken in time. The call is then gone; the next send opens a new
-//   one. A message that send() accepted may still be refused by the server, or
-//   lost with the connection: that error comes with the next send.
+//   connection is down or broke, DEADLINE_EXCEEDED when the message was not
+//   taken (or the stream not confirmed) in time. The call is then gone; the
+//   next send opens a new one. A later message that send() accepted may still
+//   be refused by the server, or lost with the connection: that error comes
+//   with the next send.
+// - The call is driven by gRPC's threads (callback API), which read the
+//   connection between sends: a server's end of the call is seen by the next
+//   send. (A completion queue polled by the sender would read it only while
+//   a send waits.)
 // - `close(timeout_s)` half-closes an open call and waits (at most timeout_s,
 //   then cancels) for its status, returned as (code, details); None when no
 //   call was open. The stream can be used again afterwards.
@@ -175,10 +187,11 @@ class ClientStream {
         method_(std::move(method)) {}
 
   ~ClientStream() {
-    // Local work only (a cancellation completes without the network).
+    // Nothing to wait for: the call ends by itself once cancelled, and its
+    // reactor and state go with it.
     std::lock_guard<std::mutex> g(mu_);
     if (call_)
-      abandon();
+      letGo(/*cancel=*/true);
   }
 
   void send(const py::bytes& request, double timeoutS) {
@@ -215,187 +228,202 @@ class ClientStream {
   }
 
  private:
-  // One open call. Every operation's tag is the address of one of the tag
-  // members; each completes exactly once.
-  struct Call {
-    grpc::ClientContext ctx;
-    grpc::CompletionQueue cq;
-    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
+  // What the call's reactor (gRPC's threads) and this object share.
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
     grpc::ByteBuffer outgoing; // the message being written
     grpc::ByteBuffer response;
+    bool writing = false;
+    bool writeFailed = false; // a write failed: the call is over
+    bool ended = false; // the server ended the call (its answer or a failure)
+    // The server's headers confirmed the stream: it recorded the first message.
+    bool confirmed = false;
+    bool done = false; // gRPC is done with the call; `status` is its status
     grpc::Status status;
-    int outstanding = 0;
-    bool readDone =
-        false;            // the server ended the call (its answer or a failure)
-    bool writing = false; // a message is being written
-    bool writeFailed = false; // the last write failed: the call is over
-    char tStart = 0, tRead = 0, tWrite = 0, tWritesDone = 0, tFinish = 0;
   };
 
-  // Takes completions until `want` completes (true, its ok in *ok) or
-  // `until` passes (false). With `want` nullptr: until any one completes.
-  template <typename Deadline>
-  bool waitFor(void* want, const Deadline& until, bool* ok) {
-    while (true) {
-      void* tag = nullptr;
-      bool tagOk = false;
-      if (call_->cq.AsyncNext(&tag, &tagOk, until) !=
-          grpc::CompletionQueue::GOT_EVENT)
-        return false;
-      --call_->outstanding;
-      if (tag == &call_->tRead)
-        call_->readDone = true;
-      if (tag == &call_->tWrite) {
-        call_->writing = false;
-        call_->writeFailed = !tagOk;
-      }
-      if (want == nullptr || tag == want) {
-        *ok = tagOk;
-        return true;
-      }
+  // One open call, driven by gRPC's own threads (callback API): they read
+  // the connection whether or not a send is under way, so a server that ends
+  // the stream is seen at the next send. It deletes itself when gRPC is done
+  // with it (OnDone), which a hold defers until its owner lets go.
+  class Call
+      : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+   public:
+    Call(
+        std::shared_ptr<grpc::GenericStub> stub,
+        const std::string& method,
+        std::shared_ptr<Shared> shared)
+        : stub_(std::move(stub)), shared_(std::move(shared)) {
+      stub_->PrepareBidiStreamingCall(&ctx_, method, grpc::StubOptions(), this);
+      StartRead(&shared_->response);
+      AddHold();
+      StartCall();
     }
+    void cancel() {
+      ctx_.TryCancel();
+    }
+    void OnWriteDone(bool ok) override {
+      std::lock_guard<std::mutex> g(shared_->mu);
+      shared_->writing = false;
+      shared_->writeFailed = shared_->writeFailed || !ok;
+      shared_->cv.notify_all();
+    }
+    void OnReadInitialMetadataDone(bool ok) override {
+      // A server without the stream answers with a status alone, no header.
+      const auto& headers = ctx_.GetServerInitialMetadata();
+      const bool confirmed =
+          ok && headers.find(kStreamConfirmedHeader) != headers.end();
+      std::lock_guard<std::mutex> g(shared_->mu);
+      shared_->confirmed = confirmed;
+      shared_->cv.notify_all();
+    }
+    void OnReadDone(bool) override {
+      std::lock_guard<std::mutex> g(shared_->mu);
+      shared_->ended = true;
+      shared_->cv.notify_all();
+    }
+    void OnDone(const grpc::Status& status) override {
+      {
+        std::lock_guard<std::mutex> g(shared_->mu);
+        shared_->status = status;
+        shared_->done = true;
+        shared_->cv.notify_all();
+      }
+      delete this;
+    }
+
+   private:
+    grpc::ClientContext ctx_;
+    const std::shared_ptr<grpc::GenericStub>
+        stub_; // the channel outlives the call
+    const std::shared_ptr<Shared> shared_;
+  };
+
+  // Waits (mu_ held, GIL released) until `ready` holds or `deadline` passes.
+  template <typename Ready>
+  bool waitUntil(Clock::time_point deadline, Ready ready) {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    return shared_->cv.wait_until(lock, deadline, [&] {
+      return ready(*shared_);
+    });
   }
 
-  // Takes the completions already there (the read, when the server ended the
-  // call). The deadline is gRPC's "infinitely past": a deadline of now is
-  // rounded up to the next millisecond, and the poll would wait that long.
-  void poll() {
-    bool ok = false;
-    const gpr_timespec past = gpr_inf_past(GPR_CLOCK_MONOTONIC);
-    while (call_->outstanding > 0 && waitFor(nullptr, past, &ok)) {
-    }
+  static bool over(const Shared& s) {
+    return s.writeFailed || s.ended || s.done;
   }
 
   grpc::Status sendLocked(grpc::Slice body, Clock::time_point deadline) {
     if (!call_) {
-      call_ = std::make_unique<Call>();
-      call_->rw = stub_->PrepareCall(&call_->ctx, method_, &call_->cq);
-      call_->rw->StartCall(&call_->tStart);
-      ++call_->outstanding;
-      bool ok = false;
-      if (!waitFor(&call_->tStart, deadline, &ok))
-        return abandon(
-            grpc::StatusCode::DEADLINE_EXCEEDED,
-            "Deadline Exceeded (opening the stream)");
-      if (!ok) {
-        call_->readDone = true; // no read was posted: the call never started
-        return end();
-      }
-      // Posted now and left pending: it completes when the server ends the
-      // call, which is how a send learns that it did.
-      call_->rw->Read(&call_->response, &call_->tRead);
-      ++call_->outstanding;
+      shared_ = std::make_shared<Shared>();
+      call_ = new Call(stub_, method_, shared_);
     }
-    poll();
-    if (call_->readDone)
-      return end();
     grpc::Status previous = awaitWrite(deadline);
     if (!previous.ok())
       return previous;
-    call_->outgoing = requestBuffer(signer_.get(), method_, std::move(body));
-    call_->rw->Write(
-        call_->outgoing,
-        grpc::WriteOptions().set_write_through(),
-        &call_->tWrite);
-    ++call_->outstanding;
-    call_->writing = true;
-    return awaitWrite(deadline);
-  }
-
-  // Waits until the previous message was taken (or the call ended). Why not
-  // wait for each write before returning: its completion reaches this thread
-  // only at gRPC's next poll, about a millisecond later, busy in part; by the
-  // next heartbeat it is long there.
-  grpc::Status awaitWrite(Clock::time_point deadline) {
-    bool ok = false;
-    if (call_->writing && !waitFor(&call_->tWrite, deadline, &ok))
+    {
+      std::lock_guard<std::mutex> g(shared_->mu);
+      shared_->outgoing =
+          requestBuffer(signer_.get(), method_, std::move(body));
+      shared_->writing = true;
+    }
+    call_->StartWrite(&shared_->outgoing);
+    grpc::Status written = awaitWrite(deadline);
+    if (!written.ok())
+      return written;
+    // The first message of a call counts as delivered only once the server
+    // confirmed the stream (after recording it): a server without the stream
+    // refuses it instead, and the caller sends that message another way.
+    if (!waitUntil(deadline, [](const Shared& s) {
+          return s.confirmed || over(s);
+        }))
       return abandon(
           grpc::StatusCode::DEADLINE_EXCEEDED,
-          "Deadline Exceeded (the stream did not take the previous message)");
-    if (call_->writeFailed || call_->readDone)
-      return end();
-    return grpc::Status::OK;
+          "Deadline Exceeded (the server did not confirm the stream)");
+    bool confirmed = false;
+    {
+      std::lock_guard<std::mutex> g(shared_->mu);
+      confirmed = shared_->confirmed;
+    }
+    return confirmed ? grpc::Status::OK : end(/*endedByClient=*/false);
+  }
+
+  // Waits until the message being written was taken (or the call ended).
+  grpc::Status awaitWrite(Clock::time_point deadline) {
+    if (!waitUntil(deadline, [](const Shared& s) {
+          return !s.writing || over(s);
+        }))
+      return abandon(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          "Deadline Exceeded (the stream did not take the message)");
+    bool isOver = false;
+    {
+      std::lock_guard<std::mutex> g(shared_->mu);
+      isOver = over(*shared_);
+    }
+    return isOver ? end(/*endedByClient=*/false) : grpc::Status::OK;
   }
 
   grpc::Status closeLocked(Clock::time_point deadline) {
-    poll();
-    if (!call_->readDone) {
-      grpc::Status previous = awaitWrite(deadline);
-      if (!previous.ok())
-        return previous;
-      call_->rw->WritesDone(&call_->tWritesDone);
-      ++call_->outstanding;
-      bool ok = false;
-      if (!waitFor(&call_->tRead, deadline, &ok))
-        return abandon(
-            grpc::StatusCode::DEADLINE_EXCEEDED,
-            "Deadline Exceeded (closing the stream)");
-    }
+    grpc::Status previous = awaitWrite(deadline);
+    if (!previous.ok())
+      return previous;
+    call_->StartWritesDone();
+    // The server answers once it has read the half-close.
+    if (!waitUntil(deadline, [](const Shared& s) { return s.ended || s.done; }))
+      return abandon(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          "Deadline Exceeded (closing the stream)");
     return end(/*endedByClient=*/true);
   }
 
-  // The call is over (the server ended it, or a write or the start failed):
-  // its status, and the call gone.
-  grpc::Status end(bool endedByClient = false) {
-    bool ok = false;
-    if (!call_->readDone) {
-      // A failed write: the call is over and the read completes by itself,
-      // with the server's status behind it. Should it not, cancel.
-      waitFor(&call_->tRead, Clock::now() + kStreamEndGrace, &ok);
-      if (!call_->readDone) {
-        call_->ctx.TryCancel();
-        waitFor(&call_->tRead, Clock::now() + kCancelGrace, &ok);
-      }
-    }
-    const auto until = Clock::now() + kCancelGrace;
-    call_->rw->Finish(&call_->status, &call_->tFinish);
-    ++call_->outstanding;
-    grpc::Status status = waitFor(&call_->tFinish, until, &ok)
-        ? call_->status
-        : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream did not end");
-    if (status.ok() && !endedByClient) {
+  // The call is over (or closed): its status, and the call gone.
+  grpc::Status end(bool endedByClient) {
+    std::shared_ptr<Shared> shared = shared_;
+    // After a failed write the server's status follows by itself (cancelling
+    // would replace it); only a call that does not end is cancelled.
+    const bool ended = waitUntil(
+        Clock::now() + kStreamEndGrace,
+        [](const Shared& s) { return s.ended || s.done; });
+    letGo(/*cancel=*/!ended);
+    std::unique_lock<std::mutex> lock(shared->mu);
+    if (!shared->cv.wait_until(lock, Clock::now() + kCancelGrace, [&] {
+          return shared->done;
+        }))
+      return grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          "the stream did not end");
+    grpc::Status status = shared->status;
+    if (status.ok() && !endedByClient)
       status = grpc::Status(
           grpc::StatusCode::UNAVAILABLE,
           "the server ended the stream");
-    }
-    release();
     return status;
   }
 
-  // Cancels the call and drops it once gRPC is done with it.
-  grpc::Status abandon(
-      grpc::StatusCode code = grpc::StatusCode::CANCELLED,
-      const std::string& why = "cancelled") {
-    call_->ctx.TryCancel();
-    release();
+  // Cancels the call and lets it go.
+  grpc::Status abandon(grpc::StatusCode code, const std::string& why) {
+    letGo(/*cancel=*/true);
     return grpc::Status(code, why);
   }
 
-  // Drains what is still outstanding (after a cancellation or the end:
-  // local, no network), then drops the call.
-  void release() {
-    const auto until = Clock::now() + kCancelGrace;
-    bool ok = false;
-    while (call_->outstanding > 0 && waitFor(nullptr, until, &ok)) {
-    }
-    if (call_->outstanding > 0) {
-      // gRPC kept an operation past the cancellation: keep what it may still
-      // touch (leaked) rather than free it under it.
-      (void)call_.release();
-      return;
-    }
-    call_->cq.Shutdown();
-    void* tag = nullptr;
-    while (call_->cq.Next(&tag, &ok)) {
-    }
-    call_.reset();
+  // Hands the call to gRPC for good: from here on only gRPC's threads touch
+  // it (it deletes itself once done).
+  void letGo(bool cancel) {
+    Call* call = call_;
+    call_ = nullptr;
+    if (cancel)
+      call->cancel();
+    call->RemoveHold();
+    shared_.reset();
   }
 
   const std::shared_ptr<grpc::GenericStub> stub_;
   const std::shared_ptr<ft_auth::RequestSigner> signer_;
   const std::string method_;
-  std::mutex mu_;
-  std::unique_ptr<Call> call_;
+  std::mutex mu_;        // serializes sends and closes
+  Call* call_ = nullptr; // valid until letGo()
+  std::shared_ptr<Shared> shared_;
 };
 
 // One channel (one HTTP/2 connection, reconnected by gRPC as needed) to one

@@ -362,6 +362,10 @@ class HeartbeatTable {
 
 class Server;
 
+// The header of a heartbeat stream's answer that confirms the stream (see
+// CallReactor::onStreamedHeartbeat; the client: grpc_client.cpp).
+constexpr const char* kHeartbeatStreamHeader = "ft-heartbeat-stream";
+
 // One call's reactor: reads the request, hands it to Python, relays writes and
 // the finish.
 class CallReactor : public grpc::ServerGenericBidiReactor {
@@ -381,6 +385,7 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
   void onStreamedHeartbeat(const std::string& body);
 
   Server* server_;
+  grpc::GenericCallbackServerContext* ctx_; // valid until OnDone
   // A heartbeat stream whose first message was taken.
   bool streaming_ = false;
   grpc::ByteBuffer request_;
@@ -1023,6 +1028,7 @@ CallReactor::CallReactor(
     grpc::GenericCallbackServerContext* ctx,
     Server* server)
     : server_(server),
+      ctx_(ctx),
       state_(
           std::make_shared<CallState>(this, ctx->method(), ctx->deadline())) {
   StartRead(&request_);
@@ -1147,7 +1153,15 @@ void CallReactor::onStreamedHeartbeat(const std::string& body) {
             "id, not leaving, no other fields): send this one unary"));
     return;
   }
-  streaming_ = true;
+  if (!streaming_) {
+    // The stream's headers, sent once its first heartbeat is recorded: the
+    // client's confirmation that this server takes the stream (a server
+    // without it answers with its status alone), before which it counts no
+    // message as delivered.
+    streaming_ = true;
+    ctx_->AddInitialMetadata(kHeartbeatStreamHeader, "1");
+    StartSendInitialMetadata();
+  }
   StartRead(&request_);
 }
 

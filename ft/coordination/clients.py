@@ -301,33 +301,36 @@ class _HeartbeatStream:
     heartbeating ten times a second that halves the lighthouse's CPU (docs/benchmarks.md,
     "Quorum").
 
-    The stream is used only after a ``Heartbeat`` call succeeded (the first heartbeat, and the
-    first after any failure of the stream), so that whatever the lighthouse refuses (a name,
-    a signature) is reported by a unary answer, never hidden by a stream that takes a message
-    before refusing it. A server that ends the stream for another reason than the connection
-    (UNIMPLEMENTED from a lighthouse without the method, such as torchft's) leaves heartbeats
-    unary for ``RETRY_AFTER_S``. A message the stream did not take by the deadline raises
-    TimeoutError, as a unary heartbeat would (a new stream opens later).
+    Nothing is lost to a server that does not take the stream: the first message of every
+    call counts as sent only once the lighthouse confirmed the stream (its answer's headers,
+    sent after it recorded that message); a server without the method (torchft's lighthouse,
+    ft's on grpcio) ends the call instead, and that heartbeat goes as a ``Heartbeat`` call.
+    A server that ends the stream for another reason than the connection leaves heartbeats
+    unary for ``RETRY_AFTER_S``; a broken connection opens a new stream at the next
+    heartbeat. Names the lighthouse's C++ path would refuse (empty, too long) go unary, so that
+    Python's answer explains them. A message the stream did not take by the deadline raises
+    TimeoutError, as a unary heartbeat would.
     """
 
     RETRY_AFTER_S = 60.0
     # Closing waits this long for the lighthouse's answer (then cancels).
-    CLOSE_TIMEOUT_S = 1.0
+    CLOSE_TIMEOUT_S = 0.2
 
     def __init__(self, channel, method: str) -> None:
         self._stream = channel.open_stream(method)
-        self._ready = False  # a unary heartbeat succeeded since the stream last failed
         self._unary_until = 0.0
+        self._closed = False
         self.sent = 0  # heartbeats the stream took
 
     def send(self, request: pb.LighthouseHeartbeatRequest, timeout: float) -> bool:
         """True: sent on the stream; False: send it as a Heartbeat call."""
-        if not self._ready:
+        if self._closed or time.monotonic() < self._unary_until:
+            return False
+        if not 0 < len(request.replica_id.encode("utf-8", "replace")) <= _rpc.MAX_NAME_LEN:
             return False
         try:
             self._stream.send(request.SerializeToString(), timeout)
         except _rpc.native.CallError as e:
-            self._ready = False
             code, details = _rpc.native_status(e)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"Heartbeat: {details}") from None
@@ -338,12 +341,9 @@ class _HeartbeatStream:
         self.sent += 1
         return True
 
-    def unary_succeeded(self) -> None:
-        if time.monotonic() >= self._unary_until:
-            self._ready = True
-
     def close(self) -> None:
-        self._ready = False
+        """Ends the stream; later heartbeats go as calls (which a closed client refuses)."""
+        self._closed = True
         self._stream.close(self.CLOSE_TIMEOUT_S)
 
 
@@ -425,8 +425,6 @@ class LighthouseClient(_Client):
         if stream is not None and stream.send(request, deadline.remaining()):
             return
         self._call("Heartbeat", request, max(deadline.remaining(), 1e-3), wait_for_ready)
-        if stream is not None:
-            stream.unary_succeeded()
 
     def close(self) -> None:
         if self._heartbeats is not None:

@@ -209,9 +209,7 @@ def test_streamed_heartbeats_skip_python_and_keep_a_replica_alive(lighthouse):
         for _ in range(10):  # 1 s of heartbeats every 0.1 s: twice the heartbeat timeout
             c.heartbeat("streamed", timeout=5.0)
             time.sleep(0.1)
-        # The first was a Heartbeat call (it checks what the lighthouse accepts); the rest
-        # went on the stream, and none reached Python.
-        assert c._heartbeats.sent == 9
+        assert c._heartbeats.sent == 10  # all on the stream, and none reached Python
         assert python_calls == []
         assert replica("streamed")["alive"]
         time.sleep(0.8)  # an open stream with nothing on it is no heartbeat
@@ -271,8 +269,8 @@ def test_a_wrongly_signed_stream_is_refused_and_records_nothing(lighthouse):
 
 
 def test_the_client_reports_every_refused_heartbeat(lighthouse):
-    """The stream is used only after a Heartbeat call succeeded: what the lighthouse refuses
-    is raised by every heartbeat, never taken silently by a stream."""
+    """What the lighthouse refuses is raised by every heartbeat, never taken silently by a
+    stream: a refused first message is never confirmed, and the heartbeat goes as a call."""
     lh, _ = lighthouse
     cases = [("", grpc.StatusCode.INVALID_ARGUMENT, lh.test_secret)]
     if lh.test_secret is not None:
@@ -291,7 +289,7 @@ def test_when_the_fast_path_closes_the_stream_ends_and_heartbeats_get_pythons_an
     with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret, transport="native") as c:
         c.heartbeat("late", timeout=5.0)
         c.heartbeat("late", timeout=5.0)
-        assert c._heartbeats.sent == 1
+        assert c._heartbeats.sent == 2
         lh._server.close_heartbeat_fast_path()
         lh._state.close()
         # The next message ends the stream; the end reaches the client with that send or
@@ -309,23 +307,19 @@ def test_when_the_fast_path_closes_the_stream_ends_and_heartbeats_get_pythons_an
 
 def test_a_lighthouse_without_the_stream_gets_heartbeat_calls():
     """A lighthouse that does not serve HeartbeatStream (grpcio here; torchft's lighthouse
-    likewise) answers UNIMPLEMENTED once; the client then sends Heartbeat calls."""
+    likewise) answers UNIMPLEMENTED; the client then sends Heartbeat calls, and loses none:
+    the stream's first message was never confirmed, so it went as a call too."""
     lh = LighthouseServer(
         "127.0.0.1:0", 1, transport="grpcio", heartbeat_timeout_ms=500, http_bind=""
     )
     try:
         with LighthouseClient(lh.address(), 5.0, transport="native") as c:
-            # A call, then the stream (at most a message or two taken by gRPC and lost with the
-            # refused stream: one heartbeat interval, against a timeout of many), then calls.
-            for _ in range(4):
-                c.heartbeat("plain", timeout=5.0)
-                time.sleep(0.05)
-            assert c._heartbeats.sent <= 2
-            assert c._heartbeats._unary_until > time.monotonic()
             for _ in range(5):
                 before = time.monotonic()
                 c.heartbeat("plain", timeout=5.0)
                 assert lh._state.heartbeats["plain"] >= before  # each one arrived
+            assert c._heartbeats.sent == 0
+            assert c._heartbeats._unary_until > time.monotonic()
     finally:
         lh.shutdown(0.1)
 
@@ -338,7 +332,7 @@ def test_streamed_heartbeats_resume_after_the_lighthouse_restarts(children):
     with LighthouseClient(addr, 5.0, transport="native") as c:
         for _ in range(3):
             c.heartbeat("r", timeout=5.0)
-        assert c._heartbeats.sent == 2
+        assert c._heartbeats.sent == 3
         lh.kill()  # SIGKILL, reaped
         failures = 0
         for _ in range(3):
@@ -352,4 +346,5 @@ def test_streamed_heartbeats_resume_after_the_lighthouse_restarts(children):
         sent = c._heartbeats.sent
         for _ in range(3):
             c.heartbeat("r", timeout=5.0)
-        assert c._heartbeats.sent == sent + 2  # a call first, then a new stream
+        # On a new stream (the first may go as a call while the channel reconnects).
+        assert c._heartbeats.sent >= sent + 2
