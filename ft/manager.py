@@ -510,9 +510,7 @@ class Manager:
 
         # The default transport is made once the advertised host is known (_setup_group), so
         # that it listens on that interface only.
-        self._checkpoint_transport: Optional[CheckpointTransport[Dict[str, Any]]] = (
-            checkpoint_transport
-        )
+        self._transport: Optional[CheckpointTransport[Dict[str, Any]]] = checkpoint_transport
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-async-quorum")
 
         try:
@@ -529,6 +527,19 @@ class Manager:
         )
 
     # ---------------------------------------------------------------- setup / teardown
+
+    @property
+    def _checkpoint_transport(self) -> Optional[CheckpointTransport[Dict[str, Any]]]:
+        """The checkpoint transport heals go through. Assigning one (torchft's tests replace
+        it after construction) hands it to the Healer as well, so the next heal uses it."""
+        return self._transport
+
+    @_checkpoint_transport.setter
+    def _checkpoint_transport(self, transport: CheckpointTransport[Dict[str, Any]]) -> None:
+        self._transport = transport
+        healer = getattr(self, "_healer", None)
+        if healer is not None:
+            healer.transport = transport
 
     def _setup_group(
         self,

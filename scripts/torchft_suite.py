@@ -169,11 +169,6 @@ KNOWN_FAILURES: Dict[str, str] = {
         "reads HTTPTransport's private _checkpoint_lock, _disallowed and _step"
     ),
     "checkpointing/pg_transport_test.py::PGTransportTest::test_pg_transport_gloo": _DTENSOR,
-    "manager_test.py::TestManager::test_quorum_checkpoint_errors": (
-        "replaces the Manager's private _checkpoint_transport with a failing mock after the "
-        "Manager is built; ft's Manager hands its transport to its Healer (ft.heal) when it is "
-        "built, so the heal still sends and receives through the first one"
-    ),
     "manager_test.py::TestManager::test_manager_numerics": (
         "sets the Manager's private _quorum_future, _participating_replica_rank and "
         "_participating_replica_world_size"

@@ -135,7 +135,11 @@ class _Client:
             )
             self._methods[name] = (path, response.FromString)
         self._connected = False
+        self._open()
         return self
+
+    def _open(self) -> None:
+        """What a kind of client sets up beside its channels (called by ``__new__``)."""
 
     def _invoke(self, method: str, request, **kwargs):
         """Sends ``request`` through grpcio (signed when there is a secret); returns what the
@@ -358,14 +362,12 @@ class LighthouseClient(_Client):
 
     _service = "LighthouseService"
 
-    def __new__(cls, *args, **kwargs) -> Self:
-        self = super().__new__(cls, *args, **kwargs)
+    def _open(self) -> None:
         self._heartbeats = (
-            _HeartbeatStream(self._native, f"/torchft.{cls._service}/HeartbeatStream")
+            _HeartbeatStream(self._native, f"/torchft.{self._service}/HeartbeatStream")
             if self._native is not None
             else None
         )
-        return self
 
     def quorum(
         self,

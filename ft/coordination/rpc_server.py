@@ -380,20 +380,20 @@ class RpcServer:
         if method is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
             return
-        if not call.verified:
+        if not call.verified:  # else the native server checked it and took it off
             # The signature rides in the request's leading field (ft.utils.auth); off it comes,
             # checked or not, so the request parses as its client serialized it.
             data, token = split_signed(data)
-        if self._verifier is not None and not call.verified:
-            try:
-                self._verifier.verify(call.method, data, token)
-            except AuthError as e:
-                call.finish(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"{call.method}: refused: {e}; this server requires the job secret "
-                    f"(FT_JOB_SECRET_FILE / FT_JOB_SECRET)",
-                )
-                return
+            if self._verifier is not None:
+                try:
+                    self._verifier.verify(call.method, data, token)
+                except AuthError as e:
+                    call.finish(
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        f"{call.method}: refused: {e}; this server requires the job secret "
+                        f"(FT_JOB_SECRET_FILE / FT_JOB_SECRET)",
+                    )
+                    return
         try:
             request = method.request_type.FromString(data)
         except (DecodeError, ValueError) as e:

@@ -47,7 +47,6 @@ def lighthouse(request):
         http_bind="",
         secret=SECRET if request.param else None,
     )
-    lh.test_secret = SECRET if request.param else None
     python_calls = []
     original = lh._state.heartbeat
 
@@ -57,14 +56,14 @@ def lighthouse(request):
 
     lh._state.heartbeat = counted  # the Python handler looks it up per call
     try:
-        yield lh, python_calls
+        yield lh, python_calls, SECRET if request.param else None
     finally:
         lh.shutdown(0.1)
 
 
-def raw_call(lh, body: bytes, timeout=5.0):
-    if lh.test_secret is not None:
-        body = Signer(JobSecret(lh.test_secret), GRPC_PURPOSE).sign_request(PATH, body)
+def raw_call(lh, secret, body: bytes, timeout=5.0):
+    if secret is not None:
+        body = Signer(JobSecret(secret), GRPC_PURPOSE).sign_request(PATH, body)
     with grpc.insecure_channel(lh.address().replace("http://", "")) as ch:
         return ch.unary_unary(PATH, request_serializer=None, response_deserializer=None)(
             body, timeout=timeout
@@ -72,9 +71,9 @@ def raw_call(lh, body: bytes, timeout=5.0):
 
 
 def test_a_routine_heartbeat_is_answered_without_python_and_still_counts(lighthouse):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
     before = time.monotonic()
-    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret) as c:
+    with LighthouseClient(lh.address(), 5.0, secret=secret) as c:
         c.heartbeat("fast-replica", timeout=5.0)
     after = time.monotonic()
     assert python_calls == []
@@ -85,12 +84,12 @@ def test_a_routine_heartbeat_is_answered_without_python_and_still_counts(lightho
 
 
 def test_heartbeats_answered_in_cpp_keep_a_replica_alive_and_their_absence_expires_it(lighthouse):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
 
     def replica(name):
         return {r["replica_id"]: r for r in lh.status()["replicas"]}[name]
 
-    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret) as c:
+    with LighthouseClient(lh.address(), 5.0, secret=secret) as c:
         q = c.quorum("alive", timeout=5.0)
         assert [m.replica_id for m in q.participants] == ["alive"]
         for _ in range(10):  # 1 s of heartbeats every 0.1 s: twice the heartbeat timeout
@@ -120,41 +119,46 @@ def test_heartbeats_answered_in_cpp_keep_a_replica_alive_and_their_absence_expir
     ids=["empty-name", "long-name"],
 )
 def test_bad_heartbeats_get_pythons_answer(lighthouse, request_, code, words):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(lh, request_.SerializeToString())
+        raw_call(lh, secret, request_.SerializeToString())
     assert e.value.code() == code and words in e.value.details()
 
 
 def test_a_name_of_exactly_the_limit_in_multibyte_characters_goes_to_python(lighthouse):
     # 1024 characters, 2048 UTF-8 bytes: over the C++ byte bound, within Python's char bound.
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
     name = "é" * _rpc.MAX_NAME_LEN
-    raw_call(lh, pb.LighthouseHeartbeatRequest(replica_id=name).SerializeToString())
+    raw_call(lh, secret, pb.LighthouseHeartbeatRequest(replica_id=name).SerializeToString())
     assert python_calls == [(name, False)]
 
 
 def test_invalid_utf8_and_unknown_fields_are_left_to_python(lighthouse):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(lh, b"\x0a\x02\xff\xfe")  # field 1, two bytes that are not UTF-8
+        raw_call(lh, secret, b"\x0a\x02\xff\xfe")  # field 1, two bytes that are not UTF-8
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in e.value.details()
-    raw_call(lh, pb.LighthouseHeartbeatRequest(replica_id="u").SerializeToString() + b"\x18\x01")
+    raw_call(
+        lh, secret, pb.LighthouseHeartbeatRequest(replica_id="u").SerializeToString() + b"\x18\x01"
+    )
     assert python_calls == [("u", False)]  # an unknown field 3: Python's parser skips it
 
 
 def test_a_heartbeat_without_a_deadline_is_refused_by_python(lighthouse):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
     with pytest.raises(grpc.RpcError) as e:
         raw_call(
-            lh, pb.LighthouseHeartbeatRequest(replica_id="n").SerializeToString(), timeout=None
+            lh,
+            secret,
+            pb.LighthouseHeartbeatRequest(replica_id="n").SerializeToString(),
+            timeout=None,
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline" in e.value.details()
 
 
 def test_leaving_goes_to_python_and_forgets_the_replica_at_once(lighthouse):
-    lh, python_calls = lighthouse
-    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret) as c:
+    lh, python_calls, secret = lighthouse
+    with LighthouseClient(lh.address(), 5.0, secret=secret) as c:
         c.heartbeat("bye", timeout=5.0)
         c.heartbeat("bye", timeout=5.0, leaving=True)
         c.heartbeat("bye", timeout=5.0)  # a late one (still in flight when it left): ignored
@@ -164,20 +168,19 @@ def test_leaving_goes_to_python_and_forgets_the_replica_at_once(lighthouse):
 
 
 def test_after_shutdown_begins_heartbeats_get_unavailable(lighthouse):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
     lh._server.close_heartbeat_fast_path()
     lh._state.close()
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(lh, pb.LighthouseHeartbeatRequest(replica_id="late").SerializeToString())
+        raw_call(lh, secret, pb.LighthouseHeartbeatRequest(replica_id="late").SerializeToString())
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
 
 
 # --- heartbeats on a stream
 
 
-def open_stream(lh, secret="use the lighthouse's"):
-    """A raw native heartbeat stream to ``lh``, signed with its secret (or ``secret``)."""
-    secret = lh.test_secret if secret == "use the lighthouse's" else secret
+def open_stream(lh, secret):
+    """A raw native heartbeat stream to ``lh``, signed with ``secret`` (None: unsigned)."""
     key = Signer(JobSecret(secret), GRPC_PURPOSE).key if secret is not None else b""
     channel = _rpc.make_native_channel(lh.address(), key)
     return channel, channel.open_stream(STREAM)
@@ -199,12 +202,12 @@ def recorded(lh, replica_id: str, timeout: float = 5.0) -> bool:
 
 
 def test_streamed_heartbeats_skip_python_and_keep_a_replica_alive(lighthouse):
-    lh, python_calls = lighthouse
+    lh, python_calls, secret = lighthouse
 
     def replica(name):
         return {r["replica_id"]: r for r in lh.status()["replicas"]}[name]
 
-    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret, transport="native") as c:
+    with LighthouseClient(lh.address(), 5.0, secret=secret, transport="native") as c:
         c.quorum("streamed", timeout=5.0)
         for _ in range(10):  # 1 s of heartbeats every 0.1 s: twice the heartbeat timeout
             c.heartbeat("streamed", timeout=5.0)
@@ -217,8 +220,8 @@ def test_streamed_heartbeats_skip_python_and_keep_a_replica_alive(lighthouse):
 
 
 def test_a_stream_records_each_message_and_ends_ok_when_the_client_closes(lighthouse):
-    lh, python_calls = lighthouse
-    channel, stream = open_stream(lh)
+    lh, python_calls, secret = lighthouse
+    channel, stream = open_stream(lh, secret)
     for name in ("s1", "s2", "s3"):
         stream.send(hb(name), 5.0)
     assert stream.close(5.0) == (0, "")
@@ -242,8 +245,8 @@ def send_until_refused(stream, first: bytes, then: bytes, attempts: int = 5):
 
 
 def test_a_message_the_table_refuses_ends_the_stream_and_the_stream_reopens(lighthouse):
-    lh, python_calls = lighthouse
-    channel, stream = open_stream(lh)
+    lh, python_calls, secret = lighthouse
+    channel, stream = open_stream(lh, secret)
     stream.send(hb("before"), 5.0)
     e = send_until_refused(stream, hb("bye", leaving=True), hb("after"))  # refused by the server
     code, details = _rpc.native_status(e)
@@ -257,11 +260,11 @@ def test_a_message_the_table_refuses_ends_the_stream_and_the_stream_reopens(ligh
 
 
 def test_a_wrongly_signed_stream_is_refused_and_records_nothing(lighthouse):
-    lh, _ = lighthouse
-    if lh.test_secret is None:
+    lh, _, secret = lighthouse
+    if secret is None:
         pytest.skip("the lighthouse has no secret")
-    for secret in (None, "another-job-secret-0123456789abcdef"):
-        channel, stream = open_stream(lh, secret)
+    for wrong in (None, "another-job-secret-0123456789abcdef"):
+        channel, stream = open_stream(lh, wrong)
         e = send_until_refused(stream, hb("intruder"), hb("intruder"))
         assert _rpc.native_status(e)[0] == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
@@ -271,12 +274,12 @@ def test_a_wrongly_signed_stream_is_refused_and_records_nothing(lighthouse):
 def test_the_client_reports_every_refused_heartbeat(lighthouse):
     """What the lighthouse refuses is raised by every heartbeat, never taken silently by a
     stream: a refused first message is never confirmed, and the heartbeat goes as a call."""
-    lh, _ = lighthouse
-    cases = [("", grpc.StatusCode.INVALID_ARGUMENT, lh.test_secret)]
-    if lh.test_secret is not None:
+    lh, _, secret = lighthouse
+    cases = [("", grpc.StatusCode.INVALID_ARGUMENT, secret)]
+    if secret is not None:
         cases.append(("ok-name", grpc.StatusCode.UNAUTHENTICATED, "wrong-secret-0123456789abcdef"))
-    for name, code, secret in cases:
-        with LighthouseClient(lh.address(), 5.0, secret=secret, transport="native") as c:
+    for name, code, client_secret in cases:
+        with LighthouseClient(lh.address(), 5.0, secret=client_secret, transport="native") as c:
             for _ in range(3):
                 with pytest.raises(CoordinationError) as e:
                     c.heartbeat(name, timeout=5.0)
@@ -285,8 +288,8 @@ def test_the_client_reports_every_refused_heartbeat(lighthouse):
 
 
 def test_when_the_fast_path_closes_the_stream_ends_and_heartbeats_get_pythons_answer(lighthouse):
-    lh, _ = lighthouse
-    with LighthouseClient(lh.address(), 5.0, secret=lh.test_secret, transport="native") as c:
+    lh, _, secret = lighthouse
+    with LighthouseClient(lh.address(), 5.0, secret=secret, transport="native") as c:
         c.heartbeat("late", timeout=5.0)
         c.heartbeat("late", timeout=5.0)
         assert c._heartbeats.sent == 2
