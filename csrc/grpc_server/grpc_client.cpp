@@ -711,22 +711,13 @@ class LoadGenerator {
       double rate,
       double durationS,
       double timeoutS) {
-    if (bodies.empty() || !(rate > 0) || !(durationS > 0) || !(timeoutS > 0))
-      throw py::value_error(
-          "bodies must not be empty; rate, duration_s and timeout_s must be > "
-          "0");
-    std::vector<grpc::ByteBuffer> requests;
-    for (const auto& b : bodies) {
-      std::string data = b;
-      grpc::Slice slice(data);
-      requests.emplace_back(&slice, 1);
-    }
-    Result r;
-    {
-      GilRelease nogil;
-      r = send(method, requests, rate, durationS, timeoutS);
-    }
-    return toDict(r);
+    return load(
+        method,
+        bodies,
+        rate,
+        durationS,
+        timeoutS,
+        &LoadGenerator::send);
   }
 
   py::dict runStreams(
@@ -735,6 +726,41 @@ class LoadGenerator {
       double rate,
       double durationS,
       double timeoutS) {
+    return load(
+        method,
+        bodies,
+        rate,
+        durationS,
+        timeoutS,
+        &LoadGenerator::sendOnStreams);
+  }
+
+ private:
+  struct Result {
+    uint64_t sent = 0;
+    uint64_t ok = 0;
+    uint64_t failed = 0;
+    uint64_t streamsFailed = 0;
+    double sendS = 0;
+    std::string firstError;
+  };
+
+  using Sender = Result (LoadGenerator::*)(
+      const std::string&,
+      const std::vector<grpc::ByteBuffer>&,
+      double,
+      double,
+      double);
+
+  // Checks the arguments, sends the load with `sender` (GIL released), and
+  // returns the counts as a dict.
+  py::dict load(
+      const std::string& method,
+      const std::vector<py::bytes>& bodies,
+      double rate,
+      double durationS,
+      double timeoutS,
+      Sender sender) {
     if (bodies.empty() || !(rate > 0) || !(durationS > 0) || !(timeoutS > 0))
       throw py::value_error(
           "bodies must not be empty; rate, duration_s and timeout_s must be > "
@@ -748,14 +774,8 @@ class LoadGenerator {
     Result r;
     {
       GilRelease nogil;
-      r = sendOnStreams(method, requests, rate, durationS, timeoutS);
+      r = (this->*sender)(method, requests, rate, durationS, timeoutS);
     }
-    return toDict(r);
-  }
-
- private:
-  struct Result;
-  static py::dict toDict(const Result& r) {
     py::dict out;
     out["sent"] = r.sent;
     out["ok"] = r.ok;
@@ -765,15 +785,6 @@ class LoadGenerator {
     out["streams_failed"] = r.streamsFailed;
     return out;
   }
-
-  struct Result {
-    uint64_t sent = 0;
-    uint64_t ok = 0;
-    uint64_t failed = 0;
-    uint64_t streamsFailed = 0;
-    double sendS = 0;
-    std::string firstError;
-  };
 
   // One heartbeat stream and its operations' tags (each op's tag is its own
   // address; the op knows its stream).
@@ -954,11 +965,8 @@ class LoadGenerator {
     for (auto& s : streams) {
       if (!s->finished)
         s->ctx.TryCancel();
-      if (!s->started && !s->closing) {
-        // Never started: nothing else was issued on it.
-      } else if (!s->closing) {
+      if (s->started && !s->closing)
         closeStream(s.get());
-      }
     }
     while (openOps > 0) {
       void* tag = nullptr;

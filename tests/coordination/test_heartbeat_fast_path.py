@@ -351,3 +351,18 @@ def test_streamed_heartbeats_resume_after_the_lighthouse_restarts(children):
             c.heartbeat("r", timeout=5.0)
         # On a new stream (the first may go as a call while the channel reconnects).
         assert c._heartbeats.sent >= sent + 2
+
+
+def test_the_load_generator_streams_heartbeats_the_lighthouse_records(lighthouse):
+    """bench/quorum_vs_torchft's streamed load: every message written, every stream ended OK,
+    every replica id recorded (the generator does not sign: the open lighthouse only)."""
+    lh, python_calls, secret = lighthouse
+    if secret is not None:
+        pytest.skip("the load generator does not sign")
+    names = [f"load-{i}" for i in range(8)]
+    gen = _rpc.native.LoadGenerator(_rpc.grpc_target(lh.address()), _rpc.CHANNEL_OPTIONS, 4, 10.0)
+    r = gen.run_streams(STREAM, [hb(n) for n in names], 200.0, 0.5, 5.0)
+    assert r["sent"] == 100 and r["ok"] == 100, r
+    assert r["failed"] == 0 and r["streams_failed"] == 0, r
+    assert all(recorded(lh, n) for n in names)
+    assert python_calls == []
