@@ -281,8 +281,18 @@ def grpc_server_extension():
         return None
     return Extension(
         name="ft.coordination._grpc_server",
-        sources=["csrc/grpc_server/grpc_server.cpp", "csrc/grpc_server/grpc_client.cpp"],
-        depends=["csrc/grpc_server/grpc_client.hpp", "csrc/grpc_server/request_auth.hpp"],
+        sources=[
+            "csrc/grpc_server/grpc_server.cpp",
+            "csrc/grpc_server/grpc_client.cpp",
+            "csrc/grpc_server/quorum_wire.cpp",
+        ],
+        depends=[
+            "csrc/grpc_server/grpc_client.hpp",
+            "csrc/grpc_server/quorum_wire.hpp",
+            "csrc/grpc_server/proto_wire.hpp",
+            "csrc/grpc_server/request_auth.hpp",
+            "csrc/grpc_server/steady_quorum.hpp",
+        ],
         include_dirs=[pybind11.get_include()],
         extra_compile_args=optimization_flags() + ["-std=c++17", "-fvisibility=hidden"] + cflags,
         extra_link_args=libs,

@@ -16,11 +16,12 @@ Every pairing is measured (client x server), so that the client's and the server
 visible. ft's client runs on both of its transports (``LighthouseClient(transport=...)``):
 ``ft-native`` (gRPC C++, ft.coordination._grpc_server.Channel) and ``ft-grpcio``.
 
-1. Steady round, median over ``--rounds``, at each ``--groups``, and the lighthouse's CPU per
-   round (its threads' scheduler time; /proc/PID/task/*/schedstat).
+1. Steady round, median over ``--rounds``, at each ``--groups``, the lighthouse's CPU per
+   round (its threads' scheduler time; /proc/PID/task/*/schedstat), and the clients' CPU per
+   quorum call (this process's CPU time over the rounds, divided by the calls).
 2. Heartbeats: one client sends ``--heartbeats`` heartbeats back to back; reported: the
-   lighthouse's CPU per heartbeat and the latency, and what that CPU makes for 1024 groups
-   heartbeating at 10 Hz (10,240 heartbeats/s), in cores.
+   lighthouse's CPU per heartbeat, the latency, the client's CPU per heartbeat, and what the
+   lighthouse's CPU makes for 1024 groups heartbeating at 10 Hz (10,240 heartbeats/s), in cores.
 3. Heartbeat load: 1024 groups x 10 Hz for real, from ``ft.coordination._grpc_server.
    LoadGenerator`` (C++, open loop: heartbeats go out on schedule whether or not earlier ones
    were answered) over ``--load-connections`` connections (default 1024: one per group, as in
@@ -232,39 +233,46 @@ def rounds(n: int, count: int, ask: List[Callable[[], object]]) -> List[float]:
 
 def measure_round(
     client: str, server: str, n: int, count: int, secret: bool
-) -> Tuple[float, float]:
+) -> Tuple[float, float, float]:
+    """(median round ms, lighthouse CPU ms per round, this process's CPU us per quorum call:
+    the clients' share)."""
     lh = Lighthouse(server, n, secret and server == "ft")
     try:
         ft_client = client.startswith("ft")
         use_secret = secret and server == "ft" and ft_client
         if secret and server == "ft" and not ft_client:
-            return float("nan"), float("nan")  # torchft's client cannot sign
+            return float("nan"), float("nan"), float("nan")  # torchft's client cannot sign
         asks = []
         for i in range(n):
             quorum, _ = make_client(client, lh.address, use_secret)
             asks.append(lambda q=quorum, rid=f"g{i:04d}": q(rid))
         rounds(n, 1, asks)  # warm-up: connections, first quorum
-        c0 = lh.cpu_s()
+        c0, p0 = lh.cpu_s(), time.process_time()
         times = rounds(n, count, asks)
         cpu = (lh.cpu_s() - c0) / count
-        return statistics.median(times) * 1000, cpu * 1000
+        client_cpu = (time.process_time() - p0) / (count * n)
+        return statistics.median(times) * 1000, cpu * 1000, client_cpu * 1e6
     finally:
         lh.stop()
 
 
-def measure_heartbeat(client: str, server: str, count: int, secret: bool) -> Tuple[float, float]:
+def measure_heartbeat(
+    client: str, server: str, count: int, secret: bool
+) -> Tuple[float, float, float]:
+    """(lighthouse CPU us, latency us, this process's CPU us: the client's) per heartbeat."""
     lh = Lighthouse(server, 1, secret and server == "ft")
     try:
         if secret and server == "ft" and not client.startswith("ft"):
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
         _, hb = make_client(client, lh.address, secret and server == "ft")
         for _ in range(100):
             hb("hb")
-        c0, w0 = lh.cpu_s(), time.perf_counter()
+        c0, w0, p0 = lh.cpu_s(), time.perf_counter(), time.process_time()
         for _ in range(count):
             hb("hb")
         wall = time.perf_counter() - w0
-        return (lh.cpu_s() - c0) / count * 1e6, wall / count * 1e6
+        client_cpu = time.process_time() - p0
+        return (lh.cpu_s() - c0) / count * 1e6, wall / count * 1e6, client_cpu / count * 1e6
     finally:
         lh.stop()
 
@@ -337,23 +345,27 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; ft secret "
         f"{'on' if a.secret else 'off'}; torchft {'0.2.0' if have_torchft else 'not installed'}"
     )
-    print(f"steady quorum round, median of {a.rounds} (lighthouse CPU per round in brackets)")
-    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>36}" for c, s in pairs))
+    print(
+        f"steady quorum round, median of {a.rounds}; in brackets the lighthouse's CPU per round,"
+        " in braces the clients' CPU per quorum call"
+    )
+    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>46}" for c, s in pairs))
     for n in a.groups:
         cells = []
         for c, s in pairs:
-            ms, cpu = measure_round(c, s, n, a.rounds, a.secret)
-            cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms CPU]".rjust(36))
+            ms, cpu, client_us = measure_round(c, s, n, a.rounds, a.secret)
+            cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms] {{{client_us:6.0f} us}}".rjust(46))
         print(f"{n:>6}  " + "  ".join(cells), flush=True)
     print(
         f"\nheartbeats, {a.heartbeats} back to back from one client: lighthouse CPU per "
-        "heartbeat, latency, and the lighthouse's cores for 1024 groups at 10 Hz"
+        "heartbeat, latency, the client's CPU, and the lighthouse's cores for 1024 groups at 10 Hz"
     )
     for c, s in pairs:
-        cpu_us, lat_us = measure_heartbeat(c, s, a.heartbeats, a.secret)
+        cpu_us, lat_us, client_us = measure_heartbeat(c, s, a.heartbeats, a.secret)
         print(
-            f"  {c:>9} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency"
-            f" -> {cpu_us * 10240 / 1e6:5.2f} cores at 10,240 heartbeats/s",
+            f"  {c:>9} client / {s:<7} server: {cpu_us:7.1f} us CPU, {lat_us:7.1f} us latency,"
+            f" client {client_us:6.1f} us CPU -> {cpu_us * 10240 / 1e6:5.2f} cores at 10,240"
+            " heartbeats/s",
             flush=True,
         )
     if a.load_seconds <= 0:

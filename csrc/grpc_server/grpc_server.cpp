@@ -59,7 +59,9 @@
 //   stream ends OK with one empty LighthouseHeartbeatResponse.
 
 #include "grpc_client.hpp"
+#include "quorum_wire.hpp"
 #include "request_auth.hpp"
+#include "steady_quorum.hpp"
 
 #include <absl/synchronization/mutex.h>
 #include <grpc/support/log.h>
@@ -133,10 +135,18 @@ class CallState {
       CallReactor* reactor,
       std::string method,
       std::chrono::system_clock::time_point deadline)
-      : reactor_(reactor), method_(std::move(method)), deadline_(deadline) {}
+      : reactor_(reactor),
+        method_(std::move(method)),
+        deadline_(deadline),
+        arrived_(ft_steady::steadySeconds()) {}
 
   const std::string& method() const {
     return method_;
+  }
+  // When the call started: steady-clock seconds (CLOCK_MONOTONIC, Python's
+  // time.monotonic()).
+  double arrived() const {
+    return arrived_;
   }
   // The signature was checked here (set once, before Python sees the call).
   bool verified() const {
@@ -197,6 +207,7 @@ class CallState {
   CallReactor* reactor_; // valid until onDone
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
+  const double arrived_;
   bool verified_ = false;
   std::deque<grpc::ByteBuffer> queued_;
   grpc::ByteBuffer
@@ -265,6 +276,16 @@ class HeartbeatTable {
     std::lock_guard<std::mutex> g(mu_);
     pending_[std::move(name)] = now;
     return true;
+  }
+
+  // Replica ids known valid (members of an issued quorum) heartbeating at
+  // `now` (steady-clock seconds).
+  void recordIds(const std::vector<std::string>& ids, double now) {
+    if (ids.empty())
+      return;
+    std::lock_guard<std::mutex> g(mu_);
+    for (const std::string& id : ids)
+      pending_[id] = now;
   }
 
   // (replica id, steady-clock seconds: CLOCK_MONOTONIC, Python's
@@ -362,6 +383,8 @@ class HeartbeatTable {
 
 class Server;
 
+using SteadyQuorum = ft_steady::SteadyQuorum<CallState>;
+
 // The header of a heartbeat stream's answer that confirms the stream (see
 // CallReactor::onStreamedHeartbeat; the client: grpc_client.cpp).
 constexpr const char* kHeartbeatStreamHeader = "ft-heartbeat-stream";
@@ -383,6 +406,9 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
   // read; anything the table does not take ends the stream, and the client
   // sends that heartbeat unary, so that Python answers it.
   void onStreamedHeartbeat(const std::string& body);
+  // A Quorum request while the server has a steady round (SteadyQuorum):
+  // held, answered with its round, or handed to Python.
+  void onQuorum(SteadyQuorum* steady, std::string body);
 
   Server* server_;
   grpc::GenericCallbackServerContext* ctx_; // valid until OnDone
@@ -762,10 +788,12 @@ class Server {
       int maxMessageBytes,
       int keepaliveMs,
       std::unique_ptr<RequestVerifier> verifier,
-      std::unique_ptr<HeartbeatTable> heartbeats)
+      std::unique_ptr<HeartbeatTable> heartbeats,
+      std::unique_ptr<SteadyQuorum> steady)
       : handler_(std::move(handler)),
         verifier_(std::move(verifier)),
         heartbeats_(std::move(heartbeats)),
+        steady_(std::move(steady)),
         service_(this) {
     grpc::ServerBuilder builder;
     std::string host, port;
@@ -844,6 +872,15 @@ class Server {
     if (!(graceSeconds > 0))
       graceSeconds = 0; // NaN and negatives
     graceSeconds = std::min(graceSeconds, 3600.0);
+    if (steady_) {
+      // Held rounds the lighthouse did not take back before shutting down.
+      for (auto& held : steady_->close()) {
+        held.call->finish(
+            grpc::Status(
+                grpc::StatusCode::UNAVAILABLE,
+                "lighthouse is shutting down"));
+      }
+    }
     {
       py::gil_scoped_release
           nogil; // reactions still running need the GIL to finish
@@ -885,6 +922,35 @@ class Server {
       return {};
     return heartbeats_->take();
   }
+  // The steady quorum round (None: every Quorum request goes to Python).
+  SteadyQuorum* steady() const {
+    return steady_.get();
+  }
+  void recordHeartbeats(const std::vector<std::string>& ids) {
+    if (heartbeats_)
+      heartbeats_->recordIds(ids, ft_steady::steadySeconds());
+  }
+
+  // Calls Python's handler for one request (GIL held by the caller). Returns
+  // the error it raised, or "".
+  std::string callHandler(
+      const std::shared_ptr<CallState>& state,
+      const std::string& body) {
+    try {
+      PyObject* raw = PyBytes_FromStringAndSize(
+          body.data(),
+          static_cast<Py_ssize_t>(body.size()));
+      if (raw == nullptr)
+        throw py::error_already_set();
+      auto data = py::reinterpret_steal<py::bytes>(raw);
+      handler_(py::cast(state), data);
+    } catch (py::error_already_set& e) {
+      return e.what();
+    } catch (const std::exception& e) { // e.g. bad_alloc: never into gRPC
+      return e.what();
+    }
+    return "";
+  }
 
  private:
   py::function handler_;
@@ -892,6 +958,7 @@ class Server {
   // threads.
   const std::unique_ptr<RequestVerifier> verifier_;
   const std::unique_ptr<HeartbeatTable> heartbeats_;
+  const std::unique_ptr<SteadyQuorum> steady_;
   std::atomic<bool> heartbeatsOpen_{true};
   Service service_;
   int port_ = 0;
@@ -1110,26 +1177,48 @@ void CallReactor::OnReadDone(bool ok) {
         grpc::ByteBuffer(&empty, 1)); // LighthouseHeartbeatResponse {}
     return;
   }
+  SteadyQuorum* steady = server_->steady();
+  if (steady != nullptr && state_->method() == steady->method()) {
+    onQuorum(steady, std::move(body));
+    return;
+  }
   std::string error;
   {
     GrpcThreadGil gil;
-    try {
-      PyObject* raw = PyBytes_FromStringAndSize(
-          body.data(),
-          static_cast<Py_ssize_t>(body.size()));
-      if (raw == nullptr)
-        throw py::error_already_set();
-      auto data = py::reinterpret_steal<py::bytes>(raw);
-      server_->handler()(py::cast(state_), data);
-    } catch (py::error_already_set& e) {
-      error = e.what();
-    } catch (const std::exception&
-                 e) { // e.g. bad_alloc: never let it escape into gRPC
-      error = e.what();
-    }
+    error = server_->callHandler(state_, body);
   }
   if (!error.empty()) {
     state_->finish(
+        grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
+  }
+}
+
+void CallReactor::onQuorum(SteadyQuorum* steady, std::string body) {
+  auto outcome = steady->offer(
+      state_,
+      std::move(body),
+      state_->arrived(),
+      state_->timeRemaining());
+  server_->recordHeartbeats(outcome.heartbeatIds);
+  if (!outcome.answered.empty()) {
+    grpc::Slice slice(outcome.answer);
+    const grpc::ByteBuffer answer(&slice, 1);
+    for (const auto& call : outcome.answered)
+      call->reply(answer);
+  }
+  if (outcome.toPython.empty())
+    return;
+  std::vector<std::pair<std::shared_ptr<CallState>, std::string>> failed;
+  {
+    GrpcThreadGil gil;
+    for (auto& held : outcome.toPython) {
+      std::string error = server_->callHandler(held.call, held.body);
+      if (!error.empty())
+        failed.emplace_back(held.call, std::move(error));
+    }
+  }
+  for (auto& [call, error] : failed) {
+    call->finish(
         grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
   }
 }
@@ -1166,6 +1255,8 @@ void CallReactor::onStreamedHeartbeat(const std::string& body) {
 }
 
 void CallReactor::OnCancel() {
+  if (SteadyQuorum* steady = server_->steady())
+    steady->drop(state_.get()); // if held: the round goes on without it
   if (!state_->onCancel())
     return;
   GrpcThreadGil gil;
@@ -1218,6 +1309,7 @@ PYBIND11_MODULE(_grpc_server, m) {
   py::class_<CallState, std::shared_ptr<CallState>>(m, "Call")
       .def_property_readonly("method", &CallState::method)
       .def_property_readonly("verified", &CallState::verified)
+      .def_property_readonly("arrived", &CallState::arrived)
       .def_property(
           "on_cancel",
           [](CallState& c) { return c.peekOnCancel(); },
@@ -1254,7 +1346,8 @@ PYBIND11_MODULE(_grpc_server, m) {
                       int maxMessageBytes,
                       int keepaliveMs,
                       py::object verifier,
-                      py::object heartbeat) {
+                      py::object heartbeat,
+                      py::object steadyQuorum) {
             // verifier: (key bytes, skew ms, max remembered nonces) or None.
             // heartbeat: (method path, stream method path or "", max name
             // bytes, no-deadline seconds) or None.
@@ -1275,21 +1368,96 @@ PYBIND11_MODULE(_grpc_server, m) {
                   t[2].cast<size_t>(),
                   t[3].cast<double>());
             }
+            // steady_quorum: (Quorum method path, no-deadline seconds) or
+            // None.
+            std::unique_ptr<SteadyQuorum> sq;
+            if (!steadyQuorum.is_none()) {
+              auto t = steadyQuorum.cast<py::tuple>();
+              sq = std::make_unique<SteadyQuorum>(
+                  t[0].cast<std::string>(),
+                  t[1].cast<double>());
+            }
             return std::make_unique<Server>(
                 address,
                 std::move(handler),
                 maxMessageBytes,
                 keepaliveMs,
                 std::move(v),
-                std::move(h));
+                std::move(h),
+                std::move(sq));
           }),
           py::arg("address"),
           py::arg("handler"),
           py::arg("max_message_bytes"),
           py::arg("keepalive_ms") = 0,
           py::arg("verifier") = py::none(),
-          py::arg("heartbeat") = py::none())
+          py::arg("heartbeat") = py::none(),
+          py::arg("steady_quorum") = py::none())
       .def_property_readonly("port", &Server::port)
+      .def(
+          "steady_arm",
+          [](Server& s,
+             int64_t quorumId,
+             std::unordered_map<std::string, py::bytes> identities) {
+            if (s.steady() == nullptr)
+              return false;
+            std::unordered_map<std::string, std::string> ids;
+            for (auto& kv : identities)
+              ids.emplace(kv.first, std::string(kv.second));
+            py::gil_scoped_release nogil;
+            return s.steady()->arm(quorumId, std::move(ids));
+          })
+      .def(
+          "steady_take",
+          [](Server& s) {
+            // Disarms; the held requests as (call, body, arrived), for the
+            // caller to register.
+            py::list out;
+            if (s.steady() == nullptr)
+              return out;
+            std::vector<SteadyQuorum::Held> held;
+            {
+              py::gil_scoped_release nogil;
+              held = s.steady()->disarm();
+            }
+            for (auto& h : held) {
+              out.append(
+                  py::make_tuple(
+                      py::cast(h.call),
+                      py::bytes(h.body),
+                      h.arrived));
+            }
+            return out;
+          })
+      .def(
+          "steady_held_age",
+          [](Server& s) {
+            return s.steady() ? s.steady()->oldestHeldAge() : 0.0;
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "steady_armed",
+          [](Server& s) { return s.steady() ? s.steady()->armed() : false; },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "steady_rounds",
+          [](Server& s) {
+            // (rounds answered in C++ since the last call, their latencies,
+            // the last one's members as serialized, its created time in ns).
+            SteadyQuorum::Rounds r;
+            if (s.steady() != nullptr) {
+              py::gil_scoped_release nogil;
+              r = s.steady()->takeRounds();
+            }
+            py::list members;
+            for (const auto& m : r.lastMembers)
+              members.append(py::bytes(m));
+            return py::make_tuple(
+                r.count,
+                r.latencies,
+                members,
+                r.lastCreatedUnixNanos);
+          })
       .def(
           "take_heartbeats",
           &Server::takeHeartbeats,
@@ -1334,6 +1502,53 @@ PYBIND11_MODULE(_grpc_server, m) {
     return py::make_tuple(offset, py::bytes(token));
   });
 
+  // SteadyQuorum's rule alone, for the tests that hold it to
+  // ft.coordination.quorum: armed with quorum `quorum_id` and `identities`,
+  // the outcome of each request in turn, every one with a deadline: ("held",
+  // b""), ("answered", the answer for the round it completed), or ("python",
+  // b"") (it and the held ones went to Python: disarmed from then on).
+  m.def(
+      "steady_quorum_rule",
+      [](int64_t quorumId,
+         std::unordered_map<std::string, py::bytes> identities,
+         std::vector<py::bytes> requests) {
+        struct RuleCall {
+          double timeRemaining() const {
+            return 10.0;
+          }
+        };
+        ft_steady::SteadyQuorum<RuleCall> rule("Quorum", 3600.0);
+        std::unordered_map<std::string, std::string> ids;
+        for (auto& kv : identities)
+          ids.emplace(kv.first, std::string(kv.second));
+        py::list out;
+        if (!rule.arm(quorumId, std::move(ids)))
+          return out;
+        for (auto& r : requests) {
+          auto o = rule.offer(
+              std::make_shared<RuleCall>(),
+              std::string(r),
+              ft_steady::steadySeconds(),
+              10.0);
+          if (!o.toPython.empty())
+            out.append(py::make_tuple("python", py::bytes()));
+          else if (!o.answered.empty())
+            out.append(py::make_tuple("answered", py::bytes(o.answer)));
+          else
+            out.append(py::make_tuple("held", py::bytes()));
+        }
+        return out;
+      });
+  m.def("steady_identity", [](const std::string& body) -> py::object {
+    // (replica id, step, identity) of a Quorum request, or None where the
+    // steady round would not take it.
+    ft_steady::QuorumRequest r;
+    if (!ft_steady::parseQuorumRequest(body, &r))
+      return py::none();
+    return py::make_tuple(r.replicaId, r.step, py::bytes(r.identity));
+  });
+
   // The client side: ft's coordination clients' unary calls (grpc_client.cpp).
   bindClient(m);
+  bindQuorumWire(m);
 }

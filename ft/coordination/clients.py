@@ -40,7 +40,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterator, Optional, Self, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Self, Tuple
 
 import grpc
 
@@ -100,6 +100,9 @@ class _Client:
     """
 
     _service = ""
+    # method name -> how its serialized response is decoded (default: the proto class's
+    # FromString).
+    _response_parsers: Dict[str, Callable[[bytes], Any]] = {}
 
     def __new__(
         cls,
@@ -129,11 +132,12 @@ class _Client:
         self._methods = {}
         for name, (path, response, streams) in _service_methods(self._service).items():
             make = self._channel.unary_stream if streams else self._channel.unary_unary
+            parse = self._response_parsers.get(name, response.FromString)
             self._calls[name] = (
                 path,
-                make(path, request_serializer=None, response_deserializer=response.FromString),
+                make(path, request_serializer=None, response_deserializer=parse),
             )
-            self._methods[name] = (path, response.FromString)
+            self._methods[name] = (path, parse)
         self._connected = False
         self._open()
         return self
@@ -361,6 +365,8 @@ class LighthouseClient(_Client):
     """
 
     _service = "LighthouseService"
+    # A quorum goes straight from the wire into ft's types (natively where built).
+    _response_parsers = {"Quorum": wire.quorum_from_response}
 
     def _open(self) -> None:
         self._heartbeats = (
@@ -397,7 +403,7 @@ class LighthouseClient(_Client):
             data=json.dumps(data) if data is not None else "",
             commit_failures=commit_failures,
         )
-        resp = self._call(
+        return self._call(
             "Quorum",
             pb.LighthouseQuorumRequest(requester=member),
             timeout,
@@ -405,7 +411,6 @@ class LighthouseClient(_Client):
             retries=retries,
             on_retry=on_retry,
         )
-        return wire.quorum_from_pb(resp.quorum)
 
     def heartbeat(
         self,

@@ -45,7 +45,7 @@ import grpc
 
 from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
-from .rpc_server import Call, Method, RpcServer
+from .rpc_server import Call, CallAborted, Method, RpcServer
 from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
 from ..utils.tls import TLSConfig, resolve_tls
 from ..utils.http_server import BoundedHTTPServer, BoundedRequestHandler
@@ -89,6 +89,23 @@ class _Waiter:
     replica_id: str
     call: Call
     deadline: Deadline
+
+
+class _NoSteadyRound:
+    """The steady round's interface (RpcServer.steady_*) where no server answers it: every
+    Quorum request reaches Python (grpcio transport, and tests of the state alone)."""
+
+    def steady_arm(self, quorum_id: int, identities: Dict[str, bytes]) -> bool:
+        return False
+
+    def steady_take(self) -> List[Tuple[Call, bytes, float]]:
+        return []
+
+    def steady_held_age(self) -> float:
+        return 0.0
+
+    def steady_rounds(self) -> Tuple[int, List[float], List[bytes], int]:
+        return 0, [], [], 0
 
 
 @dataclass
@@ -152,6 +169,14 @@ class _LighthouseState:
         # (replica_id, time.monotonic() of arrival). Applied under the lock by every method
         # that reads ``heartbeats``, so they count exactly as if this class had received them.
         self.take_fast_heartbeats: Callable[[], List[Tuple[str, float]]] = list
+        # The native server's steady round (csrc/grpc_server/steady_quorum.hpp): armed after a
+        # quorum is issued while nobody else waits, it answers the next rounds of the same
+        # members in C++, and hands every held request back (steady_take) as soon as anything
+        # else happens. Each replica's identity: its last request's member, serialized with
+        # ``step`` cleared (what a steady request must repeat byte for byte).
+        self.steady = _NoSteadyRound()
+        self.steady_armed = False  # since the last arm, maybe disarmed since by the server
+        self.identities: Dict[str, bytes] = {}
 
     # --- quorum ids -------------------------------------------------------------------
     def _initial_quorum_id(self) -> int:
@@ -181,7 +206,14 @@ class _LighthouseState:
             if rid not in self.left and arrived > self.heartbeats.get(rid, float("-inf")):
                 self.heartbeats[rid] = arrived
 
-    def quorum(self, member: QuorumMember, deadline: Deadline, call: Call) -> None:
+    def quorum(
+        self,
+        member: QuorumMember,
+        deadline: Deadline,
+        call: Call,
+        identity: bytes = b"",
+        arrived: Optional[float] = None,
+    ) -> None:
         """Registers ``call`` to be answered with ``member``'s next quorum (maybe at once).
 
         Arrivals are decided in batches: each is queued, and whichever caller gets the lock
@@ -192,33 +224,100 @@ class _LighthouseState:
         were concurrent: deciding once after all of them gives the outcome of one order in
         which they could have arrived, so the rule (``quorum_compute``) is unchanged.
         """
-        self._arrivals.append((member, _Waiter(member.replica_id, call, deadline)))
+        self._arrivals.append(
+            (member, _Waiter(member.replica_id, call, deadline), identity, arrived)
+        )
         with self.lock:
             if not self._arrivals:
                 return  # a concurrent caller registered and decided this arrival
             self._apply_fast_heartbeats_locked()
-            now = time.monotonic()
-            arrived = []
-            while self._arrivals:
-                arrived.append(self._arrivals.popleft())
-            if self.closed:
-                for _, waiter in arrived:
-                    waiter.call.finish(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+            self._tick_locked(time.monotonic())
+
+    def _register_arrivals_locked(self, now: float) -> None:
+        """Registers every queued Quorum arrival as a waiting participant."""
+        if self.steady_armed and self._arrivals:
+            # A request that reached Python while the round was armed is decided here, with
+            # the ones the server holds: no round is split between the two.
+            self._take_steady_locked()
+        if not self._arrivals:
+            return
+        arrived = []
+        while self._arrivals:
+            arrived.append(self._arrivals.popleft())
+        if self.closed:
+            for _, waiter, _, _ in arrived:
+                waiter.call.finish(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+            return
+        wake = False
+        for member, waiter, identity, at in arrived:
+            rid = member.replica_id
+            self.left.pop(rid, None)  # asking for a quorum again: it is back
+            self.heartbeats[rid] = now
+            self.last_member[rid] = member
+            self.identities[rid] = identity
+            joined = (
+                self.participants[rid][0]
+                if rid in self.participants
+                else min(now, at if at is not None else now)
+            )
+            self.participants[rid] = (joined, member)
+            self.waiters.add(waiter)
+            waiter.call.on_cancel = self._on_waiter_cancelled
+            wake = wake or waiter.deadline.at < self.ticker_planned_wake
+        if wake:
+            self.ticker_wakeup.set()
+
+    # --- the steady round (native server) ---------------------------------------------
+    def _arm_steady_locked(self, quorum: Quorum) -> None:
+        """Lets the native server answer the next rounds of ``quorum`` itself, when they can
+        only repeat it: nobody else is waiting, and no member asked for shrink_only or
+        reported commit failures (either changes the rule's answer or the quorum id)."""
+        if self.closed or self.waiters or self.participants or self._arrivals or self._events:
+            return
+        identities = {}
+        for m in quorum.participants:
+            identity = self.identities.get(m.replica_id)
+            if not identity or m.shrink_only or m.commit_failures:
                 return
-            for member, waiter in arrived:
-                rid = member.replica_id
-                self.left.pop(rid, None)  # asking for a quorum again: it is back
-                self.heartbeats[rid] = now
-                self.last_member[rid] = member
-                joined = self.participants[rid][0] if rid in self.participants else now
-                self.participants[rid] = (joined, member)
-                self.waiters.add(waiter)
-                waiter.call.on_cancel = self._on_waiter_cancelled
-            self._tick_locked(now)
-            if any(
-                w in self.waiters and w.deadline.at < self.ticker_planned_wake for _, w in arrived
-            ):
-                self.ticker_wakeup.set()
+            identities[m.replica_id] = identity
+        self.steady_armed = self.steady.steady_arm(quorum.quorum_id, identities)
+
+    def _take_steady_locked(self) -> None:
+        """Disarms the steady round: rounds it answered update ``prev`` and the stats, and
+        the requests it holds join the arrivals (``_register_arrivals_locked`` registers
+        them). Called whenever something changes the rule's answer for them (a member
+        failed, left or lost its subscription; shutdown), and by the ticker when a round did
+        not complete within a tick."""
+        self._sync_steady_rounds_locked()
+        self.steady_armed = False
+        for call, data, at in self.steady.steady_take():
+            try:
+                request = pb.LighthouseQuorumRequest.FromString(data)
+                member, deadline, identity = _check_quorum_request(request, call)
+            except CallAborted:
+                continue  # answered with the reason (it held, so this does not happen)
+            self._arrivals.append(
+                (member, _Waiter(member.replica_id, call, deadline), identity, at)
+            )
+
+    def _sync_steady_rounds_locked(self) -> None:
+        """Takes in the rounds the native server answered: ``prev`` (same members and id,
+        their new steps), each member's latest info, and the stats."""
+        count, latencies, members, created_ns = self.steady.steady_rounds()
+        if not count or self.prev is None:
+            return
+        ms = tuple(wire.member_from_pb(pb.QuorumMember.FromString(b)) for b in members)
+        created = _dt.datetime.fromtimestamp(created_ns / 1e9, _dt.timezone.utc)
+        self.prev = Quorum(quorum_id=self.prev.quorum_id, participants=ms, created=created)
+        self.prev_issued_mono = time.monotonic() - max(0.0, time.time() - created_ns / 1e9)
+        for m in ms:
+            self.last_member[m.replica_id] = m
+        st = self.stats
+        st.quorums_issued += count
+        st.last_latency_s = latencies[-1]
+        st.latencies.extend(latencies)
+        del st.latencies[:-1000]
+        self.reason = f"issued quorum {self.prev.quorum_id} (steady round, answered natively)"
 
     def has_events(self) -> bool:
         return bool(self._events)
@@ -260,6 +359,8 @@ class _LighthouseState:
         replica revives with its next heartbeat or Quorum request."""
         if replica_id not in self.heartbeats:
             return
+        self._take_steady_locked()
+        self._register_arrivals_locked(now)
         if any(w.replica_id == replica_id and w.call.is_active() for w in self.waiters):
             return  # still asking for a quorum: alive
         self.heartbeats[replica_id] = now - self.opts.heartbeat_timeout_s - 0.001
@@ -282,6 +383,8 @@ class _LighthouseState:
         quorum goes on without it, and it no longer counts toward the split-brain guard), but
         members of its quorum get no failure notification: a peer that leaves after its last
         step must not abort the others' tail of that step's collectives."""
+        self._take_steady_locked()
+        self._register_arrivals_locked(now)
         self.left[replica_id] = now
         self.heartbeats.pop(replica_id, None)
         self.participants.pop(replica_id, None)
@@ -314,6 +417,10 @@ class _LighthouseState:
             self._apply_fast_heartbeats_locked()
             if not self.closed:
                 now = time.monotonic()
+                if self.steady.steady_held_age() >= self.tick_s:
+                    # A round that did not complete within a tick: the rule decides it here
+                    # (a member may be slow, dead or gone; the join timeout may run out).
+                    self._take_steady_locked()
                 self._handle_events_locked(now)
                 self._tick_locked(now)
                 if now - self.last_keepalive >= KEEPALIVE_S:
@@ -321,6 +428,7 @@ class _LighthouseState:
                     self._broadcast_locked(_KEEPALIVE)
 
     def _tick_locked(self, now: float) -> None:
+        self._register_arrivals_locked(now)
         # An open Quorum call is a continuous heartbeat: its caller is alive and listening (a
         # dropped connection ends the call, and gRPC keepalive catches a stalled peer).
         gone = []
@@ -341,6 +449,8 @@ class _LighthouseState:
                 # Nobody is waiting for this replica any more: it is no longer a participant.
                 self.participants.pop(w.replica_id, None)
         self._detect_failures_locked(now)
+        # A failed member takes back the steady round's requests: they wait here now.
+        self._register_arrivals_locked(now)
         self._forget_dead_locked(now)
         decision = quorum_compute(now, self.participants, self.heartbeats, self.prev, self.opts)
         self.reason = decision.reason
@@ -384,6 +494,7 @@ class _LighthouseState:
                 ", ".join(sorted(ids)),
             )
         self.reason = f"issued quorum {new_id} ({why_ready})"
+        self._arm_steady_locked(quorum)
         if changed:
             # New members: the ticker re-plans its wake-up for their heartbeat deadlines. The
             # same members keep deadlines no earlier than planned (heartbeats only advance).
@@ -402,6 +513,8 @@ class _LighthouseState:
             if key in self.notified or (age is not None and age < timeout):
                 continue
             self.notified.add(key)
+            # The steady round can no longer complete: its requests are decided here now.
+            self._take_steady_locked()
             msg = pb.FailureNotification(
                 replica_id=m.replica_id,
                 error_message=(
@@ -456,6 +569,8 @@ class _LighthouseState:
     def close(self) -> None:
         self.ticker_wakeup.set()
         with self.lock:
+            self._take_steady_locked()
+            self._register_arrivals_locked(time.monotonic())
             self.closed = True
             for w in self.waiters:
                 w.call.finish(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
@@ -468,6 +583,7 @@ class _LighthouseState:
     def status(self) -> dict:
         with self.lock:
             self._apply_fast_heartbeats_locked()
+            self._sync_steady_rounds_locked()
             now = time.monotonic()
             wall = time.time()
             timeout = self.opts.heartbeat_timeout_s
@@ -643,31 +759,45 @@ _KEEPALIVE = pb.FailureNotification(keepalive=True).SerializeToString()
 _HEARTBEAT_OK = pb.LighthouseHeartbeatResponse().SerializeToString()
 
 
+def _check_quorum_request(
+    request: pb.LighthouseQuorumRequest, call: Call
+) -> Tuple[QuorumMember, Deadline, bytes]:
+    """A Quorum request's member, the deadline to answer by, and the member's identity (see
+    _LighthouseState.identities). Aborts the call INVALID_ARGUMENT, naming the field, when
+    the request is malformed."""
+    deadline = _rpc.server_deadline(call, "Quorum")
+    if not request.HasField("requester"):
+        _rpc.bad(call, "Quorum: requester is required")
+    r = request.requester
+    _rpc.check_name(call, "requester.replica_id", r.replica_id)
+    _rpc.check_name(call, "requester.address", r.address, allow_empty=True)
+    _rpc.check_name(call, "requester.store_address", r.store_address, allow_empty=True)
+    if r.step < 0:
+        _rpc.bad(call, f"requester.step must be >= 0, got {r.step}")
+    if r.world_size > _rpc.MAX_RANK:
+        _rpc.bad(call, f"requester.world_size {r.world_size} is too large")
+    if r.commit_failures < 0:
+        _rpc.bad(call, f"requester.commit_failures must be >= 0, got {r.commit_failures}")
+    if len(r.data) > MAX_DATA_BYTES:
+        _rpc.bad(call, f"requester.data is too large ({len(r.data)} > {MAX_DATA_BYTES} bytes)")
+    if r.data:
+        try:
+            json.loads(r.data)
+        except ValueError as e:
+            _rpc.bad(call, f"requester.data is not valid JSON: {e}")
+    member = wire.member_from_pb(r)
+    identity = pb.QuorumMember()
+    identity.CopyFrom(r)
+    identity.ClearField("step")
+    return member, deadline, identity.SerializeToString()
+
+
 def _methods(state: _LighthouseState) -> Dict[str, Method]:
     """The torchft.LighthouseService methods, answered from ``state``."""
 
     def quorum(request: pb.LighthouseQuorumRequest, call: Call) -> None:
-        deadline = _rpc.server_deadline(call, "Quorum")
-        if not request.HasField("requester"):
-            _rpc.bad(call, "Quorum: requester is required")
-        r = request.requester
-        _rpc.check_name(call, "requester.replica_id", r.replica_id)
-        _rpc.check_name(call, "requester.address", r.address, allow_empty=True)
-        _rpc.check_name(call, "requester.store_address", r.store_address, allow_empty=True)
-        if r.step < 0:
-            _rpc.bad(call, f"requester.step must be >= 0, got {r.step}")
-        if r.world_size > _rpc.MAX_RANK:
-            _rpc.bad(call, f"requester.world_size {r.world_size} is too large")
-        if r.commit_failures < 0:
-            _rpc.bad(call, f"requester.commit_failures must be >= 0, got {r.commit_failures}")
-        if len(r.data) > MAX_DATA_BYTES:
-            _rpc.bad(call, f"requester.data is too large ({len(r.data)} > {MAX_DATA_BYTES} bytes)")
-        if r.data:
-            try:
-                json.loads(r.data)
-            except ValueError as e:
-                _rpc.bad(call, f"requester.data is not valid JSON: {e}")
-        state.quorum(wire.member_from_pb(r), deadline, call)
+        member, deadline, identity = _check_quorum_request(request, call)
+        state.quorum(member, deadline, call, identity, call.arrived)
 
     def heartbeat(request: pb.LighthouseHeartbeatRequest, call: Call) -> None:
         _rpc.server_deadline(call, "Heartbeat")
@@ -1098,8 +1228,11 @@ class LighthouseServer:
             # replica group stays small when thousands of groups heartbeat.
             fast_heartbeat=_SERVICE + "Heartbeat",
             fast_heartbeat_stream=_SERVICE + "HeartbeatStream",
+            # Steady rounds (the previous quorum's members asking again) are answered in C++.
+            steady_quorum=_SERVICE + "Quorum",
         )
         self._state.take_fast_heartbeats = self._server.take_heartbeats
+        self._state.steady = self._server
         self._port = self._server.port
         self._host = _rpc.advertised_host(bind_host, hostname)
 

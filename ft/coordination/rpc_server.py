@@ -87,6 +87,8 @@ class Call:
     # (the native server does, in C++); the dispatcher then does not check it again (its nonce
     # is spent).
     verified: bool = False
+    # time.monotonic() when the call arrived, where the transport knows it (native), else None.
+    arrived: Optional[float] = None
 
     def time_remaining(self) -> float:
         """Seconds until the caller's deadline (inf when it set none)."""
@@ -129,6 +131,10 @@ class _NativeCall(Call):
         self._c = c
         self.method = c.method
         self.verified = c.verified
+
+    @property
+    def arrived(self) -> float:
+        return self._c.arrived
 
     @property
     def on_cancel(self):
@@ -295,6 +301,10 @@ class RpcServer:
             entirely in C++; a message it cannot take ends the stream, and the client sends
             that heartbeat unary. Not served on grpcio (UNIMPLEMENTED: clients fall back to
             unary heartbeats).
+        steady_quorum: native only: the full name of the lighthouse's ``Quorum`` method,
+            whose steady rounds the C++ server answers itself once armed (see
+            :meth:`steady_arm`; csrc/grpc_server/steady_quorum.hpp). Every other call of it
+            reaches its handler. Ignored on grpcio.
     """
 
     def __init__(
@@ -309,6 +319,7 @@ class RpcServer:
         tls: Optional["TLSConfig"] = None,
         fast_heartbeat: Optional[str] = None,
         fast_heartbeat_stream: Optional[str] = None,
+        steady_quorum: Optional[str] = None,
     ) -> None:
         if transport not in ("auto", "native", "grpcio"):
             raise ValueError(f"transport must be 'auto', 'native' or 'grpcio', got {transport!r}")
@@ -345,6 +356,7 @@ class RpcServer:
                         if fast_heartbeat
                         else None
                     ),
+                    steady_quorum=((steady_quorum, _rpc.NO_DEADLINE_S) if steady_quorum else None),
                 )
             except RuntimeError as e:
                 raise OSError(str(e)) from None
@@ -414,6 +426,34 @@ class RpcServer:
         """``(replica_id, time.monotonic() of arrival)`` of the heartbeats the native server
         answered itself since the last call (the latest per replica; see ``fast_heartbeat``)."""
         return self._server.take_heartbeats() if self.transport == "native" else []
+
+    # --- the steady quorum round (native only; see ``steady_quorum``) -----------------
+    def steady_arm(self, quorum_id: int, identities: Dict[str, bytes]) -> bool:
+        """Answer the next rounds of quorum ``quorum_id`` in C++: requests whose member,
+        serialized with ``step`` cleared, equals its entry in ``identities`` (replica id ->
+        bytes). False when not armed (grpcio, or a Quorum request is on its way to its
+        handler)."""
+        if self.transport != "native":
+            return False
+        return self._server.steady_arm(quorum_id, identities)
+
+    def steady_take(self) -> List[Tuple[Call, bytes, float]]:
+        """Disarms the steady round; the requests it held, as ``(call, request bytes,
+        time.monotonic() of arrival)``, for the caller to register before it arms again."""
+        if self.transport != "native":
+            return []
+        return [(_NativeCall(c), data, t) for c, data, t in self._server.steady_take()]
+
+    def steady_held_age(self) -> float:
+        """Seconds the oldest request held by the steady round has waited (0: none)."""
+        return self._server.steady_held_age() if self.transport == "native" else 0.0
+
+    def steady_rounds(self) -> Tuple[int, List[float], List[bytes], int]:
+        """Rounds answered in C++ since the last call: (count, latencies in seconds, the last
+        round's members as serialized ``QuorumMember``, its ``created`` in Unix ns)."""
+        if self.transport != "native":
+            return 0, [], [], 0
+        return self._server.steady_rounds()
 
     def close_heartbeat_fast_path(self) -> None:
         """From now on every heartbeat reaches its handler (which may then refuse it)."""

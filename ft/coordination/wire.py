@@ -13,11 +13,17 @@ import json
 from ._proto import torchft_pb2 as pb
 from .quorum import FailureNotification, Quorum, QuorumMember, QuorumResult
 
+try:  # the native decoder (csrc/grpc_server/quorum_wire.cpp), where it is built
+    from ._grpc_server import decode_quorum_response as _native_decode
+except ImportError:
+    _native_decode = None
+
 __all__ = [
     "member_to_pb",
     "member_from_pb",
     "quorum_to_pb",
     "quorum_from_pb",
+    "quorum_from_response",
     "result_to_pb",
     "result_from_pb",
     "notification_from_pb",
@@ -93,6 +99,25 @@ def quorum_from_pb(q: pb.Quorum) -> Quorum:
         participants=tuple([member_from_pb(m) for m in q.participants]),
         created=created,
     )
+
+
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+
+
+def quorum_from_response(data: bytes) -> Quorum:
+    """The quorum of a serialized ``LighthouseQuorumResponse``: what a lighthouse client
+    returns. Equal to ``quorum_from_pb`` of protobuf's parse; decoded natively where the
+    native module is built (a client decodes every member of every quorum, every step),
+    else, and for anything unusual, by protobuf (which raises DecodeError on bad bytes)."""
+    got = _native_decode(data, QuorumMember, _data_from_wire) if _native_decode else None
+    if got is None:
+        return quorum_from_pb(pb.LighthouseQuorumResponse.FromString(data).quorum)
+    quorum_id, members, created = got
+    if created is None:
+        when = _dt.datetime.now(_dt.timezone.utc)
+    else:  # as protobuf's Timestamp.ToDatetime (microseconds, rounded toward zero)
+        when = _EPOCH + _dt.timedelta(seconds=created[0], microseconds=created[1] // 1000)
+    return Quorum(quorum_id=quorum_id, participants=members, created=when)
 
 
 def result_from_pb(r: pb.ManagerQuorumResponse) -> QuorumResult:
