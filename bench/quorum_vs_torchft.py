@@ -22,7 +22,11 @@ visible. ft's client runs on both of its transports (``LighthouseClient(transpor
 2. Heartbeats: one client sends ``--heartbeats`` heartbeats back to back; reported: the
    lighthouse's CPU per heartbeat, the latency, the client's CPU per heartbeat, and what the
    lighthouse's CPU makes for 1024 groups heartbeating at 10 Hz (10,240 heartbeats/s), in cores.
-3. Heartbeat load: 1024 groups x 10 Hz for real, from ``ft.coordination._grpc_server.
+3. Steady round with C++ clients: the same rounds, every group a connection of
+   ``LoadGenerator.run_rounds`` (C++, all calls of a round started at once from one thread),
+   on each server: the lighthouse's round without Python clients sharing its cores. Needs the
+   native module; not run with ``--secret``.
+4. Heartbeat load: 1024 groups x 10 Hz for real, from ``ft.coordination._grpc_server.
    LoadGenerator`` (C++, open loop: heartbeats go out on schedule whether or not earlier ones
    were answered) over ``--load-connections`` connections (default 1024: one per group, as in
    a job), 1024 replica ids, for ``--load-seconds``; reported: the rate achieved, the
@@ -281,7 +285,7 @@ def measure_load(
     server: str, rate: float, seconds: float, connections: int, streamed: bool = False
 ) -> Tuple[float, int, int, float, str]:
     """(rate achieved, heartbeats ok, failed, lighthouse cores, first error) of an open-loop
-    heartbeat load of ``rate`` per second from 1024 replica ids (section 3 of the docstring):
+    heartbeat load of ``rate`` per second from 1024 replica ids (section 4 of the docstring):
     Heartbeat calls, or with ``streamed`` messages on one HeartbeatStream call per connection
     (what ft's native client sends; ft's lighthouse only)."""
     from ft.coordination import _rpc
@@ -308,6 +312,35 @@ def measure_load(
         cores = (lh.cpu_s() - c0) / (time.monotonic() - w0)
         del gen
         return r["sent"] / r["send_s"], r["ok"], r["failed"], cores, r["first_error"]
+    finally:
+        lh.stop()
+
+
+def measure_native_rounds(server: str, n: int, count: int) -> Tuple[float, float, int, str]:
+    """(median round ms, lighthouse CPU ms per round, failed calls, first error) of ``count``
+    steady rounds of n groups whose clients are C++ (``LoadGenerator.run_rounds``: one
+    connection per group, every Quorum call of a round started at once from one thread), so
+    that the clients' CPU does not compete with the lighthouse's as Python clients on the
+    same 2 cores do (section 3 of the docstring)."""
+    from ft.coordination import _rpc
+    from ft.coordination._proto import torchft_pb2 as pb
+
+    bodies = [
+        pb.LighthouseQuorumRequest(
+            requester=pb.QuorumMember(replica_id=f"g{i:04d}", step=1)
+        ).SerializeToString()
+        for i in range(n)
+    ]
+    lh = Lighthouse(server, n, False)
+    try:
+        gen = _rpc.native.LoadGenerator(_rpc.grpc_target(lh.address), _rpc.CHANNEL_OPTIONS, n, 60.0)
+        path = "/torchft.LighthouseService/Quorum"
+        gen.run_rounds(path, bodies, 2, 60.0)  # the first quorum, and one steady round
+        c0 = lh.cpu_s()
+        r = gen.run_rounds(path, bodies, count, 60.0)
+        cpu = (lh.cpu_s() - c0) / count
+        del gen
+        return statistics.median(r["round_s"]) * 1000, cpu * 1000, r["failed"], r["first_error"]
     finally:
         lh.stop()
 
@@ -368,6 +401,21 @@ def main() -> None:
             " heartbeats/s",
             flush=True,
         )
+    if _rpc.native is not None and not a.secret:
+        print(
+            f"\nsteady quorum round with C++ clients (one connection per group), median of "
+            f"{a.rounds}; in brackets the lighthouse's CPU per round"
+        )
+        print(f"{'groups':>6}  " + "  ".join(f"{s + ' server':>28}" for s in servers))
+        for n in a.groups:
+            cells = []
+            for s in servers:
+                ms, cpu, failed, err = measure_native_rounds(s, n, a.rounds)
+                cell = f"{ms:9.2f} ms [{cpu:7.2f} ms]" + (
+                    f" {failed} failed: {err}" if failed else ""
+                )
+                cells.append(cell.rjust(28))
+            print(f"{n:>6}  " + "  ".join(cells), flush=True)
     if a.load_seconds <= 0:
         return
     if _rpc.native is None or a.secret:

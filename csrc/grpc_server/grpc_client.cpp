@@ -995,6 +995,102 @@ class LoadGenerator {
     std::unique_ptr<grpc::GenericClientAsyncResponseReader> rpc;
   };
 
+ public:
+  // `rounds` rounds of one call per request in `bodies` (request i on
+  // connection i mod connections), all started at once; each round is timed
+  // from its first call's start to its last answer, and the next starts once
+  // every call of this one ended. A quorum round when the bodies are the
+  // Quorum requests of a quorum's members. GIL released throughout.
+  py::dict runRounds(
+      const std::string& method,
+      const std::vector<py::bytes>& bodies,
+      int rounds,
+      double timeoutS) {
+    if (bodies.empty() || rounds < 1 || !(timeoutS > 0))
+      throw py::value_error(
+          "bodies must not be empty; rounds and timeout_s must be > 0");
+    std::vector<grpc::ByteBuffer> requests;
+    for (const auto& b : bodies) {
+      std::string data = b;
+      grpc::Slice slice(data);
+      requests.emplace_back(&slice, 1);
+    }
+    std::vector<double> times;
+    uint64_t failed = 0;
+    std::string firstError;
+    {
+      GilRelease nogil;
+      // Heap-held: left alive (leaked) should gRPC not end a cancelled call.
+      auto cq = std::make_unique<grpc::CompletionQueue>();
+      for (int round = 0; round < rounds; ++round) {
+        std::vector<std::unique_ptr<Pending>> calls;
+        const auto start = Clock::now();
+        const auto deadline = deadlineAfter(timeoutS);
+        for (size_t i = 0; i < requests.size(); ++i) {
+          auto p = std::make_unique<Pending>();
+          p->ctx.set_deadline(deadline);
+          p->rpc = stubs_[i % stubs_.size()]->PrepareUnaryCall(
+              &p->ctx,
+              method,
+              requests[i],
+              cq.get());
+          p->rpc->StartCall();
+          p->rpc->Finish(&p->response, &p->status, p.get());
+          calls.push_back(std::move(p));
+        }
+        size_t done = 0;
+        const auto giveUp = deadline + kPastDeadlineGrace;
+        while (done < calls.size()) {
+          void* tag = nullptr;
+          bool ok = false;
+          if (cq->AsyncNext(&tag, &ok, giveUp) !=
+              grpc::CompletionQueue::GOT_EVENT)
+            break;
+          ++done;
+          auto* p = static_cast<Pending*>(tag);
+          if (!p->status.ok() && failed++ == 0)
+            firstError = std::to_string(p->status.error_code()) + ": " +
+                p->status.error_message();
+        }
+        times.push_back(
+            std::chrono::duration<double>(Clock::now() - start).count());
+        if (done < calls.size()) {
+          // Not ended by gRPC in time: cancel, and collect them all before
+          // they go.
+          failed += calls.size() - done;
+          for (auto& p : calls)
+            p->ctx.TryCancel();
+          while (done < calls.size()) {
+            void* tag = nullptr;
+            bool ok = false;
+            if (cq->AsyncNext(&tag, &ok, Clock::now() + kCancelGrace) !=
+                grpc::CompletionQueue::GOT_EVENT)
+              break;
+            ++done;
+          }
+          if (done < calls.size()) {
+            for (auto& p : calls)
+              p.release(); // gRPC may still write to them
+            cq.release();
+            throw std::runtime_error("load generator: calls did not end");
+          }
+          break;
+        }
+      }
+      cq->Shutdown();
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+      }
+    }
+    py::dict out;
+    out["round_s"] = times;
+    out["failed"] = failed;
+    out["first_error"] = firstError;
+    return out;
+  }
+
+ private:
   Result send(
       const std::string& method,
       const std::vector<grpc::ByteBuffer>& requests,
@@ -1134,5 +1230,12 @@ void bindClient(py::module_& m) {
           py::arg("bodies"),
           py::arg("rate"),
           py::arg("duration_s"),
+          py::arg("timeout_s"))
+      .def(
+          "run_rounds",
+          &LoadGenerator::runRounds,
+          py::arg("method"),
+          py::arg("bodies"),
+          py::arg("rounds"),
           py::arg("timeout_s"));
 }

@@ -305,6 +305,22 @@ def test_shutdown_answers_held_calls_unavailable(lighthouse_factory):
     assert got[0].code == grpc.StatusCode.UNAVAILABLE and "shutting down" in str(got[0])
 
 
+def test_the_load_generators_rounds_are_quorum_rounds(lighthouse_factory):
+    """bench/quorum_vs_torchft.py's C++ clients (LoadGenerator.run_rounds): every call of
+    every round is answered, the first round by Python and the rest natively."""
+    from ft.coordination import _rpc
+
+    lh, python_quorums = lighthouse_factory(4)
+    bodies = [request(pb.QuorumMember(replica_id=f"g{i}", step=1)) for i in range(4)]
+    gen = _rpc.native.LoadGenerator(_rpc.grpc_target(lh.address()), _rpc.CHANNEL_OPTIONS, 4, 10.0)
+    r = gen.run_rounds("/torchft.LighthouseService/Quorum", bodies, 5, 10.0)
+    del gen
+    assert r["failed"] == 0 and r["first_error"] == ""
+    assert len(r["round_s"]) == 5 and all(t > 0 for t in r["round_s"])
+    assert sorted(python_quorums) == ["g0", "g1", "g2", "g3"]
+    assert lh.status()["stats"]["quorums_issued"] == 5
+
+
 # --- the rule, against quorum.py ---------------------------------------------------------------
 def identity(m: pb.QuorumMember) -> bytes:
     out = pb.QuorumMember()
