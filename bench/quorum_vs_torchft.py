@@ -1,6 +1,6 @@
 """ft's lighthouse and client beside torchft 0.2.0's (Rust), on one harness, in one run.
 
-    .venv/bin/python -m bench.quorum_vs_torchft [--groups 2 8 32 256] [--rounds 30]
+    .venv/bin/python -m bench.quorum_vs_torchft [--groups 2 8 32 256] [--rounds 30] [--repeats 3]
         [--heartbeats 3000] [--secret] [--clients ft-native ft-grpcio torchft]
 
 torchft is installed with ``pip install --no-deps torchft==0.2.0`` into a throwaway venv
@@ -18,7 +18,10 @@ visible. ft's client runs on both of its transports (``LighthouseClient(transpor
 
 1. Steady round, median over ``--rounds``, at each ``--groups``, the lighthouse's CPU per
    round (its threads' scheduler time; /proc/PID/task/*/schedstat), and the clients' CPU per
-   quorum call (this process's CPU time over the rounds, divided by the calls).
+   quorum call (this process's CPU time over the rounds, divided by the calls). Every pairing
+   is measured ``--repeats`` times, the pairings taking turns (so that a slow minute of the
+   machine does not fall on one library), and the median of the repeats is reported with
+   their range: on 2 shared cores one measurement of a sub-millisecond round varies 2x.
 2. Heartbeats: one client sends ``--heartbeats`` heartbeats back to back; reported: the
    lighthouse's CPU per heartbeat, the latency, the client's CPU per heartbeat, and what the
    lighthouse's CPU makes for 1024 groups heartbeating at 10 Hz (10,240 heartbeats/s), in cores.
@@ -349,6 +352,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32, 256])
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=3, help="measurements per pairing (medians)")
     p.add_argument("--heartbeats", type=int, default=3000)
     p.add_argument("--secret", action="store_true", help="ft's side with a job secret")
     p.add_argument(
@@ -379,15 +383,25 @@ def main() -> None:
         f"{'on' if a.secret else 'off'}; torchft {'0.2.0' if have_torchft else 'not installed'}"
     )
     print(
-        f"steady quorum round, median of {a.rounds}; in brackets the lighthouse's CPU per round,"
-        " in braces the clients' CPU per quorum call"
+        f"steady quorum round, median of {a.rounds} rounds, median of {a.repeats} repeats "
+        "(range); in brackets the lighthouse's CPU per round, in braces the clients' CPU per "
+        "quorum call"
     )
-    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>46}" for c, s in pairs))
+    print(f"{'groups':>6}  " + "  ".join(f"{c + ' client/' + s + ' server':>58}" for c, s in pairs))
     for n in a.groups:
+        got = {pair: [] for pair in pairs}
+        for _ in range(a.repeats):
+            for c, s in pairs:
+                got[(c, s)].append(measure_round(c, s, n, a.rounds, a.secret))
         cells = []
-        for c, s in pairs:
-            ms, cpu, client_us = measure_round(c, s, n, a.rounds, a.secret)
-            cells.append(f"{ms:9.2f} ms [{cpu:7.2f} ms] {{{client_us:6.0f} us}}".rjust(46))
+        for pair in pairs:
+            ms = [g[0] for g in got[pair]]
+            cpu = statistics.median(g[1] for g in got[pair])
+            client_us = statistics.median(g[2] for g in got[pair])
+            cells.append(
+                f"{statistics.median(ms):8.2f} ms ({min(ms):.2f}-{max(ms):.2f}) "
+                f"[{cpu:6.2f} ms] {{{client_us:4.0f} us}}".rjust(58)
+            )
         print(f"{n:>6}  " + "  ".join(cells), flush=True)
     print(
         f"\nheartbeats, {a.heartbeats} back to back from one client: lighthouse CPU per "
@@ -404,17 +418,26 @@ def main() -> None:
     if _rpc.native is not None and not a.secret:
         print(
             f"\nsteady quorum round with C++ clients (one connection per group), median of "
-            f"{a.rounds}; in brackets the lighthouse's CPU per round"
+            f"{a.rounds} rounds, median of {a.repeats} repeats (range); in brackets the "
+            "lighthouse's CPU per round"
         )
-        print(f"{'groups':>6}  " + "  ".join(f"{s + ' server':>28}" for s in servers))
+        print(f"{'groups':>6}  " + "  ".join(f"{s + ' server':>40}" for s in servers))
         for n in a.groups:
+            got = {s: [] for s in servers}
+            for _ in range(a.repeats):
+                for s in servers:
+                    got[s].append(measure_native_rounds(s, n, a.rounds))
             cells = []
             for s in servers:
-                ms, cpu, failed, err = measure_native_rounds(s, n, a.rounds)
-                cell = f"{ms:9.2f} ms [{cpu:7.2f} ms]" + (
-                    f" {failed} failed: {err}" if failed else ""
+                ms = [g[0] for g in got[s]]
+                cpu = statistics.median(g[1] for g in got[s])
+                failed = sum(g[2] for g in got[s])
+                err = next((g[3] for g in got[s] if g[3]), "")
+                cell = (
+                    f"{statistics.median(ms):8.2f} ms ({min(ms):.2f}-{max(ms):.2f}) "
+                    f"[{cpu:6.2f} ms]" + (f" {failed} failed: {err}" if failed else "")
                 )
-                cells.append(cell.rjust(28))
+                cells.append(cell.rjust(40))
             print(f"{n:>6}  " + "  ".join(cells), flush=True)
     if a.load_seconds <= 0:
         return

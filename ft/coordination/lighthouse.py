@@ -538,6 +538,7 @@ class _LighthouseState:
             if now - when > limit:
                 del self.left[rid]
                 self.last_member.pop(rid, None)
+                self.identities.pop(rid, None)
         for rid, last in list(self.heartbeats.items()):
             if now - last > limit and rid not in waiting:
                 del self.heartbeats[rid]
@@ -547,6 +548,7 @@ class _LighthouseState:
                 }
                 if not in_prev:
                     self.last_member.pop(rid, None)
+                    self.identities.pop(rid, None)
 
     # --- subscriptions ----------------------------------------------------------------
     def subscribe(self, call: Call) -> None:

@@ -422,6 +422,8 @@ def test_dead_replicas_leave_dashboard(lighthouse_factory, heartbeater):
     c.quorum("a", 5.0)
     wait_for(lambda: replica("b") is None, timeout=3, what="b forgotten")
     assert replica("a")["alive"]
+    with lh._state.lock:  # nothing of b is kept (replica ids are new at every restart)
+        assert "b" not in lh._state.identities and "b" not in lh._state.last_member
 
 
 def test_waiter_timeout_is_bounded_and_cleans_up(lighthouse_factory):

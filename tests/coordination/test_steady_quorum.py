@@ -418,6 +418,46 @@ def test_the_native_rule_agrees_with_quorum_py(case):
         participants = {}
 
 
+def test_the_native_rule_on_quorum_py_tables():
+    """quorum.py's own table (tests/coordination/test_quorum_rules.py), replayed through the
+    native rule wherever it can apply: a previous quorum whose members all heartbeat (else
+    the lighthouse has taken the round back). The native rule answers only what the table
+    issues by its fast path, leaves every stranger or changed member to Python, and holds
+    only where the table waits or would issue after the join timeout (which Python decides
+    once the round is handed over at a tick)."""
+    from tests.coordination import test_quorum_rules as rules
+
+    checked = 0
+    for name, participants, hb, joined, prev_ids, opts, expected, reason in rules.QUORUM_CASES:
+        if not prev_ids:
+            continue
+        if any(hb.get(rid, float("inf")) >= opts.heartbeat_timeout_s for rid in prev_ids):
+            continue  # a member failed: the lighthouse has disarmed the native round
+        prev = rules.prev_quorum(*prev_ids)
+        members = [rules.m(p) if isinstance(p, str) else p for p in participants]
+        outcomes = [
+            o
+            for o, _ in native().steady_quorum_rule(
+                prev.quorum_id,
+                {x.replica_id: identity(wire.member_to_pb(x)) for x in prev.participants},
+                [
+                    request(wire.member_to_pb(x))
+                    for x in sorted(members, key=lambda x: x.replica_id)
+                ],
+            )
+        ]
+        by_prev = {x.replica_id: x for x in prev.participants}
+        plain = all(x.replica_id in by_prev and x == by_prev[x.replica_id] for x in members)
+        if not plain:
+            assert "python" in outcomes, name
+        elif outcomes and outcomes[-1] == "answered":
+            assert expected == sorted(prev_ids) and "fast path" in reason, name
+        else:
+            assert expected is None or "join timeout" in reason, name
+        checked += 1
+    assert checked >= 3
+
+
 def test_the_native_rule_table():
     """The cases by name (the property test above covers their mixtures)."""
     a = pb.QuorumMember(replica_id="a", address="h:1", step=3)
