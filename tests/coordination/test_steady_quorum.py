@@ -428,7 +428,7 @@ def test_the_native_rule_on_quorum_py_tables():
     from tests.coordination import test_quorum_rules as rules
 
     checked = 0
-    for name, participants, hb, joined, prev_ids, opts, expected, reason in rules.QUORUM_CASES:
+    for name, participants, hb, _joined, prev_ids, opts, expected, reason in rules.QUORUM_CASES:
         if not prev_ids:
             continue
         if any(hb.get(rid, float("inf")) >= opts.heartbeat_timeout_s for rid in prev_ids):
