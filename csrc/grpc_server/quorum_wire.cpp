@@ -38,6 +38,7 @@ using ft_wire::skipValue;
 
 constexpr uint32_t kVarint = 0;
 constexpr uint32_t kBytes = 2;
+constexpr uint64_t kMaxFieldNumber = (1u << 29) - 1;
 
 // One field at b[*i]: its number, wire type, and for kVarint its value, for
 // kBytes its contents. False when malformed.
@@ -53,6 +54,8 @@ bool readField(
     return false;
   *field = tag >> 3;
   *wt = static_cast<uint32_t>(tag & 7);
+  if (*field == 0 || *field > kMaxFieldNumber)
+    return false; // protobuf refuses these
   if (*wt == kVarint)
     return readVarint(b, i, value);
   if (*wt == kBytes) {

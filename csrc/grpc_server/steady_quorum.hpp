@@ -86,6 +86,8 @@ inline bool parseQuorumRequest(const std::string& body, QuorumRequest* out) {
       return false;
     const uint64_t field = tag >> 3;
     const uint32_t wt = static_cast<uint32_t>(tag & 7);
+    if (field == 0 || field >= (1u << 29))
+      return false; // not a valid field number: Python says so
     if (field == 4 && wt == 0) {
       uint64_t step = 0;
       if (haveStep || !readVarint(m, &j, &step) || step > INT64_MAX)

@@ -551,6 +551,11 @@ def test_the_native_decoder_leaves_the_unusual_to_protobuf():
     assert decode(bad_utf8, QuorumMember, wire._data_from_wire) is None
     with pytest.raises(DecodeError):
         wire.quorum_from_response(bad_utf8)
+    # Field number 0 is not a field: protobuf raises, the native decoder declines.
+    field_zero = good + b"\x00\x00"
+    assert decode(field_zero, QuorumMember, wire._data_from_wire) is None
+    with pytest.raises(DecodeError):
+        wire.quorum_from_response(field_zero)
     # Two quorum fields merge in protobuf: left to it, and the answers agree.
     twice = good + good
     assert decode(twice, QuorumMember, wire._data_from_wire) is None
