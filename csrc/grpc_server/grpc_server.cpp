@@ -57,6 +57,11 @@
 //   (INVALID_ARGUMENT; UNAVAILABLE once the fast path is closed), and the
 //   client sends that heartbeat unary. When the client closes its side the
 //   stream ends OK with one empty LighthouseHeartbeatResponse.
+// - With a `steady_quorum` (Server's argument), every verified request of that
+//   method goes through SteadyQuorum (steady_quorum.hpp, its contract): held
+//   and answered here while Python has armed it and the request only repeats
+//   the previous round with a new step, else handed to Python's handler (the
+//   held ones with it). Python takes the held ones back with `steady_take`.
 
 #include "grpc_client.hpp"
 #include "quorum_wire.hpp"

@@ -19,6 +19,11 @@ Quorum ids never repeat across restarts: the counter starts from the wall clock 
 an id takes far more than a microsecond), or from the id in ``quorum_id_file`` when that file exists
 and holds a larger one (guards against a clock that steps back). The file is rewritten at every bump.
 
+On the native gRPC server a steady round (the previous quorum's members asking again, nothing
+changed but their steps) is answered in C++ without this module; every other round, and every
+event that changes the rule's answer, is decided here (``_LighthouseState``, "the steady
+round"; docs/design.md, "Layers").
+
 A replica waiting in an open Quorum call counts as heartbeating (the call is a continuous
 heartbeat; gRPC keepalive pings end the call of a stalled peer). Replicas whose heartbeat is older than ``heartbeat_timeout + dead_grace`` are forgotten (they
 leave the dashboard). When a member of the current quorum misses its heartbeat deadline, every
