@@ -109,6 +109,10 @@ MAX_STEPS_SLACK = 5
 # longer than during the run (group.KILL_REAP_WAIT_S) before it warns that one is stuck.
 FINAL_KILL_REAP_WAIT_S = 10.0
 
+# After SIGUSR2 at --timeout, how long the ranks get to write their stacks (faulthandler writes
+# a few dozen threads' stacks to the log in well under a second) before SIGTERM.
+STACK_DUMP_WAIT_S = 1.0
+
 # A rank's output reader ends at the end of its pipe, right after the rank is reaped; a
 # grandchild that inherited the pipe may keep it open, and is not waited for longer than this.
 READER_JOIN_WAIT_S = 2.0
@@ -142,7 +146,8 @@ class RunLimits:
     max_steps: Optional[int] = None
     """Steps to train (``--max-steps``); the run is asked to stop if a script ignores it."""
     timeout: Optional[float] = None
-    """Hard limit in seconds: everything is terminated after it (``--timeout``)."""
+    """Hard limit in seconds: everything is terminated after it (``--timeout``), once the ranks
+    have written their stacks to their logs (``ft.launch.worker``, SIGUSR2)."""
     stop_grace: float = 60.0
     """Seconds the groups get to finish after a stop request (``--stop-grace``)."""
     kill_grace: float = 5.0
@@ -295,6 +300,7 @@ class Supervisor:
             self.terminate_all("stop grace expired")
             return True
         if self.hard_deadline.expired:
+            self.dump_stacks(f"--timeout {limits.timeout:g}s reached")
             self.terminate_all(f"--timeout {limits.timeout:g}s reached")
             return True
         return False
@@ -445,6 +451,20 @@ class Supervisor:
             "groups to finish"
         )
 
+    def dump_stacks(self, why: str) -> None:
+        """SIGUSR2 to every live rank (a worker using ft.launch.worker writes every thread's
+        stack to its log; one that does not handle it ends), then a moment for them to write."""
+        live = [
+            rank_proc for group in self.groups for rank_proc in group.ranks if rank_proc.alive()
+        ]
+        if not live:
+            return
+        for rank_proc in live:
+            rank_proc.signal(signal.SIGCONT)  # a stopped process writes nothing
+            rank_proc.signal(signal.SIGUSR2)
+        self.say(f"{why}: stacks of {len(live)} process(es) asked for (SIGUSR2, in their logs)")
+        Deadline.after(STACK_DUMP_WAIT_S).sleep()
+
     def terminate_all(self, why: str) -> None:
         """SIGTERM every live child, then SIGKILL after --kill-grace; reap them all."""
         self.terminating = True
@@ -565,7 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=None,
-        help="hard limit in seconds: terminate everything after it",
+        help=(
+            "hard limit in seconds: terminate everything after it (ranks that use "
+            "ft.launch.worker first write every thread's stack to their logs)"
+        ),
     )
     parser.add_argument(
         "--stop-grace",

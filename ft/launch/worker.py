@@ -18,11 +18,14 @@
 * Chaos: :func:`install_chaos_handlers` makes SIGUSR1 mean "fail your next allreduce";
   the training loop asks :func:`take_injected_allreduce_failure` once per step and, when true,
   makes that step's allreduce fail for real (``examples/train_ddp.py`` aborts its process group).
-  It also exits the worker if the launcher that started it disappears.
+  It also exits the worker if the launcher that started it disappears, and makes SIGUSR2 write
+  every thread's Python stack to stderr (the worker's log): the launcher asks for that before it
+  ends a run at ``--timeout``, so that a hang leaves a trace of where each rank was.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -128,12 +131,16 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def install_chaos_handlers() -> None:
-    """SIGUSR1 -> fail the next allreduce; exit when the launcher dies. Main thread only."""
+    """SIGUSR1 -> fail the next allreduce; SIGUSR2 -> every thread's stack to stderr; exit when
+    the launcher dies. Main thread only."""
     global _installed
     if _installed:
         return
     _installed = True
     signal.signal(signal.SIGUSR1, lambda *_: _injected.set())
+    # Written by faulthandler from its own C handler: it works while the main thread is stuck
+    # in C code (a collective, a lock) that a Python-level handler would wait behind.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     parent = _env_int("FT_LAUNCH_PARENT_PID", 0)
     if parent > 0 and os.getppid() == parent:
         threading.Thread(

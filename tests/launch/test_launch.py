@@ -90,7 +90,21 @@ def run_launch(launcher_args: str, worker: List[str], wait_s: float) -> Tuple[in
     while any(_alive(pid) for pid in pids) and not gone.expired:
         gone.sleep(0.1)
     assert not [pid for pid in pids if _alive(pid)], f"children left running:\n{out[-4000:]}"
+    if proc.returncode != 0:
+        out += _log_tails(log_dir)  # what the ranks said, for the failure message
+    result["log_dir"] = log_dir
     return proc.returncode, out, result
+
+
+def _log_tails(log_dir: str, chars: int = 3000) -> str:
+    """The end of every rank's log in ``log_dir`` (stacks included, when the launcher asked for
+    them at --timeout)."""
+    parts = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                parts.append(f"\n--- {name} (tail) ---\n{f.read()[-chars:]}")
+    return "".join(parts)
 
 
 # -------------------------------------------------------------------------------------- units
@@ -289,6 +303,30 @@ def test_duration_graceful():
     rc, out, s = run_launch("--replicas 2 --duration 1.5", [FAKE], 60)
     assert rc == 0, out
     assert s["all_done"] and s["identical"] and "--duration" in s["stop_reason"], out
+
+
+def test_timeout_writes_every_ranks_stack_to_its_log(tmp_path):
+    """A run that hangs until --timeout: before it stops them, the launcher has every rank that
+    uses ft.launch.worker write its threads' stacks to its log, so the hang can be located."""
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import time\n"
+        "from ft.launch import worker\n"
+        "worker.install_chaos_handlers()\n"
+        "worker.emit('start', attempt=0)\n"
+        "def stuck_in_a_collective():\n"
+        "    time.sleep(3600)\n"
+        "stuck_in_a_collective()\n"
+    )
+    rc, out, s = run_launch("--replicas 2 --kill-grace 2", [str(script)], 23)  # --timeout 8
+    assert rc != 0, out
+    assert "stacks of 2 process(es) asked for" in out, out
+    logs = [n for n in os.listdir(s["log_dir"]) if n.endswith(".log")]
+    assert len(logs) == 2, logs
+    for name in logs:
+        with open(os.path.join(s["log_dir"], name)) as f:
+            text = f.read()
+        assert "most recent call first" in text and "stuck_in_a_collective" in text, text
 
 
 def test_crash_loop_gives_up():
