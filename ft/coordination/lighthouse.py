@@ -116,6 +116,7 @@ class _NoSteadyRound:
 @dataclass
 class _Stats:
     quorums_issued: int = 0
+    native_rounds: int = 0  # of quorums_issued: steady rounds the native server answered
     quorum_changes: int = 0
     failure_notifications: int = 0
     last_latency_s: float = 0.0
@@ -319,6 +320,7 @@ class _LighthouseState:
             self.last_member[m.replica_id] = m
         st = self.stats
         st.quorums_issued += count
+        st.native_rounds += count
         st.last_latency_s = latencies[-1]
         st.latencies.extend(latencies)
         del st.latencies[:-1000]
@@ -660,6 +662,7 @@ class _LighthouseState:
                 },
                 "stats": {
                     "quorums_issued": self.stats.quorums_issued,
+                    "native_rounds": self.stats.native_rounds,
                     "quorum_changes": self.stats.quorum_changes,
                     "failure_notifications": self.stats.failure_notifications,
                     "last_quorum_latency_s": self.stats.last_latency_s,
@@ -739,6 +742,12 @@ def render_metrics(status: dict) -> str:
     )
     metric(
         "ft_lighthouse_quorums_total", "counter", "Quorums issued.", [({}, st["quorums_issued"])]
+    )
+    metric(
+        "ft_lighthouse_native_rounds_total",
+        "counter",
+        "Quorums issued by the native server's steady round (without Python).",
+        [({}, st["native_rounds"])],
     )
     metric(
         "ft_lighthouse_quorum_changes_total",

@@ -78,6 +78,29 @@ def test_two_groups_per_rank_answers(lighthouse_factory, manager_factory):
     )
 
 
+def test_steady_rounds_of_manager_servers(lighthouse_factory, manager_factory):
+    """Two groups of two ranks step along: every answer is right, and on the native server the
+    rounds after the first are answered without Python (grpcio: none)."""
+    lh = lighthouse_factory(min_replicas=2)
+    s0 = manager_factory("g0", lh.address(), world_size=2)
+    s1 = manager_factory("g1", lh.address(), world_size=2)
+    wait_for(lambda: len(lh.status()["replicas"]) == 2, what="heartbeats from both groups")
+    first = None
+    for step in range(1, 6):
+        with run_threads(
+            [lambda: group_round(s0, [step, step]), lambda: group_round(s1, [step, step])]
+        ) as res:
+            pass
+        for r in [r for group in res for r in group]:
+            assert isinstance(r, QuorumResult), r
+            assert r.replica_ids == ["g0", "g1"] and r.max_step == step and not r.heal
+            first = first or r.quorum_id
+            assert r.quorum_id == first
+    st = lh.status()["stats"]
+    assert st["quorums_issued"] == 5
+    assert st["native_rounds"] == (4 if lh.transport == "native" else 0), st
+
+
 def test_init_sync_at_step_zero(lighthouse_factory, manager_factory):
     lh = lighthouse_factory(min_replicas=2)
     s0 = manager_factory("g0", lh.address(), world_size=2)
