@@ -38,6 +38,7 @@ Logs
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -540,6 +541,26 @@ class Manager:
         healer = getattr(self, "_healer", None)
         if healer is not None:
             healer.transport = transport
+
+    # torchft's names for this step's participation (its tests set them directly); ft keeps
+    # the three numbers in one Participation, which these read and replace.
+    @property
+    def _participating_replica_rank(self) -> Optional[int]:
+        return self._participation.rank
+
+    @_participating_replica_rank.setter
+    def _participating_replica_rank(self, rank: Optional[int]) -> None:
+        self._participation = dataclasses.replace(self._participation, rank=rank)
+
+    @property
+    def _participating_replica_world_size(self) -> int:
+        return self._participation.contributors
+
+    @_participating_replica_world_size.setter
+    def _participating_replica_world_size(self, size: int) -> None:
+        self._participation = dataclasses.replace(
+            self._participation, contributors=size, commit_size=size
+        )
 
     def _setup_group(
         self,

@@ -169,10 +169,6 @@ KNOWN_FAILURES: Dict[str, str] = {
         "reads HTTPTransport's private _checkpoint_lock, _disallowed and _step"
     ),
     "checkpointing/pg_transport_test.py::PGTransportTest::test_pg_transport_gloo": _DTENSOR,
-    "manager_test.py::TestManager::test_manager_numerics": (
-        "sets the Manager's private _quorum_future, _participating_replica_rank and "
-        "_participating_replica_world_size"
-    ),
     "parameter_server_test.py::TestParameterServer::test_parameter_server": (
         "listens on this host's address without authentication; ft's ParameterServer serves "
         "beyond loopback only with insecure=True (FT_INSECURE=1)"

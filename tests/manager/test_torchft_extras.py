@@ -232,6 +232,28 @@ def test_manager_over_a_fake_wrapper_skips_the_injected_step() -> None:
         lh.shutdown()
 
 
+def test_torchfts_participation_fields_read_and_set_the_managers() -> None:
+    """torchft's tests set Manager._participating_replica_rank / _world_size: ft keeps both in
+    its one Participation, and the public methods and the allreduce divisor follow them."""
+    lh = lighthouse(min_replicas=1)
+    m = make_manager(lh.address(), "g0", use_async_quorum=False)
+    try:
+        m.start_quorum()
+        assert (m._participating_replica_rank, m._participating_replica_world_size) == (0, 1)
+        m._participating_replica_rank = 1
+        m._participating_replica_world_size = 5
+        assert m.participating_rank() == 1 and m.num_participants() == 5
+        assert m.is_participating()
+        t = torch.tensor([10.0])
+        m.allreduce(t).wait()  # one replica's sum, divided by the 5 set above
+        assert t.item() == 2.0
+        m._participating_replica_rank = None
+        assert not m.is_participating()
+    finally:
+        m.shutdown()
+        lh.shutdown()
+
+
 # ------------------------------------------------------------------ extract_local_tensor
 
 
