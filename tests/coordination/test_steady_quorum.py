@@ -104,8 +104,16 @@ def ask_all(c, steps, timeout=10.0, **kw):
     return qs[0]
 
 
-def steady_rounds_answered(lh) -> int:
-    return lh.status()["stats"]["quorums_issued"]
+def ask_in_turn(c, asks, gap=0.05):
+    """Each (replica id, step) of ``asks`` asks ``gap`` seconds after the one before it, all
+    waiting together; their answers (or exceptions), in order."""
+    return parallel(
+        [
+            lambda i=i, r=r, s=s: (time.sleep(i * gap), c.quorum(r, 10.0, step=s))[1]
+            for i, (r, s) in enumerate(asks)
+        ],
+        20,
+    )
 
 
 # --- live rounds -----------------------------------------------------------------------------
@@ -141,14 +149,7 @@ def test_a_joiner_sends_the_held_round_to_python(lighthouse_factory):
     c = client(lh)
     first = ask_all(c, {"a": 0, "b": 0})
     python_quorums.clear()
-    with_joiner = parallel(
-        [
-            lambda: c.quorum("a", 10.0, step=1),
-            lambda: (time.sleep(0.05), c.quorum("joiner", 10.0, step=0))[1],
-            lambda: (time.sleep(0.1), c.quorum("b", 10.0, step=1))[1],
-        ],
-        20,
-    )
+    with_joiner = ask_in_turn(c, [("a", 1), ("joiner", 0), ("b", 1)])
     for q in with_joiner:
         assert not isinstance(q, BaseException), q
         assert ids(q) == ["a", "b", "joiner"]
@@ -185,14 +186,7 @@ def test_a_second_request_of_one_member_goes_to_python(lighthouse_factory):
     c = client(lh)
     ask_all(c, {"a": 0, "b": 0})
     python_quorums.clear()
-    results = parallel(
-        [
-            lambda: c.quorum("a", 10.0, step=1),
-            lambda: (time.sleep(0.05), c.quorum("a", 10.0, step=1))[1],
-            lambda: (time.sleep(0.1), c.quorum("b", 10.0, step=1))[1],
-        ],
-        20,
-    )
+    results = ask_in_turn(c, [("a", 1), ("a", 1), ("b", 1)])
     assert all(not isinstance(q, BaseException) and ids(q) == ["a", "b"] for q in results)
     assert sorted(python_quorums) == ["a", "a", "b"]
 
