@@ -1260,9 +1260,12 @@ void CallReactor::onStreamedHeartbeat(const std::string& body) {
 }
 
 void CallReactor::OnCancel() {
+  // Marked cancelled first: a round that offers it from now on does not hold
+  // it.
+  const bool notify = state_->onCancel();
   if (SteadyQuorum* steady = server_->steady())
     steady->drop(state_.get()); // if held: the round goes on without it
-  if (!state_->onCancel())
+  if (!notify)
     return;
   GrpcThreadGil gil;
   py::object cb = state_->takeOnCancel();
@@ -1447,8 +1450,9 @@ PYBIND11_MODULE(_grpc_server, m) {
       .def(
           "steady_rounds",
           [](Server& s) {
-            // (rounds answered in C++ since the last call, their latencies,
-            // the last one's members as serialized, its created time in ns).
+            // (the quorum id the last of them repeated, rounds answered in
+            // C++ since the last call, their latencies, the last one's members
+            // as serialized, its created time in ns).
             SteadyQuorum::Rounds r;
             if (s.steady() != nullptr) {
               py::gil_scoped_release nogil;
@@ -1458,6 +1462,7 @@ PYBIND11_MODULE(_grpc_server, m) {
             for (const auto& m : r.lastMembers)
               members.append(py::bytes(m));
             return py::make_tuple(
+                r.quorumId,
                 r.count,
                 r.latencies,
                 members,
@@ -1520,6 +1525,9 @@ PYBIND11_MODULE(_grpc_server, m) {
         struct RuleCall {
           double timeRemaining() const {
             return 10.0;
+          }
+          bool isActive() const {
+            return true;
           }
         };
         ft_steady::SteadyQuorum<RuleCall> rule("Quorum", 3600.0);

@@ -1,28 +1,51 @@
 // The protobuf wire format, the little of it that the native lighthouse paths
-// need (steady_quorum.hpp, quorum_wire.cpp): varints, length-delimited
+// need (steady_quorum.hpp, quorum_wire.cpp): varints, tags, length-delimited
 // fields, skipping a field. Each reader returns false on malformed input and
-// never reads past the end.
+// never reads past the end; each is at least as strict as protobuf's parser,
+// so that what these take, protobuf takes too (the callers leave the rest to
+// protobuf, which says what is wrong).
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 namespace ft_wire {
 
-inline bool readVarint(std::string_view b, size_t* i, uint64_t* out) {
+// A varint of at most `maxBytes` bytes (10 for a 64-bit value, whose 10th byte
+// may only be 0 or 1: anything else is a value protobuf does not take).
+inline bool
+readVarint(std::string_view b, size_t* i, uint64_t* out, int maxBytes = 10) {
   uint64_t v = 0;
-  for (int shift = 0; shift < 64; shift += 7) {
+  for (int n = 0; n < maxBytes; ++n) {
     if (*i >= b.size())
       return false;
     const uint8_t c = static_cast<uint8_t>(b[(*i)++]);
-    v |= static_cast<uint64_t>(c & 0x7F) << shift;
+    if (n == 9 && c > 1)
+      return false;
+    v |= static_cast<uint64_t>(c & 0x7F) << (7 * n);
     if ((c & 0x80) == 0) {
       *out = v;
       return true;
     }
   }
-  return false; // longer than 10 bytes
+  return false; // longer than maxBytes
+}
+
+// A field's tag: a varint of at most 5 bytes whose field number is a valid one
+// (1 .. 2^29-1), as protobuf requires.
+inline bool readTag(std::string_view b, size_t* i, uint64_t* tag) {
+  if (!readVarint(b, i, tag, 5) || *tag > UINT32_MAX)
+    return false;
+  const uint64_t field = *tag >> 3;
+  return field >= 1 && field < (1u << 29);
+}
+
+// A length-delimited field's length: a varint of at most 5 bytes, below 2 GiB
+// (protobuf's limit), that fits in what is left of `b`.
+inline bool readLength(std::string_view b, size_t* i, uint64_t* len) {
+  return readVarint(b, i, len, 5) && *len <= INT32_MAX && *len <= b.size() - *i;
 }
 
 inline void appendVarint(std::string* out, uint64_t v) {
@@ -53,7 +76,7 @@ inline bool skipValue(std::string_view b, size_t* i, uint32_t wt) {
       *i += 8;
       return true;
     case 2:
-      if (!readVarint(b, i, &v) || v > b.size() - *i)
+      if (!readLength(b, i, &v))
         return false;
       *i += v;
       return true;

@@ -33,12 +33,13 @@ namespace py = pybind11;
 
 namespace {
 
+using ft_wire::readLength;
+using ft_wire::readTag;
 using ft_wire::readVarint;
 using ft_wire::skipValue;
 
 constexpr uint32_t kVarint = 0;
 constexpr uint32_t kBytes = 2;
-constexpr uint64_t kMaxFieldNumber = (1u << 29) - 1;
 
 // One field at b[*i]: its number, wire type, and for kVarint its value, for
 // kBytes its contents. False when malformed.
@@ -50,17 +51,15 @@ bool readField(
     uint64_t* value,
     std::string_view* bytes) {
   uint64_t tag = 0;
-  if (!readVarint(b, i, &tag))
-    return false;
+  if (!readTag(b, i, &tag))
+    return false; // protobuf refuses it
   *field = tag >> 3;
   *wt = static_cast<uint32_t>(tag & 7);
-  if (*field == 0 || *field > kMaxFieldNumber)
-    return false; // protobuf refuses these
   if (*wt == kVarint)
     return readVarint(b, i, value);
   if (*wt == kBytes) {
     uint64_t n = 0;
-    if (!readVarint(b, i, &n) || n > b.size() - *i)
+    if (!readLength(b, i, &n))
       return false;
     *bytes = b.substr(*i, static_cast<size_t>(n));
     *i += static_cast<size_t>(n);

@@ -33,7 +33,10 @@
 // - Nothing here calls into Python or into gRPC: the caller answers the calls
 //   it is handed, outside the lock.
 //
-// `Call` needs `double timeRemaining() const`; it is held by shared_ptr.
+// `Call` needs `double timeRemaining() const` and `bool isActive()` (false once
+// cancelled; it must not take locks that are held while calling `drop`); it is
+// held by shared_ptr. Its owner calls `drop` after marking it cancelled, so
+// that a call cancelled while it is offered is never held.
 
 #pragma once
 
@@ -53,6 +56,8 @@ namespace ft_steady {
 
 using ft_wire::appendBytesField;
 using ft_wire::appendVarint;
+using ft_wire::readLength;
+using ft_wire::readTag;
 using ft_wire::readVarint;
 using ft_wire::skipValue;
 
@@ -71,8 +76,8 @@ struct QuorumRequest {
 inline bool parseQuorumRequest(const std::string& body, QuorumRequest* out) {
   size_t i = 0;
   uint64_t tag = 0, len = 0;
-  if (!readVarint(body, &i, &tag) || tag != ((1u << 3) | 2) ||
-      !readVarint(body, &i, &len) || len != body.size() - i)
+  if (!readTag(body, &i, &tag) || tag != ((1u << 3) | 2) ||
+      !readLength(body, &i, &len) || len != body.size() - i)
     return false;
   out->member.assign(body, i, len);
   const std::string& m = out->member;
@@ -82,12 +87,10 @@ inline bool parseQuorumRequest(const std::string& body, QuorumRequest* out) {
   size_t j = 0;
   while (j < m.size()) {
     const size_t start = j;
-    if (!readVarint(m, &j, &tag))
-      return false;
+    if (!readTag(m, &j, &tag))
+      return false; // not a valid tag: Python says so
     const uint64_t field = tag >> 3;
     const uint32_t wt = static_cast<uint32_t>(tag & 7);
-    if (field == 0 || field >= (1u << 29))
-      return false; // not a valid field number: Python says so
     if (field == 4 && wt == 0) {
       uint64_t step = 0;
       if (haveStep || !readVarint(m, &j, &step) || step > INT64_MAX)
@@ -98,7 +101,7 @@ inline bool parseQuorumRequest(const std::string& body, QuorumRequest* out) {
     }
     if (field == 1 && wt == 2) {
       size_t k = j;
-      if (haveId || !readVarint(m, &k, &len) || len > m.size() - k)
+      if (haveId || !readLength(m, &k, &len))
         return false;
       out->replicaId.assign(m, k, len);
       haveId = true;
@@ -179,6 +182,7 @@ class SteadyQuorum {
 
   // Rounds answered here since Python last asked (`takeRounds`).
   struct Rounds {
+    int64_t quorumId = 0; // the quorum the last of them repeated
     int64_t count = 0;
     std::vector<double> latencies;        // first arrival -> answer, seconds
     std::vector<std::string> lastMembers; // the last round's, sorted
@@ -198,8 +202,8 @@ class SteadyQuorum {
       int64_t quorumId,
       std::unordered_map<std::string, std::string> identities) {
     std::lock_guard<std::mutex> g(mu_);
-    if (identities.empty() || closed_)
-      return false;
+    if (identities.empty() || closed_ || !held_.empty())
+      return false; // (held requests: Python takes them back before it arms)
     armed_ = true;
     quorumId_ = quorumId;
     identities_ = std::move(identities);
@@ -237,7 +241,9 @@ class SteadyQuorum {
     const bool plain = secondsToDeadline > 0 &&
         secondsToDeadline <= noDeadlineS_ && parseQuorumRequest(body, &req);
     std::lock_guard<std::mutex> g(mu_);
-    if (armed_ && plain) {
+    // Checked under the lock: the owner marks a call cancelled before it drops
+    // it, so a cancelled call is either seen here or dropped after.
+    if (armed_ && plain && call->isActive()) {
       auto it = identities_.find(req.replicaId);
       if (it != identities_.end() && it->second == req.identity &&
           held_.count(req.replicaId) == 0) {
@@ -318,6 +324,7 @@ class SteadyQuorum {
       members.push_back(p.second);
     const int64_t created = unixNanos();
     out->answer = encodeQuorumResponse(quorumId_, members, created);
+    rounds_.quorumId = quorumId_; // the last round's (lastMembers)
     rounds_.count += 1;
     rounds_.latencies.push_back(steadySeconds() - firstArrival_);
     if (rounds_.latencies.size() > 1000)

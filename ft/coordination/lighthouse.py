@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 from urllib.parse import urlparse, urlsplit
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
@@ -109,8 +110,8 @@ class _NoSteadyRound:
     def steady_held_age(self) -> float:
         return 0.0
 
-    def steady_rounds(self) -> Tuple[int, List[float], List[bytes], int]:
-        return 0, [], [], 0
+    def steady_rounds(self) -> Tuple[int, int, List[float], List[bytes], int]:
+        return 0, 0, [], [], 0
 
 
 @dataclass
@@ -294,14 +295,19 @@ class _LighthouseState:
         them). Called whenever something changes the rule's answer for them (a member
         failed, left or lost its subscription; shutdown), and by the ticker when a round did
         not complete within a tick."""
-        self._sync_steady_rounds_locked()
         self.steady_armed = False
-        for call, data, at in self.steady.steady_take():
+        # Disarmed first: no round can complete between the rounds read below and the take.
+        held = self.steady.steady_take()
+        self._sync_steady_rounds_locked()
+        for call, data, at in held:
             try:
                 request = pb.LighthouseQuorumRequest.FromString(data)
                 member, deadline, identity = _check_quorum_request(request, call)
+            except DecodeError as e:  # the C++ parse is stricter: not expected
+                call.finish(grpc.StatusCode.INVALID_ARGUMENT, f"Quorum: malformed request: {e}")
+                continue
             except CallAborted:
-                continue  # answered with the reason (it held, so this does not happen)
+                continue  # answered with the reason
             self._arrivals.append(
                 (member, _Waiter(member.replica_id, call, deadline), identity, at)
             )
@@ -309,22 +315,28 @@ class _LighthouseState:
     def _sync_steady_rounds_locked(self) -> None:
         """Takes in the rounds the native server answered: ``prev`` (same members and id,
         their new steps), each member's latest info, and the stats."""
-        count, latencies, members, created_ns = self.steady.steady_rounds()
-        if not count or self.prev is None:
+        quorum_id, count, latencies, members, created_ns = self.steady.steady_rounds()
+        if not count:
             return
-        ms = tuple(wire.member_from_pb(pb.QuorumMember.FromString(b)) for b in members)
-        created = _dt.datetime.fromtimestamp(created_ns / 1e9, _dt.timezone.utc)
-        self.prev = Quorum(quorum_id=self.prev.quorum_id, participants=ms, created=created)
-        self.prev_issued_mono = time.monotonic() - max(0.0, time.time() - created_ns / 1e9)
-        for m in ms:
-            self.last_member[m.replica_id] = m
         st = self.stats
         st.quorums_issued += count
         st.native_rounds += count
         st.last_latency_s = latencies[-1]
         st.latencies.extend(latencies)
         del st.latencies[:-1000]
-        self.reason = f"issued quorum {self.prev.quorum_id} (steady round, answered natively)"
+        if self.prev is None or quorum_id != self.prev.quorum_id:
+            return  # rounds of a quorum Python has since replaced: its members are current
+        try:
+            ms = tuple(wire.member_from_pb(pb.QuorumMember.FromString(b)) for b in members)
+        except DecodeError:  # the C++ parse is stricter: not expected
+            logger.exception("a steady round's members did not parse")
+            return
+        created = _dt.datetime.fromtimestamp(created_ns / 1e9, _dt.timezone.utc)
+        self.prev = Quorum(quorum_id=quorum_id, participants=ms, created=created)
+        self.prev_issued_mono = time.monotonic() - max(0.0, time.time() - created_ns / 1e9)
+        for m in ms:
+            self.last_member[m.replica_id] = m
+        self.reason = f"issued quorum {quorum_id} (steady round, answered natively)"
 
     def has_events(self) -> bool:
         return bool(self._events)

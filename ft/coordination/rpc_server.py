@@ -448,11 +448,12 @@ class RpcServer:
         """Seconds the oldest request held by the steady round has waited (0: none)."""
         return self._server.steady_held_age() if self.transport == "native" else 0.0
 
-    def steady_rounds(self) -> Tuple[int, List[float], List[bytes], int]:
-        """Rounds answered in C++ since the last call: (count, latencies in seconds, the last
-        round's members as serialized ``QuorumMember``, its ``created`` in Unix ns)."""
+    def steady_rounds(self) -> Tuple[int, int, List[float], List[bytes], int]:
+        """Rounds answered in C++ since the last call: (the quorum id the last of them
+        repeated, count, latencies in seconds, the last round's members as serialized
+        ``QuorumMember``, its ``created`` in Unix ns)."""
         if self.transport != "native":
-            return 0, [], [], 0
+            return 0, 0, [], [], 0
         return self._server.steady_rounds()
 
     def close_heartbeat_fast_path(self) -> None:

@@ -485,9 +485,54 @@ def test_the_native_rule_table():
     negative.CopyFrom(a)
     negative.step = -1
     assert outcomes(request(negative)) == ["python"]  # Python says what is wrong
+    # Tags and lengths longer than protobuf takes (5 bytes): left to Python, which refuses
+    # them (here a step tag padded to 6 bytes).
+    member = pb.QuorumMember(replica_id="a", address="h:1").SerializeToString()
+    step_4 = b"\x20\x04"  # field 4, varint 4
+    plain = b"\x0a" + bytes([len(member) + 2]) + member + step_4
+    assert pb.LighthouseQuorumRequest.FromString(plain).requester.step == 4
+    assert outcomes(plain, ask(b, step=4)) == ["held", "answered"]
+    padded_tag = b"\xa0\x80\x80\x80\x80\x00\x04"  # the same field, its tag in 6 bytes
+    padded = b"\x0a" + bytes([len(member) + 7]) + member + padded_tag
+    with pytest.raises(DecodeError):
+        pb.LighthouseQuorumRequest.FromString(padded)
+    assert outcomes(padded) == ["python"]
+    assert native().steady_identity(padded) is None
     # A step-only request is the identity plus the step: the identity is what Python
     # serializes with step cleared, and the native parser agrees on it.
     assert native().steady_identity(ask(a, step=77)) == ("a", 77, identity(a))
+
+
+def test_rounds_of_a_replaced_quorum_count_but_do_not_replace_it():
+    """Rounds the server answered for a quorum Python has since replaced (read late) are
+    counted, but never become the current quorum."""
+    from ft.coordination.lighthouse import _LighthouseState
+
+    class Server:
+        def __init__(self, rounds):
+            self.rounds = rounds
+
+        def steady_rounds(self):
+            r, self.rounds = self.rounds, (0, 0, [], [], 0)
+            return r
+
+        def steady_take(self):
+            return []
+
+    state = _LighthouseState(LighthouseOptions(min_replicas=1), 0.1, 1.0, None)
+    current = Quorum(quorum_id=7, participants=(QuorumMember("a", step=3),))
+    state.prev = current
+    old = pb.QuorumMember(replica_id="a", step=1).SerializeToString()
+    state.steady = Server((6, 2, [0.001, 0.002], [old], 1))
+    with state.lock:
+        state._sync_steady_rounds_locked()
+    assert state.prev is current and state.stats.quorums_issued == 2
+    new = pb.QuorumMember(replica_id="a", step=4).SerializeToString()
+    state.steady = Server((7, 1, [0.001], [new], 2_000_000_000))
+    with state.lock:
+        state._sync_steady_rounds_locked()
+    assert state.prev.quorum_id == 7 and state.prev.participants[0].step == 4
+    assert state.stats.native_rounds == 3
 
 
 # --- decoding answers -------------------------------------------------------------------------
@@ -550,6 +595,11 @@ def test_the_native_decoder_leaves_the_unusual_to_protobuf():
     assert decode(field_zero, QuorumMember, wire._data_from_wire) is None
     with pytest.raises(DecodeError):
         wire.quorum_from_response(field_zero)
+    # A tag padded beyond 5 bytes: protobuf raises, the native decoder declines.
+    padded = b"\x0a\x07" + b"\x88\x80\x80\x80\x80\x00\x05"  # quorum_id 5, its tag in 6 bytes
+    assert decode(padded, QuorumMember, wire._data_from_wire) is None
+    with pytest.raises(DecodeError):
+        wire.quorum_from_response(padded)
     # Two quorum fields merge in protobuf: left to it, and the answers agree.
     twice = good + good
     assert decode(twice, QuorumMember, wire._data_from_wire) is None
