@@ -736,6 +736,20 @@ class LoadGenerator {
   }
 
  private:
+  // The request bodies as gRPC buffers (copied: built with the GIL held, sent
+  // without it).
+  static std::vector<grpc::ByteBuffer> toBuffers(
+      const std::vector<py::bytes>& bodies) {
+    std::vector<grpc::ByteBuffer> out;
+    out.reserve(bodies.size());
+    for (const auto& b : bodies) {
+      std::string data = b;
+      grpc::Slice slice(data);
+      out.emplace_back(&slice, 1);
+    }
+    return out;
+  }
+
   struct Result {
     uint64_t sent = 0;
     uint64_t ok = 0;
@@ -765,12 +779,7 @@ class LoadGenerator {
       throw py::value_error(
           "bodies must not be empty; rate, duration_s and timeout_s must be > "
           "0");
-    std::vector<grpc::ByteBuffer> requests;
-    for (const auto& b : bodies) {
-      std::string data = b;
-      grpc::Slice slice(data);
-      requests.emplace_back(&slice, 1);
-    }
+    const std::vector<grpc::ByteBuffer> requests = toBuffers(bodies);
     Result r;
     {
       GilRelease nogil;
@@ -1009,12 +1018,7 @@ class LoadGenerator {
     if (bodies.empty() || rounds < 1 || !(timeoutS > 0))
       throw py::value_error(
           "bodies must not be empty; rounds and timeout_s must be > 0");
-    std::vector<grpc::ByteBuffer> requests;
-    for (const auto& b : bodies) {
-      std::string data = b;
-      grpc::Slice slice(data);
-      requests.emplace_back(&slice, 1);
-    }
+    const std::vector<grpc::ByteBuffer> requests = toBuffers(bodies);
     std::vector<double> times;
     uint64_t failed = 0;
     std::string firstError;
