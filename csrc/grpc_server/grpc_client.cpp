@@ -11,6 +11,7 @@
 // another thread and back.
 
 #include "grpc_client.hpp"
+#include "call_stream_wire.hpp"
 #include "request_auth.hpp"
 
 #include <grpcpp/generic/generic_stub.h>
@@ -426,6 +427,283 @@ class ClientStream {
   std::shared_ptr<Shared> shared_;
 };
 
+// A gRPC ByteBuffer's bytes, copied into one string.
+std::string bufferBytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (!buffer.Dump(&slices).ok())
+    return out;
+  out.reserve(buffer.Length());
+  for (const auto& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+// Unary calls of one method carried as messages of one long-lived call (a
+// call stream, e.g. LighthouseService.QuorumStream; the server:
+// grpc_server.cpp, CallStreamReactor), one at a time. Why: each call costs
+// the server (and this client) a new HTTP/2 stream, headers, a call object
+// and trailers; a message on an open stream is one DATA frame each way.
+//
+// Contract:
+// - Made by `Channel.open_call_stream(stream_method, method)`; nothing reaches
+//   the network before the first call. It keeps the channel's connection and
+//   signing key even if the channel is closed first.
+// - `call(request, timeout_s, wait_for_ready)` sends `request` as one
+//   CallStreamRequest (signed for `method`, as a call of `method` is, when the
+//   channel has a key; timeout_ms its timeout), opening the stream first when
+//   none is open, and waits for its answer with the GIL released. It returns
+//   the response's bytes, or raises CallError(code, details) with the
+//   answer's status; the stream stays open for the next call.
+// - When the stream ends before the answer, the request was not answered and
+//   may be sent again (on a new stream, or as a call): it raises the stream's
+//   status (UNIMPLEMENTED from a server without the method, UNAVAILABLE when
+//   the connection broke or the server ended the stream) and the next call
+//   opens a new stream. At timeout_s it cancels the stream, which cancels the
+//   request at the server, and raises DEADLINE_EXCEEDED. A signal handler that
+//   raises (Ctrl-C) cancels it too, and its exception propagates.
+// - It returns None at once, sending nothing, while another thread's call
+//   uses the stream: that caller makes a unary call instead.
+// - The calling thread drives the stream (a completion queue of the stream's
+//   own, polled only during calls), as Channel.call does: no hand-off to
+//   another thread. Between calls nothing is pending: a stream the server
+//   ended meanwhile is found at the next call, whose request then gets the
+//   status above.
+// - `close()` cancels an open stream; a later call opens a new one.
+class ClientCallStream {
+ public:
+  ClientCallStream(
+      std::shared_ptr<grpc::GenericStub> stub,
+      std::shared_ptr<ft_auth::RequestSigner> signer,
+      std::string streamMethod,
+      std::string method)
+      : stub_(std::move(stub)),
+        signer_(std::move(signer)),
+        streamMethod_(std::move(streamMethod)),
+        method_(std::move(method)) {}
+
+  ~ClientCallStream() {
+    std::lock_guard<std::mutex> g(mu_);
+    if (open_)
+      tearDown();
+  }
+
+  py::object
+  call(const py::bytes& request, double timeoutS, bool waitForReady) {
+    std::unique_lock<std::mutex> busy(mu_, std::try_to_lock);
+    if (!busy.owns_lock())
+      return py::none();
+    char* data = nullptr;
+    Py_ssize_t size = 0;
+    if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
+      throw py::error_already_set();
+    const std::string_view body(data, static_cast<size_t>(size));
+    std::string response;
+    grpc::Status status;
+    {
+      // `request` stays referenced by the caller for the whole call.
+      GilRelease nogil;
+      status = callLocked(body, timeoutS, waitForReady, &response);
+    }
+    if (status.error_code() == grpc::StatusCode::CANCELLED &&
+        PyErr_Occurred() != nullptr) {
+      throw py::error_already_set(); // a signal handler raised meanwhile
+    }
+    if (!status.ok())
+      raiseCallError(status);
+    return py::bytes(response);
+  }
+
+  void close() {
+    GilRelease nogil;
+    std::lock_guard<std::mutex> g(mu_);
+    if (open_)
+      tearDown();
+  }
+
+ private:
+  // The operations of an open stream, as completion-queue tags and as bits of
+  // Open::pending.
+  enum Op : uintptr_t { kStart = 1, kWrite = 2, kRead = 4, kFinish = 8 };
+
+  struct Open {
+    grpc::ClientContext ctx;
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
+    grpc::ByteBuffer out;
+    grpc::ByteBuffer in;
+    grpc::Status status;
+    uintptr_t pending = 0;
+    bool finishIssued = false;
+  };
+
+  static void* tag(Op op) {
+    return reinterpret_cast<void*>(op);
+  }
+
+  // Waits for the stream's next completion until `until`, checking for
+  // signals meanwhile unless `interrupted` is null. Returns the operation (0:
+  // none by `until`, or a signal handler raised: then *interrupted).
+  uintptr_t next(Clock::time_point until, bool* ok, bool* interrupted) {
+    while (true) {
+      const Clock::time_point now = Clock::now();
+      if (now >= until)
+        return 0;
+      void* got = nullptr;
+      auto r = open_->cq.AsyncNext(
+          &got,
+          ok,
+          std::min(until, now + kSignalCheckPeriod));
+      if (r == grpc::CompletionQueue::GOT_EVENT) {
+        const auto op = reinterpret_cast<uintptr_t>(got);
+        open_->pending &= ~op;
+        return op;
+      }
+      if (r != grpc::CompletionQueue::TIMEOUT || interrupted == nullptr ||
+          interpreterFinalizing())
+        continue;
+      py::gil_scoped_acquire gil;
+      if (PyErr_CheckSignals() != 0) {
+        *interrupted = true;
+        return 0;
+      }
+    }
+  }
+
+  // Waits (until `until`) for the operations in `ops` that are pending.
+  // False: they did not complete, or a signal handler raised.
+  bool settle(uintptr_t ops, Clock::time_point until, bool* interrupted) {
+    while ((open_->pending & ops) != 0) {
+      bool ok = false;
+      if (next(until, &ok, interrupted) == 0)
+        return false;
+    }
+    return true;
+  }
+
+  grpc::Status callLocked(
+      std::string_view body,
+      double timeoutS,
+      bool waitForReady,
+      std::string* response) {
+    // The stream has no deadline of its own: the request's is kept here (the
+    // server's copy, timeout_ms, only shapes its answer).
+    const Clock::time_point deadline = deadlineAfter(timeoutS);
+    bool interrupted = false;
+    auto failed = [&](grpc::Status why) {
+      tearDown();
+      return interrupted
+          ? grpc::Status(grpc::StatusCode::CANCELLED, "interrupted")
+          : why;
+    };
+    const grpc::Status late(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        "Deadline Exceeded");
+    if (!open_) {
+      open_ = std::make_unique<Open>();
+      open_->ctx.set_wait_for_ready(waitForReady);
+      open_->rw = stub_->PrepareCall(&open_->ctx, streamMethod_, &open_->cq);
+      open_->pending |= kStart;
+      open_->rw->StartCall(tag(kStart));
+    }
+    // The previous call's write has completed (its answer came after it), and
+    // nothing else is pending: a stream the server ended shows here.
+    if (!settle(kStart | kWrite, deadline, &interrupted))
+      return failed(late);
+    std::string head;
+    if (signer_ != nullptr)
+      head = ft_auth::signedPrefix(
+          signer_->token(method_, body.data(), body.size()));
+    const double ms = std::ceil(std::max(timeoutS, 0.0) * 1000.0);
+    const int64_t timeoutMs =
+        static_cast<int64_t>(std::clamp(ms, 1.0, 365.0 * 24 * 3600 * 1000));
+    grpc::Slice message(ft_call_stream::encodeRequest(timeoutMs, head, body));
+    open_->out = grpc::ByteBuffer(&message, 1);
+    open_->pending |= kWrite | kRead;
+    open_->rw->Write(open_->out, tag(kWrite));
+    open_->rw->Read(&open_->in, tag(kRead));
+    bool readOk = false;
+    while (open_->pending & kRead) {
+      bool ok = false;
+      const uintptr_t op = next(deadline, &ok, &interrupted);
+      if (op == 0)
+        return failed(late);
+      if (op == kRead)
+        readOk = ok;
+      // A failed write (the stream is over) shows as a failed read too.
+    }
+    if (!readOk)
+      return ended(&interrupted);
+    const std::string answer = bufferBytes(open_->in);
+    open_->in.Clear();
+    ft_call_stream::Response r;
+    if (!ft_call_stream::decodeResponse(answer, &r))
+      return failed(
+          grpc::Status(
+              grpc::StatusCode::INTERNAL,
+              "the server's call stream answer is not a CallStreamResponse"));
+    if (r.code != 0)
+      return grpc::Status(static_cast<grpc::StatusCode>(r.code), r.details);
+    response->assign(r.response);
+    return grpc::Status::OK;
+  }
+
+  // The stream ended before answering: its status, the stream gone.
+  // (The read failed: the status is known, and finishing is local work.)
+  grpc::Status ended(bool* interrupted) {
+    open_->pending |= kFinish;
+    open_->finishIssued = true;
+    open_->rw->Finish(&open_->status, tag(kFinish));
+    const bool finished =
+        settle(kWrite | kFinish, Clock::now() + kStreamEndGrace, interrupted);
+    grpc::Status status = finished
+        ? open_->status
+        : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream did not end");
+    if (status.ok())
+      status = grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          "the server ended the call stream");
+    tearDown();
+    return status;
+  }
+
+  // Cancels the stream, waits for gRPC to complete what is pending (local
+  // work, no network), and lets it go.
+  void tearDown() {
+    Open* o = open_.get();
+    o->ctx.TryCancel();
+    const auto until = Clock::now() + kCancelGrace;
+    bool settled = settle(kStart | kWrite | kRead, until, nullptr);
+    if (settled && !o->finishIssued) {
+      o->finishIssued = true;
+      o->pending |= kFinish;
+      o->rw->Finish(&o->status, tag(kFinish));
+    }
+    settled = settled && settle(kFinish, until, nullptr);
+    if (!settled) {
+      // gRPC still holds the context, the queue and the buffers: kept alive
+      // (leaked) rather than freed under it. Only a gRPC that ignores a
+      // cancellation gets here.
+      (void)open_.release();
+      return;
+    }
+    o->rw.reset();
+    o->cq.Shutdown();
+    void* got = nullptr;
+    bool ok = false;
+    while (o->cq.Next(&got, &ok)) {
+    }
+    open_.reset();
+  }
+
+  const std::shared_ptr<grpc::GenericStub> stub_;
+  const std::shared_ptr<ft_auth::RequestSigner> signer_;
+  const std::string streamMethod_;
+  const std::string method_;
+  std::mutex mu_; // one call at a time
+  std::unique_ptr<Open> open_;
+};
+
 // One channel (one HTTP/2 connection, reconnected by gRPC as needed) to one
 // server.
 //
@@ -503,6 +781,16 @@ class ClientChannel {
 
   std::unique_ptr<ClientStream> openStream(const std::string& method) {
     return std::make_unique<ClientStream>(currentStub(), signer_, method);
+  }
+
+  std::unique_ptr<ClientCallStream> openCallStream(
+      const std::string& streamMethod,
+      const std::string& method) {
+    return std::make_unique<ClientCallStream>(
+        currentStub(),
+        signer_,
+        streamMethod,
+        method);
   }
 
   bool waitConnected(double timeoutS) {
@@ -1202,7 +1490,21 @@ void bindClient(py::module_& m) {
           py::arg("wait_for_ready"))
       .def("wait_connected", &ClientChannel::waitConnected, py::arg("timeout"))
       .def("open_stream", &ClientChannel::openStream, py::arg("method"))
+      .def(
+          "open_call_stream",
+          &ClientChannel::openCallStream,
+          py::arg("stream_method"),
+          py::arg("method"))
       .def("close", &ClientChannel::close);
+
+  py::class_<ClientCallStream>(m, "ClientCallStream")
+      .def(
+          "call",
+          &ClientCallStream::call,
+          py::arg("request"),
+          py::arg("timeout"),
+          py::arg("wait_for_ready"))
+      .def("close", &ClientCallStream::close);
 
   py::class_<ClientStream>(m, "ClientStream")
       .def("send", &ClientStream::send, py::arg("request"), py::arg("timeout"))

@@ -62,7 +62,12 @@
 //   and answered here while Python has armed it and the request only repeats
 //   the previous round with a new step, else handed to Python's handler (the
 //   held ones with it). Python takes the held ones back with `steady_take`.
+// - With `call_streams` (Server's argument), each such method is a call
+//   stream (CallStreamReactor): every message a call of the method it
+//   carries, which Python, the signature check and the steady round see as
+//   that method's unary call (`call.method` is the carried method's path).
 
+#include "call_stream_wire.hpp"
 #include "grpc_client.hpp"
 #include "quorum_wire.hpp"
 #include "request_auth.hpp"
@@ -107,6 +112,20 @@ namespace {
 
 class CallReactor;
 
+// Where a call's answer goes: the gRPC call of its own (CallReactor), or one
+// message of the call stream that carried its request (CallStreamReactor).
+// CallState calls these without its lock held, at most one operation at a
+// time, and never again after a finish.
+class AnswerSink {
+ public:
+  virtual ~AnswerSink() = default;
+  virtual void startWrite(grpc::ByteBuffer* msg) = 0;
+  virtual void startWriteAndFinish(
+      grpc::ByteBuffer* msg,
+      grpc::Status status) = 0;
+  virtual void startFinish(grpc::Status status) = 0;
+};
+
 // The GIL, taken from one of gRPC's threads. Those are not Python threads, and
 // pybind11 would create and destroy a Python thread state on every acquire
 // (most of the Python-side cost of a request); each thread keeps its first one
@@ -136,14 +155,18 @@ constexpr size_t kMaxQueuedWrites = 1024;
 // the time the reactor lets go (OnDone), so the state may die on any thread.
 class CallState {
  public:
+  // `streamsWrites`: false for a call carried by a call stream, which is
+  // unary (one answer: reply or finish; write() is refused).
   CallState(
-      CallReactor* reactor,
+      AnswerSink* sink,
       std::string method,
-      std::chrono::system_clock::time_point deadline)
-      : reactor_(reactor),
+      std::chrono::system_clock::time_point deadline,
+      bool streamsWrites = true)
+      : sink_(sink),
         method_(std::move(method)),
         deadline_(deadline),
-        arrived_(ft_steady::steadySeconds()) {}
+        arrived_(ft_steady::steadySeconds()),
+        streamsWrites_(streamsWrites) {}
 
   const std::string& method() const {
     return method_;
@@ -209,10 +232,11 @@ class CallState {
   void markCancelledLocked(const char* why);
 
   std::mutex mu_;
-  CallReactor* reactor_; // valid until onDone
+  AnswerSink* sink_; // valid until onDone
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
   const double arrived_;
+  const bool streamsWrites_;
   bool verified_ = false;
   std::deque<grpc::ByteBuffer> queued_;
   grpc::ByteBuffer
@@ -396,7 +420,7 @@ constexpr const char* kHeartbeatStreamHeader = "ft-heartbeat-stream";
 
 // One call's reactor: reads the request, hands it to Python, relays writes and
 // the finish.
-class CallReactor : public grpc::ServerGenericBidiReactor {
+class CallReactor : public grpc::ServerGenericBidiReactor, public AnswerSink {
  public:
   CallReactor(grpc::GenericCallbackServerContext* ctx, Server* server);
   void OnReadDone(bool ok) override;
@@ -406,14 +430,22 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
   void OnCancel() override;
   void OnDone() override;
 
+  void startWrite(grpc::ByteBuffer* msg) override {
+    StartWrite(msg);
+  }
+  void startWriteAndFinish(grpc::ByteBuffer* msg, grpc::Status status)
+      override {
+    StartWriteAndFinish(msg, grpc::WriteOptions(), status);
+  }
+  void startFinish(grpc::Status status) override {
+    Finish(status);
+  }
+
  private:
   // One message of a heartbeat stream (verified): recorded, and the next one
   // read; anything the table does not take ends the stream, and the client
   // sends that heartbeat unary, so that Python answers it.
   void onStreamedHeartbeat(const std::string& body);
-  // A Quorum request while the server has a steady round (SteadyQuorum):
-  // held, answered with its round, or handed to Python.
-  void onQuorum(SteadyQuorum* steady, std::string body);
 
   Server* server_;
   grpc::GenericCallbackServerContext* ctx_; // valid until OnDone
@@ -423,13 +455,76 @@ class CallReactor : public grpc::ServerGenericBidiReactor {
   std::shared_ptr<CallState> state_;
 };
 
+// A call stream (e.g. LighthouseService.QuorumStream, proto/torchft.proto):
+// unary calls of one method carried as messages of one long-lived call.
+// Why: a call costs gRPC C++ a new HTTP/2 stream, headers, a call object, a
+// reactor and trailers (65-85 us of the lighthouse's CPU per Quorum call); a
+// message on an open stream is one DATA frame each way.
+//
+// Contract:
+// - One request at a time: each CallStreamRequest becomes a call of the
+//   carried method (a CallState that Python, the steady round and the
+//   signature check see exactly as they see that method's unary call, its
+//   deadline timeout_ms from when it was read), and its answer (reply or
+//   finish) goes back as one CallStreamResponse. The next message is read
+//   once that answer is written.
+// - A message that is not a CallStreamRequest with timeout_ms > 0 ends the
+//   stream INVALID_ARGUMENT. A request that fails its signature is answered
+//   UNAUTHENTICATED in its response; the stream goes on.
+// - When the stream ends (the client cancelled it, gave up on a request, or
+//   went away), the call being answered is cancelled as a unary call would be
+//   (on_cancel, dropped from a steady round). When the client closes its side
+//   the stream ends OK once the current answer is written.
+class CallStreamReactor : public grpc::ServerGenericBidiReactor,
+                          public AnswerSink {
+ public:
+  CallStreamReactor(Server* server, std::string carriedMethod)
+      : server_(server), carriedMethod_(std::move(carriedMethod)) {
+    StartRead(&in_);
+  }
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+  // The current call's answer, as one message. A carried call is unary: it
+  // never streams writes (CallState refuses them), so startWrite is not
+  // reached.
+  void startWrite(grpc::ByteBuffer*) override {}
+  void startWriteAndFinish(grpc::ByteBuffer* msg, grpc::Status status)
+      override {
+    answer(status, msg);
+  }
+  void startFinish(grpc::Status status) override {
+    answer(status, nullptr);
+  }
+
+ private:
+  void answer(const grpc::Status& status, const grpc::ByteBuffer* msg);
+  // Ends the stream with `status` unless it ended or an answer is being
+  // written (then OnWriteDone ends it). True: the caller calls Finish(status)
+  // once mu_ is released.
+  bool endLocked(const grpc::Status& status);
+
+  Server* const server_;
+  const std::string carriedMethod_;
+  std::mutex mu_;
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;               // the answer being written
+  std::shared_ptr<CallState> current_; // the request being answered
+  bool writing_ = false;
+  bool clientClosed_ = false;
+  bool cancelled_ = false;
+  bool ended_ = false;      // Finish called
+  bool endPending_ = false; // end with pendingStatus_ once the write is done
+  grpc::Status pendingStatus_;
+};
+
 class Service : public grpc::CallbackGenericService {
  public:
   explicit Service(Server* server) : server_(server) {}
   grpc::ServerGenericBidiReactor* CreateReactor(
-      grpc::GenericCallbackServerContext* ctx) override {
-    return new CallReactor(ctx, server_);
-  }
+      grpc::GenericCallbackServerContext* ctx) override;
 
  private:
   Server* server_;
@@ -794,11 +889,13 @@ class Server {
       int keepaliveMs,
       std::unique_ptr<RequestVerifier> verifier,
       std::unique_ptr<HeartbeatTable> heartbeats,
-      std::unique_ptr<SteadyQuorum> steady)
+      std::unique_ptr<SteadyQuorum> steady,
+      std::unordered_map<std::string, std::string> callStreams)
       : handler_(std::move(handler)),
         verifier_(std::move(verifier)),
         heartbeats_(std::move(heartbeats)),
         steady_(std::move(steady)),
+        callStreams_(std::move(callStreams)),
         service_(this) {
     grpc::ServerBuilder builder;
     std::string host, port;
@@ -931,6 +1028,12 @@ class Server {
   SteadyQuorum* steady() const {
     return steady_.get();
   }
+  // The method whose calls `method` carries when it is a call stream, else
+  // nullptr.
+  const std::string* carriedBy(const std::string& method) const {
+    auto it = callStreams_.find(method);
+    return it == callStreams_.end() ? nullptr : &it->second;
+  }
   void recordHeartbeats(const std::vector<std::string>& ids) {
     if (heartbeats_)
       heartbeats_->recordIds(ids, ft_steady::steadySeconds());
@@ -964,6 +1067,8 @@ class Server {
   const std::unique_ptr<RequestVerifier> verifier_;
   const std::unique_ptr<HeartbeatTable> heartbeats_;
   const std::unique_ptr<SteadyQuorum> steady_;
+  // call stream method path -> the unary method path its messages carry
+  const std::unordered_map<std::string, std::string> callStreams_;
   std::atomic<bool> heartbeatsOpen_{true};
   Service service_;
   int port_ = 0;
@@ -976,7 +1081,8 @@ class Server {
 
 bool CallState::write(grpc::ByteBuffer msg) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (finishRequested_ || cancelled_ || queued_.size() >= kMaxQueuedWrites)
+  if (!streamsWrites_ || finishRequested_ || cancelled_ ||
+      queued_.size() >= kMaxQueuedWrites)
     return false;
   queued_.push_back(std::move(msg));
   pump(lock);
@@ -1007,32 +1113,32 @@ bool CallState::finish(grpc::Status status) {
 }
 
 void CallState::pump(std::unique_lock<std::mutex>& lock) {
-  if (writing_ || finishStarted_ || reactor_ == nullptr)
+  if (writing_ || finishStarted_ || sink_ == nullptr)
     return;
   if (!queued_.empty()) {
     inFlight_ = std::move(queued_.front());
     queued_.pop_front();
-    CallReactor* r = reactor_;
+    AnswerSink* r = sink_;
     if (finishRequested_ && queued_.empty()) {
       // The last message and the status in one operation (one round of gRPC
       // work, not two).
       finishStarted_ = true;
       grpc::Status status = finalStatus_;
       lock.unlock();
-      r->StartWriteAndFinish(&inFlight_, grpc::WriteOptions(), status);
+      r->startWriteAndFinish(&inFlight_, status);
       return;
     }
     writing_ = true;
     lock.unlock();
-    r->StartWrite(&inFlight_);
+    r->startWrite(&inFlight_);
     return;
   }
   if (finishRequested_) {
     finishStarted_ = true;
-    CallReactor* r = reactor_;
+    AnswerSink* r = sink_;
     grpc::Status status = finalStatus_;
     lock.unlock();
-    r->Finish(status);
+    r->startFinish(status);
   }
 }
 
@@ -1089,8 +1195,181 @@ bool CallState::onCancel() {
 
 void CallState::onDone() {
   std::lock_guard<std::mutex> g(mu_);
-  reactor_ = nullptr;
+  sink_ = nullptr;
   cancelled_ = cancelled_ || !finishRequested_;
+}
+
+// --- CallReactor
+// -------------------------------------------------------------------------
+
+grpc::ServerGenericBidiReactor* Service::CreateReactor(
+    grpc::GenericCallbackServerContext* ctx) {
+  if (const std::string* carried = server_->carriedBy(ctx->method()))
+    return new CallStreamReactor(server_, *carried);
+  return new CallReactor(ctx, server_);
+}
+
+// --- Requests, however they arrived (a call of their own or a call stream)
+// ---------------------------------------------------------------------------
+
+std::string bufferToString(const grpc::ByteBuffer& buffer, bool* ok) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  *ok = buffer.Dump(&slices).ok();
+  if (!*ok)
+    return out;
+  size_t size = 0;
+  for (const auto& s : slices)
+    size += s.size();
+  out.reserve(size);
+  for (const auto& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+// With a verifier, checks the signature of `*body` (the request of `state`)
+// and takes it off, so that Python and the native paths see the request as
+// its client serialized it (request_auth.hpp). False: the call was answered
+// (UNAUTHENTICATED, or INTERNAL). Never takes the GIL: a refused call costs
+// Python nothing.
+bool verifyRequest(Server* server, CallState& state, std::string* body) {
+  RequestVerifier* verifier = server->verifier();
+  if (verifier == nullptr)
+    return true;
+  size_t offset = 0;
+  std::string why;
+  try {
+    const std::string token =
+        ft_auth::splitSigned(body->data(), body->size(), &offset);
+    why = verifier->verify(
+        state.method(),
+        body->data() + offset,
+        body->size() - offset,
+        token);
+  } catch (const std::exception& e) { // bad_alloc: never into gRPC's thread
+    state.finish(
+        grpc::Status(
+            grpc::StatusCode::INTERNAL,
+            std::string("could not check the signature: ") + e.what()));
+    return false;
+  }
+  if (!why.empty()) {
+    state.finish(
+        grpc::Status(
+            grpc::StatusCode::UNAUTHENTICATED,
+            state.method() + ": refused: " + why +
+                "; this server requires the job secret "
+                "(FT_JOB_SECRET_FILE / FT_JOB_SECRET)"));
+    return false;
+  }
+  state.markVerified();
+  body->erase(0, offset);
+  return true;
+}
+
+// Hands requests to Python's handler (one GIL acquisition for all); a handler
+// that raised finishes its call INTERNAL.
+void callPython(
+    Server* server,
+    std::vector<std::pair<std::shared_ptr<CallState>, std::string>> calls) {
+  std::vector<std::pair<std::shared_ptr<CallState>, std::string>> failed;
+  {
+    GrpcThreadGil gil;
+    for (auto& [call, body] : calls) {
+      std::string error = server->callHandler(call, body);
+      if (!error.empty())
+        failed.emplace_back(call, std::move(error));
+    }
+  }
+  for (auto& [call, error] : failed) {
+    call->finish(
+        grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
+  }
+}
+
+// A Quorum request while the server has a steady round (SteadyQuorum): held,
+// answered with its round, or handed to Python (with the held ones it
+// releases).
+void offerToSteadyRound(
+    Server* server,
+    SteadyQuorum* steady,
+    const std::shared_ptr<CallState>& state,
+    std::string body) {
+  auto outcome = steady->offer(
+      state,
+      std::move(body),
+      state->arrived(),
+      state->timeRemaining());
+  server->recordHeartbeats(outcome.heartbeatIds);
+  if (!outcome.answered.empty()) {
+    grpc::Slice slice(outcome.answer);
+    const grpc::ByteBuffer answer(&slice, 1);
+    for (const auto& call : outcome.answered)
+      call->reply(answer);
+  }
+  if (outcome.toPython.empty())
+    return;
+  std::vector<std::pair<std::shared_ptr<CallState>, std::string>> calls;
+  calls.reserve(outcome.toPython.size());
+  for (auto& held : outcome.toPython)
+    calls.emplace_back(held.call, std::move(held.body));
+  callPython(server, std::move(calls));
+}
+
+// Answers a verified request: a routine heartbeat from the table, a steady
+// Quorum round, anything else in Python.
+void answerRequest(
+    Server* server,
+    const std::shared_ptr<CallState>& state,
+    std::string body) {
+  HeartbeatTable* heartbeats = server->heartbeats();
+  if (heartbeats != nullptr && state->method() == heartbeats->method() &&
+      heartbeats->recordUnary(body, state->timeRemaining())) {
+    grpc::Slice empty;
+    state->reply(grpc::ByteBuffer(&empty, 1)); // LighthouseHeartbeatResponse {}
+    return;
+  }
+  SteadyQuorum* steady = server->steady();
+  if (steady != nullptr && state->method() == steady->method()) {
+    offerToSteadyRound(server, steady, state, std::move(body));
+    return;
+  }
+  std::vector<std::pair<std::shared_ptr<CallState>, std::string>> calls;
+  calls.emplace_back(state, std::move(body));
+  callPython(server, std::move(calls));
+}
+
+// A call that ended unanswered: marked cancelled first (a round that offers it
+// from now on does not hold it), dropped from the steady round if held (the
+// round goes on without it), and Python's on_cancel told.
+void cancelCall(Server* server, const std::shared_ptr<CallState>& state) {
+  const bool notify = state->onCancel();
+  if (SteadyQuorum* steady = server->steady())
+    steady->drop(state.get());
+  if (!notify)
+    return;
+  GrpcThreadGil gil;
+  py::object cb = state->takeOnCancel();
+  if (cb) {
+    try {
+      cb();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("ft gRPC server: on_cancel");
+    } catch (const std::exception& e) {
+      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
+    }
+  }
+}
+
+// gRPC is done with the call: its answer can go nowhere any more.
+void releaseCall(CallState& state) {
+  state.onDone();
+  if (state.hasOnCancel()) {
+    // Finished by this file, not by Python (e.g. the handler raised): drop it
+    // with the GIL.
+    GrpcThreadGil gil;
+    state.takeOnCancel();
+  }
 }
 
 // --- CallReactor
@@ -1118,114 +1397,21 @@ void CallReactor::OnReadDone(bool ok) {
         grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
     return;
   }
-  std::vector<grpc::Slice> slices;
-  if (!request_.Dump(&slices).ok()) {
+  bool readable = false;
+  std::string body = bufferToString(request_, &readable);
+  request_.Clear();
+  if (!readable) {
     state_->finish(
         grpc::Status(grpc::StatusCode::INTERNAL, "could not read the request"));
     return;
   }
-  request_.Clear();
-  std::string body;
-  {
-    size_t size = 0;
-    for (const auto& s : slices)
-      size += s.size();
-    body.reserve(size);
-    for (const auto& s : slices)
-      body.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  slices.clear();
-  // Neither check takes the GIL: a refused or routine call costs Python
-  // nothing.
-  if (RequestVerifier* verifier = server_->verifier()) {
-    // The signature travels in the request's leading field (request_auth.hpp);
-    // it is taken off here, so that Python and the heartbeat table see the
-    // request as its client serialized it.
-    size_t offset = 0;
-    std::string why;
-    try {
-      const std::string token =
-          ft_auth::splitSigned(body.data(), body.size(), &offset);
-      why = verifier->verify(
-          state_->method(),
-          body.data() + offset,
-          body.size() - offset,
-          token);
-    } catch (const std::exception& e) { // bad_alloc: never into gRPC's thread
-      state_->finish(
-          grpc::Status(
-              grpc::StatusCode::INTERNAL,
-              std::string("could not check the signature: ") + e.what()));
-      return;
-    }
-    if (!why.empty()) {
-      state_->finish(
-          grpc::Status(
-              grpc::StatusCode::UNAUTHENTICATED,
-              state_->method() + ": refused: " + why +
-                  "; this server requires the job secret "
-                  "(FT_JOB_SECRET_FILE / FT_JOB_SECRET)"));
-      return;
-    }
-    state_->markVerified();
-    body.erase(0, offset);
-  }
+  if (!verifyRequest(server_, *state_, &body))
+    return;
   if (server_->isHeartbeatStream(state_->method())) {
     onStreamedHeartbeat(body);
     return;
   }
-  HeartbeatTable* heartbeats = server_->heartbeats();
-  if (heartbeats != nullptr && state_->method() == heartbeats->method() &&
-      heartbeats->recordUnary(body, state_->timeRemaining())) {
-    grpc::Slice empty;
-    state_->reply(
-        grpc::ByteBuffer(&empty, 1)); // LighthouseHeartbeatResponse {}
-    return;
-  }
-  SteadyQuorum* steady = server_->steady();
-  if (steady != nullptr && state_->method() == steady->method()) {
-    onQuorum(steady, std::move(body));
-    return;
-  }
-  std::string error;
-  {
-    GrpcThreadGil gil;
-    error = server_->callHandler(state_, body);
-  }
-  if (!error.empty()) {
-    state_->finish(
-        grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
-  }
-}
-
-void CallReactor::onQuorum(SteadyQuorum* steady, std::string body) {
-  auto outcome = steady->offer(
-      state_,
-      std::move(body),
-      state_->arrived(),
-      state_->timeRemaining());
-  server_->recordHeartbeats(outcome.heartbeatIds);
-  if (!outcome.answered.empty()) {
-    grpc::Slice slice(outcome.answer);
-    const grpc::ByteBuffer answer(&slice, 1);
-    for (const auto& call : outcome.answered)
-      call->reply(answer);
-  }
-  if (outcome.toPython.empty())
-    return;
-  std::vector<std::pair<std::shared_ptr<CallState>, std::string>> failed;
-  {
-    GrpcThreadGil gil;
-    for (auto& held : outcome.toPython) {
-      std::string error = server_->callHandler(held.call, held.body);
-      if (!error.empty())
-        failed.emplace_back(held.call, std::move(error));
-    }
-  }
-  for (auto& [call, error] : failed) {
-    call->finish(
-        grpc::Status(grpc::StatusCode::INTERNAL, "handler failed: " + error));
-  }
+  answerRequest(server_, state_, std::move(body));
 }
 
 void CallReactor::onStreamedHeartbeat(const std::string& body) {
@@ -1260,34 +1446,162 @@ void CallReactor::onStreamedHeartbeat(const std::string& body) {
 }
 
 void CallReactor::OnCancel() {
-  // Marked cancelled first: a round that offers it from now on does not hold
-  // it.
-  const bool notify = state_->onCancel();
-  if (SteadyQuorum* steady = server_->steady())
-    steady->drop(state_.get()); // if held: the round goes on without it
-  if (!notify)
-    return;
-  GrpcThreadGil gil;
-  py::object cb = state_->takeOnCancel();
-  if (cb) {
-    try {
-      cb();
-    } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("ft gRPC server: on_cancel");
-    } catch (const std::exception& e) {
-      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
-    }
-  }
+  cancelCall(server_, state_);
 }
 
 void CallReactor::OnDone() {
-  state_->onDone();
-  if (state_->hasOnCancel()) {
-    // Finished by this file, not by Python (e.g. the handler raised): drop it
-    // with the GIL.
-    GrpcThreadGil gil;
-    state_->takeOnCancel();
+  releaseCall(*state_);
+  delete this;
+}
+
+// --- CallStreamReactor
+// -------------------------------------------------------------------------
+
+void CallStreamReactor::OnReadDone(bool ok) {
+  if (!ok) {
+    // The client closed its side (or the stream ended: then OnCancel ends
+    // it).
+    bool end = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      clientClosed_ = true;
+      if (!current_)
+        end = endLocked(grpc::Status::OK);
+    }
+    if (end)
+      Finish(grpc::Status::OK);
+    return;
   }
+  bool readable = false;
+  const std::string message = bufferToString(in_, &readable);
+  in_.Clear();
+  ft_call_stream::Request req;
+  if (!readable || !ft_call_stream::decodeRequest(message, &req) ||
+      req.timeoutMs <= 0) {
+    const grpc::Status refused(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "call stream: every message must be a CallStreamRequest with "
+        "timeout_ms > 0");
+    bool end = false;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      end = endLocked(refused);
+    }
+    if (end)
+      Finish(refused);
+    return;
+  }
+  // A year at most, so that the time point does not overflow.
+  const int64_t timeoutMs =
+      std::min<int64_t>(req.timeoutMs, int64_t{365} * 24 * 3600 * 1000);
+  auto state = std::make_shared<CallState>(
+      this,
+      carriedMethod_,
+      std::chrono::system_clock::now() + std::chrono::milliseconds(timeoutMs),
+      /*streamsWrites=*/false);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (cancelled_ || ended_)
+      return; // nobody to answer
+    current_ = state;
+  }
+  std::string body(req.request);
+  if (!verifyRequest(server_, *state, &body))
+    return;
+  answerRequest(server_, state, std::move(body));
+}
+
+void CallStreamReactor::answer(
+    const grpc::Status& status,
+    const grpc::ByteBuffer* msg) {
+  std::string body;
+  if (msg != nullptr) {
+    bool readable = false;
+    body = bufferToString(*msg, &readable);
+  }
+  std::string encoded = ft_call_stream::encodeResponse(
+      static_cast<int32_t>(status.error_code()),
+      status.error_message(),
+      body);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (cancelled_ || ended_)
+      return; // the stream is gone: the answer goes nowhere
+    grpc::Slice slice(std::move(encoded));
+    out_ = grpc::ByteBuffer(&slice, 1);
+    writing_ = true;
+  }
+  StartWrite(&out_);
+}
+
+void CallStreamReactor::OnWriteDone(bool ok) {
+  std::shared_ptr<CallState> answered;
+  bool end = false;
+  bool readNext = false;
+  grpc::Status status;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    writing_ = false;
+    answered = std::move(current_);
+    if (endPending_) {
+      status = pendingStatus_;
+      end = endLocked(status);
+    } else if (!ok) {
+      status = grpc::Status(grpc::StatusCode::CANCELLED, "the stream broke");
+      end = endLocked(status);
+    } else if (clientClosed_) {
+      status = grpc::Status::OK;
+      end = endLocked(status);
+    } else {
+      readNext = !cancelled_ && !ended_;
+    }
+  }
+  if (answered)
+    releaseCall(*answered);
+  if (end)
+    Finish(status);
+  else if (readNext)
+    StartRead(&in_);
+}
+
+bool CallStreamReactor::endLocked(const grpc::Status& status) {
+  if (ended_)
+    return false;
+  if (writing_) {
+    endPending_ = true;
+    pendingStatus_ = status;
+    return false;
+  }
+  endPending_ = false;
+  ended_ = true;
+  return true;
+}
+
+void CallStreamReactor::OnCancel() {
+  std::shared_ptr<CallState> unanswered;
+  bool end = false;
+  const grpc::Status cancelled(grpc::StatusCode::CANCELLED, "cancelled");
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    cancelled_ = true;
+    if (!writing_)
+      unanswered = std::move(current_);
+    end = endLocked(cancelled);
+  }
+  if (unanswered)
+    cancelCall(server_, unanswered);
+  if (end)
+    Finish(cancelled);
+}
+
+void CallStreamReactor::OnDone() {
+  std::shared_ptr<CallState> last;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    last = std::move(current_);
+  }
+  if (last)
+    releaseCall(*last);
   delete this;
 }
 
@@ -1349,58 +1663,64 @@ PYBIND11_MODULE(_grpc_server, m) {
 
   py::class_<Server>(m, "Server")
       .def(
-          py::init([](const std::string& address,
-                      py::function handler,
-                      int maxMessageBytes,
-                      int keepaliveMs,
-                      py::object verifier,
-                      py::object heartbeat,
-                      py::object steadyQuorum) {
-            // verifier: (key bytes, skew ms, max remembered nonces) or None.
-            // heartbeat: (method path, stream method path or "", max name
-            // bytes, no-deadline seconds) or None.
-            std::unique_ptr<RequestVerifier> v;
-            if (!verifier.is_none()) {
-              auto t = verifier.cast<py::tuple>();
-              v = std::make_unique<RequestVerifier>(
-                  t[0].cast<std::string>(),
-                  t[1].cast<int64_t>(),
-                  t[2].cast<size_t>());
-            }
-            std::unique_ptr<HeartbeatTable> h;
-            if (!heartbeat.is_none()) {
-              auto t = heartbeat.cast<py::tuple>();
-              h = std::make_unique<HeartbeatTable>(
-                  t[0].cast<std::string>(),
-                  t[1].cast<std::string>(),
-                  t[2].cast<size_t>(),
-                  t[3].cast<double>());
-            }
-            // steady_quorum: (Quorum method path, no-deadline seconds) or
-            // None.
-            std::unique_ptr<SteadyQuorum> sq;
-            if (!steadyQuorum.is_none()) {
-              auto t = steadyQuorum.cast<py::tuple>();
-              sq = std::make_unique<SteadyQuorum>(
-                  t[0].cast<std::string>(),
-                  t[1].cast<double>());
-            }
-            return std::make_unique<Server>(
-                address,
-                std::move(handler),
-                maxMessageBytes,
-                keepaliveMs,
-                std::move(v),
-                std::move(h),
-                std::move(sq));
-          }),
+          py::init(
+              [](const std::string& address,
+                 py::function handler,
+                 int maxMessageBytes,
+                 int keepaliveMs,
+                 py::object verifier,
+                 py::object heartbeat,
+                 py::object steadyQuorum,
+                 std::unordered_map<std::string, std::string> callStreams) {
+                // verifier: (key bytes, skew ms, max remembered nonces) or
+                // None. heartbeat: (method path, stream method path or "", max
+                // name bytes, no-deadline seconds) or None.
+                std::unique_ptr<RequestVerifier> v;
+                if (!verifier.is_none()) {
+                  auto t = verifier.cast<py::tuple>();
+                  v = std::make_unique<RequestVerifier>(
+                      t[0].cast<std::string>(),
+                      t[1].cast<int64_t>(),
+                      t[2].cast<size_t>());
+                }
+                std::unique_ptr<HeartbeatTable> h;
+                if (!heartbeat.is_none()) {
+                  auto t = heartbeat.cast<py::tuple>();
+                  h = std::make_unique<HeartbeatTable>(
+                      t[0].cast<std::string>(),
+                      t[1].cast<std::string>(),
+                      t[2].cast<size_t>(),
+                      t[3].cast<double>());
+                }
+                // steady_quorum: (Quorum method path, no-deadline seconds) or
+                // None.
+                std::unique_ptr<SteadyQuorum> sq;
+                if (!steadyQuorum.is_none()) {
+                  auto t = steadyQuorum.cast<py::tuple>();
+                  sq = std::make_unique<SteadyQuorum>(
+                      t[0].cast<std::string>(),
+                      t[1].cast<double>());
+                }
+                return std::make_unique<Server>(
+                    address,
+                    std::move(handler),
+                    maxMessageBytes,
+                    keepaliveMs,
+                    std::move(v),
+                    std::move(h),
+                    std::move(sq),
+                    std::move(callStreams));
+              }),
           py::arg("address"),
           py::arg("handler"),
           py::arg("max_message_bytes"),
           py::arg("keepalive_ms") = 0,
           py::arg("verifier") = py::none(),
           py::arg("heartbeat") = py::none(),
-          py::arg("steady_quorum") = py::none())
+          py::arg("steady_quorum") = py::none(),
+          // {call stream method path: the unary method path it carries}
+          py::arg("call_streams") =
+              std::unordered_map<std::string, std::string>())
       .def_property_readonly("port", &Server::port)
       .def(
           "steady_arm",

@@ -20,6 +20,10 @@ except ImportError:  # not built (no gRPC C++ on the build machine)
 
 # A client's transport when it is built with transport="auto": "native" or "grpcio".
 CLIENT_TRANSPORT_ENV = "FT_CLIENT_TRANSPORT"
+# "0" turns off the native client's call streams (Quorum calls as messages of one long-lived
+# call, ft.coordination.clients._CallStream): every Quorum is then a call of its own. For a
+# proxy between clients and lighthouse that does not carry long-lived streams.
+CALL_STREAMS_ENV = "FT_CLIENT_CALL_STREAMS"
 
 
 # Servers refuse requests larger than this (RESOURCE_EXHAUSTED); clients accept answers up to it.
@@ -169,6 +173,13 @@ def client_transport(transport: str, tls: bool) -> str:
         if tls:
             raise ValueError("the native gRPC client does not do TLS; use transport='grpcio'")
     return "native" if transport != "grpcio" and native is not None and not tls else "grpcio"
+
+
+def call_streams_enabled() -> bool:
+    """Whether native clients carry calls on call streams (``FT_CLIENT_CALL_STREAMS``, default
+    on; "0", "false", "no" or "off" turn them off)."""
+    value = os.environ.get(CALL_STREAMS_ENV, "").strip().lower()
+    return value not in ("0", "false", "no", "off")
 
 
 def make_native_channel(addr: str, signing_key: bytes = b""):

@@ -103,6 +103,9 @@ class _Client:
     # method name -> how its serialized response is decoded (default: the proto class's
     # FromString).
     _response_parsers: Dict[str, Callable[[bytes], Any]] = {}
+    # method name -> the call stream method that carries its calls on the native transport
+    # (see _CallStream).
+    _call_stream_methods: Dict[str, str] = {}
 
     def __new__(
         cls,
@@ -138,6 +141,15 @@ class _Client:
                 make(path, request_serializer=None, response_deserializer=parse),
             )
             self._methods[name] = (path, parse)
+        prefix = f"/{pb.DESCRIPTOR.services_by_name[self._service].full_name}/"
+        self._call_streams = (
+            {
+                name: _CallStream(self._native, prefix + stream, prefix + name)
+                for name, stream in self._call_stream_methods.items()
+            }
+            if self._native is not None and _rpc.call_streams_enabled()
+            else {}
+        )
         self._connected = False
         self._open()
         return self
@@ -177,6 +189,7 @@ class _Client:
         path, parse = self._methods[method]
         data = request.SerializeToString()  # once; each attempt signs it anew (a fresh nonce)
         native = self._native
+        stream = self._call_streams.get(method)
 
         def attempt(remaining: float):
             if wait_for_ready and not self._connected:
@@ -191,7 +204,12 @@ class _Client:
                     raise TimeoutError(f"{method}: {e}") from None
             if native is not None:
                 try:
-                    resp = parse(native.call(path, data, remaining, wait_for_ready))
+                    raw = (
+                        stream.call(data, remaining, wait_for_ready) if stream is not None else None
+                    )
+                    if raw is None:
+                        raw = native.call(path, data, remaining, wait_for_ready)
+                    resp = parse(raw)
                 except _rpc.native.CallError as e:
                     code, details = _rpc.native_status(e)
                     if code == grpc.StatusCode.UNAVAILABLE:
@@ -214,6 +232,8 @@ class _Client:
         )
 
     def close(self) -> None:
+        for stream in self._call_streams.values():
+            stream.close()
         if self._native is not None:
             self._native.close()
         self._channel.close()
@@ -355,6 +375,52 @@ class _HeartbeatStream:
         self._stream.close(self.CLOSE_TIMEOUT_S)
 
 
+class _CallStream:
+    """Calls of one method as messages of one long-lived call (native transport): a call
+    stream, ``ClientCallStream`` in csrc/grpc_server/grpc_client.cpp, one request at a time.
+    Why: a call costs the lighthouse, and this client, a new HTTP/2 stream, headers, a call
+    object and trailers; a message on an open stream is one DATA frame each way
+    (docs/benchmarks.md, "Quorum").
+
+    Nothing is lost to a server without the stream method (torchft's lighthouse, ft's on
+    grpcio): it ends the stream UNIMPLEMENTED before reading the request, and that request,
+    and the next ones for ``RETRY_AFTER_S``, go as calls. A request that a second thread
+    sends while the stream is busy goes as a call too. Any other failure is raised as the
+    call's would be (and retried the same way by ``_Client._call``); the next request opens
+    a new stream.
+    """
+
+    RETRY_AFTER_S = 60.0
+
+    def __init__(self, channel, stream_method: str, method: str) -> None:
+        self._stream = channel.open_call_stream(stream_method, method)
+        self._unary_until = 0.0
+        self._closed = False
+        self.answered = 0  # requests answered on the stream
+
+    def call(self, data: bytes, timeout: float, wait_for_ready: bool) -> Optional[bytes]:
+        """The serialized response, or None: make a call instead. Raises the native
+        ``CallError`` as ``Channel.call`` does."""
+        if self._closed or time.monotonic() < self._unary_until:
+            return None
+        try:
+            response = self._stream.call(data, timeout, wait_for_ready)
+        except _rpc.native.CallError as e:
+            code, details = _rpc.native_status(e)
+            if code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._unary_until = time.monotonic() + self.RETRY_AFTER_S
+            logger.debug("call stream: %s; calls for a while", details)
+            return None
+        if response is not None:
+            self.answered += 1
+        return response
+
+    def close(self) -> None:
+        self._closed = True
+        self._stream.close()
+
+
 class LighthouseClient(_Client):
     """Client of ``LighthouseService``.
 
@@ -367,6 +433,7 @@ class LighthouseClient(_Client):
     _service = "LighthouseService"
     # A quorum goes straight from the wire into ft's types (natively where built).
     _response_parsers = {"Quorum": wire.quorum_from_response}
+    _call_stream_methods = {"Quorum": "QuorumStream"}
 
     def _open(self) -> None:
         self._heartbeats = (

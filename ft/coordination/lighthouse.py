@@ -1258,6 +1258,9 @@ class LighthouseServer:
             fast_heartbeat_stream=_SERVICE + "HeartbeatStream",
             # Steady rounds (the previous quorum's members asking again) are answered in C++.
             steady_quorum=_SERVICE + "Quorum",
+            # Quorum calls as messages of one long-lived call per client (the native client's
+            # default): no new HTTP/2 stream, headers and call object per request.
+            call_streams={_SERVICE + "QuorumStream": _SERVICE + "Quorum"},
         )
         self._state.take_fast_heartbeats = self._server.take_heartbeats
         self._state.steady = self._server

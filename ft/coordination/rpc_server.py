@@ -305,6 +305,12 @@ class RpcServer:
             whose steady rounds the C++ server answers itself once armed (see
             :meth:`steady_arm`; csrc/grpc_server/steady_quorum.hpp). Every other call of it
             reaches its handler. Ignored on grpcio.
+        call_streams: native only: ``{stream method: unary method}``, full names. Each stream
+            method is served as a call stream (``CallStreamRequest`` in, ``CallStreamResponse``
+            out, one request at a time; csrc/grpc_server/grpc_server.cpp, CallStreamReactor):
+            every message is a call of its unary method, which that method's handler (and the
+            steady round) sees as a call of its own. Not served on grpcio (UNIMPLEMENTED:
+            clients make unary calls).
     """
 
     def __init__(
@@ -320,6 +326,7 @@ class RpcServer:
         fast_heartbeat: Optional[str] = None,
         fast_heartbeat_stream: Optional[str] = None,
         steady_quorum: Optional[str] = None,
+        call_streams: Optional[Dict[str, str]] = None,
     ) -> None:
         if transport not in ("auto", "native", "grpcio"):
             raise ValueError(f"transport must be 'auto', 'native' or 'grpcio', got {transport!r}")
@@ -357,6 +364,7 @@ class RpcServer:
                         else None
                     ),
                     steady_quorum=((steady_quorum, _rpc.NO_DEADLINE_S) if steady_quorum else None),
+                    call_streams=dict(call_streams or {}),
                 )
             except RuntimeError as e:
                 raise OSError(str(e)) from None

@@ -20,19 +20,24 @@ from tests.coordination._helpers import parallel, run_threads, wait_for
 
 SECRET = "client-transports-test-secret-0123456789"
 
+_NEEDS_NATIVE = pytest.mark.skipif(
+    _rpc.native is None, reason="native gRPC client not built (no gRPC C++)"
+)
+# "native": Quorum as messages of the client's QuorumStream (the default); "native-calls": the
+# native client with call streams off (FT_CLIENT_CALL_STREAMS=0), every Quorum a call.
 CLIENT_TRANSPORTS = [
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(
-            _rpc.native is None, reason="native gRPC client not built (no gRPC C++)"
-        ),
-    ),
+    pytest.param("native", marks=_NEEDS_NATIVE),
+    pytest.param("native-calls", marks=_NEEDS_NATIVE),
     "grpcio",
 ]
 
 
 @pytest.fixture(params=CLIENT_TRANSPORTS)
-def client_transport(request) -> str:
+def client_transport(request, monkeypatch) -> str:
+    if request.param == "native-calls":
+        monkeypatch.setenv(_rpc.CALL_STREAMS_ENV, "0")
+        return "native"
+    monkeypatch.delenv(_rpc.CALL_STREAMS_ENV, raising=False)
     return request.param
 
 

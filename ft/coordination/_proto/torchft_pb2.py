@@ -18,7 +18,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtorchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"A\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"\x1d\n\x1bLighthouseHeartbeatResponse\".\n\x18SubscribeFailuresRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\xad\x01\n\x13\x46\x61ilureNotification\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x03\x12,\n\x08\x64\x65tected\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x11\n\tkeepalive\x18\x06 \x01(\x08\"\x96\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\"\x99\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\xf2\x02\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse\x12V\n\x11SubscribeFailures\x12!.torchft.SubscribeFailuresRequest\x1a\x1c.torchft.FailureNotification0\x01\x12^\n\x0fHeartbeatStream\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse(\x01\x32\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtorchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"A\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"\x1d\n\x1bLighthouseHeartbeatResponse\".\n\x18SubscribeFailuresRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\xad\x01\n\x13\x46\x61ilureNotification\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x03\x12,\n\x08\x64\x65tected\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x11\n\tkeepalive\x18\x06 \x01(\x08\"8\n\x11\x43\x61llStreamRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\x03\x12\x0f\n\x07request\x18\x02 \x01(\x0c\"E\n\x12\x43\x61llStreamResponse\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x10\n\x08response\x18\x03 \x01(\x0c\"\x96\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\"\x99\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\xbf\x03\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse\x12V\n\x11SubscribeFailures\x12!.torchft.SubscribeFailuresRequest\x1a\x1c.torchft.FailureNotification0\x01\x12^\n\x0fHeartbeatStream\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse(\x01\x12K\n\x0cQuorumStream\x12\x1a.torchft.CallStreamRequest\x1a\x1b.torchft.CallStreamResponse(\x01\x30\x01\x32\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,24 +41,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBSCRIBEFAILURESREQUEST']._serialized_end=623
   _globals['_FAILURENOTIFICATION']._serialized_start=626
   _globals['_FAILURENOTIFICATION']._serialized_end=799
-  _globals['_MANAGERQUORUMREQUEST']._serialized_start=802
-  _globals['_MANAGERQUORUMREQUEST']._serialized_end=952
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=955
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1364
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1366
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1407
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1409
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1466
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1468
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1546
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1548
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1593
-  _globals['_KILLREQUEST']._serialized_start=1595
-  _globals['_KILLREQUEST']._serialized_end=1621
-  _globals['_KILLRESPONSE']._serialized_start=1623
-  _globals['_KILLRESPONSE']._serialized_end=1637
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=1640
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=2010
-  _globals['_MANAGERSERVICE']._serialized_start=2013
-  _globals['_MANAGERSERVICE']._serialized_end=2327
+  _globals['_CALLSTREAMREQUEST']._serialized_start=801
+  _globals['_CALLSTREAMREQUEST']._serialized_end=857
+  _globals['_CALLSTREAMRESPONSE']._serialized_start=859
+  _globals['_CALLSTREAMRESPONSE']._serialized_end=928
+  _globals['_MANAGERQUORUMREQUEST']._serialized_start=931
+  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1081
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1084
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1493
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1495
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1536
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1538
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1595
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1597
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1675
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1677
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1722
+  _globals['_KILLREQUEST']._serialized_start=1724
+  _globals['_KILLREQUEST']._serialized_end=1750
+  _globals['_KILLRESPONSE']._serialized_start=1752
+  _globals['_KILLRESPONSE']._serialized_end=1766
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=1769
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=2216
+  _globals['_MANAGERSERVICE']._serialized_start=2219
+  _globals['_MANAGERSERVICE']._serialized_end=2533
 # @@protoc_insertion_point(module_scope)

@@ -85,6 +85,24 @@ class FailureNotification(_message.Message):
     keepalive: bool
     def __init__(self, replica_id: _Optional[str] = ..., error_message: _Optional[str] = ..., quorum_id: _Optional[int] = ..., detected: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., heartbeat_age_s: _Optional[float] = ..., keepalive: _Optional[bool] = ...) -> None: ...
 
+class CallStreamRequest(_message.Message):
+    __slots__ = ("timeout_ms", "request")
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    timeout_ms: int
+    request: bytes
+    def __init__(self, timeout_ms: _Optional[int] = ..., request: _Optional[bytes] = ...) -> None: ...
+
+class CallStreamResponse(_message.Message):
+    __slots__ = ("code", "details", "response")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    response: bytes
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
+
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]

@@ -38,6 +38,11 @@ class LighthouseServiceStub:
                 request_serializer=torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
                 response_deserializer=torchft__pb2.LighthouseHeartbeatResponse.FromString,
                 _registered_method=True)
+        self.QuorumStream = channel.stream_stream(
+                '/torchft.LighthouseService/QuorumStream',
+                request_serializer=torchft__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=torchft__pb2.CallStreamResponse.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
@@ -73,6 +78,15 @@ class LighthouseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QuorumStream(self, request_iterator, context):
+        """ft extension: Quorum calls as messages of one long-lived call, one request at a time:
+        each request is answered by one response message before the client sends the next. A
+        server without it answers UNIMPLEMENTED and the client makes Quorum calls instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +109,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     servicer.HeartbeatStream,
                     request_deserializer=torchft__pb2.LighthouseHeartbeatRequest.FromString,
                     response_serializer=torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
+            ),
+            'QuorumStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.QuorumStream,
+                    request_deserializer=torchft__pb2.CallStreamRequest.FromString,
+                    response_serializer=torchft__pb2.CallStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -205,6 +224,33 @@ class LighthouseService:
             '/torchft.LighthouseService/HeartbeatStream',
             torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
             torchft__pb2.LighthouseHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QuorumStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchft.LighthouseService/QuorumStream',
+            torchft__pb2.CallStreamRequest.SerializeToString,
+            torchft__pb2.CallStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
