@@ -1,6 +1,8 @@
 """ManagerServer RPC cost for a replica group of 2 ranks: the per-step Quorum + ShouldCommit
 that rank 1 (another process) sends to rank 0's ManagerServer, served by the native gRPC server
-and by grpcio, side by side in one run.
+and by grpcio, side by side in one run. On the native server rank 1's native client sends them
+as messages of its two call streams (``native``, the default), or as calls
+(``native-calls``: FT_CLIENT_CALL_STREAMS=0); grpcio serves no call streams.
 
     .venv/bin/python -m bench.manager_server_bench [--rounds 300]
 
@@ -23,11 +25,16 @@ import time
 from datetime import timedelta
 
 TIMEOUT = timedelta(seconds=30)
+# The server's transport, and for the native one whether rank 1 uses call streams.
+CONFIGS = ("native", "native-calls", "grpcio")
 
 
-def rank1(addr: str, rounds: int, barrier, out) -> None:  # type: ignore[no-untyped-def]
+def rank1(addr: str, rounds: int, barrier, out, streams: bool) -> None:  # type: ignore[no-untyped-def]
+    from ft.coordination import _rpc
     from ft.coordination.clients import ManagerClient
 
+    if not streams:
+        os.environ[_rpc.CALL_STREAMS_ENV] = "0"
     client = ManagerClient(addr, timedelta(seconds=10))
     times = []
     try:
@@ -45,12 +52,13 @@ def rank1(addr: str, rounds: int, barrier, out) -> None:  # type: ignore[no-unty
         client.close()
 
 
-def run(transport: str, lighthouse_addr: str, rounds: int) -> tuple:
+def run(config: str, lighthouse_addr: str, rounds: int) -> tuple:
     from ft.coordination import ManagerServer
     from ft.coordination.manager_server import LocalManagerClient
 
+    transport = config.split("-")[0]
     server = ManagerServer(
-        f"bench-{transport}",
+        f"bench-{config}",
         lighthouse_addr,
         "127.0.0.1",
         "127.0.0.1:0",
@@ -64,7 +72,11 @@ def run(transport: str, lighthouse_addr: str, rounds: int) -> tuple:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
     out = ctx.Queue()
-    proc = ctx.Process(target=rank1, args=(server.address(), rounds, barrier, out), daemon=True)
+    proc = ctx.Process(
+        target=rank1,
+        args=(server.address(), rounds, barrier, out, config != "native-calls"),
+        daemon=True,
+    )
     proc.start()
     cpu = []
     try:
@@ -115,8 +127,8 @@ def main() -> None:
     rows = []
     try:
         addr = addr_out.get(timeout=60)
-        for transport in ("native", "grpcio", "native", "grpcio"):  # alternate against drift
-            rows.append((transport, *run(transport, addr, a.rounds)))
+        for config in CONFIGS * 2:  # alternate against drift
+            rows.append((config, *run(config, addr, a.rounds)))
     finally:
         stop.set()
         lh.join(10)
@@ -126,16 +138,20 @@ def main() -> None:
         f"ManagerServer, group of 2 ranks, {a.rounds} steps (Quorum + ShouldCommit per step); "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'server':8s} {'step round trip (rank 1)':>26s} {'server process CPU/step':>25s}")
-    for transport, wall, cpu, actual in rows:
-        assert actual == transport, (actual, transport)
-        print(f"{transport:8s} {wall * 1e3:23.2f} ms {cpu * 1e3:22.2f} ms")
-    nat = [r for r in rows if r[0] == "native"]
-    gio = [r for r in rows if r[0] == "grpcio"]
-    print(
-        f"native / grpcio: round trip {statistics.mean(r[1] for r in nat) / statistics.mean(r[1] for r in gio):.2f}x, "
-        f"CPU {statistics.mean(r[2] for r in nat) / statistics.mean(r[2] for r in gio):.2f}x"
-    )
+    print(f"{'server':12s} {'step round trip (rank 1)':>26s} {'server process CPU/step':>25s}")
+    for config, wall, cpu, actual in rows:
+        assert actual == config.split("-")[0], (actual, config)
+        print(f"{config:12s} {wall * 1e3:23.2f} ms {cpu * 1e3:22.2f} ms")
+
+    def ratio(a: str, b: str) -> str:
+        mean = lambda name, i: statistics.mean(r[i] for r in rows if r[0] == name)  # noqa: E731
+        return (
+            f"{a} / {b}: round trip {mean(a, 1) / mean(b, 1):.2f}x, "
+            f"CPU {mean(a, 2) / mean(b, 2):.2f}x"
+        )
+
+    print(ratio("native", "grpcio"))
+    print(ratio("native", "native-calls"))
 
 
 if __name__ == "__main__":

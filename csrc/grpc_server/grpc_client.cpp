@@ -919,14 +919,7 @@ class ClientChannel {
           reinterpret_cast<const char*>(single.begin()),
           single.size());
     }
-    std::vector<grpc::Slice> slices;
-    if (!buffer.Dump(&slices).ok())
-      return py::bytes();
-    std::string out;
-    out.reserve(buffer.Length());
-    for (const auto& s : slices)
-      out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    return py::bytes(out);
+    return py::bytes(bufferBytes(buffer));
   }
 
   std::shared_ptr<ft_auth::RequestSigner> signer_; // set once, then read-only

@@ -545,6 +545,7 @@ class ManagerClient(_Client):
     """
 
     _service = "ManagerService"
+    _call_stream_methods = {"Quorum": "QuorumStream", "ShouldCommit": "ShouldCommitStream"}
 
     def quorum(
         self,

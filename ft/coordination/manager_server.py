@@ -265,6 +265,12 @@ class ManagerServer:
                 max_workers=workers,
                 tls=tls,
                 verifier=Verifier(secret, GRPC_PURPOSE) if secret is not None else None,
+                # Each rank's per-step calls as messages of one long-lived call per rank
+                # (native server): no new HTTP/2 stream, headers and call object per step.
+                call_streams={
+                    _SERVICE + "QuorumStream": _SERVICE + "Quorum",
+                    _SERVICE + "ShouldCommitStream": _SERVICE + "ShouldCommit",
+                },
             )
         except OSError as e:
             self._pool.shutdown(wait=False)

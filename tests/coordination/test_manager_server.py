@@ -101,6 +101,42 @@ def test_steady_rounds_of_manager_servers(lighthouse_factory, manager_factory):
     assert st["native_rounds"] == (4 if lh.transport == "native" else 0), st
 
 
+def test_each_ranks_step_calls_ride_its_call_streams(lighthouse_factory, manager_factory):
+    """With a client per rank (as every rank has), the native client carries each rank's
+    Quorum and ShouldCommit on its two call streams, step after step; the answers are those
+    of calls (a server without the streams, grpcio here, gets calls)."""
+    lh = lighthouse_factory(min_replicas=1)
+    s = manager_factory("g0", lh.address(), world_size=2)
+    clients = [ManagerClient(s.address(), connect_timeout=5.0) for _ in range(2)]
+    try:
+        for step in range(1, 5):
+            q = parallel(
+                [
+                    lambda r=r, c=c: c._quorum(r, step, f"m{r}", False, 5.0)
+                    for r, c in enumerate(clients)
+                ]
+            )
+            assert [r.max_step for r in q] == [step, step] and q[0].quorum_id == q[1].quorum_id
+            votes = parallel(
+                [
+                    lambda r=r, c=c: c.should_commit(r, step, r == 0 or step != 3, 5.0)
+                    for r, c in enumerate(clients)
+                ]
+            )
+            assert votes == [step != 3] * 2  # one rank's veto fails the step for both
+        for c in clients:
+            if c.transport != "native":
+                assert c._call_streams == {}
+                continue
+            streams = c._call_streams
+            carried = 4 if s._server.transport == "native" else 0
+            assert streams["Quorum"].answered == carried
+            assert streams["ShouldCommit"].answered == carried
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_init_sync_at_step_zero(lighthouse_factory, manager_factory):
     lh = lighthouse_factory(min_replicas=2)
     s0 = manager_factory("g0", lh.address(), world_size=2)

@@ -111,4 +111,6 @@ def test_wire_layout_matches_torchft():
     svc = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
     assert svc["LighthouseService"][:2] == ["Quorum", "Heartbeat"]
     assert "SubscribeFailures" in svc["LighthouseService"]
-    assert svc["ManagerService"] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"]
+    # torchft's four, then ft's extensions (served by ft only; clients fall back to the four).
+    assert svc["ManagerService"][:4] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"]
+    assert svc["ManagerService"][4:] == ["QuorumStream", "ShouldCommitStream"]

@@ -291,6 +291,16 @@ class ManagerServiceStub:
                 request_serializer=torchft__pb2.KillRequest.SerializeToString,
                 response_deserializer=torchft__pb2.KillResponse.FromString,
                 _registered_method=True)
+        self.QuorumStream = channel.stream_stream(
+                '/torchft.ManagerService/QuorumStream',
+                request_serializer=torchft__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=torchft__pb2.CallStreamResponse.FromString,
+                _registered_method=True)
+        self.ShouldCommitStream = channel.stream_stream(
+                '/torchft.ManagerService/ShouldCommitStream',
+                request_serializer=torchft__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=torchft__pb2.CallStreamResponse.FromString,
+                _registered_method=True)
 
 
 class ManagerServiceServicer:
@@ -320,6 +330,21 @@ class ManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QuorumStream(self, request_iterator, context):
+        """ft extension: Quorum and ShouldCommit calls as messages of one long-lived call each, as
+        LighthouseService.QuorumStream. A server without them answers UNIMPLEMENTED and the client
+        makes calls instead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShouldCommitStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -342,6 +367,16 @@ def add_ManagerServiceServicer_to_server(servicer, server):
                     servicer.Kill,
                     request_deserializer=torchft__pb2.KillRequest.FromString,
                     response_serializer=torchft__pb2.KillResponse.SerializeToString,
+            ),
+            'QuorumStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.QuorumStream,
+                    request_deserializer=torchft__pb2.CallStreamRequest.FromString,
+                    response_serializer=torchft__pb2.CallStreamResponse.SerializeToString,
+            ),
+            'ShouldCommitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ShouldCommitStream,
+                    request_deserializer=torchft__pb2.CallStreamRequest.FromString,
+                    response_serializer=torchft__pb2.CallStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,6 +487,60 @@ class ManagerService:
             '/torchft.ManagerService/Kill',
             torchft__pb2.KillRequest.SerializeToString,
             torchft__pb2.KillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QuorumStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchft.ManagerService/QuorumStream',
+            torchft__pb2.CallStreamRequest.SerializeToString,
+            torchft__pb2.CallStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShouldCommitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchft.ManagerService/ShouldCommitStream',
+            torchft__pb2.CallStreamRequest.SerializeToString,
+            torchft__pb2.CallStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
