@@ -463,13 +463,16 @@ std::string bufferBytes(const grpc::ByteBuffer& buffer) {
 //   request at the server, and raises DEADLINE_EXCEEDED. A signal handler that
 //   raises (Ctrl-C) cancels it too, and its exception propagates.
 // - It returns None at once, sending nothing, while another thread's call
-//   uses the stream: that caller makes a unary call instead.
+//   uses the stream (that caller makes a unary call instead), and after
+//   close().
 // - The calling thread drives the stream (a completion queue of the stream's
 //   own, polled only during calls), as Channel.call does: no hand-off to
-//   another thread. Between calls nothing is pending: a stream the server
-//   ended meanwhile is found at the next call, whose request then gets the
-//   status above.
-// - `close()` cancels an open stream; a later call opens a new one.
+//   another thread. Between calls one read is pending, which completes only
+//   if the stream ends (the server sends nothing unasked): a stream the
+//   server ended, or whose connection broke, while idle is replaced by a new
+//   one at the next call, which does not fail for it.
+// - `close()` cancels an open stream (after a call in flight returns); later
+//   calls return None.
 class ClientCallStream {
  public:
   ClientCallStream(
@@ -491,7 +494,7 @@ class ClientCallStream {
   py::object
   call(const py::bytes& request, double timeoutS, bool waitForReady) {
     std::unique_lock<std::mutex> busy(mu_, std::try_to_lock);
-    if (!busy.owns_lock())
+    if (!busy.owns_lock() || closed_)
       return py::none();
     char* data = nullptr;
     Py_ssize_t size = 0;
@@ -517,6 +520,7 @@ class ClientCallStream {
   void close() {
     GilRelease nogil;
     std::lock_guard<std::mutex> g(mu_);
+    closed_ = true;
     if (open_)
       tearDown();
   }
@@ -599,6 +603,8 @@ class ClientCallStream {
     const grpc::Status late(
         grpc::StatusCode::DEADLINE_EXCEEDED,
         "Deadline Exceeded");
+    if (open_ && endedWhileIdle())
+      tearDown(); // the server ended it, or the connection broke: a new one
     if (!open_) {
       open_ = std::make_unique<Open>();
       open_->ctx.set_wait_for_ready(waitForReady);
@@ -606,22 +612,29 @@ class ClientCallStream {
       open_->pending |= kStart;
       open_->rw->StartCall(tag(kStart));
     }
-    // The previous call's write has completed (its answer came after it), and
-    // nothing else is pending: a stream the server ended shows here.
+    // The stream is started and the previous request's write completed (its
+    // answer came after it).
     if (!settle(kStart | kWrite, deadline, &interrupted))
       return failed(late);
     std::string head;
     if (signer_ != nullptr)
       head = ft_auth::signedPrefix(
           signer_->token(method_, body.data(), body.size()));
-    const double ms = std::ceil(std::max(timeoutS, 0.0) * 1000.0);
+    // What is left of the timeout now (opening the stream may have taken some).
+    const double ms = std::ceil(
+        std::chrono::duration<double, std::milli>(deadline - Clock::now())
+            .count());
     const int64_t timeoutMs =
         static_cast<int64_t>(std::clamp(ms, 1.0, 365.0 * 24 * 3600 * 1000));
     grpc::Slice message(ft_call_stream::encodeRequest(timeoutMs, head, body));
     open_->out = grpc::ByteBuffer(&message, 1);
-    open_->pending |= kWrite | kRead;
+    open_->pending |= kWrite;
     open_->rw->Write(open_->out, tag(kWrite));
-    open_->rw->Read(&open_->in, tag(kRead));
+    if (!(open_->pending & kRead)) {
+      // (A stream in use already has its read pending: see below.)
+      open_->pending |= kRead;
+      open_->rw->Read(&open_->in, tag(kRead));
+    }
     bool readOk = false;
     while (open_->pending & kRead) {
       bool ok = false;
@@ -633,9 +646,14 @@ class ClientCallStream {
       // A failed write (the stream is over) shows as a failed read too.
     }
     if (!readOk)
-      return ended(&interrupted);
+      return ended();
     const std::string answer = bufferBytes(open_->in);
     open_->in.Clear();
+    // The next read is pending while the stream is idle: the server sends
+    // nothing between answers, so it completes only when the stream ends, and
+    // the next request then opens a new stream instead of failing on this one.
+    open_->pending |= kRead;
+    open_->rw->Read(&open_->in, tag(kRead));
     ft_call_stream::Response r;
     if (!ft_call_stream::decodeResponse(answer, &r))
       return failed(
@@ -648,14 +666,30 @@ class ClientCallStream {
     return grpc::Status::OK;
   }
 
+  // Whether the idle stream's pending read completed: the stream ended (or
+  // the server sent something unasked). Does not wait.
+  bool endedWhileIdle() {
+    while (open_->pending & kRead) {
+      void* got = nullptr;
+      bool ok = false;
+      if (open_->cq.AsyncNext(&got, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) !=
+          grpc::CompletionQueue::GOT_EVENT)
+        return false;
+      open_->pending &= ~reinterpret_cast<uintptr_t>(got);
+    }
+    return true;
+  }
+
   // The stream ended before answering: its status, the stream gone.
   // (The read failed: the status is known, and finishing is local work.)
-  grpc::Status ended(bool* interrupted) {
+  grpc::Status ended() {
     open_->pending |= kFinish;
     open_->finishIssued = true;
     open_->rw->Finish(&open_->status, tag(kFinish));
+    // No signal checks: this is local work, and an interruption here would
+    // turn the stream's status into a retried failure.
     const bool finished =
-        settle(kWrite | kFinish, Clock::now() + kStreamEndGrace, interrupted);
+        settle(kWrite | kFinish, Clock::now() + kStreamEndGrace, nullptr);
     grpc::Status status = finished
         ? open_->status
         : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream did not end");
@@ -702,6 +736,7 @@ class ClientCallStream {
   const std::string method_;
   std::mutex mu_; // one call at a time
   std::unique_ptr<Open> open_;
+  bool closed_ = false; // close() was called: calls return None
 };
 
 // One channel (one HTTP/2 connection, reconnected by gRPC as needed) to one

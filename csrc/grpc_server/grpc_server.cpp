@@ -155,14 +155,17 @@ constexpr size_t kMaxQueuedWrites = 1024;
 // the time the reactor lets go (OnDone), so the state may die on any thread.
 class CallState {
  public:
-  // `streamsWrites`: false for a call carried by a call stream, which is
-  // unary (one answer: reply or finish; write() is refused).
+  // For a call carried by a call stream: `streamsWrites` false (it is unary:
+  // one answer, reply or finish; write() is refused), and `sinkOwner` keeps
+  // its stream's reactor (`sink`) alive for as long as the call may use it.
   CallState(
       AnswerSink* sink,
       std::string method,
       std::chrono::system_clock::time_point deadline,
-      bool streamsWrites = true)
+      bool streamsWrites = true,
+      std::shared_ptr<void> sinkOwner = nullptr)
       : sink_(sink),
+        sinkOwner_(std::move(sinkOwner)),
         method_(std::move(method)),
         deadline_(deadline),
         arrived_(ft_steady::steadySeconds()),
@@ -233,6 +236,7 @@ class CallState {
 
   std::mutex mu_;
   AnswerSink* sink_; // valid until onDone
+  const std::shared_ptr<void> sinkOwner_;
   const std::string method_;
   const std::chrono::system_clock::time_point deadline_;
   const double arrived_;
@@ -362,44 +366,7 @@ class HeartbeatTable {
                       // decides
       }
     }
-    return haveName && validUtf8(*name);
-  }
-
-  // Whether protobuf would accept `s` as a string field (valid UTF-8; no
-  // overlong forms, no surrogates, nothing past U+10FFFF).
-  static bool validUtf8(const std::string& s) {
-    size_t i = 0;
-    while (i < s.size()) {
-      const uint8_t c = static_cast<uint8_t>(s[i]);
-      size_t n = 0;
-      uint32_t cp = 0;
-      if (c < 0x80) {
-        ++i;
-        continue;
-      } else if ((c & 0xE0) == 0xC0) {
-        n = 1, cp = c & 0x1F;
-      } else if ((c & 0xF0) == 0xE0) {
-        n = 2, cp = c & 0x0F;
-      } else if ((c & 0xF8) == 0xF0) {
-        n = 3, cp = c & 0x07;
-      } else {
-        return false;
-      }
-      if (i + n >= s.size())
-        return false;
-      for (size_t k = 1; k <= n; ++k) {
-        const uint8_t cc = static_cast<uint8_t>(s[i + k]);
-        if ((cc & 0xC0) != 0x80)
-          return false;
-        cp = (cp << 6) | (cc & 0x3F);
-      }
-      if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) ||
-          (n == 3 && cp < 0x10000) || (cp >= 0xD800 && cp <= 0xDFFF) ||
-          cp > 0x10FFFF)
-        return false;
-      i += n + 1;
-    }
-    return true;
+    return haveName && ft_wire::validUtf8(*name);
   }
 
   const std::string method_;
@@ -475,12 +442,22 @@ class CallReactor : public grpc::ServerGenericBidiReactor, public AnswerSink {
 //   went away), the call being answered is cancelled as a unary call would be
 //   (on_cancel, dropped from a steady round). When the client closes its side
 //   the stream ends OK once the current answer is written.
+// - A carried call's deadline is kept by its client (which cancels the stream
+//   at it) and by Python (both servers wait with the call's deadline), not by
+//   gRPC: is_active() stays true past it until the stream ends.
+// - Lifetime: carried calls hold the reactor (shared), so that an answer that
+//   races with the stream's end finds it; it answers nothing once the stream
+//   ended, and gRPC is done with it at OnDone.
 class CallStreamReactor : public grpc::ServerGenericBidiReactor,
                           public AnswerSink {
  public:
-  CallStreamReactor(Server* server, std::string carriedMethod)
-      : server_(server), carriedMethod_(std::move(carriedMethod)) {
-    StartRead(&in_);
+  // Made shared, then started (the first read).
+  static CallStreamReactor* start(Server* server, std::string carriedMethod) {
+    auto r = std::shared_ptr<CallStreamReactor>(
+        new CallStreamReactor(server, std::move(carriedMethod)));
+    r->self_ = r;
+    r->StartRead(&r->in_);
+    return r.get();
   }
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -506,8 +483,13 @@ class CallStreamReactor : public grpc::ServerGenericBidiReactor,
   // once mu_ is released.
   bool endLocked(const grpc::Status& status);
 
+  CallStreamReactor(Server* server, std::string carriedMethod)
+      : server_(server), carriedMethod_(std::move(carriedMethod)) {}
+
   Server* const server_;
   const std::string carriedMethod_;
+  // Its own reference, dropped at OnDone (gRPC's part of its lifetime).
+  std::shared_ptr<CallStreamReactor> self_;
   std::mutex mu_;
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;               // the answer being written
@@ -1205,7 +1187,7 @@ void CallState::onDone() {
 grpc::ServerGenericBidiReactor* Service::CreateReactor(
     grpc::GenericCallbackServerContext* ctx) {
   if (const std::string* carried = server_->carriedBy(ctx->method()))
-    return new CallStreamReactor(server_, *carried);
+    return CallStreamReactor::start(server_, *carried);
   return new CallReactor(ctx, server_);
 }
 
@@ -1498,7 +1480,8 @@ void CallStreamReactor::OnReadDone(bool ok) {
       this,
       carriedMethod_,
       std::chrono::system_clock::now() + std::chrono::milliseconds(timeoutMs),
-      /*streamsWrites=*/false);
+      /*streamsWrites=*/false,
+      self_);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (cancelled_ || ended_)
@@ -1515,13 +1498,28 @@ void CallStreamReactor::answer(
     const grpc::Status& status,
     const grpc::ByteBuffer* msg) {
   std::string body;
+  grpc::Status sent = status;
   if (msg != nullptr) {
     bool readable = false;
     body = bufferToString(*msg, &readable);
+    if (!readable) {
+      body.clear();
+      sent = grpc::Status(
+          grpc::StatusCode::INTERNAL,
+          "could not read the answer to send it");
+    }
+  }
+  std::string details = sent.error_message();
+  if (!ft_wire::validUtf8(details)) {
+    // A proto3 string: protobuf refuses invalid UTF-8 (the message would not
+    // parse at the client): every non-ASCII byte becomes '?'.
+    for (char& c : details)
+      if (static_cast<unsigned char>(c) >= 0x80)
+        c = '?';
   }
   std::string encoded = ft_call_stream::encodeResponse(
-      static_cast<int32_t>(status.error_code()),
-      status.error_message(),
+      static_cast<int32_t>(sent.error_code()),
+      details,
       body);
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -1588,21 +1586,26 @@ void CallStreamReactor::OnCancel() {
       unanswered = std::move(current_);
     end = endLocked(cancelled);
   }
-  if (unanswered)
+  if (unanswered) {
     cancelCall(server_, unanswered);
+    releaseCall(*unanswered);
+  }
   if (end)
     Finish(cancelled);
 }
 
 void CallStreamReactor::OnDone() {
   std::shared_ptr<CallState> last;
+  std::shared_ptr<CallStreamReactor> self;
   {
     std::lock_guard<std::mutex> g(mu_);
     last = std::move(current_);
+    self = std::move(self_);
   }
   if (last)
     releaseCall(*last);
-  delete this;
+  // `self` goes here: this is deleted now unless a carried call still holds
+  // it.
 }
 
 grpc::ByteBuffer toByteBuffer(const py::bytes& data) {

@@ -90,4 +90,41 @@ inline bool skipValue(std::string_view b, size_t* i, uint32_t wt) {
   }
 }
 
+// Whether protobuf would accept `s` as a string field (valid UTF-8; no
+// overlong forms, no surrogates, nothing past U+10FFFF).
+inline bool validUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const uint8_t c = static_cast<uint8_t>(s[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size())
+      return false;
+    for (size_t k = 1; k <= n; ++k) {
+      const uint8_t cc = static_cast<uint8_t>(s[i + k]);
+      if ((cc & 0xC0) != 0x80)
+        return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) ||
+        (n == 3 && cp < 0x10000) || (cp >= 0xD800 && cp <= 0xDFFF) ||
+        cp > 0x10FFFF)
+      return false;
+    i += n + 1;
+  }
+  return true;
+}
+
 } // namespace ft_wire

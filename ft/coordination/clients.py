@@ -385,9 +385,10 @@ class _CallStream:
     Nothing is lost to a server without the stream method (torchft's lighthouse, ft's on
     grpcio): it ends the stream UNIMPLEMENTED before reading the request, and that request,
     and the next ones for ``RETRY_AFTER_S``, go as calls. A request that a second thread
-    sends while the stream is busy goes as a call too. Any other failure is raised as the
-    call's would be (and retried the same way by ``_Client._call``); the next request opens
-    a new stream.
+    sends while the stream is busy goes as a call too. A stream that ended while idle (the
+    lighthouse restarted, the connection broke) is replaced at the next request without
+    failing it. Any other failure is raised as the call's would be (and retried the same way
+    by ``_Client._call``); the next request opens a new stream.
     """
 
     RETRY_AFTER_S = 60.0

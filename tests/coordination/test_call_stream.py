@@ -242,6 +242,9 @@ def test_a_second_thread_on_a_busy_stream_makes_a_call(lighthouse_factory):
 
 
 def test_the_stream_reopens_after_the_lighthouse_restarts(children):
+    """A request while the lighthouse is gone fails as a call would; once it is back, the
+    next request opens a new stream without a failed attempt (the idle stream's pending read
+    showed that it had ended)."""
     port = free_port()
     spec = json.dumps({"bind": f"127.0.0.1:{port}", "min_replicas": 1, "transport": "native"})
     lh = children("lighthouse", spec)
@@ -253,9 +256,79 @@ def test_the_stream_reopens_after_the_lighthouse_restarts(children):
             c.quorum("r", timeout=1.0, step=2)
         lh = children("lighthouse", spec)
         lh.address()
-        q = c.quorum("r", timeout=10.0, step=3)
-        assert [(m.replica_id, m.step) for m in q.participants] == [("r", 3)]
+        c.quorum("r", timeout=10.0, step=3)
         assert answered(c) == 2
+        lh.kill()  # again, while the client's stream is idle
+        lh = children("lighthouse", spec)
+        lh.address()
+        retries = []
+        q = c.quorum("r", timeout=10.0, step=4, on_retry=lambda *a: retries.append(a))
+        assert [(m.replica_id, m.step) for m in q.participants] == [("r", 4)]
+        assert answered(c) == 3 and retries == []
+
+
+def test_a_closed_client_sends_nothing_on_its_stream(lighthouse_factory):
+    lh = lighthouse_factory(1)
+    c = LighthouseClient(lh.address(), 5.0, transport="native")
+    c.quorum("a", timeout=5.0)
+    c.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        c.quorum("a", timeout=1.0)
+    assert answered(c) == 1
+
+
+def test_answers_racing_with_cancelled_streams(lighthouse_factory):
+    """A steady round completes while its members' streams are being cancelled at their
+    deadlines (a carried call answered as its stream ends): for 2 s one member asks with
+    deadlines of 1-20 ms and another with a normal one, 0-24 ms apart. The lighthouse stays up and answers
+    a final round of both."""
+    lh = lighthouse_factory(2)
+    a = LighthouseClient(lh.address(), 5.0, transport="native")
+    b = LighthouseClient(lh.address(), 5.0, transport="native")
+    stop = threading.Event()
+    outcomes = {"ok": 0, "timeout": 0}
+
+    def hasty():
+        step = 0
+        while not stop.is_set():
+            step += 1
+            try:
+                a.quorum("a", timeout=0.001 + (step % 20) / 1000, step=step)
+                outcomes["ok"] += 1
+            except TimeoutError:
+                outcomes["timeout"] += 1
+
+    def patient():
+        step = 0
+        while not stop.is_set():
+            step += 1
+            time.sleep((step % 7) * 0.004)  # so that the hasty one's deadlines fall everywhere
+            try:
+                b.quorum("b", timeout=0.5, step=step)
+            except TimeoutError:
+                pass
+
+    try:
+        threads = [threading.Thread(target=hasty), threading.Thread(target=patient)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+        assert outcomes["timeout"] > 0, outcomes
+        q0, q1 = parallel(
+            [
+                lambda: a.quorum("a", timeout=10.0, step=10_000),
+                lambda: b.quorum("b", timeout=10.0, step=10_000),
+            ],
+            timeout=15,
+        )
+        assert q0 == q1 and [m.replica_id for m in q0.participants] == ["a", "b"]
+    finally:
+        a.close()
+        b.close()
 
 
 def test_call_streams_can_be_turned_off(lighthouse_factory, monkeypatch):
