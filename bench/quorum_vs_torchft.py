@@ -14,7 +14,9 @@ simulated replica group is a client thread in this process; a round is every gro
 ``quorum`` at once with unchanged membership, timed from the first call to the last answer.
 Every pairing is measured (client x server), so that the client's and the server's shares stay
 visible. ft's client runs on both of its transports (``LighthouseClient(transport=...)``):
-``ft-native`` (gRPC C++, ft.coordination._grpc_server.Channel) and ``ft-grpcio``.
+``ft-native`` (gRPC C++, ft.coordination._grpc_server.Channel; its Quorum requests are
+messages of one ``QuorumStream`` call per client where the server has it, ft's lighthouse, and
+calls otherwise) and ``ft-grpcio``.
 
 1. Steady round, median over ``--rounds``, at each ``--groups``, the lighthouse's CPU per
    round (its threads' scheduler time; /proc/PID/task/*/schedstat), and the clients' CPU per
