@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any, Callable, Collection, Dict, Optional
 
 from ft.checkpointing.transport import CheckpointTransport
+from ft.utils.deadline import Deadline
 from ft.coordination import ManagerClient
 from ft.coordination.quorum import QuorumResult
 
@@ -40,6 +41,9 @@ __all__ = ["Healer", "ReceivedCheckpoint", "MAX_PEER_CLIENTS"]
 # Distinct source groups a replica heals from over a job's life are few; past this many cached
 # clients the cache is emptied rather than grown (a job whose groups keep changing address).
 MAX_PEER_CLIENTS = 16
+# While a source waits for its receivers (wait_delivered), it checks this often whether to stop
+# (its step failed: a receiver died, say).
+_STOP_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,36 @@ class Healer:
         except Exception as e:
             self.transport.abandon_checkpoint(quorum.max_step, f"{type(e).__name__}: {e}")
             raise
+
+    def defers_send(self) -> bool:
+        """Whether the transport tells when its receivers have a checkpoint, so that the
+        source may stage it late (at should_commit) and keep it until they do."""
+        return bool(getattr(self.transport, "confirms_delivery", False))
+
+    def announce(self, quorum: QuorumResult) -> None:
+        """Tells the transport that the checkpoint of ``quorum.max_step`` comes (receivers
+        wait for it, even where an earlier attempt at that step withdrew or abandoned it)."""
+        self.transport.expect_checkpoint(quorum.max_step)
+
+    def abandon(self, quorum: QuorumResult, reason: str) -> None:
+        """Receivers waiting for the checkpoint of ``quorum.max_step`` fail now."""
+        self.transport.abandon_checkpoint(quorum.max_step, reason)
+
+    def wait_delivered(
+        self, quorum: QuorumResult, timeout: timedelta, stop: Callable[[], bool]
+    ) -> bool:
+        """Waits until every receiver of ``quorum`` has the checkpoint sent for it: True; False
+        at ``timeout``, or as soon as ``stop()`` (checked every ``_STOP_POLL_S``)."""
+        deadline = Deadline.after(timeout)
+        receivers = len(quorum.recover_dst_replica_ranks)
+        while True:
+            slice_s = min(_STOP_POLL_S, deadline.remaining())
+            if self.transport.wait_delivered(
+                quorum.max_step, receivers, timedelta(seconds=slice_s)
+            ):
+                return True
+            if deadline.expired or stop():
+                return False
 
     def receive(
         self,

@@ -481,6 +481,14 @@ class Manager:
         self._pending_prior_counters: Optional[Dict[str, int]] = None
         self._participation = Participation(rank=None, contributors=0, commit_size=0)
         self._quorum_future: Optional[_ConcurrentFuture] = None
+        # Set once the quorum of the step is decided and the process group configured (or the
+        # quorum failed: then _quorum_error); a heal may still be arriving (docs/design.md,
+        # "Heal"). Collectives wait for this, not for the heal.
+        self._decided = threading.Event()
+        self._quorum_error: Optional[BaseException] = None
+        # Async quorum: the quorum whose heal this replica, as a source, sends from the
+        # training thread (send_pending_heal, at should_commit at the latest).
+        self._heal_send_due: Optional[QuorumResult] = None
         self._user_state_dicts: Dict[str, Callable[[], Any]] = {}
         self._load_state_dict_fns: Dict[str, Callable[[Any], None]] = {}
         self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
@@ -719,6 +727,7 @@ class Manager:
         if self._closed:
             return
         self._closed = True
+        self._abandon_pending_heal("the source shut down")
         self._teardown(wait)
         self._log.info("shutdown", "manager shut down")
 
@@ -893,9 +902,14 @@ class Manager:
                 self._quorum_future.result()
             except Exception:  # noqa: BLE001 - already surfaced by wait_quorum, or moot
                 pass
+        # A heal the last step owed and never sent (its should_commit did not run): its
+        # receivers learn now instead of at their timeout.
+        self._abandon_pending_heal("the source began its next step without sending it")
         self._errored = None
         self._healing = False
         self._pending_state_dict = None
+        self._decided.clear()
+        self._quorum_error = None
         quorum_timeout = to_timedelta(timeout) if timeout is not None else self._quorum_timeout
         self._quorum_future = self._executor.submit(
             self._async_quorum_on_device,
@@ -913,10 +927,99 @@ class Manager:
 
     @span("torchft::manager::wait_quorum")
     def wait_quorum(self) -> None:
-        """Waits for the quorum started by :meth:`start_quorum` (raises its failure)."""
+        """Waits for the quorum started by :meth:`start_quorum` (raises its failure), and for
+        a heal this replica receives (applied at :meth:`should_commit` in async mode)."""
         if self._quorum_future is None:
             raise RuntimeError("start_quorum() must be called before wait_quorum()")
         self._quorum_future.result()
+
+    def _wait_decided(self) -> None:
+        """Waits until the quorum of this step is decided and the process group configured
+        (raises the quorum's failure), not for a heal this replica receives: a healing
+        replica's collectives contribute zeros and go on while its state arrives, and its
+        source may send that state only at its own should_commit (docs/design.md, "Heal")."""
+        fut = self._quorum_future
+        if fut is None:
+            raise RuntimeError("start_quorum() must be called before the step's collectives")
+        # Bounded by the quorum thread, whose every call has a deadline; the future's end is
+        # checked too, so that no path that skips the event can hang this.
+        while not self._decided.wait(0.1):
+            if fut.done():
+                break
+        if fut.done():
+            fut.result()
+        elif self._quorum_error is not None:
+            raise self._quorum_error
+
+    def send_pending_heal(self) -> None:
+        """Sends this replica's state to the replicas that the step's quorum heals from it,
+        now, on the calling thread, if that is still due (an ft extension).
+
+        In async mode a heal source reads its state on the training thread, never on the
+        quorum thread while the forward pass runs (FSDP2's state-dict hooks swap the
+        parameters that forward uses): :meth:`should_commit` sends it before its vote. Call
+        this earlier only where the state changes within the step before should_commit
+        (``ft.optim.apply_optimizer_in_backward`` does). A failure is reported (the step
+        does not commit) and the receivers are told at once."""
+        quorum, self._heal_send_due = self._heal_send_due, None
+        if quorum is None:
+            return
+        if self._step_failed():
+            # Often because a receiver died; either way the receivers will not commit this
+            # step: they fail their heal now and retry at the next quorum.
+            why = self._errored if self._errored is not None else "its process group failed"
+            self._healer.abandon(quorum, f"the source's step failed: {why}")
+            return
+        try:
+            self._send_heal(quorum)
+        except Exception as e:  # noqa: BLE001
+            self._log.error("heal", f"sending the checkpoint failed: {type(e).__name__}: {e}")
+            self._report_error(e, abort=True)
+            return
+        # The state stays readable until the receivers have it: after the vote the caller
+        # changes it. A receiver that dies meanwhile fails this step (its failure aborts the
+        # process group), which ends the wait.
+        t0 = time.monotonic()
+        if self._healer.wait_delivered(quorum, self._timeout, self._step_failed):
+            self._log.info(
+                "heal_sent",
+                f"replica ranks {quorum.recover_dst_replica_ranks} have the checkpoint "
+                f"({(time.monotonic() - t0) * 1000:.1f} ms after it was staged)",
+                max_step=quorum.max_step,
+            )
+        else:
+            self._log.warning(
+                "heal_send",
+                f"not every receiver took the checkpoint within {self._timeout}",
+                max_step=quorum.max_step,
+            )
+            self._healer.abandon(quorum, "the receivers did not take it in time")
+
+    def _step_failed(self) -> bool:
+        """This step can no longer commit: an error was reported, or the process group
+        failed (a collective, or an abort after a peer's death)."""
+        if self._errored is not None:
+            return True
+        pg_errored = getattr(self._pg, "errored", None)  # a plain torch group has none
+        return pg_errored is not None and pg_errored() is not None
+
+    def _abandon_pending_heal(self, reason: str) -> None:
+        quorum, self._heal_send_due = self._heal_send_due, None
+        if quorum is None:
+            return
+        try:
+            self._healer.abandon(quorum, reason)
+        except Exception:  # noqa: BLE001 - the receivers then wait out their timeout
+            logger.exception("abandoning the checkpoint of step %d failed", quorum.max_step)
+
+    def _send_heal(self, quorum: QuorumResult) -> None:
+        self._log.info(
+            "heal_send",
+            f"sending the checkpoint to replica ranks {quorum.recover_dst_replica_ranks}",
+            max_step=quorum.max_step,
+        )
+        with span_block("torchft::manager::_checkpoint_transport::send_checkpoint"):
+            self._healer.send(quorum, self._manager_state_dict, self._timeout)
 
     def _async_quorum_on_device(self, device: Optional[int], *args: Any) -> None:
         # The quorum thread reconfigures the process group (NCCL communicators are created for
@@ -936,8 +1039,32 @@ class Manager:
             quorum = self._quorum_call(shrink_only, quorum_timeout)
         except BaseException as e:
             self._watch.error(e)
+            self._quorum_error = e
+            self._decided.set()
             raise
-        self._async_quorum_after(quorum, t0, allow_heal)
+        # A source whose transport confirms delivery sends from the training thread, at
+        # should_commit (docs/design.md, "Heal"). Announced before the process group is
+        # configured, which its receivers must wait for before they ask: they wait for the
+        # checkpoint even where an earlier attempt at this step withdrew or abandoned it.
+        defer = (
+            allow_heal
+            and self._use_async_quorum
+            and bool(quorum.recover_dst_replica_ranks)
+            and not quorum.heal
+            and self._healer.defers_send()
+        )
+        if defer:
+            self._healer.announce(quorum)
+        try:
+            configured = self._decide(quorum, t0, allow_heal)
+        finally:
+            self._decided.set()
+        if not configured:
+            if defer:
+                self._healer.abandon(quorum, "the source could not configure its process group")
+            return
+        if allow_heal:
+            self._heal(quorum, defer)
 
     @span("torchft::manager::_client::_quorum")
     def _quorum_call(self, shrink_only: bool, quorum_timeout: timedelta) -> QuorumResult:
@@ -953,7 +1080,9 @@ class Manager:
             commit_failures=self._commit_failures,
         )
 
-    def _async_quorum_after(self, quorum: QuorumResult, t0: float, allow_heal: bool) -> None:
+    def _decide(self, quorum: QuorumResult, t0: float, allow_heal: bool) -> bool:
+        """Takes in the quorum: participation, and the process group reconfigured for a new
+        one. False: configuring failed (reported)."""
         t_quorum = time.monotonic() - t0
 
         plan = participation(
@@ -1019,7 +1148,7 @@ class Manager:
             except Exception as e:  # noqa: BLE001
                 self._log.error("configure", f"pg.configure({store_prefixed_addr}) failed")
                 self._report_error(e, abort=True)
-                return
+                return False
             self._log.info(
                 "configure",
                 f"process group configured in {(time.monotonic() - t1) * 1000:.1f} ms",
@@ -1027,19 +1156,23 @@ class Manager:
             )
 
         self._watch.phase("step", f"collectives with {quorum.replica_ids}")
-        if not allow_heal:
-            return
+        # Before the collectives may start: a healing replica contributes zeros.
+        self._healing = allow_heal and quorum.heal
+        return True
+
+    def _heal(self, quorum: QuorumResult, defer_send: bool) -> None:
+        """Sends and receives the heals the quorum asks for (docs/design.md, "Heal")."""
         try:
             if quorum.recover_dst_replica_ranks:
-                self._log.info(
-                    "heal_send",
-                    f"sending the checkpoint to replica ranks {quorum.recover_dst_replica_ranks}",
-                    max_step=quorum.max_step,
-                )
-                with span_block("torchft::manager::_checkpoint_transport::send_checkpoint"):
-                    self._healer.send(quorum, self._manager_state_dict, self._timeout)
+                if defer_send:
+                    # The training thread reads and sends the state (send_pending_heal):
+                    # reading it here would race the forward pass.
+                    self._heal_send_due = quorum
+                else:
+                    # Sync mode (the training thread waits in start_quorum meanwhile), or a
+                    # transport that cannot tell when its receivers have the state.
+                    self._send_heal(quorum)
             if quorum.heal:
-                self._healing = True
                 t2 = time.monotonic()
                 self._watch.phase(
                     "heal",
@@ -1092,7 +1225,7 @@ class Manager:
         """
         if self.errored() is not None:
             return _DummyWork(tensor)
-        self.wait_quorum()
+        self._wait_decided()
         num_participants = self.num_participants()
         if not self.is_participating():
             tensor.zero_()
@@ -1151,6 +1284,9 @@ class Manager:
         """
         if self._quorum_future is not None:
             self.wait_quorum()
+        # This step's state, still unchanged, for the replicas healing from this one: read
+        # here, on the training thread, before the vote that lets anyone change it.
+        self.send_pending_heal()
         if self._healing:
             self._apply_pending_state_dict()
             self._healing = False
@@ -1220,7 +1356,7 @@ class Manager:
         be keyed by it. Waits for a quorum in flight.
         """
         if self._quorum_future is not None:
-            self.wait_quorum()
+            self._wait_decided()
         return self._quorum_id
 
     def batches_committed(self) -> int:
@@ -1230,13 +1366,13 @@ class Manager:
     def participating_rank(self) -> Optional[int]:
         """This replica's rank among the participants of this step, or None."""
         if self._quorum_future is not None:
-            self.wait_quorum()
+            self._wait_decided()
         return self._participation.rank
 
     def num_participants(self) -> int:
         """The number of replicas that take part in this step."""
         if self._quorum_future is not None:
-            self.wait_quorum()
+            self._wait_decided()
         return self._participation.contributors
 
     def is_participating(self) -> bool:

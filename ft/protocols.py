@@ -52,6 +52,8 @@ class ManagerLike(Protocol):
 
     def wait_quorum(self) -> None: ...
 
+    def send_pending_heal(self) -> None: ...
+
     def allreduce(
         self,
         tensor: torch.Tensor,

@@ -159,6 +159,8 @@ class CheckpointServer:
         self._last_step: Optional[int] = None
         # (step, reason) of the last step this source failed to stage (abandon_checkpoint).
         self._abandoned: Optional[Tuple[int, str]] = None
+        # A step the source announced it will stage (expect): requests for it wait for it.
+        self._expected: Optional[int] = None
         self._closed = False
 
         if bind_host is None:
@@ -218,8 +220,30 @@ class CheckpointServer:
             self._staging = staging
             self._last_step = step
             self._abandoned = None
+            self._expected = None
             self.cond.notify_all()
         return staging
+
+    def expect(self, step: int) -> None:
+        """The source will stage ``step`` (again): requests for it wait for it instead of being
+        told it was withdrawn or abandoned, until it is staged or abandoned."""
+        with self.cond:
+            self._expected = step
+            if self._abandoned is not None and self._abandoned[0] == step:
+                self._abandoned = None
+
+    def wait_delivered(self, step: int, receivers: int, deadline: Deadline) -> bool:
+        """Waits until ``receivers`` receivers have read all of the staged checkpoint of
+        ``step``; False at the deadline, or once it is no longer staged."""
+        with self.cond:
+
+            def settled() -> bool:
+                st = self._staging
+                return st is None or st.step != step or st.closing or st.delivered >= receivers
+
+            deadline.wait(self.cond, settled)
+            st = self._staging
+            return st is not None and st.step == step and st.delivered >= receivers
 
     def check_staged(self, step: int) -> None:
         """Returns if ``step`` is being served; raises CheckpointError otherwise."""
@@ -239,6 +263,8 @@ class CheckpointServer:
         self.withdraw()
         with self.cond:
             self._abandoned = (step, reason)
+            if self._expected == step:
+                self._expected = None
             self.cond.notify_all()
 
     def withdraw(self) -> None:
@@ -298,6 +324,9 @@ class CheckpointServer:
             n = len(wire.plan_chunks(st.total, chunks))
             if n:
                 st.lease(lease, n, self.timeout_s)
+            else:
+                st.delivered += 1  # no data: the metadata is all of it
+                self.cond.notify_all()
             return st, st.header + wire.TRAILER.pack(ser.crc32(st.header)), lease
 
     def _servable(self, step: int) -> Optional[Staging]:
@@ -308,6 +337,8 @@ class CheckpointServer:
         st = self._staging
         if st is not None and st.step == step and not st.closing:
             return st
+        if self._expected == step:
+            return None  # announced: it comes
         if self._abandoned is not None and self._abandoned[0] == step:
             raise Refused(409, f"the source failed to produce step {step}: {self._abandoned[1]}")
         last = self._last_step
@@ -349,6 +380,8 @@ class CheckpointServer:
                 lease.remaining -= used or 0
                 if lease.remaining <= 0 or used is None:
                     del st.leases[lease_id]
+                    if used is not None:
+                        st.delivered += 1
             self.cond.notify_all()
 
     def drop_lease(self, lease_id: str) -> None:

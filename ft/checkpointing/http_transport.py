@@ -231,6 +231,18 @@ class HTTPTransport(CheckpointTransport[T]):
         """Receivers waiting for ``step`` get HTTP 409 naming ``reason`` at once."""
         self._checkpoints.abandon(step, reason)
 
+    confirms_delivery = True
+
+    def expect_checkpoint(self, step: int) -> None:
+        """Receivers asking for ``step`` wait for it until it is staged or abandoned, even if
+        it was withdrawn or abandoned before (a retry of the same step)."""
+        self._checkpoints.expect(step)
+
+    def wait_delivered(self, step: int, receivers: int, timeout: timedelta) -> bool:
+        """Waits until ``receivers`` receivers have read all of the checkpoint of ``step``
+        (over HTTP or the same-host path); False at ``timeout`` or once it is withdrawn."""
+        return self._checkpoints.wait_delivered(step, receivers, Deadline.after(timeout))
+
     def disallow_checkpoint(self) -> None:
         """Withdraws the staged checkpoint.
 

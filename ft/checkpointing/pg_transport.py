@@ -104,6 +104,9 @@ def _tensor_paths(tree: Any) -> Dict[Tuple[str, ...], int]:
 class PGTransport(CheckpointTransport[T]):
     """Checkpoint transport over a process group (send/recv).
 
+    ``send_checkpoint`` returns once every receiver acknowledged the state: delivery is
+    confirmed (``confirms_delivery``; ``wait_delivered`` has nothing left to wait for).
+
     Args:
         pg: a process group with ``send``/``recv`` (torch ProcessGroup/backend or ft's).
         timeout: default bound for a transfer.
@@ -115,6 +118,8 @@ class PGTransport(CheckpointTransport[T]):
             tensors hold unverified bytes: the caller must treat the heal as failed and must
             not use them (the Manager does).
     """
+
+    confirms_delivery = True
 
     def __init__(
         self,

@@ -97,6 +97,7 @@ class Staging:
         self.regions_sent = False  # a same-host receiver has the tensors' addresses
         self.withdrawn = False  # nothing may read the tensors any more
         self.active = 0  # data responses currently reading tensors
+        self.delivered = 0  # receivers that have read all of it (their leases used up)
         self.conns: Set[socket.socket] = set()  # their connections, to cut them off
         self.leases: Dict[str, Lease] = {}
         self._cpu: Dict[int, torch.Tensor] = {}

@@ -94,6 +94,24 @@ class CheckpointTransport(Generic[T], ABC):
     ) -> None:
         """Makes ``state_dict`` for ``step`` available to (or sends it to) ``dst_ranks``."""
 
+    # Whether wait_delivered can tell when the receivers have the checkpoint (or
+    # send_checkpoint returns only then). Only then does an async-quorum Manager send from its
+    # training thread at should_commit (docs/design.md, "Heal"); otherwise it sends from its
+    # quorum thread, before the step's collectives, as torchft does.
+    confirms_delivery: bool = False
+
+    def expect_checkpoint(self, step: int) -> None:
+        """Announces that ``send_checkpoint`` will stage ``step`` soon (again, after a failed
+        attempt at the same step): receivers asking for it wait for it meanwhile instead of
+        being told it was withdrawn or abandoned."""
+
+    def wait_delivered(self, step: int, receivers: int, timeout: timedelta) -> bool:
+        """Waits until ``receivers`` receivers have the whole checkpoint of ``step`` that
+        ``send_checkpoint`` staged (True), or ``timeout`` passes or it is no longer staged
+        (False). The default suits transports whose ``send_checkpoint`` returns once
+        delivered."""
+        return True
+
     def disallow_checkpoint(self) -> None:
         """Withdraws a staged checkpoint; after it returns the state dict is no longer read."""
 

@@ -233,10 +233,12 @@ def step_in_backward(param: torch.Tensor) -> None:
     if manager is None:
         _step_in_place(param, grad)
         return
-    # The quorum, and with it the staging of a checkpoint this replica serves to a healing
-    # one, must be over before a hook computes anything (allreduce stops waiting for it once
-    # the step has errored). Its failures are raised here, as by should_commit.
+    # The quorum, and the checkpoint this replica serves to a healing one (read now, before
+    # any hook of this step changes a parameter), must be over before a hook computes
+    # anything (allreduce stops waiting for it once the step has errored). Its failures are
+    # raised here, as by should_commit.
     manager.wait_quorum()
+    manager.send_pending_heal()
     # Replicas must apply the same update: average first. A failed allreduce is reported to
     # the manager (the step will not commit) and leaves the local gradient.
     manager.allreduce(grad).wait()

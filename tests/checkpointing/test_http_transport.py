@@ -190,6 +190,48 @@ def test_abandoned_step_fails_a_waiting_receiver_at_once() -> None:
         assert_same({"x": torch.ones(2)}, dst.recv_checkpoint(0, src.metadata(), 4, TO))
 
 
+def test_an_announced_step_is_waited_for_even_after_it_was_withdrawn_or_abandoned() -> None:
+    """A retry of the same step: the source announces it (expect_checkpoint) before it stages
+    it again, so a receiver that asks in between waits instead of failing on the earlier
+    attempt's withdrawal (410) or abandonment (409); abandoning it again still fails the
+    receiver at once."""
+    with transport() as src, transport() as dst:
+        src.send_checkpoint([1], 5, {"a": torch.ones(3)}, TO)
+        src.disallow_checkpoint()
+        src.expect_checkpoint(5)
+        run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 5, TO))
+        time.sleep(0.3)
+        assert "value" not in run and "error" not in run, run  # waiting, not refused
+        src.send_checkpoint([1], 5, {"a": torch.full((3,), 2.0)}, TO)
+        run["thread"].join(10)
+        assert_same({"a": torch.full((3,), 2.0)}, run.get("value"))
+
+        src.abandon_checkpoint(6, "the first attempt failed")
+        src.expect_checkpoint(6)
+        run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 6, TO))
+        time.sleep(0.3)
+        assert "value" not in run and "error" not in run, run
+        src.abandon_checkpoint(6, "the retry failed too")
+        run["thread"].join(5)
+        assert "the retry failed too" in str(run.get("error")), run
+        assert run["t"] < 0.3 + 2
+
+
+def test_wait_delivered_counts_receivers_that_read_everything() -> None:
+    state = {"w": torch.randn(1 << 18), "b": torch.ones(3)}
+    with transport(num_chunks=2) as src, transport(num_chunks=2) as a, transport() as b:
+        src.send_checkpoint([1, 2], 7, state, TO)
+        assert src.wait_delivered(7, 1, timedelta(seconds=0.2)) is False  # nobody read yet
+        assert_same(state, a.recv_checkpoint(0, src.metadata(), 7, TO))
+        assert src.wait_delivered(7, 1, timedelta(seconds=5)) is True
+        assert src.wait_delivered(7, 2, timedelta(seconds=0.2)) is False
+        assert_same(state, b.recv_checkpoint(0, src.metadata(), 7, TO))
+        assert src.wait_delivered(7, 2, timedelta(seconds=5)) is True
+        assert src.wait_delivered(8, 1, timedelta(seconds=0.2)) is False  # not staged
+        src.disallow_checkpoint()
+        assert src.wait_delivered(7, 2, timedelta(seconds=0.2)) is False  # withdrawn
+
+
 def test_disallow_waits_for_transfers_in_flight() -> None:
     state = {"w": torch.randn(1 << 20)}  # 4 MiB, 2 chunks, 0.1 s per MiB slice
     src = Slow(TO, 2, advertise_host="127.0.0.1")

@@ -384,6 +384,7 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
         while st.active and time.monotonic() < end:
             time.sleep(0.01)
         assert st.active == 0 and not st.conns
+        assert src.wait_delivered(6, 1, timedelta(seconds=5))  # a same-host delivery counts
         src.disallow_checkpoint()
         reply = _raw_request(name, signed())
         assert reply["ok"] is False and reply["code"] == 410, reply

@@ -82,6 +82,9 @@ class FakeManager:
     def wait_quorum(self) -> None:
         pass
 
+    def send_pending_heal(self) -> None:
+        pass
+
     def is_participating(self) -> bool:
         return True
 

@@ -92,10 +92,14 @@ def train(
     stop_at: int,
     incarnation: int = 0,
     park_at: int = -1,
+    async_quorum: bool = False,
 ) -> Dict[str, Any]:
     """Trains to step ``stop_at``. With ``park_at``, once step ``park_at`` is committed this rank
     says so in the store and waits there to be killed (so that the test kills it mid-training
-    whatever the machine's speed); its group's other rank is then inside the next step."""
+    whatever the machine's speed); its group's other rank is then inside the next step. With
+    ``async_quorum`` the Manager runs torchtitan's default (``use_async_quorum=True``)."""
+    import threading
+
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -118,8 +122,11 @@ def train(
     healed: List[Dict[str, Any]] = []
     model = build_model(seed=7 + 1000 * incarnation)  # a restarted group starts elsewhere
     opt_box: List[torch.optim.Optimizer] = []
+    # For every read of the registered state: whether it ran on the training (main) thread.
+    state_reads: List[bool] = []
 
     def state_dict() -> Dict[str, Any]:
+        state_reads.append(threading.current_thread() is threading.main_thread())
         return {"model": model.state_dict(), "optim": opt_box[0].state_dict()}
 
     def load_state_dict(sd: Dict[str, Any]) -> None:
@@ -150,7 +157,7 @@ def train(
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=2,
-        use_async_quorum=False,
+        use_async_quorum=async_quorum,
         quorum_timeout=timedelta(seconds=60),
         checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=2, advertise_host="127.0.0.1"),
     )
@@ -197,6 +204,7 @@ def train(
             "incarnation": incarnation,
             "losses": losses,
             "healed": healed,
+            "state_reads_on_training_thread": state_reads,
             "param_kinds": kinds,
             "mesh": _mesh_facts(mesh, manager),
             "placements": [str(tuple(p.placements)) for p in model.parameters()],

@@ -111,6 +111,39 @@ def test_hsdp_group_killed_and_restarted_heals_its_dtensor_shards(replicas) -> N
             assert loss == clean[key]["losses"][step], (key, step, loss, clean[key]["losses"][step])
 
 
+def test_hsdp_with_async_quorum_heals_from_state_read_on_the_training_thread(replicas) -> None:
+    """torchtitan's default, ``use_async_quorum=True``: the heal source reads its FSDP2 state
+    on its training thread at should_commit, after backward (never on the quorum thread while
+    a forward pass runs, where FSDP2's state-dict hooks would swap the parameters it uses), and
+    keeps it readable until the healing rank has it. The same kill and restart as above: the
+    restarted ranks heal their DTensor shards, and every group ends bitwise identical (the
+    healing step counts the source group's data only, so the losses are not the sync run's)."""
+    w = replicas(
+        TARGET,
+        4,
+        lighthouse=LIGHTHOUSE,
+        run="async",
+        stop_at=STOP_AT,
+        ranks=[0, 1, 2],
+        async_quorum=True,
+    )
+    w.spawn(3, park_at=3)
+    wait_progress(w.store, ["async/parked/3"], at_least=1, timeout=180, w=w)
+    w.by_rank(3).kill()
+    w.by_rank(2).kill()
+    for proc in (2, 3):
+        w.spawn(proc, incarnation=1)
+    res = _by_rank(w.join(timeout=240, children=[w.by_rank(p) for p in range(4)]))
+    _check_run(res, "async")
+    for g in (0, 1):
+        survivor, restarted = res[(0, g)], res[(1, g)]
+        assert restarted["incarnation"] == 1 and restarted["healed"], restarted["healed"]
+        assert restarted["healed"][-1] == {"kinds": ["DTensor"], "optim_kinds": ["DTensor"]}
+        reads = survivor["state_reads_on_training_thread"]
+        assert reads and all(reads), reads  # sent at least once, always from training
+        assert sorted(survivor["losses"]) == list(range(STOP_AT))
+
+
 def test_ft_mesh_is_a_torch_mesh_whose_replicate_dim_is_the_manager(replicas) -> None:
     """``ft_init_device_mesh``'s mesh, seen by torch: slicing, pickling, DTensor's functional
     collectives over the replicate dimension (through the Manager: an average divides by the

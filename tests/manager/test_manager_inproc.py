@@ -247,6 +247,67 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
         lh.shutdown()
 
 
+def test_async_heal_source_reads_its_state_on_the_training_thread_after_backward() -> None:
+    """Async quorum: the heal source reads the state it sends on its training thread, after
+    the step's forward and backward (at should_commit), never on the quorum thread while
+    forward runs (where FSDP2's state-dict hooks would swap the parameters forward uses). The
+    healing replica's collectives do not wait for its heal; it ends identical to the source."""
+    import threading
+
+    lh = lighthouse(min_replicas=2)
+    state = [torch.zeros(3), torch.full((3,), 7.0)]
+    training = [None, None]
+    phase = ["", ""]
+    reads: List[Any] = []
+
+    def state_dict(i: int) -> Any:
+        reads.append((i, threading.current_thread() is training[i], phase[i]))
+        return {"w": state[i]}
+
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    use_async_quorum=True,
+                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+                    state_dict=lambda i=i: state_dict(i),
+                )
+                for i in range(2)
+            ]
+        )
+    )
+    try:
+
+        def step(i: int, m: ft.Manager) -> Any:
+            training[i] = threading.current_thread()
+            m.start_quorum()
+            phase[i] = "forward"
+            time.sleep(0.3)  # long enough for a quorum thread to read the state meanwhile
+            phase[i] = "backward"
+            grad = torch.full((3,), float(i + 1))
+            m.allreduce(grad).wait()  # the healing replica's does not wait for its heal
+            phase[i] = "commit"
+            ok = m.should_commit()
+            phase[i] = ""
+            if ok:
+                state[i].sub_(grad)
+            return ok, m.is_participating()
+
+        for _ in range(3):
+            out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+            assert [ok for ok, _ in out] == [True, True], out
+        sources = [r for r in reads if r[0] == 0]
+        assert sources, "the source never sent its state"
+        assert all(on_training and ph == "commit" for _, on_training, ph in sources), sources
+        assert torch.equal(state[0], state[1])  # healed at step 0, then stepped alike
+        assert torch.equal(state[0], torch.full((3,), -4.0))  # 0 - 1 (the source alone) - 1.5 - 1.5
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
 def test_wrap_future_honours_its_timeout(lh: Any) -> None:
     import threading
 
