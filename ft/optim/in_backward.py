@@ -238,7 +238,9 @@ def step_in_backward(param: torch.Tensor) -> None:
     # anything (allreduce stops waiting for it once the step has errored). Its failures are
     # raised here, as by should_commit.
     manager.wait_quorum()
-    manager.send_pending_heal()
+    send_pending_heal = getattr(manager, "send_pending_heal", None)  # not on torchft's
+    if send_pending_heal is not None:
+        send_pending_heal()
     # Replicas must apply the same update: average first. A failed allreduce is reported to
     # the manager (the step will not commit) and leaves the local gradient.
     manager.allreduce(grad).wait()
