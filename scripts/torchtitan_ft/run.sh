@@ -30,18 +30,14 @@
 #        none    per-step FT (torchtitan's default when semi_sync_method is unset:
 #                use_async_quorum=True, torchft.Optimizer commit gate, gradients averaged through
 #                torchft.process_group.ManagedProcessGroup in FSDP's all-reduce hook), $STEPS
-#                steps. FLAKY (passed 2 of 7 runs here): the step-0 init_sync heal makes the
-#                Manager call torchtitan's state_dict() on its quorum thread while the main
-#                thread runs the forward pass; FSDP2's state_dict pre-hook (_to_sharded) swaps
-#                the parameters under it -> "aten.mm.default got mixed torch.Tensor and DTensor"
-#                (sender, torchft 0.2.0 does the same: failed 2 of 5 runs of none-torchft) or
-#                "setStorage: ... out of bounds for storage of size 0" (receiver: ft also reads
-#                the receiver's own state on the quorum thread to rebuild DTensors). ft's
-#                docs/design.md ("HSDP") says to run HSDP with use_async_quorum=False, which
-#                torchtitan's per-step path cannot do. A failure of this kind is labelled
-#                KNOWN RACE below.
-#        heal    like heal-diloco but per-step (none); hits the same race at step 0 and at the
-#                mid-run heal.
+#                steps. Reliable since an async heal source reads its state on the training
+#                thread at should_commit (docs/design.md, "Heal"); before, the Manager read
+#                torchtitan's state_dict() on its quorum thread while the main thread ran the
+#                forward pass, and FSDP2's state_dict pre-hook (_to_sharded) swapped the
+#                parameters under it ("aten.mm.default got mixed torch.Tensor and DTensor"),
+#                as torchft 0.2.0 still does (none-torchft). Such a failure is labelled KNOWN
+#                RACE below.
+#        heal    like heal-diloco but per-step (none): heals at step 0 and mid-run.
 #        none-torchft  "none" against the real torchft 0.2.0 (package index) in a second venv
 #                $VENV_TFT (no alias), for comparison; lighthouse torchft_lighthouse.
 #      Prints per mode: each group's steps, losses and grad norms, heal lines, exit codes, wall.

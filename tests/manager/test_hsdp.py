@@ -73,6 +73,20 @@ def _check_run(res: Dict[tuple, Dict[str, Any]], name: str) -> None:
         _same(res[(0, 0)]["full"], res[key]["full"], f"{name}: full parameters of {key}")
 
 
+def _run_with_group_1_killed_and_restarted(replicas, run: str, **kw: Any) -> Dict[tuple, Any]:
+    """The failure run: group 1's rank 1 holds still after step 3 and is killed with SIGKILL,
+    then its sibling (as torchrun's agent stops a dead worker's group), and both start again.
+    Returns every rank's result by (group, rank)."""
+    w = replicas(TARGET, 4, lighthouse=LIGHTHOUSE, run=run, stop_at=STOP_AT, ranks=[0, 1, 2], **kw)
+    w.spawn(3, park_at=3)
+    wait_progress(w.store, [f"{run}/parked/3"], at_least=1, timeout=180, w=w)
+    w.by_rank(3).kill()
+    w.by_rank(2).kill()
+    for proc in (2, 3):
+        w.spawn(proc, incarnation=1)
+    return _by_rank(w.join(timeout=240, children=[w.by_rank(p) for p in range(4)]))
+
+
 def test_hsdp_group_killed_and_restarted_heals_its_dtensor_shards(replicas) -> None:
     # The fault-free run of the same seed: the reference for the state and the loss curve.
     clean_w = replicas(TARGET, 4, lighthouse=LIGHTHOUSE, run="clean", stop_at=STOP_AT)
@@ -82,15 +96,7 @@ def test_hsdp_group_killed_and_restarted_heals_its_dtensor_shards(replicas) -> N
         assert sorted(r["losses"]) == list(range(STOP_AT)), r["losses"]
     assert clean[(0, 0)]["losses"] != clean[(0, 1)]["losses"]  # each rank has its own data
 
-    w = replicas(TARGET, 4, lighthouse=LIGHTHOUSE, run="fault", stop_at=STOP_AT, ranks=[0, 1, 2])
-    w.spawn(3, park_at=3)  # holds still after step 3 until it is killed
-    # group 1, rank 1 dies mid-training; torchrun would then stop the group's other rank
-    wait_progress(w.store, ["fault/parked/3"], at_least=1, timeout=180, w=w)
-    w.by_rank(3).kill()
-    w.by_rank(2).kill()
-    for proc in (2, 3):
-        w.spawn(proc, incarnation=1)
-    res = _by_rank(w.join(timeout=240, children=[w.by_rank(p) for p in range(4)]))
+    res = _run_with_group_1_killed_and_restarted(replicas, "fault")
     _check_run(res, "fault")
 
     for g in (0, 1):
@@ -118,22 +124,7 @@ def test_hsdp_with_async_quorum_heals_from_state_read_on_the_training_thread(rep
     keeps it readable until the healing rank has it. The same kill and restart as above: the
     restarted ranks heal their DTensor shards, and every group ends bitwise identical (the
     healing step counts the source group's data only, so the losses are not the sync run's)."""
-    w = replicas(
-        TARGET,
-        4,
-        lighthouse=LIGHTHOUSE,
-        run="async",
-        stop_at=STOP_AT,
-        ranks=[0, 1, 2],
-        async_quorum=True,
-    )
-    w.spawn(3, park_at=3)
-    wait_progress(w.store, ["async/parked/3"], at_least=1, timeout=180, w=w)
-    w.by_rank(3).kill()
-    w.by_rank(2).kill()
-    for proc in (2, 3):
-        w.spawn(proc, incarnation=1)
-    res = _by_rank(w.join(timeout=240, children=[w.by_rank(p) for p in range(4)]))
+    res = _run_with_group_1_killed_and_restarted(replicas, "async", async_quorum=True)
     _check_run(res, "async")
     for g in (0, 1):
         survivor, restarted = res[(0, g)], res[(1, g)]
