@@ -89,9 +89,10 @@ class Healer:
             self.transport.abandon_checkpoint(quorum.max_step, f"{type(e).__name__}: {e}")
             raise
 
-    def defers_send(self) -> bool:
+    def confirms_delivery(self) -> bool:
         """Whether the transport tells when its receivers have a checkpoint, so that the
-        source may stage it late (at should_commit) and keep it until they do."""
+        source may keep its state unchanged until they do (and, in async mode, stage it late,
+        at should_commit)."""
         return bool(getattr(self.transport, "confirms_delivery", False))
 
     def announce(self, quorum: QuorumResult) -> None:

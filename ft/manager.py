@@ -14,13 +14,16 @@ The public surface (constructor, methods, environment variables) is torchft 0.2.
 Errors
     Everything that goes wrong inside a step (a failed collective, a failed heal, a failed
     ``pg.configure``, an error the user reports) is *reported*, never raised: the Manager
-    records it (:meth:`errored`), later allreduces of the step become no-ops, and the step is not
-    committed. A communication failure (a collective that cannot be issued, a failed heal or
-    ``pg.configure``) also aborts the process group, so that peers waiting in a collective for
-    this replica fail at once instead of waiting out the op timeout; the next quorum then has
-    ``commit_failures > 0`` and gets a new quorum id, which rebuilds the group. An error the
-    user reports with :meth:`Manager.report_error` (e.g. a NaN loss) only marks the step as
-    failed, as in torchft: the process group stays usable.
+    records it (:meth:`errored`) and the step is not committed. A communication failure (a
+    collective that cannot be issued, a failed heal or ``pg.configure``) also aborts the process
+    group, so that peers waiting in a collective for this replica fail at once instead of
+    waiting out the op timeout, and later allreduces of the step become no-ops; the next quorum
+    then has ``commit_failures > 0`` and gets a new quorum id, which rebuilds the group. An
+    error that leaves the process group usable (one the user reports with
+    :meth:`Manager.report_error`, e.g. a NaN loss, as in torchft, or an allreduce whose Work
+    failed) only marks the step as failed: later allreduces of the step still communicate,
+    because the other replica groups issue them too and would otherwise wait for this one
+    until their timeout.
     Quorum failures (e.g. a missing local rank, :class:`TimeoutError`) are raised by
     :meth:`start_quorum` (sync) or :meth:`wait_quorum` (async), as in torchft.
 
@@ -475,6 +478,8 @@ class Manager:
         self._quorum_replica_ids: frozenset = frozenset()
         self._quorum_lock = threading.Lock()
         self._errored: Optional[ExceptionWithTraceback] = None
+        # This step's error aborted the process group: its later allreduces are no-ops.
+        self._step_aborted = False
         self._healing = False
         self._pending_state_dict: Optional[Dict[str, Any]] = None
         # The step counters before a heal set them, put back should the healed state not load.
@@ -809,10 +814,12 @@ class Manager:
 
     def report_error(self, e: Exception) -> None:
         """Marks the current step as failed: :meth:`should_commit` returns False for it (on
-        every replica of the quorum), and later allreduces of the step are no-ops.
+        every replica of the quorum).
 
         As in torchft, this does not abort the process group (users call it to skip a bad
-        step, e.g. a NaN loss). Communication failures the Manager detects itself do abort it.
+        step, e.g. a NaN loss), and later allreduces of the step still communicate: the other
+        groups, which know nothing of this error, issue them too. Communication failures the
+        Manager detects itself do abort it, and make later allreduces of the step no-ops.
         """
         self._report_error(e, abort=False)
 
@@ -830,6 +837,7 @@ class Manager:
                 self._errored = ExceptionWithTraceback(RuntimeError(f"{type(e).__name__}: {e}"))
             self._log.error("error", f"{type(e).__name__}: {e}")
         if abort:
+            self._step_aborted = True
             try:
                 self._pg.abort()
             except Exception:  # noqa: BLE001
@@ -906,6 +914,7 @@ class Manager:
         # receivers learn now instead of at their timeout.
         self._abandon_pending_heal("the source began its next step without sending it")
         self._errored = None
+        self._step_aborted = False
         self._healing = False
         self._pending_state_dict = None
         self._decided.clear()
@@ -977,8 +986,15 @@ class Manager:
             self._report_error(e, abort=True)
             return
         # The state stays readable until the receivers have it: after the vote the caller
-        # changes it. A receiver that dies meanwhile fails this step (its failure aborts the
-        # process group), which ends the wait.
+        # changes it.
+        self._wait_heal_delivered(quorum)
+
+    def _wait_heal_delivered(self, quorum: QuorumResult) -> None:
+        """Waits until the receivers of the checkpoint just sent have it (the transport keeps
+        references to the caller's tensors, not a copy), at most the Manager's timeout. A
+        receiver that dies meanwhile fails this step (its failure aborts the process group),
+        which ends the wait; so does the timeout, after which the receivers are told to give
+        up (they retry at the next quorum)."""
         t0 = time.monotonic()
         if self._healer.wait_delivered(quorum, self._timeout, self._step_failed):
             self._log.info(
@@ -1051,7 +1067,7 @@ class Manager:
             and self._use_async_quorum
             and bool(quorum.recover_dst_replica_ranks)
             and not quorum.heal
-            and self._healer.defers_send()
+            and self._healer.confirms_delivery()
         )
         if defer:
             self._healer.announce(quorum)
@@ -1172,6 +1188,11 @@ class Manager:
                     # Sync mode (the training thread waits in start_quorum meanwhile), or a
                     # transport that cannot tell when its receivers have the state.
                     self._send_heal(quorum)
+                    if self._healer.confirms_delivery():
+                        # The training thread changes the state as soon as start_quorum
+                        # returns (a DiLoCo inner step changes the model it registered):
+                        # the receivers must have it first.
+                        self._wait_heal_delivered(quorum)
             if quorum.heal:
                 t2 = time.monotonic()
                 self._watch.phase(
@@ -1223,7 +1244,11 @@ class Manager:
         blockwise scales and is accumulated in fp32 (:func:`ft.collectives.allreduce_quantized`);
         an ft extension: ``should_quantize=torch.float8_e4m3fn`` (or ``float8_e5m2``) sends fp8.
         """
-        if self.errored() is not None:
+        # Only after an abort: the peers' matching collectives fail with it. After an error that
+        # leaves the group usable, every group still issues the same collectives in the same
+        # order; skipping here, where the error is seen at a different moment on each group
+        # (a Work's failure arrives on a callback), would leave a peer waiting for this one.
+        if self._step_aborted and self._errored is not None:
             return _DummyWork(tensor)
         self._wait_decided()
         num_participants = self.num_participants()

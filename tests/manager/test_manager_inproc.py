@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ft
+from ft.checkpointing import HTTPTransport
 from tests.manager.inproc import in_threads, lighthouse, make_manager, values
 
 
@@ -182,7 +183,10 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
             fut_val = w.get_future().wait()
             if err:
                 m.report_error(RuntimeError("boom"))
-                assert m.allreduce(torch.ones(1)).wait() is True  # a no-op now
+                # still communicates: the group is usable and every group issues it
+                later = torch.ones(1)
+                assert m.allreduce(later, reduce_op=dist.ReduceOp.SUM).wait() is True
+                assert later.item() == 2.0
             return t.tolist(), fut_val is t, m.is_participating(), m.should_commit()
 
         # step 0, async + init_sync: g1 heals (contributes zeros, not a participant)
@@ -308,6 +312,59 @@ def test_async_heal_source_reads_its_state_on_the_training_thread_after_backward
         lh.shutdown()
 
 
+class _SlowSource(HTTPTransport):
+    """Serves (and checksums) 1 MiB slices slowly, so that a transfer lasts ~0.5 s."""
+
+    def _pace(self) -> None:
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "http"])
+def test_sync_heal_source_keeps_its_state_until_the_receiver_has_it(same_host: bool) -> None:
+    """Sync quorum: the source stages references to its tensors at the quorum, and its
+    training thread changes them as soon as start_quorum returns (as a DiLoCo inner step
+    does). start_quorum must return only once the receiver has the state: the receiver then
+    heals to the source's state at the quorum, not to a changed (or torn) one."""
+    lh = lighthouse(min_replicas=2)
+    n = 5 << 18  # 5 MiB of float32: five paced slices
+    state = [torch.full((n,), 7.0), torch.zeros(n)]
+    ms = values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh.address(),
+                    f"g{i}",
+                    use_async_quorum=False,
+                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+                    state_dict=lambda i=i: {"w": state[i]},
+                    checkpoint_transport=_SlowSource(
+                        timeout=timedelta(seconds=10),
+                        num_chunks=0,
+                        advertise_host="127.0.0.1",
+                        same_host=same_host,
+                    ),
+                )
+                for i in range(2)
+            ]
+        )
+    )
+    try:
+
+        def step(i: int, m: ft.Manager) -> Any:
+            m.start_quorum()  # step 0: g1 heals from g0 (init_sync)
+            state[i].add_(100.0)  # the caller's next change, right away
+            m.allreduce(torch.ones(1)).wait()
+            return m.should_commit(), m.errored()
+
+        out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+        assert [o[0] for o in out] == [True, True], out
+        assert torch.equal(state[1], state[0]), (state[0][:2], state[1][:2])
+        assert torch.equal(state[0], torch.full((n,), 107.0))
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
 def test_wrap_future_honours_its_timeout(lh: Any) -> None:
     import threading
 
@@ -357,13 +414,17 @@ def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
             # the process group is not aborted: a collective on it still works this step
             raw = torch.full((1,), float(i + 1))
             m._pg.allreduce([raw]).wait()
-            return t.tolist(), raw.item(), m._pg.errored(), m.should_commit()
+            # and so does the Manager's allreduce: g0, which knows nothing of g1's error, issues
+            # it too, and must not wait for g1 until its timeout
+            later = torch.full((1,), float(i + 1))
+            m.allreduce(later, reduce_op=dist.ReduceOp.SUM).wait()
+            return t.tolist(), (raw.item(), later.item()), m._pg.errored(), m.should_commit()
 
         out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
         assert all(o[3] for o in out)
         out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2
-        assert [o[1] for o in out] == [3.0, 3.0]
+        assert [o[1] for o in out] == [(3.0, 3.0)] * 2
         assert [o[2] for o in out] == [None, None]
         # should_commit is the vote of each replica group, as in torchft: only g1 skips the step
         assert [o[3] for o in out] == [True, False]
