@@ -685,7 +685,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         m = self.manager
         if not self._ov_ok or m.errored() is not None:
             # The step will not commit: stage nothing, and skip the exchange as the step
-            # after backward does once the Manager has an error (its allreduce is a no-op).
+            # after backward does once the Manager has an error. (A group whose peers saw no
+            # error leaves them waiting for this exchange until their op timeout: see
+            # docs/optim.md, "Errors within a step".)
             self._ov_ok = False
             return
         if not b.entries:
