@@ -114,6 +114,9 @@ class HTTPTransport(CheckpointTransport[T]):
             503 and closed at once (default :data:`DEFAULT_MAX_CONNECTIONS`).
     """
 
+    # The server counts the receivers that have read a whole checkpoint (wait_delivered).
+    confirms_delivery = True
+
     def __init__(
         self,
         timeout: timedelta,
@@ -230,8 +233,6 @@ class HTTPTransport(CheckpointTransport[T]):
     def abandon_checkpoint(self, step: int, reason: str) -> None:
         """Receivers waiting for ``step`` get HTTP 409 naming ``reason`` at once."""
         self._checkpoints.abandon(step, reason)
-
-    confirms_delivery = True
 
     def expect_checkpoint(self, step: int) -> None:
         """Receivers asking for ``step`` wait for it until it is staged or abandoned, even if

@@ -70,13 +70,20 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, CoordinationError) and exc.code in _rpc.TRANSIENT_CODES
 
 
+def _method_path(service: str, method: str) -> str:
+    """The gRPC path of one method of the proto ("/torchft.Service/Method"); KeyError if the
+    proto has no such method."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    return f"/{desc.full_name}/{desc.methods_by_name[method].name}"
+
+
 @functools.lru_cache(maxsize=None)
 def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
     """method name -> (full path, response class, streams) for one service of the proto
     (request-streaming methods, which have their own clients, left out)."""
     desc = pb.DESCRIPTOR.services_by_name[service]
     return {
-        m.name: (f"/{desc.full_name}/{m.name}", getattr(pb, m.output_type.name), m.server_streaming)
+        m.name: (_method_path(service, m.name), getattr(pb, m.output_type.name), m.server_streaming)
         for m in desc.methods
         if not m.client_streaming
     }
@@ -141,10 +148,13 @@ class _Client:
                 make(path, request_serializer=None, response_deserializer=parse),
             )
             self._methods[name] = (path, parse)
-        prefix = f"/{pb.DESCRIPTOR.services_by_name[self._service].full_name}/"
         self._call_streams = (
             {
-                name: _CallStream(self._native, prefix + stream, prefix + name)
+                name: _CallStream(
+                    self._native,
+                    _method_path(self._service, stream),
+                    _method_path(self._service, name),
+                )
                 for name, stream in self._call_stream_methods.items()
             }
             if self._native is not None and _rpc.call_streams_enabled()
@@ -438,7 +448,7 @@ class LighthouseClient(_Client):
 
     def _open(self) -> None:
         self._heartbeats = (
-            _HeartbeatStream(self._native, f"/torchft.{self._service}/HeartbeatStream")
+            _HeartbeatStream(self._native, _method_path(self._service, "HeartbeatStream"))
             if self._native is not None
             else None
         )
