@@ -83,3 +83,35 @@ def values(outs: List[Dict[str, Any]]) -> List[Any]:
         if "error" in o:
             raise o["error"]
     return [o["value"] for o in outs]
+
+
+def tensor_managers(
+    lh_addr: str,
+    state: List[Any],
+    state_dict: Optional[Callable[[int], Any]] = None,
+    per_replica: Callable[[int], Dict[str, Any]] = lambda i: {},
+    **kw: Any,
+) -> List[ft.Manager]:
+    """One Manager per tensor of ``state``, replicas ``g0``, ``g1``..., made concurrently (so
+    that all join the first quorum). Replica i heals by copying ``{"w": ...}`` into
+    ``state[i]`` and sends ``state_dict(i)`` (default ``{"w": state[i]}``); ``kw`` goes to
+    every :func:`make_manager` call, ``per_replica(i)`` to replica i's only."""
+
+    def send(i: int) -> Any:
+        return state_dict(i) if state_dict is not None else {"w": state[i]}
+
+    return values(
+        in_threads(
+            [
+                lambda i=i: make_manager(
+                    lh_addr,
+                    f"g{i}",
+                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
+                    state_dict=lambda i=i: send(i),
+                    **kw,
+                    **per_replica(i),
+                )
+                for i in range(len(state))
+            ]
+        )
+    )

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import ft
 from ft.checkpointing import HTTPTransport
-from tests.manager.inproc import in_threads, lighthouse, make_manager, values
+from tests.manager.inproc import in_threads, lighthouse, make_manager, tensor_managers, values
 
 
 @pytest.fixture
@@ -159,20 +159,7 @@ def test_init_sync_false_seeded_identical_init_no_heal() -> None:
 def test_allreduce_avg_sum_errors_and_async_heal() -> None:
     lh = lighthouse(min_replicas=2)
     state = [torch.zeros(3), torch.ones(3)]
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    use_async_quorum=True,
-                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-                    state_dict=lambda i=i: {"w": state[i]},
-                )
-                for i in range(2)
-            ]
-        )
-    )
+    ms = tensor_managers(lh.address(), state, use_async_quorum=True)
     try:
 
         def step(i: int, m: ft.Manager, op: Any, err: bool) -> Any:
@@ -268,20 +255,7 @@ def test_async_heal_source_reads_its_state_on_the_training_thread_after_backward
         reads.append((i, threading.current_thread() is training[i], phase[i]))
         return {"w": state[i]}
 
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    use_async_quorum=True,
-                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-                    state_dict=lambda i=i: state_dict(i),
-                )
-                for i in range(2)
-            ]
-        )
-    )
+    ms = tensor_managers(lh.address(), state, state_dict, use_async_quorum=True)
     try:
 
         def step(i: int, m: ft.Manager) -> Any:
@@ -328,25 +302,18 @@ def test_sync_heal_source_keeps_its_state_until_the_receiver_has_it(same_host: b
     lh = lighthouse(min_replicas=2)
     n = 5 << 18  # 5 MiB of float32: five paced slices
     state = [torch.full((n,), 7.0), torch.zeros(n)]
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    use_async_quorum=False,
-                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-                    state_dict=lambda i=i: {"w": state[i]},
-                    checkpoint_transport=_SlowSource(
-                        timeout=timedelta(seconds=10),
-                        num_chunks=0,
-                        advertise_host="127.0.0.1",
-                        same_host=same_host,
-                    ),
-                )
-                for i in range(2)
-            ]
-        )
+    ms = tensor_managers(
+        lh.address(),
+        state,
+        use_async_quorum=False,
+        per_replica=lambda i: {
+            "checkpoint_transport": _SlowSource(
+                timeout=timedelta(seconds=10),
+                num_chunks=0,
+                advertise_host="127.0.0.1",
+                same_host=same_host,
+            )
+        },
     )
     try:
 
@@ -611,20 +578,7 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
         return {"w": state[0]}
 
     sds = [source_state_dict, lambda: {"w": state[1]}]
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    use_async_quorum=async_quorum,
-                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-                    state_dict=sds[i],
-                )
-                for i in range(2)
-            ]
-        )
-    )
+    ms = tensor_managers(lh.address(), state, lambda i: sds[i](), use_async_quorum=async_quorum)
     try:
 
         def run(i: int, m: ft.Manager, quorum_ids: List[int]) -> Any:
