@@ -48,6 +48,9 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Pattern, Sequence, Union
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A late child's stacks in a failure message: gdb gets this long, the message this much of them.
+STACKS_TIMEOUT_S = 30.0
+STACKS_MAX_CHARS = 12000
 
 
 def free_port() -> int:
@@ -210,6 +213,23 @@ class Proc:
             text = text[: text.rfind("\n") + 1]
         return text.splitlines()
 
+    def stacks(self) -> str:
+        """Where a child that runs late is stuck, for the failure message: its native threads'
+        stacks (gdb, where installed; nothing otherwise). Bounded; the child keeps running."""
+        if self.proc.poll() is not None or shutil.which("gdb") is None:
+            return ""
+        try:
+            out = subprocess.run(
+                ["gdb", "-batch", "-p", str(self.pid), "-ex", "thread apply all bt 20"],
+                capture_output=True,
+                text=True,
+                timeout=STACKS_TIMEOUT_S,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        frames = [line for line in out.splitlines() if line.startswith(("Thread ", "#"))]
+        return "\n--- native stacks (gdb)\n" + "\n".join(frames)[-STACKS_MAX_CHARS:]
+
     def _failure(self, what: str) -> AssertionError:
         return AssertionError(f"{self.name} (pid {self.pid}) {what}; output:\n{self.output(6000)}")
 
@@ -310,7 +330,9 @@ def wait_all(procs: Sequence[Proc], timeout: float) -> None:
             raise AssertionError(
                 f"{', '.join(p.name for p in late)} did not finish within "
                 f"{timeout}s\n"
-                + "\n".join(f"--- {p.name} (pid {p.pid})\n{p.output(4000)}" for p in late)
+                + "\n".join(
+                    f"--- {p.name} (pid {p.pid})\n{p.output(4000)}{p.stacks()}" for p in late
+                )
             )
         time.sleep(0.02)
 

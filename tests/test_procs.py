@@ -4,6 +4,7 @@ bounded waits, kill by pid, every child reaped. Children are ``python -c`` one-l
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -67,6 +68,16 @@ def test_wait_all_fails_at_once_on_a_child_that_fails():
             wait_all(group.procs, 60)
         assert time.monotonic() - t0 < 30 and slow.poll() is None
     assert slow.returncode == -signal.SIGKILL  # reaped on the way out
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb not installed")
+def test_wait_all_says_where_a_late_child_is_stuck():
+    with Procs() as group:
+        late = group.start([sys.executable, "-c", "import time; time.sleep(60)"])
+        with pytest.raises(AssertionError, match="did not finish within") as failed:
+            wait_all(group.procs, 0.5)
+        assert late.poll() is None  # still running: stacks are read, nothing is killed
+    assert "native stacks (gdb)" in str(failed.value) and "sleep" in str(failed.value)
 
 
 def test_a_process_group_is_killed_whole():
