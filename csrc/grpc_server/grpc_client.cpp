@@ -1540,6 +1540,18 @@ void bindClient(py::module_& m) {
     throw py::error_already_set();
   m.attr("CallError") = py::handle(gCallError);
 
+  // Called at interpreter exit (ft.coordination._rpc): the channels that only
+  // parked stubs keep go before the process exits, as they would have gone
+  // with their clients, so that gRPC's callback threads are stopped and joined
+  // here instead of running while the process tears down.
+  m.def(
+      "drain_parked_stubs",
+      [] {
+        GilRelease nogil;
+        ParkedStubs::drain();
+      },
+      "Drops the channels that only finished streaming calls still held.");
+
   py::class_<ClientChannel>(m, "Channel")
       .def(
           py::init<
