@@ -287,7 +287,6 @@ def grpc_server_extension():
             "csrc/grpc_server/quorum_wire.cpp",
         ],
         depends=[
-            "csrc/grpc_server/byte_buffer.hpp",
             "csrc/grpc_server/call_stream_wire.hpp",
             "csrc/grpc_server/grpc_client.hpp",
             "csrc/grpc_server/quorum_wire.hpp",

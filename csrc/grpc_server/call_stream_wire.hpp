@@ -41,21 +41,18 @@ encodeRequest(int64_t timeoutMs, std::string_view head, std::string_view body) {
     ft_wire::appendVarint(&out, static_cast<uint64_t>(timeoutMs));
   }
   if (!head.empty() || !body.empty()) {
-    ft_wire::appendLengthPrefix(&out, 2, head.size() + body.size());
+    ft_wire::appendVarint(&out, (2u << 3) | 2);
+    ft_wire::appendVarint(&out, head.size() + body.size());
     out.append(head);
     out.append(body);
   }
   return out;
 }
 
-// The bytes of a CallStreamResponse that come before its `response` field's
-// value, for a response of `bodySize` bytes: the encoded message is this
-// followed by the response's bytes, which the server sends as the answer's own
-// slices (one answer of a steady round goes to every member uncopied).
 inline std::string
-encodeResponseHead(int32_t code, std::string_view details, size_t bodySize) {
+encodeResponse(int32_t code, std::string_view details, std::string_view body) {
   std::string out;
-  out.reserve(details.size() + 24);
+  out.reserve(details.size() + body.size() + 16);
   if (code != 0) {
     ft_wire::appendVarint(&out, (1u << 3) | 0);
     // int32: a negative value is sign-extended to 64 bits, as protobuf does.
@@ -63,10 +60,16 @@ encodeResponseHead(int32_t code, std::string_view details, size_t bodySize) {
         &out,
         static_cast<uint64_t>(static_cast<int64_t>(code)));
   }
-  if (!details.empty())
-    ft_wire::appendBytesField(&out, 2, details);
-  if (bodySize != 0)
-    ft_wire::appendLengthPrefix(&out, 3, bodySize);
+  if (!details.empty()) {
+    ft_wire::appendVarint(&out, (2u << 3) | 2);
+    ft_wire::appendVarint(&out, details.size());
+    out.append(details);
+  }
+  if (!body.empty()) {
+    ft_wire::appendVarint(&out, (3u << 3) | 2);
+    ft_wire::appendVarint(&out, body.size());
+    out.append(body);
+  }
   return out;
 }
 

@@ -11,7 +11,6 @@
 // another thread and back.
 
 #include "grpc_client.hpp"
-#include "byte_buffer.hpp"
 #include "call_stream_wire.hpp"
 #include "request_auth.hpp"
 
@@ -87,45 +86,6 @@ class GilRelease {
 
  private:
   PyThreadState* state_;
-};
-
-// Stubs whose last reference a finished streaming call held (ClientStream::
-// Call), kept until a thread of Python's drops them. Why: a channel that has
-// made a callback-API call holds gRPC's shared callback queue, and releasing
-// the last hold on that queue shuts it down and joins its threads. Done from
-// one of those threads (where OnDone runs), the thread joins itself and then
-// polls the freed queue: gRPC aborts the process. That happens when a client
-// goes away while its stream is still ending and no server is left: its call
-// held the last reference to the channel. Drained where Python calls in
-// (a channel made or closed, a stream sent on or dropped); never destroyed, so
-// process exit does not destroy channels after gRPC.
-class ParkedStubs {
- public:
-  static void park(std::shared_ptr<grpc::GenericStub> stub) {
-    State& s = state();
-    std::lock_guard<std::mutex> g(s.mu);
-    s.stubs.push_back(std::move(stub));
-  }
-  // Drops the parked stubs (and any channel that only they kept) on the
-  // calling thread, which must not be one of gRPC's callback threads.
-  static void drain() {
-    State& s = state();
-    std::vector<std::shared_ptr<grpc::GenericStub>> stubs;
-    {
-      std::lock_guard<std::mutex> g(s.mu);
-      stubs.swap(s.stubs);
-    }
-  }
-
- private:
-  struct State {
-    std::mutex mu;
-    std::vector<std::shared_ptr<grpc::GenericStub>> stubs;
-  };
-  static State& state() {
-    static State* s = new State(); // never destroyed (see above)
-    return *s;
-  }
 };
 
 // grpcio-style options ([(name, int or str)],
@@ -230,16 +190,12 @@ class ClientStream {
   ~ClientStream() {
     // Nothing to wait for: the call ends by itself once cancelled, and its
     // reactor and state go with it.
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (call_)
-        letGo(/*cancel=*/true);
-    }
-    ParkedStubs::drain();
+    std::lock_guard<std::mutex> g(mu_);
+    if (call_)
+      letGo(/*cancel=*/true);
   }
 
   void send(const py::bytes& request, double timeoutS) {
-    ParkedStubs::drain();
     char* data = nullptr;
     Py_ssize_t size = 0;
     if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
@@ -335,17 +291,13 @@ class ClientStream {
         shared_->done = true;
         shared_->cv.notify_all();
       }
-      // This runs on gRPC's callback thread, where the channel must not die
-      // (ParkedStubs): its reference is parked, after the call's context is
-      // gone.
-      std::shared_ptr<grpc::GenericStub> stub = std::move(stub_);
       delete this;
-      ParkedStubs::park(std::move(stub));
     }
 
    private:
     grpc::ClientContext ctx_;
-    std::shared_ptr<grpc::GenericStub> stub_; // the channel outlives the call
+    const std::shared_ptr<grpc::GenericStub>
+        stub_; // the channel outlives the call
     const std::shared_ptr<Shared> shared_;
   };
 
@@ -474,6 +426,18 @@ class ClientStream {
   Call* call_ = nullptr; // valid until letGo()
   std::shared_ptr<Shared> shared_;
 };
+
+// A gRPC ByteBuffer's bytes, copied into one string.
+std::string bufferBytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  if (!buffer.Dump(&slices).ok())
+    return out;
+  out.reserve(buffer.Length());
+  for (const auto& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
 
 // Unary calls of one method carried as messages of one long-lived call (a
 // call stream, e.g. LighthouseService.QuorumStream; the server:
@@ -683,8 +647,7 @@ class ClientCallStream {
     }
     if (!readOk)
       return ended();
-    std::string answer;
-    const bool readable = ft_grpc::readByteBuffer(open_->in, &answer);
+    const std::string answer = bufferBytes(open_->in);
     open_->in.Clear();
     // The next read is pending while the stream is idle: the server sends
     // nothing between answers, so it completes only when the stream ends, and
@@ -692,7 +655,7 @@ class ClientCallStream {
     open_->pending |= kRead;
     open_->rw->Read(&open_->in, tag(kRead));
     ft_call_stream::Response r;
-    if (!readable || !ft_call_stream::decodeResponse(answer, &r))
+    if (!ft_call_stream::decodeResponse(answer, &r))
       return failed(
           grpc::Status(
               grpc::StatusCode::INTERNAL,
@@ -810,7 +773,6 @@ class ClientChannel {
     if (!key.empty())
       signer_ = std::make_shared<ft_auth::RequestSigner>(std::move(key));
     GilRelease nogil;
-    ParkedStubs::drain();
     channel_ = grpc::CreateCustomChannel(
         target,
         grpc::InsecureChannelCredentials(),
@@ -849,18 +811,7 @@ class ClientChannel {
     }
     if (!status.ok())
       raiseCallError(status);
-    grpc::Slice single;
-    if (response.TrySingleSlice(&single).ok()) // the usual case: no copy
-      return py::bytes(
-          reinterpret_cast<const char*>(single.begin()),
-          single.size());
-    std::string bytes;
-    if (!ft_grpc::readByteBuffer(response, &bytes))
-      raiseCallError(
-          grpc::Status(
-              grpc::StatusCode::INTERNAL,
-              "the server's response could not be read"));
-    return py::bytes(bytes);
+    return toBytes(response);
   }
 
   std::unique_ptr<ClientStream> openStream(const std::string& method) {
@@ -901,7 +852,6 @@ class ClientChannel {
     GilRelease nogil;
     stub.reset();
     channel.reset();
-    ParkedStubs::drain();
   }
 
  private:
@@ -995,6 +945,16 @@ class ClientChannel {
     while (p->cq.Next(&tag, &ok)) {
     }
     return status;
+  }
+
+  static py::bytes toBytes(const grpc::ByteBuffer& buffer) {
+    grpc::Slice single;
+    if (buffer.TrySingleSlice(&single).ok()) {
+      return py::bytes(
+          reinterpret_cast<const char*>(single.begin()),
+          single.size());
+    }
+    return py::bytes(bufferBytes(buffer));
   }
 
   std::shared_ptr<ft_auth::RequestSigner> signer_; // set once, then read-only
@@ -1539,18 +1499,6 @@ void bindClient(py::module_& m) {
   if (gCallError == nullptr)
     throw py::error_already_set();
   m.attr("CallError") = py::handle(gCallError);
-
-  // Called at interpreter exit (ft.coordination._rpc): the channels that only
-  // parked stubs keep go before the process exits, as they would have gone
-  // with their clients, so that gRPC's callback threads are stopped and joined
-  // here instead of running while the process tears down.
-  m.def(
-      "drain_parked_stubs",
-      [] {
-        GilRelease nogil;
-        ParkedStubs::drain();
-      },
-      "Drops the channels that only finished streaming calls still held.");
 
   py::class_<ClientChannel>(m, "Channel")
       .def(

@@ -67,7 +67,6 @@
 //   carries, which Python, the signature check and the steady round see as
 //   that method's unary call (`call.method` is the carried method's path).
 
-#include "byte_buffer.hpp"
 #include "call_stream_wire.hpp"
 #include "grpc_client.hpp"
 #include "quorum_wire.hpp"
@@ -1195,6 +1194,21 @@ grpc::ServerGenericBidiReactor* Service::CreateReactor(
 // --- Requests, however they arrived (a call of their own or a call stream)
 // ---------------------------------------------------------------------------
 
+std::string bufferToString(const grpc::ByteBuffer& buffer, bool* ok) {
+  std::vector<grpc::Slice> slices;
+  std::string out;
+  *ok = buffer.Dump(&slices).ok();
+  if (!*ok)
+    return out;
+  size_t size = 0;
+  for (const auto& s : slices)
+    size += s.size();
+  out.reserve(size);
+  for (const auto& s : slices)
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
 // With a verifier, checks the signature of `*body` (the request of `state`)
 // and takes it off, so that Python and the native paths see the request as
 // its client serialized it (request_auth.hpp). False: the call was answered
@@ -1365,8 +1379,8 @@ void CallReactor::OnReadDone(bool ok) {
         grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
     return;
   }
-  std::string body;
-  const bool readable = ft_grpc::readByteBuffer(request_, &body);
+  bool readable = false;
+  std::string body = bufferToString(request_, &readable);
   request_.Clear();
   if (!readable) {
     state_->finish(
@@ -1440,8 +1454,8 @@ void CallStreamReactor::OnReadDone(bool ok) {
       Finish(grpc::Status::OK);
     return;
   }
-  std::string message;
-  const bool readable = ft_grpc::readByteBuffer(in_, &message);
+  bool readable = false;
+  const std::string message = bufferToString(in_, &readable);
   in_.Clear();
   ft_call_stream::Request req;
   if (!readable || !ft_call_stream::decodeRequest(message, &req) ||
@@ -1483,19 +1497,18 @@ void CallStreamReactor::OnReadDone(bool ok) {
 void CallStreamReactor::answer(
     const grpc::Status& status,
     const grpc::ByteBuffer* msg) {
-  // The answer's own slices (shared, not copied: the same answer of a steady
-  // round goes to every member), sent behind the CallStreamResponse's head.
-  std::vector<grpc::Slice> body;
+  std::string body;
   grpc::Status sent = status;
-  if (msg != nullptr && !msg->Dump(&body).ok()) {
-    body.clear();
-    sent = grpc::Status(
-        grpc::StatusCode::INTERNAL,
-        "could not read the answer to send it");
+  if (msg != nullptr) {
+    bool readable = false;
+    body = bufferToString(*msg, &readable);
+    if (!readable) {
+      body.clear();
+      sent = grpc::Status(
+          grpc::StatusCode::INTERNAL,
+          "could not read the answer to send it");
+    }
   }
-  size_t bodySize = 0;
-  for (const auto& slice : body)
-    bodySize += slice.size();
   std::string details = sent.error_message();
   if (!ft_wire::validUtf8(details)) {
     // A proto3 string: protobuf refuses invalid UTF-8 (the message would not
@@ -1504,20 +1517,16 @@ void CallStreamReactor::answer(
       if (static_cast<unsigned char>(c) >= 0x80)
         c = '?';
   }
-  std::vector<grpc::Slice> slices;
-  slices.reserve(body.size() + 1);
-  slices.emplace_back(
-      ft_call_stream::encodeResponseHead(
-          static_cast<int32_t>(sent.error_code()),
-          details,
-          bodySize));
-  for (auto& slice : body)
-    slices.push_back(std::move(slice));
+  std::string encoded = ft_call_stream::encodeResponse(
+      static_cast<int32_t>(sent.error_code()),
+      details,
+      body);
   {
     std::lock_guard<std::mutex> g(mu_);
     if (cancelled_ || ended_)
       return; // the stream is gone: the answer goes nowhere
-    out_ = grpc::ByteBuffer(slices.data(), slices.size());
+    grpc::Slice slice(std::move(encoded));
+    out_ = grpc::ByteBuffer(&slice, 1);
     writing_ = true;
   }
   StartWrite(&out_);

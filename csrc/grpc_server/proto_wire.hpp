@@ -56,15 +56,10 @@ inline void appendVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
-// A length-delimited field's tag and length, for a value of `size` bytes that
-// the caller appends (or sends as a slice of its own) next.
-inline void appendLengthPrefix(std::string* out, int field, size_t size) {
+inline void
+appendBytesField(std::string* out, int field, const std::string& v) {
   appendVarint(out, (static_cast<uint64_t>(field) << 3) | 2);
-  appendVarint(out, size);
-}
-
-inline void appendBytesField(std::string* out, int field, std::string_view v) {
-  appendLengthPrefix(out, field, v.size());
+  appendVarint(out, v.size());
   out->append(v);
 }
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 from typing import TYPE_CHECKING, Optional, Tuple
@@ -18,11 +17,6 @@ try:
     from . import _grpc_server as native
 except ImportError:  # not built (no gRPC C++ on the build machine)
     native = None
-
-if native is not None and hasattr(native, "drain_parked_stubs"):
-    # The channels that finished streaming calls kept (never released on gRPC's own callback
-    # thread) go at exit, while the interpreter and gRPC can still stop their threads cleanly.
-    atexit.register(native.drain_parked_stubs)
 
 # A client's transport when it is built with transport="auto": "native" or "grpcio".
 CLIENT_TRANSPORT_ENV = "FT_CLIENT_TRANSPORT"

@@ -10,7 +10,6 @@ a fraction of a second and these tests do not depend on the backend build. Start
     cli [ft-lighthouse flags...]
     subscriber REPLICA_ID LIGHTHOUSE_ADDR
     exit-mid-call LIGHTHOUSE_ADDR CLIENT_TRANSPORT
-    drop-streaming-clients LIGHTHOUSE_ADDR ROUNDS
 
 A mode with the suffix ``-without-torch`` (``cli-without-torch``) runs with torch and ``ft._C``
 hidden: importing either raises ModuleNotFoundError, as on a host where they are not installed.
@@ -97,23 +96,6 @@ def main() -> int:
             ).start()
         threading.Event().wait(0.5)
         print("EXITING", flush=True)
-    elif mode == "drop-streaming-clients":
-        # No server in this process: the native clients' channels are the only users of
-        # gRPC's callback threads. Each client opens its heartbeat stream and is dropped
-        # while that stream is still ending.
-        import gc
-
-        lighthouse, rounds = sys.argv[2], int(sys.argv[3])
-        for r in range(rounds):
-            clients = [
-                coord.LighthouseClient(lighthouse, 5.0, transport="native") for _ in range(16)
-            ]
-            for i, client in enumerate(clients):
-                client.heartbeat(f"drop-{r}-{i}", timeout=5.0)
-            del client, clients
-            gc.collect()
-            threading.Event().wait(0.05)
-        print("DROPPED", flush=True)
     elif mode == "cli":
         from ft.coordination.cli import main as cli_main
 
