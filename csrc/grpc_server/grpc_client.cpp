@@ -18,12 +18,16 @@
 #include <grpcpp/grpcpp.h>
 #include <pybind11/stl.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_set>
@@ -146,6 +150,127 @@ grpc::ByteBuffer requestBuffer(
   PyErr_SetObject(gCallError, args.ptr());
   throw py::error_already_set();
 }
+
+// Drops channel references handed over by gRPC's callback threads, on a thread
+// of ft's own.
+//
+// Why: a heartbeat stream's call (ClientStream::Call) is driven by gRPC's
+// callback threads and ends in OnDone on one of them. When its client is gone
+// by then, the call holds the last reference to the channel. Dropped there, the
+// channel is destroyed on the callback thread; when it was the last user of
+// gRPC's shared callback queue, releasing the queue joins the queue's threads,
+// this one included, and frees the queue under it: gRPC aborts the process
+// ("assertion failed: prior > 0" in grpc_cq_internal_unref). Here the last
+// reference goes on a thread that gRPC never joins.
+//
+// Contract:
+// - `drop(ref)`, from any thread, takes the reference; the releaser thread
+//   (started at the first drop) lets go of it soon after. The caller blocks
+//   for a short lock only, and never runs the reference's destructor.
+// - `stop(grace)` runs once, at interpreter exit (registered with Python's
+//   atexit by bindClient, so before the interpreter and gRPC's globals are torn
+//   down): the thread lets go of what it was handed and is joined, within
+//   `grace` (past it, the thread is left to the exiting process). References
+//   handed over after stop() are kept, never destroyed: destroying a channel
+//   while the process tears down is what this class exists to avoid, and the
+//   process is exiting.
+// - In a child forked from this process the releaser starts afresh
+//   (pthread_atfork): the parent's thread does not exist there, and its lock
+//   may have been held at the fork.
+class ChannelReleaser {
+ public:
+  using Ref = std::shared_ptr<grpc::GenericStub>;
+
+  static void drop(Ref ref) {
+    current()->take(std::move(ref));
+  }
+
+  static void stop(std::chrono::milliseconds grace) {
+    current()->stopAndJoin(grace);
+  }
+
+  // Once, when the module loads (before any thread of its own exists).
+  static void install() {
+    pthread_atfork(nullptr, nullptr, [] {
+      // Only the forking thread exists in the child: no lock is needed. The
+      // parent's releaser (its lock possibly held) is left unused, not freed.
+      gCurrent.store(new ChannelReleaser(), std::memory_order_release);
+    });
+  }
+
+ private:
+  // Never freed: a detached thread or a late drop may still use it at exit.
+  static ChannelReleaser* current() {
+    ChannelReleaser* r = gCurrent.load(std::memory_order_acquire);
+    if (r != nullptr)
+      return r;
+    auto* fresh = new ChannelReleaser();
+    if (gCurrent.compare_exchange_strong(r, fresh, std::memory_order_acq_rel))
+      return fresh;
+    delete fresh; // another thread installed one first
+    return r;
+  }
+
+  void take(Ref ref) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (stopping_) {
+      new Ref(std::move(ref)); // kept for good (see the contract)
+      return;
+    }
+    queue_.push_back(std::move(ref));
+    if (!thread_.joinable())
+      thread_ = std::thread([this] { run(); });
+    cv_.notify_one();
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      std::vector<Ref> batch;
+      batch.swap(queue_);
+      lock.unlock();
+      batch.clear(); // the channels' destructors run here, unlocked
+      lock.lock();
+      if (stopping_ && queue_.empty())
+        break;
+    }
+    finished_ = true;
+    cv_.notify_all();
+  }
+
+  void stopAndJoin(std::chrono::milliseconds grace) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stopping_)
+      return;
+    stopping_ = true;
+    cv_.notify_all();
+    if (!thread_.joinable())
+      return;
+    const bool finished = cv_.wait_for(lock, grace, [&] { return finished_; });
+    lock.unlock();
+    if (finished)
+      thread_.join();
+    else
+      thread_.detach(); // still inside a channel's destructor: left to exit
+  }
+
+  static std::atomic<ChannelReleaser*> gCurrent;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Ref> queue_;
+  std::thread thread_;
+  bool stopping_ = false;
+  bool finished_ = false;
+};
+
+std::atomic<ChannelReleaser*> ChannelReleaser::gCurrent{nullptr};
+
+// How long interpreter exit waits for the releaser to let go of the channels
+// it was handed: destroying a channel is local work (its connection closes,
+// gRPC's callback threads are joined), normally well under a millisecond.
+constexpr auto kReleaserStopGrace = std::chrono::seconds(5);
 
 // One client-streaming call kept open across sends: the lighthouse's heartbeat
 // stream (LighthouseService.HeartbeatStream), where one message costs the
@@ -291,13 +416,17 @@ class ClientStream {
         shared_->done = true;
         shared_->cv.notify_all();
       }
+      // This call may hold the channel's last reference (its client is gone):
+      // never dropped on gRPC's callback thread (see ChannelReleaser).
+      ChannelReleaser::Ref stub = std::move(stub_);
       delete this;
+      ChannelReleaser::drop(std::move(stub));
     }
 
    private:
     grpc::ClientContext ctx_;
-    const std::shared_ptr<grpc::GenericStub>
-        stub_; // the channel outlives the call
+    // The channel outlives the call; OnDone hands it to the releaser.
+    std::shared_ptr<grpc::GenericStub> stub_;
     const std::shared_ptr<Shared> shared_;
   };
 
@@ -427,16 +556,25 @@ class ClientStream {
   std::shared_ptr<Shared> shared_;
 };
 
-// A gRPC ByteBuffer's bytes, copied into one string.
-std::string bufferBytes(const grpc::ByteBuffer& buffer) {
+// A gRPC ByteBuffer's bytes, copied into one string; nullopt when gRPC cannot
+// read the buffer (never an empty message in its place: protobuf would read
+// that as a valid, all-default answer).
+std::optional<std::string> bufferBytes(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
-  std::string out;
   if (!buffer.Dump(&slices).ok())
-    return out;
+    return std::nullopt;
+  std::string out;
   out.reserve(buffer.Length());
   for (const auto& s : slices)
     out.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return out;
+}
+
+// The status of a call whose answer gRPC delivered but could not read.
+grpc::Status unreadableAnswer() {
+  return grpc::Status(
+      grpc::StatusCode::INTERNAL,
+      "the server's answer could not be read");
 }
 
 // Unary calls of one method carried as messages of one long-lived call (a
@@ -647,15 +785,17 @@ class ClientCallStream {
     }
     if (!readOk)
       return ended();
-    const std::string answer = bufferBytes(open_->in);
+    const std::optional<std::string> answer = bufferBytes(open_->in);
     open_->in.Clear();
     // The next read is pending while the stream is idle: the server sends
     // nothing between answers, so it completes only when the stream ends, and
     // the next request then opens a new stream instead of failing on this one.
     open_->pending |= kRead;
     open_->rw->Read(&open_->in, tag(kRead));
+    if (!answer)
+      return failed(unreadableAnswer());
     ft_call_stream::Response r;
-    if (!ft_call_stream::decodeResponse(answer, &r))
+    if (!ft_call_stream::decodeResponse(*answer, &r))
       return failed(
           grpc::Status(
               grpc::StatusCode::INTERNAL,
@@ -811,7 +951,10 @@ class ClientChannel {
     }
     if (!status.ok())
       raiseCallError(status);
-    return toBytes(response);
+    std::optional<py::bytes> bytes = toBytes(response);
+    if (!bytes)
+      raiseCallError(unreadableAnswer());
+    return *std::move(bytes);
   }
 
   std::unique_ptr<ClientStream> openStream(const std::string& method) {
@@ -947,14 +1090,18 @@ class ClientChannel {
     return status;
   }
 
-  static py::bytes toBytes(const grpc::ByteBuffer& buffer) {
+  // GIL held. nullopt: gRPC could not read the buffer.
+  static std::optional<py::bytes> toBytes(const grpc::ByteBuffer& buffer) {
     grpc::Slice single;
     if (buffer.TrySingleSlice(&single).ok()) {
       return py::bytes(
           reinterpret_cast<const char*>(single.begin()),
           single.size());
     }
-    return py::bytes(bufferBytes(buffer));
+    std::optional<std::string> bytes = bufferBytes(buffer);
+    if (!bytes)
+      return std::nullopt;
+    return py::bytes(*bytes);
   }
 
   std::shared_ptr<ft_auth::RequestSigner> signer_; // set once, then read-only
@@ -1499,6 +1646,14 @@ void bindClient(py::module_& m) {
   if (gCallError == nullptr)
     throw py::error_already_set();
   m.attr("CallError") = py::handle(gCallError);
+
+  ChannelReleaser::install();
+  // At interpreter exit, before gRPC's and Python's globals go (see
+  // ChannelReleaser's contract).
+  py::module_::import("atexit").attr("register")(py::cpp_function([] {
+    GilRelease nogil;
+    ChannelReleaser::stop(kReleaserStopGrace);
+  }));
 
   py::class_<ClientChannel>(m, "Channel")
       .def(

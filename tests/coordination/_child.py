@@ -10,6 +10,7 @@ a fraction of a second and these tests do not depend on the backend build. Start
     cli [ft-lighthouse flags...]
     subscriber REPLICA_ID LIGHTHOUSE_ADDR
     exit-mid-call LIGHTHOUSE_ADDR CLIENT_TRANSPORT
+    drop-streaming-clients LIGHTHOUSE_ADDR ROUNDS
 
 A mode with the suffix ``-without-torch`` (``cli-without-torch``) runs with torch and ``ft._C``
 hidden: importing either raises ModuleNotFoundError, as on a host where they are not installed.
@@ -96,6 +97,21 @@ def main() -> int:
             ).start()
         threading.Event().wait(0.5)
         print("EXITING", flush=True)
+    elif mode == "drop-streaming-clients":
+        # Native clients whose heartbeat streams are still open when they are dropped, in a
+        # process with no gRPC server of its own: each stream's call ends on gRPC's callback
+        # thread after its client is gone (csrc/grpc_server/grpc_client.cpp, ChannelReleaser).
+        import gc
+
+        lighthouse, rounds = sys.argv[2], int(sys.argv[3])
+        for r in range(rounds):
+            clients = [coord.LighthouseClient(lighthouse, 5.0) for _ in range(16)]
+            for i, client in enumerate(clients):
+                client.heartbeat(f"drop-{r}-{i}", timeout=5.0)
+            assert all(c._heartbeats.sent == 1 for c in clients), "heartbeats went unary"
+            del clients, client
+            gc.collect()
+        print("DROPPED", flush=True)
     elif mode == "cli":
         from ft.coordination.cli import main as cli_main
 
