@@ -823,6 +823,15 @@ class Manager:
         """
         self._report_error(e, abort=False)
 
+    def step_aborted(self) -> bool:
+        """Whether an error this step aborted the process group (a communication failure the
+        Manager detected). The step's later allreduces are then no-ops: the peers' matching
+        collectives fail with the abort. After an error that did not abort
+        (:meth:`report_error`, a failed Work), collectives still run, and an algorithm that
+        issues its own (ZeRO's parameter exchange) must issue them too, or the other groups
+        wait for them until their op timeout."""
+        return self._step_aborted
+
     def _report_error(self, e: Exception, abort: bool) -> None:
         self._watch.error(e)
         if self._errored is None:
@@ -1248,7 +1257,7 @@ class Manager:
         # leaves the group usable, every group still issues the same collectives in the same
         # order; skipping here, where the error is seen at a different moment on each group
         # (a Work's failure arrives on a callback), would leave a peer waiting for this one.
-        if self._step_aborted and self._errored is not None:
+        if self._step_aborted:
             return _DummyWork(tensor)
         self._wait_decided()
         num_participants = self.num_participants()

@@ -81,6 +81,12 @@ class ManagerLike(Protocol):
 
     def errored(self) -> Optional[BaseException]: ...
 
+    def step_aborted(self) -> bool:
+        """Whether an error this step aborted the process group: the step's later collectives
+        are skipped on this group (its peers' fail with the abort). After any other error they
+        still run, on every group alike."""
+        ...
+
 
 @runtime_checkable
 class GroupServerClient(Protocol):

@@ -44,6 +44,10 @@ One step (``step()``, stepping after backward; for overlap see below)
     3. Step the owned shard; pack the owned parameters' new values into one flat buffer per
        dtype (zeros elsewhere) and ``manager.allreduce(..., SUM)`` it: every replica receives
        every updated parameter. All communication of the step happens *before the vote*.
+       The exchange also carries one mark per participant, set by a participant that sent
+       stepped shards: a group with an error that left the process group usable still
+       exchanges (zeros, its mark unset), so no peer waits for it, and a group that finds a
+       mark unset votes no (docs/optim.md, "Errors within a step").
     4. ``manager.should_commit()``.
        - True: step the standby shard locally (no communication), copy the received
          parameters into every parameter, drop state this replica no longer needs.
@@ -153,17 +157,47 @@ _NOT_HYPER = ("params", "param_names")
 class _Bucket:
     """One DDP bucket as the overlapped step sees it: which of this optimizer's parameters it
     holds (global index, position in the bucket, offset in ``xbuf``) and the exchange buffer
-    (the bucket's parameters, flat, in the order of ``entries``)."""
+    (the bucket's parameters, flat, in the order of ``entries``, then one sent-mark per
+    participant: see :func:`_missing_senders`)."""
 
-    __slots__ = ("index", "ids", "entries", "xbuf")
+    __slots__ = ("index", "ids", "entries", "xbuf", "participants")
 
     def __init__(
-        self, index: int, ids: Tuple[int, ...], entries: List[Tuple[int, int, int]], xbuf: Any
+        self,
+        index: int,
+        ids: Tuple[int, ...],
+        entries: List[Tuple[int, int, int]],
+        xbuf: Any,
+        participants: int,
     ) -> None:
         self.index = index
         self.ids = ids
         self.entries = entries
         self.xbuf = xbuf
+        self.participants = participants
+
+    def marks(self) -> torch.Tensor:
+        return self.xbuf[self.xbuf.numel() - self.participants :]
+
+
+def _missing_senders(marks: torch.Tensor) -> List[int]:
+    """The participants whose stepped shards an exchange lacks. Each participant that stepped
+    its shards sets its own slot of the exchange's marks to 1 (SUM-allreduced with the
+    parameters; every other contribution there is 0). A participant whose step failed where
+    the group stays usable (``report_error``: a NaN loss it alone saw) still takes part in the
+    exchange, so that no group waits for it, but sends zeros, its mark among them: a group
+    that committed that exchange would take zeros for the failed participant's shards."""
+    return [r for r, v in enumerate(marks.tolist()) if v != 1]
+
+
+def _refuse_incomplete_exchange(manager: ManagerLike, missing: List[int]) -> None:
+    if missing and manager.errored() is None:
+        manager.report_error(
+            RuntimeError(
+                f"ZeRO parameter exchange: participant(s) {missing} sent no stepped shards "
+                "(their step failed there); the step commits on no replica group"
+            )
+        )
 
 
 class _BucketOpts:
@@ -374,7 +408,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if i in self._held:
                     table[rank, i] = 2 * (self._version[i] + 1) + (1 if self._held[i] else 0)
         m.allreduce(table, reduce_op=ReduceOp.SUM).wait()
-        if m.errored() is not None:
+        if m.step_aborted():
             return False
         ver = table // 2 - 1  # -1: not held
         nonempty = (table % 2) == 1
@@ -413,7 +447,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 buf[o : o + nb].copy_(t)
         if off:
             m.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
-            if m.errored() is not None:
+            if m.step_aborted():
                 return False
         self.stats["migrated_bytes"] += off
         for i, src, need in moves:
@@ -494,23 +528,38 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._plain_step()
         return None
 
+    def _layout_for_step(self) -> bool:
+        """Fixes the step's shard layout (migrating state on a quorum change); False when the
+        step's exchange must not run: the group was aborted (its peers' collectives fail
+        with it), or fixing the layout failed, which aborts it."""
+        m = self.manager
+        if m.step_aborted():
+            return False
+        try:
+            ok = self._ensure_layout()
+        except RuntimeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported: the step will not commit
+            # This replica skips the step's collectives: abort the group so that its peers
+            # fail at once instead of waiting out the timeout.
+            m._report_error(e, abort=True)
+            return False
+        return ok and not m.step_aborted()
+
     def _plain_step(self) -> None:
         """The step after backward (module docstring, "One step")."""
         m = self.manager
         snapshot: Optional[Tuple[Dict[int, Dict[str, Any]], List[torch.Tensor]]] = None  # originals
         flats: Dict[torch.dtype, torch.Tensor] = {}
         offsets: List[Tuple[int, torch.dtype, int]] = []
-        if m.errored() is None:
-            try:
-                ok = self._ensure_layout()
-            except RuntimeError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported: the step will not commit
-                # This replica skips the step's collectives: abort the group so that its
-                # peers fail at once instead of waiting out the timeout.
-                m._report_error(e, abort=True)
-                ok = False
-            if ok and m.errored() is None:
+        if self._layout_for_step():
+            # After an error that did not abort the group (report_error: a NaN loss seen by
+            # this group only) the step will not commit, but the exchange still runs, with
+            # nothing stepped: the other groups issue it too (docs/optim.md, "Errors within
+            # a step").
+            stepping = m.errored() is None
+            _, participants, rank = self._layout_key  # type: ignore[misc]
+            if stepping:
                 # Step copies of the owned state and parameters: the originals stay untouched
                 # (a checkpoint being served to a healing replica may still reference them)
                 # and are put back if the step does not commit.
@@ -527,22 +576,27 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if self._own_opt is not None:
                     self._sync_hyper(self._own_opt)
                     self._own_opt.step()
-                sizes: Dict[torch.dtype, int] = {}
-                for i, p in enumerate(self._params):
-                    offsets.append((i, p.dtype, sizes.get(p.dtype, 0)))
-                    sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-                flats = {dt: torch.zeros(s, dtype=dt) for dt, s in sizes.items()}
-                owned = set(self._owned)
-                for i, dt, o in offsets:
-                    if i in owned:
-                        p = self._params[i]
-                        flats[dt][o : o + p.numel()].copy_(p.detach().reshape(-1))
-                works = [m.allreduce(f, reduce_op=ReduceOp.SUM) for f in flats.values()]
-                for w in works:
-                    w.wait()
-                self.stats["param_bytes"] += sum(
-                    f.numel() * f.element_size() for f in flats.values()
-                )
+            sizes: Dict[torch.dtype, int] = {}
+            for i, p in enumerate(self._params):
+                offsets.append((i, p.dtype, sizes.get(p.dtype, 0)))
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+            # The participants' sent-marks follow the first dtype's parameters.
+            marks_dt = next(iter(sizes), torch.float32)
+            sizes[marks_dt] = sizes.get(marks_dt, 0) + participants
+            flats = {dt: torch.zeros(s, dtype=dt) for dt, s in sizes.items()}
+            owned = set(self._owned) if stepping else set()
+            for i, dt, o in offsets:
+                if i in owned:
+                    p = self._params[i]
+                    flats[dt][o : o + p.numel()].copy_(p.detach().reshape(-1))
+            marks = flats[marks_dt][sizes[marks_dt] - participants :]
+            if stepping and rank is not None:
+                marks[rank] = 1
+            works = [m.allreduce(f, reduce_op=ReduceOp.SUM) for f in flats.values()]
+            for w in works:
+                w.wait()
+            _refuse_incomplete_exchange(m, _missing_senders(marks))
+            self.stats["param_bytes"] += sum(f.numel() * f.element_size() for f in flats.values())
         committed = m.should_commit()
         if committed and snapshot is not None:
             if self._standby_opt is not None:
@@ -565,13 +619,18 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if self._own_opt is not None:
                     self._own_opt.state[p] = states[i]
                 p.data = d
-            self._layout_key = None if m.errored() is not None else self._layout_key
+            # After an abort the layout is fixed afresh next step (on every group: each one's
+            # collectives failed). After an error that did not abort, the exchange ran and the
+            # layout holds; fixing it afresh on this group only would issue a migration that
+            # the other groups do not.
+            self._layout_key = None if m.step_aborted() else self._layout_key
 
     # ------------------------------------------------------------------ overlap
     def _ov_reset(self) -> None:
         """Forget the step's staging (nothing live refers to it)."""
         self._ov_active = False  # zero_grad() began an overlapped step
-        self._ov_ok = False  # its layout is fixed and nothing has failed so far
+        self._ov_exchanging = False  # its layout is fixed and the group not aborted
+        self._ov_ok = False  # ... and nothing has failed so far: it may commit
         self._ov_pending: Dict[int, Tuple[_Bucket, Any, Any]] = {}  # ready, not yet staged
         self._ov_done: List[int] = []  # staged bucket indices, in order
         self._ov_staged: Dict[int, Dict[str, Any]] = {}  # global index -> stepped state copy
@@ -583,18 +642,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _ov_begin(self) -> None:
         self._ov_reset()
-        m = self.manager
-        ok = False
-        if m.errored() is None:
-            try:
-                ok = self._ensure_layout()
-            except RuntimeError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported: the step will not commit
-                m._report_error(e, abort=True)  # see _plain_step
-                ok = False
         self._ov_active = True
-        self._ov_ok = ok and m.errored() is None
+        self._ov_exchanging = self._layout_for_step()
+        self._ov_ok = self._ov_exchanging and self.manager.errored() is None
 
     def _ov_attach(self, ddp: Any) -> None:
         if not self._overlap:
@@ -612,8 +662,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         index = bucket.index()
         params = bucket.parameters()
         ids = tuple(id(p) for p in params)
+        participants = self._layout_key[1] if self._layout_key is not None else 0
         b = self._ov_buckets.get(index)
-        if b is not None and b.ids == ids:
+        if b is not None and b.ids == ids and b.participants == participants:
             return b
         entries: List[Tuple[int, int, int]] = []
         off, dtype = 0, None
@@ -624,8 +675,10 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             entries.append((i, pos, off))
             off += p.numel()
             dtype = p.dtype
-        xbuf = torch.zeros(off, dtype=dtype or torch.float32, device=bucket.buffer().device)
-        b = _Bucket(index, ids, entries, xbuf)
+        xbuf = torch.zeros(
+            off + participants, dtype=dtype or torch.float32, device=bucket.buffer().device
+        )
+        b = _Bucket(index, ids, entries, xbuf, participants)
         self._ov_buckets[index] = b
         self._ov_opts.pop(index, None)
         return b
@@ -683,15 +736,20 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._ov_done.append(index)
         fut.wait()  # the Manager's futures complete (with the tensor) even when they fail
         m = self.manager
-        if not self._ov_ok or m.errored() is not None:
-            # The step will not commit: stage nothing, and skip the exchange as the step
-            # after backward does once the Manager has an error. (A group whose peers saw no
-            # error leaves them waiting for this exchange until their op timeout: see
-            # docs/optim.md, "Errors within a step".)
-            self._ov_ok = False
+        if not self._ov_exchanging or m.step_aborted():
+            # Aborted: the peers' exchanges fail with it; nothing to stage or send.
+            self._ov_exchanging = self._ov_ok = False
             return
         if not b.entries:
             return  # none of this optimizer's parameters: nothing to step or exchange
+        if not self._ov_ok or m.errored() is not None:
+            # The step will not commit: stage nothing, but exchange (zeros) as the other
+            # groups do, which may know nothing of this error (docs/optim.md, "Errors
+            # within a step").
+            self._ov_ok = False
+            b.xbuf.zero_()
+            self._ov_works.append(m.allreduce(b.xbuf, reduce_op=ReduceOp.SUM))
+            return
         grads = _bucket_gradients(bucket, fut.value())
         bo = self._ov_bucket_opts(b)
         b.xbuf.zero_()  # the slots of parameters this replica does not own stay zero
@@ -711,6 +769,9 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             opt.step()
             for t in ts:
                 t.grad = None  # the gradients are views of DDP's bucket
+        rank = self._layout_key[2] if self._layout_key is not None else None
+        if rank is not None:
+            b.marks()[rank] = 1
         self._ov_works.append(m.allreduce(b.xbuf, reduce_op=ReduceOp.SUM))
         self.stats["param_bytes"] += b.xbuf.numel() * b.xbuf.element_size()
 
@@ -730,6 +791,13 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             )
         for w in self._ov_works:
             w.wait()
+        if self._ov_ok:
+            missing = set()
+            for k in self._ov_done:
+                b = self._ov_buckets[k]
+                if b.entries:
+                    missing.update(_missing_senders(b.marks()))
+            _refuse_incomplete_exchange(m, sorted(missing))
         ok = self._ov_ok and m.errored() is None
         committed = m.should_commit()
         if committed and ok:
@@ -744,8 +812,8 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.stats["steps"] += 1
         elif committed:
             self._layout_key = None  # as in _plain_step: committed without our contribution
-        elif m.errored() is not None:
-            self._layout_key = None
+        elif m.step_aborted():
+            self._layout_key = None  # as in _plain_step
         self._ov_reset()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

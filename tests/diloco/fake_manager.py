@@ -112,6 +112,9 @@ class FakeManager:
     def report_error(self, e: Exception) -> None:
         self.error = e
 
+    def step_aborted(self) -> bool:
+        return False  # report_error never aborts here, and nothing else reports errors
+
     def allreduce(
         self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op=ReduceOp.AVG
     ):

@@ -36,10 +36,17 @@ def snapshot(opt: Any, model: torch.nn.Module, manager: Any) -> Dict[str, Any]:
     }
 
 
-def run_pair(overlap: bool, fail_at: Optional[int] = None, interleaved: bool = True):
+def run_pair(
+    overlap: bool,
+    fail_at: Optional[int] = None,
+    interleaved: bool = True,
+    local_error_at: Optional[int] = None,
+):
     """N replica groups train STEPS iterations; at iteration ``fail_at`` every group reports an
     error just before its vote (after the overlapped staging ran), so the step does not
-    commit. Returns each group's snapshots: before the loop and after every ``step()``."""
+    commit. At iteration ``local_error_at`` group 0 alone reports one right after its forward
+    pass (a NaN loss only it sees), before backward. Returns each group's snapshots: before
+    the loop and after every ``step()``, with the Manager's error for the step."""
     import ft
     from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
 
@@ -70,7 +77,10 @@ def run_pair(overlap: bool, fail_at: Optional[int] = None, interleaved: bool = T
             for it in range(STEPS):
                 opt.zero_grad()
                 x, y = batch(m.current_step(), r)
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                loss = torch.nn.functional.mse_loss(ddp(x), y)
+                if it == local_error_at and r == 0:
+                    m.report_error(RuntimeError("injected: a NaN loss seen by this group only"))
+                loss.backward()
                 staged_in_backward.append(len(opt._ov_done) if overlap else 0)
                 real = m.should_commit
                 if it == fail_at:
@@ -83,6 +93,7 @@ def run_pair(overlap: bool, fail_at: Optional[int] = None, interleaved: bool = T
                 opt.step()
                 m.should_commit = real  # type: ignore[method-assign]
                 hist.append(snapshot(opt, model, m))
+                hist[-1]["errored"] = m.errored()
             return {"hist": hist, "staged": staged_in_backward, "mid": mid}
         finally:
             m.shutdown(wait=False)
@@ -140,6 +151,30 @@ def test_overlap_failed_commit_changes_nothing() -> None:
         for s, (a, b) in enumerate(zip(plain[r]["hist"], over[r]["hist"])):
             assert_same(a, b, f"replica {r} after iteration {s}")
         assert over[r]["hist"][-1]["step"] == STEPS - 1
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["after_backward", "overlapped"])
+def test_error_on_one_group_fails_the_step_on_every_group_at_once(overlap: bool) -> None:
+    """Group 0 alone reports an error (report_error: it leaves the process group usable). It
+    still takes part in the step's parameter exchange, sending zeros, so group 1, which knows
+    nothing of the error, is not left waiting for that exchange until its op timeout (10 s).
+    Group 1 sees that participant 0 sent no stepped shards and refuses the step (committing
+    it would take zeros for participant 0's shards); training goes on exactly as when every
+    group fails the step (bitwise)."""
+    fail = 2
+    local = run_pair(overlap=overlap, local_error_at=fail)
+    everywhere = run_pair(overlap=overlap, fail_at=fail)
+    assert "NaN loss" in str(local[0]["hist"][fail + 1]["errored"])
+    peer_error = str(local[1]["hist"][fail + 1]["errored"])
+    assert "participant(s) [0] sent no stepped shards" in peer_error, peer_error
+    for r in range(N):
+        before, after = local[r]["hist"][fail], local[r]["hist"][fail + 1]
+        assert before["step"] == after["step"] == fail
+        assert_same(before, after, f"replica {r}: failed step")
+        for s, (a, b) in enumerate(zip(everywhere[r]["hist"], local[r]["hist"])):
+            assert_same(a, b, f"replica {r} after iteration {s}")
+        assert local[r]["hist"][-1]["step"] == STEPS - 1
+    assert_same(local[0]["hist"][-1], local[1]["hist"][-1], "the groups at the end")
 
 
 def test_overlap_argument_checks() -> None:
