@@ -223,6 +223,32 @@ def wait_ready(channel: grpc.Channel, addr: str, timeout: float) -> None:
         raise TimeoutError(f"could not connect to {addr} within {timeout:.3f}s") from None
 
 
+# close_channel() waits at most this long for grpcio's connectivity poller to stop: with nothing
+# subscribed it stops after its current 0.2 s watch.
+POLLER_STOP_TIMEOUT_S = 0.5
+
+
+def close_channel(channel: grpc.Channel) -> None:
+    """Closes a grpcio channel once grpcio's connectivity poller is done with it.
+
+    Why: ``channel_ready_future`` (:func:`wait_ready`) starts a grpcio thread that polls the
+    channel's state, 0.2 s at a time, and keeps polling briefly after the future is done. A
+    channel closed under it makes that thread raise ``ValueError: Cannot invoke RPC: Channel
+    closed!`` (a traceback in the process's log, from grpcio's thread). So the poller is told
+    to stop (grpcio's own ``_unsubscribe_all``, which ``close()`` calls anyway) and given up to
+    ``POLLER_STOP_TIMEOUT_S`` to exit first. These are grpcio internals: where they are
+    missing (another grpcio version) the channel is closed at once, as before.
+    """
+    state = getattr(channel, "_connectivity_state", None)
+    unsubscribe_all = getattr(channel, "_unsubscribe_all", None)
+    if state is not None and callable(unsubscribe_all) and getattr(state, "polling", False):
+        unsubscribe_all()
+        deadline = Deadline.after(POLLER_STOP_TIMEOUT_S)
+        while getattr(state, "polling", False) and not deadline.expired:
+            deadline.sleep(0.01)
+    channel.close()
+
+
 def wait_ready_native(channel, addr: str, timeout: float) -> None:
     """:func:`wait_ready` for a native channel."""
     if not channel.wait_connected(max(timeout, 0.0)):

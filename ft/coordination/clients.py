@@ -40,6 +40,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterator, Optional, Self, Tuple
 
 import grpc
@@ -246,7 +247,7 @@ class _Client:
             stream.close()
         if self._native is not None:
             self._native.close()
-        self._channel.close()
+        _rpc.close_channel(self._channel)
 
     def __enter__(self):
         return self
@@ -311,6 +312,12 @@ class FailureSubscription:
                     logger.debug("failure subscription to %s: %s", self._client._addr, e.code())
                     self._closed.wait(next(delays))
                 continue
+            except ValueError:
+                # grpcio refuses calls on a closed channel: the client was closed under this
+                # subscription (LighthouseClient.close() closes it first), which ends here.
+                self._subscribed.clear()
+                logger.debug("failure subscription to %s: client closed", self._client._addr)
+                break
             self._subscribed.clear()
             if not self._closed.is_set():
                 # The server ended the stream (shutdown); resubscribe after a pause.
@@ -329,7 +336,8 @@ class FailureSubscription:
         with self._lock:
             if self._call is not None:
                 self._call.cancel()
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:  # closed from its own callback
+            self._thread.join(timeout)
 
 
 class _HeartbeatStream:
@@ -442,6 +450,9 @@ class LighthouseClient(_Client):
     """
 
     _service = "LighthouseService"
+    # close() waits this long for each open failure subscription's thread to end (it only has
+    # to notice its cancelled call).
+    SUBSCRIPTION_CLOSE_TIMEOUT_S = 1.0
     # A quorum goes straight from the wire into ft's types (natively where built).
     _response_parsers = {"Quorum": wire.quorum_from_response}
     _call_stream_methods = {"Quorum": "QuorumStream"}
@@ -452,6 +463,8 @@ class LighthouseClient(_Client):
             if self._native is not None
             else None
         )
+        # Closed with the client: their threads call through its channel.
+        self._subscriptions: "weakref.WeakSet[FailureSubscription]" = weakref.WeakSet()
 
     def quorum(
         self,
@@ -512,6 +525,8 @@ class LighthouseClient(_Client):
         self._call("Heartbeat", request, max(deadline.remaining(), 1e-3), wait_for_ready)
 
     def close(self) -> None:
+        for subscription in list(self._subscriptions):
+            subscription.close(timeout=self.SUBSCRIPTION_CLOSE_TIMEOUT_S)
         if self._heartbeats is not None:
             self._heartbeats.close()
         super().close()
@@ -522,10 +537,13 @@ class LighthouseClient(_Client):
         subscriber: str = "",
         stream_timeout: Timeout = _dt.timedelta(minutes=5),
     ) -> FailureSubscription:
-        """Calls ``callback(notification)`` on a background thread for every failure."""
-        return FailureSubscription(
+        """Calls ``callback(notification)`` on a background thread for every failure, until
+        the subscription or this client is closed."""
+        subscription = FailureSubscription(
             self, callback, subscriber, _rpc.required_seconds(stream_timeout, "stream_timeout")
         )
+        self._subscriptions.add(subscription)
+        return subscription
 
     def failures(self, timeout: Timeout, subscriber: str = "") -> Iterator[FailureNotification]:
         """Yields failure notifications from one stream until ``timeout`` (then returns)."""

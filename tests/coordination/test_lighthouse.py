@@ -341,6 +341,22 @@ def test_subscription_deadline_is_not_a_death(lighthouse_factory, heartbeater):
         sub.close()
 
 
+def test_closing_the_client_ends_its_failure_subscriptions(lighthouse_factory, monkeypatch):
+    """A client closed under an open failure subscription closes it: the subscription's
+    thread ends, and nothing raises on it (before, its next call on the closed channel
+    raised ValueError "Cannot invoke RPC: Channel closed!" on the thread)."""
+    lh = lighthouse_factory(min_replicas=1)
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    c = client(lh)
+    sub = c.subscribe_failures(lambda n: None)
+    assert sub.wait_subscribed(5)
+    c.close()
+    assert not sub.subscribed
+    assert not sub._thread.is_alive()
+    assert raised == []
+
+
 def test_clean_leave_is_not_announced_as_failure(lighthouse_factory, heartbeater):
     """A replica that says it leaves (Heartbeat with leaving=True, as ManagerServer.leave
     sends at a clean shutdown) and then drops its subscription is not announced as failed,
