@@ -173,6 +173,13 @@ KNOWN_FAILURES: Dict[str, str] = {
         "listens on this host's address without authentication; ft's ParameterServer serves "
         "beyond loopback only with insecure=True (FT_INSECURE=1)"
     ),
+    "manager_integ_test.py::ManagerIntegTest::test_ddp_skip_init_sync": (
+        "fails when the test's own threads race (2 of 8 runs here): each replica seeds the "
+        "global RNG and builds its model under INIT_LOCK, but the other replica's thread "
+        "draws its batches from the same global RNG outside the lock; a draw between the "
+        "seed and the model's init gives the replicas different weights (parameter sums "
+        "2.513 and 1.245 in a failing run), and with init_sync=False nothing equalizes them"
+    ),
     "manager_integ_test.py::ManagerIntegTest::test_quorum_timeout": (
         "matches the text of torchft's Rust gRPC status ('status: Cancelled ... Timeout "
         "expired'); ft raises TimeoutError 'Quorum: deadline exceeded ...'"
