@@ -823,6 +823,13 @@ class Manager:
         """
         self._report_error(e, abort=False)
 
+    def abort_step(self, e: Exception) -> None:
+        """Marks the current step as failed, like :meth:`report_error`, and also aborts the
+        process group, so that the other groups' matching collectives fail at once. For code
+        that cannot issue the collectives its peers expect this step (an ft extension);
+        the next :meth:`start_quorum` reconfigures the group."""
+        self._report_error(e, abort=True)
+
     def step_aborted(self) -> bool:
         """Whether an error this step aborted the process group (a communication failure the
         Manager detected). The step's later allreduces are then no-ops: the peers' matching

@@ -81,6 +81,11 @@ class ManagerLike(Protocol):
 
     def errored(self) -> Optional[BaseException]: ...
 
+    def abort_step(self, e: Exception) -> None:
+        """Fails the step and aborts the process group: for when this group cannot issue the
+        collectives its peers expect."""
+        ...
+
     def step_aborted(self) -> bool:
         """Whether an error this step aborted the process group: the step's later collectives
         are skipped on this group (its peers' fail with the abort). After any other error they

@@ -542,7 +542,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - reported: the step will not commit
             # This replica skips the step's collectives: abort the group so that its peers
             # fail at once instead of waiting out the timeout.
-            m._report_error(e, abort=True)
+            m.abort_step(e)
             return False
         return ok and not m.step_aborted()
 

@@ -66,6 +66,7 @@ class FakeManager:
         self.quorums = 0
         self.fail_calls = set(fail_calls)
         self.error: Optional[Exception] = None
+        self.aborted = False  # abort_step() this step
         self.state_fns: Dict[str, Any] = {}
         self._use_async_quorum = use_async_quorum
         self._num_lanes = num_lanes
@@ -99,6 +100,7 @@ class FakeManager:
     ) -> None:
         self.quorums += 1
         self.error = None
+        self.aborted = False
 
     def current_step(self) -> int:
         return self.step
@@ -112,8 +114,12 @@ class FakeManager:
     def report_error(self, e: Exception) -> None:
         self.error = e
 
+    def abort_step(self, e: Exception) -> None:
+        self.error = e
+        self.aborted = True
+
     def step_aborted(self) -> bool:
-        return False  # report_error never aborts here, and nothing else reports errors
+        return self.aborted
 
     def allreduce(
         self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op=ReduceOp.AVG

@@ -405,6 +405,50 @@ def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
         lh.shutdown()
 
 
+def test_abort_step_fails_the_step_and_the_peers_collectives_then_recovers() -> None:
+    """abort_step(): for code that cannot issue the collectives its peers expect. g1 aborts and
+    skips its later allreduce (a no-op on g1 now); g0's matching allreduce fails with the abort
+    (instead of waiting for g1 until its op timeout), so neither commits; the next step
+    reconfigures the group and both commit."""
+    lh = lighthouse(min_replicas=2)
+    ms = managers(lh, 2, use_async_quorum=False)
+    try:
+
+        def step(i: int, m: ft.Manager, abort: bool) -> Any:
+            m.start_quorum()
+            t = torch.full((2,), float(i + 1))
+            m.allreduce(t).wait()
+            if abort and i == 1:
+                m.abort_step(RuntimeError("cannot issue this step's exchange"))
+                skipped = torch.full((1,), 7.0)
+                m.allreduce(skipped, reduce_op=dist.ReduceOp.SUM).wait()
+                return (
+                    t.tolist(),
+                    skipped.item(),
+                    m.step_aborted(),
+                    str(m.errored()),
+                    m.should_commit(),
+                )
+            if abort:
+                later = torch.full((1,), 7.0)
+                m.allreduce(later, reduce_op=dist.ReduceOp.SUM).wait()
+            return t.tolist(), None, m.step_aborted(), str(m.errored()), m.should_commit()
+
+        out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
+        assert [o[0] for o in out] == [[1.5, 1.5]] * 2
+        assert out[1][1] == 7.0  # g1's allreduce after its abort did not communicate
+        assert out[1][2] is True
+        assert "cannot issue this step's exchange" in out[1][3]
+        assert out[0][3] != "None", "g0's allreduce did not fail with g1's abort"
+        assert [o[4] for o in out] == [False, False]
+        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        assert [o[4] for o in out] == [True, True]
+        assert [o[2] for o in out] == [False, False]
+    finally:
+        shutdown(ms)
+        lh.shutdown()
+
+
 def test_ddp_hook_averages_and_does_not_block() -> None:
     lh = lighthouse(min_replicas=2)
     ms = managers(lh, 2, use_async_quorum=False)
