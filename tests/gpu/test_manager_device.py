@@ -45,3 +45,25 @@ def test_configure_runs_on_the_callers_cuda_device(async_quorum):
     finally:
         m.shutdown()
         lh.shutdown()
+
+
+def test_should_commit_waits_for_the_work_queued_on_the_current_stream():
+    """should_commit() decides only after the work queued on the caller's current stream has
+    run, so that a collective still in flight there (FSDP issues its own, straight on the
+    process group) has had its chance to fail and veto the step. Here the stream holds a
+    sleep kernel (about 0.2 s at 1.5 GHz, longer than the vote takes): it must be done when
+    should_commit() returns."""
+    torch.cuda.set_device(0)
+    torch.zeros(1, device="cuda")
+    lh = lighthouse(min_replicas=1)
+    m = make_manager(lh.address(), "gpu-commit", use_async_quorum=False)
+    try:
+        m.start_quorum()
+        stream = torch.cuda.current_stream()
+        torch.cuda._sleep(300_000_000)
+        assert not stream.query(), "the sleep kernel ended before the vote: make it longer"
+        assert m.should_commit()
+        assert stream.query(), "should_commit() returned with work still queued on the stream"
+    finally:
+        m.shutdown()
+        lh.shutdown()
