@@ -74,6 +74,7 @@ from ft.coordination import (
 from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
+from ft.process_group import connect_store_client
 from ft.progress_watch import ProgressWatch
 from ft.work import _DummyWork
 from ft.utils import net
@@ -619,6 +620,7 @@ class Manager:
         store_timeout = timedelta(seconds=max(connect_s, 1.0))
         use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         store: Optional[TCPStore] = None
+        host_error: Optional[Exception] = None
         if self._rank == 0 and not use_agent_store:
             try:
                 store = TCPStore(
@@ -631,17 +633,23 @@ class Manager:
             except Exception as e:
                 if store_port == 0:
                     raise
-                logger.info(
+                # Another process may host it (a launcher's agent); if what listens there is
+                # not a store, the bounded connect below says so instead of waiting on it.
+                host_error = e
+                logger.warning(
                     "could not host the store on port %d (%s); connecting to it", store_port, e
                 )
         if store is None:
-            store = TCPStore(
-                store_addr,
-                store_port,
-                is_master=False,
-                wait_for_workers=False,
-                timeout=store_timeout,
-            )
+            try:
+                store = connect_store_client(store_addr, store_port, store_timeout)
+            except dist.DistStoreError as e:
+                if host_error is None:
+                    raise
+                raise dist.DistStoreError(
+                    f"rank 0 could not host the group's store on {store_addr}:{store_port} "
+                    f"({host_error}), and what listens there is not a store that answers ({e}): "
+                    "another program holds the port; give the group a free MASTER_PORT"
+                ) from e
         self._store = store
         self._store_addr = store_addr
         self._store_port = store.port

@@ -81,6 +81,7 @@ __all__ = [
     "ProcessGroupBabyGloo",
     "ProcessGroupBabyNCCL",
     "ProcessGroupBabyXCCL",
+    "connect_store_client",
     "create_store_client",
     "trigger_nccl_fr_trace_through_pipe",
     "lane",
@@ -772,6 +773,22 @@ def trigger_nccl_fr_trace_through_pipe(rank: int) -> bool:
     return True
 
 
+def connect_store_client(host: str, port: int, timeout: timedelta) -> TCPStore:
+    """A TCPStore client of ``host:port``, connected within ``timeout`` as a whole.
+
+    Raises ``torch.distributed.DistStoreError`` naming the address when nothing answers as a
+    store in time: a refused port, or a listener that accepts and stays silent (another
+    program on that port), which torch's own constructor would wait on without end.
+    """
+    timeout = to_timedelta(timeout)
+    try:
+        return _connect_store(host, port, Deadline.after(timeout))
+    except Exception as e:  # noqa: BLE001 - re-raised naming the address
+        raise dist.DistStoreError(
+            f"cannot reach the store at {host}:{port} within {timeout.total_seconds():.1f}s: {e}"
+        ) from e
+
+
 def create_store_client(store_addr: str, timeout: timedelta) -> Store:
     """A ``PrefixStore(prefix, TCPStore client)`` for ``"host:port/prefix"`` (host may be
     ``[v6]``), connected within ``timeout``.
@@ -782,14 +799,7 @@ def create_store_client(store_addr: str, timeout: timedelta) -> Store:
     not answer in time.
     """
     host, port, prefix = parse_store_addr(store_addr)
-    timeout = to_timedelta(timeout)
-    try:
-        store = _connect_store(host, port, Deadline.after(timeout))
-    except Exception as e:  # noqa: BLE001 - re-raised naming the address
-        raise dist.DistStoreError(
-            f"cannot reach the store at {host}:{port} within {timeout.total_seconds():.1f}s: {e}"
-        ) from e
-    return PrefixStore(prefix, store)
+    return PrefixStore(prefix, connect_store_client(host, port, timeout))
 
 
 def _configure_group(

@@ -20,11 +20,22 @@ import dataclasses
 import enum
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from ft.utils.deadline import Deadline
 
@@ -39,9 +50,9 @@ if TYPE_CHECKING:
 # rank delays the other groups' restarts by seconds, not for ever.
 KILL_REAP_WAIT_S = 5.0
 
-# Random ports asked of the kernel before giving up on finding p and p + 1 both free: on a
-# loopback with a handful of listeners nearly every try succeeds; 200 failures mean the port
-# range is exhausted, not bad luck.
+# Random ports tried before giving up on finding p and p + 1 both free: on a loopback with a
+# handful of listeners nearly every try succeeds; 200 failures mean the range is exhausted,
+# not bad luck.
 PORT_PAIR_TRIES = 200
 
 # Lines of a crashed rank's log shown under the news of its death: a Python traceback's last
@@ -68,15 +79,51 @@ def _port_pair_free(port: int) -> bool:
     return True
 
 
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 are both free on loopback right now."""
+# Where a group's store port is drawn from when the kernel's ephemeral range leaves no room
+# below it: the registered-port range's upper part, clear of the well-known services.
+LOWEST_STORE_PORT = 10000
+
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> Tuple[int, int]:
+    """The kernel's range for ports it picks by itself (Linux default 32768-60999)."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def store_port_candidates(ephemeral: Tuple[int, int]) -> Tuple[int, int]:
+    """The range [lo, hi] a group's MASTER_PORT pair is drawn from: below the ephemeral range.
+
+    Why: a port picked by binding port 0 is an ephemeral one, and between the pick and the
+    moment the rank binds it (seconds, while a restarted rank imports its script) any process
+    on the host may be given the same port for its own connection or listener. NCCL's
+    bootstrap and proxy threads open such listeners by the hundreds while communicators are
+    rebuilt; a rank 0 that then cannot host its store connected to one of them and waited
+    out its timeout. Ports outside the ephemeral range are only ever taken by an explicit bind.
+    """
+    low, high = ephemeral
+    if low - 2 > LOWEST_STORE_PORT:
+        return LOWEST_STORE_PORT, low - 2  # p + 1 stays below the range too
+    if high < 65533:
+        return high + 1, 65533
+    return 1024, 65533  # the whole range is ephemeral: nothing better exists
+
+
+def free_port_pair(rng: Optional[random.Random] = None) -> int:
+    """A port p such that p and p + 1 are both free on loopback right now, both outside the
+    kernel's ephemeral range (see :func:`store_port_candidates`)."""
+    rng = rng or random.SystemRandom()
+    lo, hi = store_port_candidates(ephemeral_port_range())
     for _ in range(PORT_PAIR_TRIES):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port < 65535 and _port_pair_free(port):
+        port = rng.randint(lo, hi)
+        if _port_pair_free(port):
             return port
-    raise OSError("ft-launch: no pair of free ports found")
+    raise OSError(f"ft-launch: no pair of free ports found in {lo}-{hi + 1}")
 
 
 def spawn_child(argv: Sequence[str], env: Dict[str, str], stdin: Any) -> subprocess.Popen:

@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -165,9 +166,39 @@ def test_build_command():
         cli.build_command(["--"], False)
 
 
-def test_free_port_pair():
-    p = cli.free_port_pair()
-    assert 0 < p < 65535
+def test_free_port_pair_is_outside_the_ephemeral_range_and_bindable():
+    from ft.launch import group
+
+    low, high = group.ephemeral_port_range()
+    for _ in range(20):
+        p = cli.free_port_pair()
+        assert not (low <= p <= high) and not (low <= p + 1 <= high), (p, low, high)
+        for port in (p, p + 1):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    "ephemeral, expected",
+    [
+        ((32768, 60999), (10000, 32766)),  # Linux default: below the range
+        ((49152, 65535), (10000, 49150)),  # IANA's dynamic range
+        ((1024, 60000), (60001, 65533)),  # no room below: above it
+        ((1024, 65535), (1024, 65533)),  # all ephemeral: nothing better exists
+    ],
+)
+def test_store_port_candidates_avoid_the_ephemeral_range(ephemeral, expected):
+    from ft.launch import group
+
+    assert group.store_port_candidates(ephemeral) == expected
+
+
+def test_ephemeral_port_range_falls_back_when_unreadable(tmp_path):
+    from ft.launch import group
+
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert group.ephemeral_port_range(str(tmp_path / "range")) == (40000, 50000)
+    assert group.ephemeral_port_range(str(tmp_path / "missing")) == (32768, 60999)
 
 
 def test_usage_errors():
