@@ -29,6 +29,7 @@ _LAZY: Dict[str, str] = {
     "lane": "ft.process_group",
     "Manager": "ft.manager",
     "WorldSizeMode": "ft.manager",
+    "PersistentStepFailure": "ft.step_failures",  # torch-free
     "Optimizer": "ft.optim.wrapper",
     "OptimizerWrapper": "ft.optim.wrapper",
     "DistributedDataParallel": "ft.ddp",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from ft.manager import Manager, WorldSizeMode  # noqa: F401
     from ft.optim.wrapper import Optimizer, OptimizerWrapper  # noqa: F401
     from ft.otel import setup_logger  # noqa: F401
+    from ft.step_failures import PersistentStepFailure  # noqa: F401
     from ft.process_group import (  # noqa: F401
         ProcessGroup,
         ProcessGroupBabyNCCL,

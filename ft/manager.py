@@ -27,6 +27,14 @@ Errors
     Quorum failures (e.g. a missing local rank, :class:`TimeoutError`) are raised by
     :meth:`start_quorum` (sync) or :meth:`wait_quorum` (async), as in torchft.
 
+Persistent failures (docs/design.md, "Persistent failures"; the rule: :mod:`ft.step_failures`)
+    Consecutive steps that fail with the same error (type, normalized message, phase) while
+    the quorum's members stay the same are a persistent fault, not a storm to retry at full
+    speed: from the third such failure the Manager backs off before each next quorum (logged
+    at ERROR), and at ``max_consecutive_failures`` :meth:`should_commit` raises
+    :class:`~ft.step_failures.PersistentStepFailure`. A committed step or a membership change
+    ends the streak.
+
 Proactive abort (docs/design.md, "Failure notifications")
     Every rank subscribes to the lighthouse's failure notifications. When a member of the
     current quorum misses its heartbeat deadline, the rank aborts its process group at once: a
@@ -55,7 +63,7 @@ from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, Dict, Optional, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Iterator, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -82,9 +90,23 @@ from ft import records
 from ft.heal import Healer
 from ft.protocols import GroupServerClient
 from ft.spans import span, span_block
-from ft.utils.deadline import to_seconds, to_timedelta
+from ft.step_failures import (
+    FailureStreak,
+    PersistentStepFailure,
+    StepFailure,
+    StepFailurePolicy,
+    next_streak,
+)
+from ft.utils.deadline import Deadline, to_seconds, to_timedelta
+from ft.utils.retry import backoff_delays
 
-__all__ = ["Manager", "WorldSizeMode", "ExceptionWithTraceback", "get_timeout"]
+__all__ = [
+    "Manager",
+    "WorldSizeMode",
+    "ExceptionWithTraceback",
+    "PersistentStepFailure",
+    "get_timeout",
+]
 
 T = TypeVar("T")
 
@@ -410,6 +432,14 @@ class Manager:
             ``TORCHFT_QUORUM_RETRIES``); None (default): a lost lighthouse connection is
             retried until ``quorum_timeout``, so a lighthouse outage or a partition shorter
             than that ends no process.
+        max_consecutive_failures: an ft extension: ``should_commit`` raises
+            :class:`~ft.step_failures.PersistentStepFailure` once this many consecutive steps
+            failed with the same error (type, normalized message, phase) while the quorum's
+            members stayed the same; from the third such failure the Manager backs off
+            before each next quorum. None: env ``FT_MAX_CONSECUTIVE_FAILURES``, else 20; 0:
+            never raise. The variable, when set, wins over the keyword (as ``TORCHFT_*``
+            variables do); ``FT_FAILURE_BACKOFF_AFTER`` and ``FT_FAILURE_BACKOFF_MAX_SEC``
+            tune the backoff (docs/design.md, "Persistent failures").
     """
 
     def __init__(
@@ -436,6 +466,7 @@ class Manager:
         init_sync: bool = True,
         max_retries: Optional[int] = None,
         quorum_retries: Optional[int] = None,
+        max_consecutive_failures: Optional[int] = None,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
@@ -448,6 +479,7 @@ class Manager:
         self._world_size_mode = world_size_mode
         self._init_sync = init_sync
         self._max_retries = max_retries
+        self._failure_policy = StepFailurePolicy.from_settings(max_consecutive_failures, os.environ)
         self._timeout = _env_timeout(TIMEOUT_SEC_ENV, to_timedelta(timeout))
         # Manager(timeout=) bounds every collective, as in torchft, through the one deadline
         # the backend already enforces per op: the tighter of the two wins.
@@ -479,6 +511,21 @@ class Manager:
         self._quorum_replica_ids: frozenset = frozenset()
         self._quorum_lock = threading.Lock()
         self._errored: Optional[ExceptionWithTraceback] = None
+        # Where in the step _errored arose (ft.step_failures.PHASES).
+        self._errored_phase = "user"
+        # Consecutive identical failed steps (ft.step_failures), the backoff delays of the
+        # current streak, the wait owed before the next quorum, and the outcome of this step
+        # once it is settled (a failed quorum is settled where it is raised, a vote in
+        # should_commit): None until then, else the exception to raise again, or False.
+        self._failure_streak = FailureStreak()
+        self._backoff_delays: Optional[Iterator[float]] = None
+        self._backoff_s = 0.0
+        self._step_settled: Optional[Union[bool, BaseException]] = None
+        # "phase: Type: message" of the last step that did not commit, None after a commit:
+        # what ft-launch's progress record shows (ft.launch.worker.emit_step).
+        self._last_step_error: Optional[str] = None
+        # Set at shutdown: ends a backoff wait at once.
+        self._closing = threading.Event()
         # This step's error aborted the process group: its later allreduces are no-ops.
         self._step_aborted = False
         self._healing = False
@@ -740,6 +787,7 @@ class Manager:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         self._abandon_pending_heal("the source shut down")
         self._teardown(wait)
         self._log.info("shutdown", "manager shut down")
@@ -811,7 +859,7 @@ class Manager:
             if self._pending_prior_counters is not None:
                 self.load_state_dict(self._pending_prior_counters)
             self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
-            self._report_error(e, abort=True)
+            self._report_error(e, abort=True, phase="heal")
             return
         with self._state_dict_lock.w_lock():
             for key, fn in self._load_state_dict_fns.items():
@@ -847,9 +895,12 @@ class Manager:
         wait for them until their op timeout."""
         return self._step_aborted
 
-    def _report_error(self, e: Exception, abort: bool) -> None:
+    def _report_error(self, e: Exception, abort: bool, phase: str = "user") -> None:
+        """``phase``: where in the step ``e`` arose (ft.step_failures.PHASES); "user" for an
+        error the training code reports."""
         self._watch.error(e)
         if self._errored is None:
+            self._errored_phase = phase
             # Keep the first error: later ones (e.g. collectives refused after the abort it
             # caused) are consequences, and the first names the root cause.
             # torchft's type, which also keeps the original's type (see ExceptionWithTraceback)
@@ -891,7 +942,7 @@ class Manager:
             try:
                 return f.value()
             except Exception as e:  # noqa: BLE001
-                self._report_error(e, abort=False)
+                self._report_error(e, abort=False, phase="allreduce")
                 return default
 
         return _future_within(fut, t).then(callback)
@@ -937,7 +988,10 @@ class Manager:
         # A heal the last step owed and never sent (its should_commit did not run): its
         # receivers learn now instead of at their timeout.
         self._abandon_pending_heal("the source began its next step without sending it")
+        self._back_off()
         self._errored = None
+        self._errored_phase = "user"
+        self._step_settled = None
         self._step_aborted = False
         self._healing = False
         self._pending_state_dict = None
@@ -964,7 +1018,13 @@ class Manager:
         a heal this replica receives (applied at :meth:`should_commit` in async mode)."""
         if self._quorum_future is None:
             raise RuntimeError("start_quorum() must be called before wait_quorum()")
-        self._quorum_future.result()
+        try:
+            self._quorum_future.result()
+        except Exception as e:  # noqa: BLE001 - raised again, or as what it amounts to
+            failure = self._quorum_failed(e)
+            if failure is e:
+                raise
+            raise failure from e
 
     def _wait_decided(self) -> None:
         """Waits until the quorum of this step is decided and the process group configured
@@ -979,10 +1039,120 @@ class Manager:
         while not self._decided.wait(0.1):
             if fut.done():
                 break
-        if fut.done():
-            fut.result()
-        elif self._quorum_error is not None:
-            raise self._quorum_error
+        try:
+            if fut.done():
+                fut.result()
+            elif self._quorum_error is not None:
+                raise self._quorum_error
+        except Exception as e:  # noqa: BLE001 - raised again, or as what it amounts to
+            failure = self._quorum_failed(e)
+            if failure is e:
+                raise
+            raise failure from e
+
+    # ---------------------------------------------------------------- persistent failures
+
+    def _back_off(self) -> None:
+        """Waits the backoff the last failed step owes before the next quorum, if any
+        (docs/design.md, "Persistent failures"). Bounded by the delay; shutdown ends it."""
+        delay, self._backoff_s = self._backoff_s, 0.0
+        if delay <= 0:
+            return
+        self._watch.phase("backoff", f"{delay:.2f}s after {self._failure_streak.count} failures")
+        Deadline.after(delay).wait_event(self._closing)
+        if self._closed:
+            raise RuntimeError("Manager is shut down")
+
+    def _quorum_failed(self, e: Exception) -> Exception:
+        """What to raise for this step's failed quorum ``e``: ``e`` itself or, once as many
+        identical failures as ``max_consecutive_failures`` have happened, a
+        PersistentStepFailure caused by it. The step is settled once, however many calls
+        surface its failure."""
+        if self._step_settled is None:
+            give_up = self._settle_step(False, StepFailure.from_exception(e, "quorum"))
+            self._step_settled = give_up if give_up is not None else False
+        if isinstance(self._step_settled, Exception):
+            return self._step_settled
+        return e
+
+    def _step_failure(self, enough_replicas: bool) -> Optional[StepFailure]:
+        """Why this step did not commit, as the streak counts it; None when the only reason
+        is too few replicas (waiting for one to come back is no fault)."""
+        if self._errored is not None:
+            return StepFailure.from_exception(self._errored, self._errored_phase)
+        if not enough_replicas:
+            return None
+        # This rank's vote was yes: another rank of the group (or a vote for another step)
+        # said no; that rank's log names its error.
+        return StepFailure(
+            phase="commit",
+            error_type="",
+            message="another rank of this replica group voted not to commit",
+        )
+
+    def _settle_step(
+        self, committed: bool, failure: Optional[StepFailure]
+    ) -> Optional[PersistentStepFailure]:
+        """Feeds this step's outcome to the failure streak (ft.step_failures.next_streak):
+        sets the wait owed before the next quorum and logs it at ERROR; returns the exception
+        to raise when the streak reached ``max_consecutive_failures``."""
+        policy = self._failure_policy
+        decision = next_streak(
+            policy,
+            self._failure_streak,
+            committed=committed,
+            failure=failure,
+            members=self._quorum_replica_ids,
+        )
+        streak = self._failure_streak = decision.streak
+        if committed:
+            self._last_step_error = None
+        elif failure is not None:
+            self._last_step_error = failure.one_line()
+        else:
+            self._last_step_error = (
+                f"commit: {self._participation.commit_size} replica(s) would hold the step, "
+                f"min_replica_size={self._min_replica_size}"
+            )
+        if decision.backoff_attempt is None:
+            self._backoff_delays = None
+            self._backoff_s = 0.0
+        else:
+            # One jittered exponential sequence per streak, from the project's one helper.
+            if decision.backoff_attempt == 0 or self._backoff_delays is None:
+                self._backoff_delays = backoff_delays(
+                    policy.initial_backoff_s, policy.max_backoff_s
+                )
+            self._backoff_s = next(self._backoff_delays)
+        if streak.failure is None:
+            return None
+        fields = {
+            "phase": streak.failure.phase,
+            "consecutive_failures": streak.count,
+            "members": len(streak.members),
+        }
+        if decision.give_up:
+            exc = PersistentStepFailure.of(streak, policy, self._step)
+            self._log.error("persistent_failure", str(exc), **fields)
+            return exc
+        if decision.backoff_attempt is not None:
+            bound = policy.max_consecutive_failures
+            self._log.error(
+                "step_failure_backoff",
+                f"{streak.count} consecutive steps failed in phase {streak.failure.phase} "
+                f"with the same error while the quorum's {len(streak.members)} members stayed "
+                f"the same: {streak.failure.one_line()}; waiting {self._backoff_s:.2f}s, then "
+                f"retrying step {self._step} (quorum, configure, collectives, vote); "
+                + (
+                    f"should_commit raises PersistentStepFailure at {bound} "
+                    "(max_consecutive_failures)"
+                    if bound
+                    else "never giving up (max_consecutive_failures=0)"
+                ),
+                backoff_s=round(self._backoff_s, 3),
+                **fields,
+            )
+        return None
 
     def send_pending_heal(self) -> None:
         """Sends this replica's state to the replicas that the step's quorum heals from it,
@@ -1007,7 +1177,7 @@ class Manager:
             self._send_heal(quorum)
         except Exception as e:  # noqa: BLE001
             self._log.error("heal", f"sending the checkpoint failed: {type(e).__name__}: {e}")
-            self._report_error(e, abort=True)
+            self._report_error(e, abort=True, phase="heal")
             return
         # The state stays readable until the receivers have it: after the vote the caller
         # changes it.
@@ -1187,7 +1357,7 @@ class Manager:
                     )
             except Exception as e:  # noqa: BLE001
                 self._log.error("configure", f"pg.configure({store_prefixed_addr}) failed")
-                self._report_error(e, abort=True)
+                self._report_error(e, abort=True, phase="configure")
                 return False
             self._log.info(
                 "configure",
@@ -1248,7 +1418,7 @@ class Manager:
         except Exception as e:  # noqa: BLE001
             self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
             self._pending_state_dict = None
-            self._report_error(e, abort=True)
+            self._report_error(e, abort=True, phase="heal")
 
     # ---------------------------------------------------------------- collectives
 
@@ -1295,7 +1465,7 @@ class Manager:
                 work = self._pg.allreduce([tensor], opts)
             fut = work.get_future()
         except Exception as e:  # noqa: BLE001
-            self._report_error(e, abort=True)
+            self._report_error(e, abort=True, phase="allreduce")
             return _DummyWork(tensor)
 
         stream = None
@@ -1306,7 +1476,7 @@ class Manager:
             try:
                 f.value()
             except Exception as e:  # noqa: BLE001
-                self._report_error(e, abort=False)
+                self._report_error(e, abort=False, phase="allreduce")
                 return tensor
             if divide and num_participants > 0:
                 if stream is None:
@@ -1330,6 +1500,9 @@ class Manager:
 
         Raises:
             RuntimeError: ``max_retries`` consecutive failed commits were exceeded.
+            PersistentStepFailure: ``max_consecutive_failures`` consecutive steps failed with
+                the same error in the same membership (a RuntimeError; its message names the
+                error, the phase and the count).
         """
         if self._quorum_future is not None:
             self.wait_quorum()
@@ -1350,7 +1523,8 @@ class Manager:
         pg_errored = getattr(self._pg, "errored", None)  # a plain torch group has none
         pg_error = pg_errored() if pg_errored is not None else None
         if pg_error is not None:
-            self.report_error(pg_error)
+            # A collective issued straight on the group (FSDP's), or one aborted under it.
+            self._report_error(pg_error, abort=False, phase="allreduce")
         enough_replicas = self._participation.enough(self._min_replica_size)
         local_should_commit = enough_replicas and self._errored is None
         t = to_timedelta(timeout) if timeout is not None else self._timeout
@@ -1374,6 +1548,8 @@ class Manager:
             self._batches_committed += self.num_participants()
             self._commit_failures = 0
             self._log.info("commit", "committed", participants=self.num_participants())
+            self._settle_step(True, None)
+            self._step_settled = False
         else:
             self._commit_failures += 1
             self._log.warning(
@@ -1382,6 +1558,8 @@ class Manager:
                 f"{enough_replicas}, errored={self._errored!r})",
                 commit_failures=self._commit_failures,
             )
+            give_up = self._settle_step(False, self._step_failure(enough_replicas))
+            self._step_settled = give_up if give_up is not None else False
             if self._max_retries is not None and self._commit_failures > self._max_retries:
                 msg = (
                     f"should_commit failed {self._commit_failures} times in a row, "
@@ -1389,6 +1567,8 @@ class Manager:
                 )
                 self._log.error("max_retries", msg)
                 raise RuntimeError(msg)
+            if give_up is not None:
+                raise give_up
         return should_commit
 
     # ---------------------------------------------------------------- accessors

@@ -7,7 +7,9 @@
 
   ``start``   the worker is up (``attempt``, ``device``)
   ``step``    one step ended: ``step`` (manager step after it), ``loss``, ``participants``,
-              ``quorum_id``, ``committed`` (bool), optional ``healed_from_step`` and ``injected``
+              ``quorum_id``, ``committed`` (bool), optional ``healed_from_step`` and ``injected``;
+              a step that did not commit also has ``error``: why, in one short line
+              (``"{phase}: {Type}: {message}"``, e.g. ``"allreduce: DistBackendError: ..."``)
   ``heal``    this worker loaded a peer's live state: ``from_step``, ``to_step``
   ``final``   the worker entered its stop phase (``step``)
   ``done``    the worker finished: ``step``, ``hash`` (sha256 of model + optimizer state),
@@ -36,6 +38,9 @@ import traceback
 from typing import Any, Dict, NoReturn, Optional
 
 PROGRESS_PREFIX = "@ft-progress "
+
+# The longest ``error`` a step record carries: a status line has room for one short cause.
+ERROR_CHARS = 200
 
 # How often a worker checks that its launcher is still there. An orphaned worker trains on alone
 # for at most this long, and a check (one getppid) per second costs nothing.
@@ -69,9 +74,32 @@ def emit(event: str, **fields: Any) -> None:
         pass
 
 
+def step_error(manager: Any) -> Optional[str]:
+    """Why the step ``manager`` has just ended did not commit, in one line of at most
+    ``ERROR_CHARS`` characters, or None. An ``ft.Manager`` keeps that line from its vote
+    (phase, error type, message: docs/design.md, "Persistent failures"); for another
+    Manager-like object it is the first line of ``errored()``."""
+    line = getattr(manager, "_last_step_error", None)
+    if not isinstance(line, str):
+        errored = getattr(manager, "errored", None)
+        err = errored() if callable(errored) else None
+        if err is None:
+            return None
+        err = getattr(err, "original_exception", err)
+        text = next((s.strip() for s in str(err).splitlines() if s.strip()), "")
+        line = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    line = " ".join(line.split())  # one line, whatever the message held
+    return line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 3] + "..."
+
+
 def emit_step(manager: Any, *, loss: float, committed: bool, **fields: Any) -> None:
     """The ``step`` record of the step ``manager`` (an ``ft.Manager``) has just ended: its step
-    count after it, the participants and quorum id it ran with, and ``fields``."""
+    count after it, the participants and quorum id it ran with, and ``fields``; when it did not
+    commit, also ``error`` (:func:`step_error`), so the launcher can show why."""
+    if not committed and "error" not in fields:
+        error = step_error(manager)
+        if error is not None:
+            fields["error"] = error
     emit(
         "step",
         step=manager.current_step(),
