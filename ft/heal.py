@@ -26,10 +26,11 @@ Contract:
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Collection, Dict, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 from ft.checkpointing.transport import CheckpointTransport
 from ft.utils.deadline import Deadline
@@ -41,6 +42,9 @@ __all__ = ["Healer", "ReceivedCheckpoint", "MAX_PEER_CLIENTS"]
 # Distinct source groups a replica heals from over a job's life are few; past this many cached
 # clients the cache is emptied rather than grown (a job whose groups keep changing address).
 MAX_PEER_CLIENTS = 16
+# Once the assigned source's metadata is in, the other donors' (asked at the same moment) are
+# waited for this much longer; a donor that has not answered by then is no source of the heal.
+_HELPER_METADATA_GRACE_S = 0.5
 # While a source waits for its receivers (wait_delivered), it checks this often whether to stop
 # (its step failed: a receiver died, say).
 _STOP_POLL_S = 0.1
@@ -126,7 +130,12 @@ class Healer:
         group_rank: int,
         timeout: timedelta,
         required_keys: Collection[str],
+        donors: Sequence[Tuple[int, str]] = (),
     ) -> ReceivedCheckpoint:
+        """Fetches and checks the checkpoint (see the module docstring). ``donors``: (replica
+        rank, ManagerServer address) of other replicas at ``quorum.max_step`` that may serve
+        the same checkpoint: where the transport stripes (``recv_checkpoint_striped``), the
+        heal takes disjoint ranges from all of them and the assigned source at once."""
         src = quorum.recover_src_replica_rank
         if src is None or not quorum.recover_src_manager_address:
             raise ValueError(
@@ -135,14 +144,65 @@ class Healer:
                 f"{quorum.recover_src_manager_address!r})"
             )
         t0 = time.monotonic()
-        peer = self._peer_client(quorum.recover_src_manager_address)
-        metadata = peer._checkpoint_metadata(group_rank, timeout=timeout)
-        metadata_s = time.monotonic() - t0
-        state = self.transport.recv_checkpoint(
-            src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout
-        )
+        striped = getattr(self.transport, "recv_checkpoint_striped", None)
+        helpers = [
+            (rank, addr)
+            for rank, addr in donors
+            if addr and addr != quorum.recover_src_manager_address
+        ]
+        if striped is None or not helpers:
+            peer = self._peer_client(quorum.recover_src_manager_address)
+            metadata = peer._checkpoint_metadata(group_rank, timeout=timeout)
+            metadata_s = time.monotonic() - t0
+            state = self.transport.recv_checkpoint(
+                src_rank=src, metadata=metadata, step=quorum.max_step, timeout=timeout
+            )
+        else:
+            sources = self._donor_metadata(
+                [(src, quorum.recover_src_manager_address), *helpers], group_rank, timeout
+            )
+            metadata = sources[0][1]
+            metadata_s = time.monotonic() - t0
+            state = striped(sources=sources, step=quorum.max_step, timeout=timeout)
         check_checkpoint(state, required_keys)
         return ReceivedCheckpoint(state, metadata, metadata_s, self.transport.last_recv_path)
+
+    def _donor_metadata(
+        self, donors: List[Tuple[int, str]], group_rank: int, timeout: timedelta
+    ) -> List[Tuple[int, str]]:
+        """(rank, checkpoint metadata) of every donor that answers, asked at once, the
+        assigned one (first) included; its failure is the heal's failure, as without
+        striping. A helper that does not answer in time is no source of this heal."""
+        answers: List[Optional[str]] = [None] * len(donors)
+        errors: List[Optional[BaseException]] = [None] * len(donors)
+        clients = [self._peer_client(addr) for _, addr in donors]
+
+        def ask(i: int) -> None:
+            try:
+                answers[i] = clients[i]._checkpoint_metadata(group_rank, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - judged below
+                errors[i] = e
+
+        threads = [
+            threading.Thread(target=ask, args=(i,), daemon=True, name="ft-heal-donor")
+            for i in range(len(donors))
+        ]
+        for t in threads:
+            t.start()
+        # the assigned source is waited for as long as a single-source heal would; helpers
+        # no longer than it
+        deadline = Deadline.after(timeout)
+        threads[0].join(deadline.remaining())
+        helpers_by = deadline.sooner(_HELPER_METADATA_GRACE_S)
+        for t in threads[1:]:
+            t.join(helpers_by.remaining())
+        if errors[0] is not None:
+            raise errors[0]
+        if answers[0] is None:
+            raise TimeoutError(
+                f"the assigned source's ManagerServer {donors[0][1]} did not answer in {timeout}"
+            )
+        return [(donors[i][0], a) for i, a in enumerate(answers) if a is not None]
 
     def close(self) -> None:
         for peer in self._peer_clients.values():

@@ -10,6 +10,7 @@ returns the caller may mutate the tensors again.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -162,6 +163,8 @@ class CheckpointServer:
         # A step the source announced it will stage (expect): requests for it wait for it.
         self._expected: Optional[int] = None
         self._closed = False
+        # data bytes this server sent over HTTP, every staging together (ranges that completed)
+        self.served_bytes = 0
 
         if bind_host is None:
             # The advertised interface only: nothing on the machine's other networks can reach
@@ -239,11 +242,25 @@ class CheckpointServer:
 
             def settled() -> bool:
                 st = self._staging
-                return st is None or st.step != step or st.closing or st.delivered >= receivers
+                return (
+                    st is None
+                    or st.step != step
+                    or st.closing
+                    or (st.delivered >= receivers and not st.striped_readers())
+                )
 
             deadline.wait(self.cond, settled)
             st = self._staging
-            return st is not None and st.step == step and st.delivered >= receivers
+            if (
+                st is None
+                or st.step != step
+                or st.delivered < receivers
+                or st.striped_readers()
+            ):
+                return False
+            # The caller changes the tensors from now on: nobody new may start reading them.
+            st.released = True
+            return True
 
     def check_staged(self, step: int) -> None:
         """Returns if ``step`` is being served; raises CheckpointError otherwise."""
@@ -303,10 +320,14 @@ class CheckpointServer:
 
     # ------------------------------------------------------------------ leases
 
-    def meta(self, step: int, wait_s: float, chunks: int) -> Tuple[Staging, bytes, str]:
+    def meta(
+        self, step: int, wait_s: float, chunks: int, stripe: Optional[bool] = None
+    ) -> Tuple[Staging, bytes, str]:
         """Waits up to ``wait_s`` for ``step`` to be staged; returns the staging, its metadata
         body (header + CRC-32) and a lease for ``chunks`` data ranges. Raises Refused
-        otherwise."""
+        otherwise. ``stripe`` (a striped receiver): the lease lasts until its ``done``
+        request, and counts as a delivery only if ``stripe`` is True (this is the receiver's
+        assigned source, not a helper)."""
         chunks = min(max(1, chunks), wire.MAX_CHUNKS)
         wait_s = min(max(0.0, wait_s), self.timeout_s)
         deadline = Deadline.after(wait_s)
@@ -322,7 +343,11 @@ class CheckpointServer:
                 )
             lease = uuid.uuid4().hex
             n = len(wire.plan_chunks(st.total, chunks))
-            if n:
+            if stripe is not None:
+                if st.released:
+                    raise Refused(410, f"checkpoint for step {step} is no longer served")
+                st.lease(lease, n, self.timeout_s, explicit=True, counted=stripe)
+            elif n:
                 st.lease(lease, n, self.timeout_s)
             else:
                 st.delivered += 1  # no data: the metadata is all of it
@@ -358,7 +383,7 @@ class CheckpointServer:
             if st is None or st.step != step or st.id != staging_id or st.withdrawn:
                 raise Refused(410, f"checkpoint for step {step} is no longer served")
             lease = st.leases.get(lease_id)
-            if st.closing and lease is None:
+            if (st.closing or st.released) and lease is None:
                 raise Refused(410, f"checkpoint for step {step} was withdrawn")
             if lease is not None:
                 lease.active += 1
@@ -374,7 +399,11 @@ class CheckpointServer:
             st.active -= 1
             st.conns.discard(conn)
             lease = st.leases.get(lease_id)
-            if lease is not None:
+            if lease is not None and lease.explicit:
+                # a striped receiver's lease ends with its done request only
+                lease.active = max(0, lease.active - 1)
+                lease.touched = time.monotonic()
+            elif lease is not None:
                 lease.active = max(0, lease.active - 1)
                 lease.touched = time.monotonic()
                 lease.remaining -= used or 0
@@ -382,6 +411,21 @@ class CheckpointServer:
                     del st.leases[lease_id]
                     if used is not None:
                         st.delivered += 1
+            self.cond.notify_all()
+
+    def finish_lease(self, step: int, staging_id: str, lease_id: str, ok: bool) -> None:
+        """A striped receiver is done with this source: its lease ends, and counts as a
+        delivery if ``ok`` and this was its assigned source."""
+        with self.cond:
+            st = self._staging
+            if st is None or st.step != step or st.id != staging_id:
+                return
+            lease = st.leases.get(lease_id)
+            if lease is None or not lease.explicit:
+                return
+            del st.leases[lease_id]
+            if ok and lease.counted:
+                st.delivered += 1
             self.cond.notify_all()
 
     def drop_lease(self, lease_id: str) -> None:
@@ -459,6 +503,11 @@ class CheckpointServer:
             self._serve_meta(h, step, q, signature)
         elif parts[1] == "data":
             self._serve_data(h, step, q, signature)
+        elif parts[1] == "digest":
+            self._serve_digest(h, step, q, signature)
+        elif parts[1] == "done":
+            self.finish_lease(step, q.get("staging", ""), q.get("lease", ""), q.get("ok") == "1")
+            self._send_small(h, b"ok\n", "text/plain; charset=utf-8")
         else:
             raise Refused(404, f"unknown path {url.path[:100]!r}")
 
@@ -476,8 +525,11 @@ class CheckpointServer:
     def _serve_meta(
         self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str], signature: bytes
     ) -> None:
+        stripe = {"primary": True, "helper": False}.get(q.get("stripe", ""))
+        if "stripe" in q and stripe is None:
+            raise Refused(400, f"bad parameter stripe={q['stripe'][:40]!r}")
         _, body, lease = self.meta(
-            step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1)
+            step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1), stripe
         )
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
@@ -490,6 +542,36 @@ class CheckpointServer:
         h.send_header("Connection", "close")
         h.end_headers()
         h.wfile.write(body)
+
+    @staticmethod
+    def _send_small(
+        h: BaseHTTPRequestHandler, body: bytes, kind: str, mac: Optional[bytes] = None
+    ) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", kind)
+        h.send_header("Content-Length", str(len(body)))
+        if mac is not None:
+            h.send_header(wire.CONTENT_MAC_HEADER, mac.hex())
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.wfile.write(body)
+
+    def _serve_digest(
+        self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str], signature: bytes
+    ) -> None:
+        """The CRC-32C of each of the staging's ``local_ranges`` (wire.encode_digest): a
+        striped receiver checks that all its sources hold the same bytes. Claimed like a data
+        transfer, so that a withdrawal waits for it or cuts it off."""
+        lease_id = q.get("lease", "")
+        st = self.claim(step, q.get("staging", ""), lease_id, h.connection)
+        try:
+            body = wire.encode_digest(st.digest())
+        except Abort:
+            raise Refused(410, f"checkpoint for step {step} was withdrawn") from None
+        finally:
+            self.release(st, lease_id, h.connection, 0)
+        mac = self.content_signer.mac(b"digest", signature, body) if self.content_signer else None
+        self._send_small(h, body, "application/json", mac)
 
     def _serve_data(
         self, h: BaseHTTPRequestHandler, step: int, q: Dict[str, str], signature: bytes
@@ -522,6 +604,9 @@ class CheckpointServer:
                 trailer += signer.mac(b"data", signature, wire.range_bytes(start, end), trailer)
             h.wfile.write(trailer)
             used = 1
+            with self.cond:
+                st.served_bytes += end - start
+                self.served_bytes += end - start
         except Abort:
             logger.debug("checkpoint transfer cut off (withdrawn)")
         except OSError as e:

@@ -10,7 +10,7 @@ import logging
 import socket
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as futures_wait
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
 import torch
@@ -37,6 +37,9 @@ from ft.utils.auth import (
 )
 from ft.utils.deadline import Deadline, Timeout
 from ft.utils.tls import TLSConfig
+
+if TYPE_CHECKING:
+    from ft.checkpointing.striped import StripeOptions
 
 __all__ = ["CheckpointFetcher"]
 
@@ -142,8 +145,10 @@ class CheckpointFetcher:
         self._tls = tls
         self._device = device
         self._same_host = same_host
-        # which path the last successful fetch took: "same-host" or "http"
+        # which path the last successful fetch took: "same-host", "http" or "http-striped"
         self.last_path: Optional[str] = None
+        # bytes the last striped fetch received from each source, by its metadata
+        self.last_served: Dict[str, int] = {}
 
     def fetch(self, src_rank: int, metadata: str, step: int, timeout: Timeout) -> Any:
         """Fetches the checkpoint for ``step`` from the source at ``metadata`` (its URL).
@@ -208,6 +213,48 @@ class CheckpointFetcher:
         self._fetch_ranges(host, port, data, offsets, views, deadline, where, secure, timeout)
         self.last_path = "http"
         return self._finish(tree, tensors, specs)
+
+    def fetch_striped(
+        self,
+        sources: Sequence[Tuple[int, str]],
+        step: int,
+        timeout: Timeout,
+        options: Optional["StripeOptions"] = None,
+    ) -> Any:
+        """Fetches the checkpoint for ``step`` from every source in ``sources`` ((rank,
+        metadata) pairs, the assigned source first) at once, each taking disjoint ranges
+        (striped.py). With one source, or where the assigned source shares this host (the
+        same-host path beats any network), this is :meth:`fetch` from the assigned source.
+
+        Raises what :meth:`fetch` raises; CheckpointCorruptError also when the sources do not
+        hold the same checkpoint; CheckpointTransferError when every source failed.
+        """
+        from ft.checkpointing.striped import StripedFetch, StripeOptions
+
+        if not sources:
+            raise CheckpointError("a striped fetch needs at least one source")
+        rank, metadata = sources[0]
+        fragment = urlsplit(metadata).fragment
+        if len(sources) == 1 or (self._same_host and fragment and self._shares_host(fragment)):
+            return self.fetch(rank, metadata, step, timeout)
+        run = StripedFetch(
+            self, sources, step, timeout, options or StripeOptions(), self._num_chunks
+        )
+        tree, tensors, specs = run.run()
+        self.last_path = "http-striped"
+        self.last_served = run.served()
+        return self._finish(tree, tensors, specs)
+
+    @staticmethod
+    def _shares_host(name: str) -> bool:
+        """Whether the same-host endpoint ``name`` answers here (a connect, nothing sent)."""
+        session = same_host.Session.open(
+            name, Deadline.after(same_host.CONNECT_TIMEOUT_S), name, wire.raise_for_status
+        )
+        if session is None:
+            return False
+        session.close()
+        return True
 
     def _ask_same_host(
         self, session: same_host.Session, name: str, step: int, wait_s: float, deadline: Deadline
@@ -318,12 +365,17 @@ class CheckpointFetcher:
         deadline: Deadline,
         where: str,
         secure: bool = False,
+        stall_s: Optional[float] = None,
     ) -> Tuple[http.client.HTTPConnection, http.client.HTTPResponse, socket.socket, bytes]:
         """Sends a (signed) GET; returns the connection, the response, its socket, and the
-        request's signature (b"" without a secret), which the source's MACs are bound to."""
+        request's signature (b"" without a secret), which the source's MACs are bound to.
+        ``stall_s`` bounds the connect and each wait for the answer (a source whose link
+        went down answers nothing)."""
         remaining = deadline.remaining()
         if remaining <= 0:
             raise CheckpointTransferError(f"{where}: timed out")
+        if stall_s is not None:
+            remaining = min(remaining, stall_s)
         headers = {"Connection": "close"}
         signature = b""
         if self._request_signer is not None:
@@ -431,9 +483,16 @@ class CheckpointFetcher:
         stop: threading.Event,
         where: str,
         secure: bool = False,
-    ) -> None:
-        """Reads bytes ``[start, end)`` into ``views`` and checks their CRC (and MAC)."""
-        conn, resp, sock, signature = self.open(host, port, path, deadline, where, secure)
+        stall_s: Optional[float] = None,
+    ) -> int:
+        """Reads bytes ``[start, end)`` into ``views`` and checks their CRC (and MAC); returns
+        the CRC-32C. ``stall_s``: see :meth:`open` and deadline_io.read_exact."""
+        if stall_s is None:
+            conn, resp, sock, signature = self.open(host, port, path, deadline, where, secure)
+        else:
+            conn, resp, sock, signature = self.open(
+                host, port, path, deadline, where, secure, stall_s=stall_s
+            )
         got = 0
         mac_size = wire.MAC_SIZE if self._content_signer is not None else 0
         try:
@@ -446,11 +505,11 @@ class CheckpointFetcher:
                     if stop.is_set():
                         raise CheckpointTransferError(f"{where}: cancelled")
                     dst = views[i][a : min(hi, a + wire.SLICE)]
-                    read_exact(sock, resp.readinto, dst, deadline)
+                    read_exact(sock, resp.readinto, dst, deadline, stall_s)
                     crc = ser.crc32c(dst, crc)
                     got += len(dst)
             trailer = bytearray(wire.TRAILER.size + mac_size)
-            read_exact(sock, resp.readinto, memoryview(trailer), deadline)
+            read_exact(sock, resp.readinto, memoryview(trailer), deadline, stall_s)
             if mac_size and not self._content_signer.check(
                 bytes(trailer[wire.TRAILER.size :]),
                 b"data",
@@ -466,6 +525,7 @@ class CheckpointFetcher:
                 raise CheckpointCorruptError(
                     f"{where}: checksum mismatch in bytes [{start}, {end}); data discarded"
                 )
+            return crc
         except CheckpointError:
             raise  # already says what failed (some are OSErrors too: keep them as they are)
         except (socket.timeout, TimeoutError):

@@ -11,6 +11,17 @@ of the address it dials, its path and its query, see ft.utils.auth)::
     GET /ft/v1/checkpoint/{step}/data?staging=ID&lease=L&start=A&end=B
         -> 200, body = bytes [A, B) of the concatenated tensor bytes + CRC-32C of those bytes
 
+    GET /ft/v1/checkpoint/{step}/meta?chunks=N&wait=S&stripe=primary|helper
+        -> as above, for a striped receiver (one that takes ranges from several sources): the
+           lease lasts until its done request; only a "primary" lease (the receiver's assigned
+           source) then counts as a delivery. Refused (410) once the source was told its
+           receivers have the checkpoint (it may change the tensors from then on).
+    GET /ft/v1/checkpoint/{step}/digest?staging=ID&lease=L
+        -> 200, body = encode_digest: the CRC-32C of each of the source's same-host ranges,
+           which a striped receiver compares across its sources and with what it received
+    GET /ft/v1/checkpoint/{step}/done?staging=ID&lease=L&ok=0|1
+        -> 200: a striped receiver ends its lease (ok=1: it has the whole checkpoint)
+
     403: missing, wrong or replayed signature. 404: step not staged. 409: the source failed to
     produce the step (abandon_checkpoint). 410: withdrawn. 503: shutting down.
 
@@ -20,7 +31,8 @@ With a job secret the source also signs what it serves, bound to the request it 
 trailer is its CRC-32C followed by ``MAC("data", request signature, start, end, CRC)``. The
 receiver checks the metadata MAC before it parses a byte of the header, and each range's MAC
 with its CRC before anything is returned; a source that does not know the secret cannot make
-either, so a replica never loads weights that a job member did not serve. Signing covers the
+either, so a replica never loads weights that a job member did not serve. A digest answer
+carries ``X-FT-Content-MAC: hex(MAC("digest", request signature, body))``. Signing covers the
 checksums, not the bytes again: the bytes are read once, for the CRC.
 
 The same-host path (same_host.py) answers with these statuses too, so a refusal means the same
@@ -29,6 +41,7 @@ CheckpointError on either path.
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import List, Tuple
 
@@ -40,7 +53,15 @@ from ft.checkpointing.transport import (
     CheckpointTransferError,
 )
 
-__all__ = ["Refused", "bracket", "plan_chunks", "raise_for_status", "range_bytes"]
+__all__ = [
+    "Refused",
+    "bracket",
+    "decode_digest",
+    "encode_digest",
+    "plan_chunks",
+    "raise_for_status",
+    "range_bytes",
+]
 
 PREFIX = "/ft/v1/checkpoint/"
 LEASE_HEADER = "X-FT-Lease"
@@ -77,6 +98,24 @@ def plan_chunks(total: int, num_chunks: int) -> List[Tuple[int, int]]:
     n = max(1, min(num_chunks, MAX_CHUNKS, -(-total // MIN_CHUNK)))
     bounds = [total * i // n for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def encode_digest(digest: List[Tuple[int, int, int]]) -> bytes:
+    """A digest answer's body: JSON ``[[start, end, crc32c], ...]``."""
+    return json.dumps([list(d) for d in digest], separators=(",", ":")).encode()
+
+
+def decode_digest(body: bytes, total: int) -> List[Tuple[int, int, int]]:
+    """Checks a digest body: consecutive non-empty ranges covering ``[0, total)``, each with a
+    32-bit CRC. Raises ValueError naming the first problem."""
+    raw = json.loads(body.decode("utf-8"))
+    if type(raw) is not list:
+        raise ValueError("a digest is a list")
+    ranges = same_host.parse_ranges([r[:2] if type(r) is list else r for r in raw], total)
+    crcs = [r[2] if type(r) is list and len(r) == 3 else None for r in raw]
+    if not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
+        raise ValueError("a digest's checksums are 32-bit integers")
+    return [(a, b, c) for (a, b), c in zip(ranges, crcs)]  # type: ignore[misc]
 
 
 def raise_for_status(status: int, text: str) -> None:

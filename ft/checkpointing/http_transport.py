@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -38,6 +38,7 @@ from ft.checkpointing.http_protocol import MAX_CHUNKS as _MAX_CHUNKS  # noqa: F4
 from ft.checkpointing.http_protocol import plan_chunks
 from ft.checkpointing.same_host_source import SameHostSource
 from ft.checkpointing.staging import Staging
+from ft.checkpointing.striped import StripeOptions
 from ft.checkpointing.transport import CheckpointTransport
 from ft.utils import net
 from ft.utils.auth import JobSecret, SecretLike, resolve_secret
@@ -112,6 +113,8 @@ class HTTPTransport(CheckpointTransport[T]):
             under way are bounded by ``timeout`` only, never by this.
         max_connections: most connections the server holds open at once; more are answered
             503 and closed at once (default :data:`DEFAULT_MAX_CONNECTIONS`).
+        stripe: how :meth:`recv_checkpoint_striped` uses its sources (default
+            :class:`~ft.checkpointing.striped.StripeOptions`).
     """
 
     # The server counts the receivers that have read a whole checkpoint (wait_delivered).
@@ -133,6 +136,7 @@ class HTTPTransport(CheckpointTransport[T]):
         tls: Optional[TLSConfig] = None,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        stripe: Optional[StripeOptions] = None,
     ) -> None:
         if port is None:
             port = int(os.environ.get(PORT_ENV) or 0)
@@ -160,6 +164,7 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         # the listening HTTP server (its bounds and connections are what tests inspect)
         self._server = self._checkpoints.httpd
+        self._stripe = stripe or StripeOptions()
 
         if same_host is None:
             same_host = os.environ.get(SAME_HOST_ENV, "1") != "0"
@@ -265,6 +270,30 @@ class HTTPTransport(CheckpointTransport[T]):
             CheckpointTransferError: connection failure, vanished peer, or timeout.
         """
         return self._fetcher.fetch(src_rank, metadata, step, timeout)
+
+    def recv_checkpoint_striped(
+        self, sources: Sequence[Tuple[int, str]], step: int, timeout: timedelta
+    ) -> T:
+        """Fetches the checkpoint for ``step`` from every source at once, each serving
+        disjoint byte ranges (ft/checkpointing/striped.py). ``sources`` are (rank, metadata)
+        pairs, the assigned source first; the others need not serve ``step`` (they are
+        skipped after ``StripeOptions.helper_wait_s``). A source that fails mid-heal is
+        dropped and the others take its ranges; every source must hold the same bytes.
+
+        Raises what :meth:`recv_checkpoint` raises; CheckpointTransferError names every
+        source's failure when none is left.
+        """
+        return self._fetcher.fetch_striped(sources, step, timeout, self._stripe)
+
+    @property
+    def last_served(self) -> Dict[str, int]:
+        """Bytes the last striped receive took from each source, by its metadata."""
+        return dict(self._fetcher.last_served)
+
+    @property
+    def served_bytes(self) -> int:
+        """Data bytes this source has sent over HTTP (completed ranges, all steps)."""
+        return self._checkpoints.served_bytes
 
     def shutdown(self, wait: bool = True) -> None:
         if not self._checkpoints.stop():

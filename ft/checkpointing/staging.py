@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 import uuid
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -48,15 +48,24 @@ class Lease:
 
     ``touched`` is None until a data transfer claims the lease (only a /meta answer holds
     it), then the time of its last claim or release; ``active`` counts its transfers in flight.
+
+    A striped receiver's lease (``explicit``) is not used up by a count of ranges: the receiver
+    takes as many ranges from this source as the others leave it, and ends the lease with a
+    ``done`` request. Only a ``counted`` lease (the receiver's assigned source) then counts as
+    a delivery; the others are sources that helped.
     """
 
-    __slots__ = ("remaining", "deadline", "active", "touched")
+    __slots__ = ("remaining", "deadline", "active", "touched", "explicit", "counted")
 
-    def __init__(self, remaining: int, deadline: Deadline) -> None:
+    def __init__(
+        self, remaining: int, deadline: Deadline, explicit: bool = False, counted: bool = True
+    ) -> None:
         self.remaining = remaining
         self.deadline = deadline
         self.active = 0
         self.touched: Optional[float] = None
+        self.explicit = explicit
+        self.counted = counted
 
     def idle(self, now: float) -> bool:
         """Nothing reads for it now: never started, or no range in flight for a grace period."""
@@ -96,6 +105,10 @@ class Staging:
         self.closing = False  # no new transfers; started ones may finish
         self.regions_sent = False  # a same-host receiver has the tensors' addresses
         self.withdrawn = False  # nothing may read the tensors any more
+        # wait_delivered returned True: the caller may change the tensors from now on, so no
+        # new reader is let in (a striped receiver's late helper request gets 410)
+        self.released = False
+        self.served_bytes = 0  # data bytes sent over HTTP (ranges that completed)
         self.active = 0  # data responses currently reading tensors
         self.delivered = 0  # receivers that have read all of it (their leases used up)
         self.conns: Set[socket.socket] = set()  # their connections, to cut them off
@@ -109,9 +122,27 @@ class Staging:
         self._range_cond = threading.Condition()
         self.preparer: Optional[threading.Thread] = None  # see SameHostSource.prepare
 
-    def lease(self, lease_id: str, ranges: int, timeout: Timeout) -> None:
-        """Entitles ``lease_id`` to ``ranges`` data ranges for ``timeout``."""
-        self.leases[lease_id] = Lease(ranges, Deadline.after(timeout))
+    def lease(
+        self,
+        lease_id: str,
+        ranges: int,
+        timeout: Timeout,
+        explicit: bool = False,
+        counted: bool = True,
+    ) -> None:
+        """Entitles ``lease_id`` to ``ranges`` data ranges for ``timeout`` (``explicit``: to
+        any number, until its receiver says ``done``; see :class:`Lease`)."""
+        self.leases[lease_id] = Lease(ranges, Deadline.after(timeout), explicit, counted)
+
+    def striped_readers(self) -> bool:
+        """True while a striped receiver holds a lease (it may still read the tensors)."""
+        return any(lease.explicit for lease in self.leases.values())
+
+    def digest(self) -> List[Tuple[int, int, int]]:
+        """``(start, end, CRC-32C)`` of every range in ``local_ranges``: what a striped
+        receiver compares across its sources (computed once, usually in the background by
+        the same-host preparation)."""
+        return [(a, b, self.range_crc(k)) for k, (a, b) in enumerate(self.local_ranges)]
 
     def slices(self, start: int, end: int) -> Iterator[memoryview]:
         """Bytes ``[start, end)`` of the staged tensors in slices of at most 1 MiB; raises
