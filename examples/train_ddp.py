@@ -114,10 +114,22 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
 
 
 def pick_device() -> torch.device:
+    """The GPU this rank was given, as torchrun and ft-launch give them: ``LOCAL_RANK`` within
+    the GPUs this process sees (ft-launch gives each replica group its own slice through
+    ``CUDA_VISIBLE_DEVICES``); the CPU without a GPU or without ft's NCCL build."""
     if torch.cuda.is_available() and getattr(ft._C, "has_nccl", False):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
+
+
+def device_identity(device: torch.device) -> str:
+    """The physical GPU behind ``device`` (its UUID), for the launcher's record; "cpu"."""
+    if device.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +184,13 @@ def main() -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device()
     torch.manual_seed(args.seed)  # same initial weights everywhere (init_sync also heals them)
-    worker.emit("start", attempt=int(os.environ.get("FT_LAUNCH_ATTEMPT", "1")), device=str(device))
+    worker.emit(
+        "start",
+        attempt=int(os.environ.get("FT_LAUNCH_ATTEMPT", "1")),
+        device=str(device),
+        gpu=device_identity(device),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
 
     # Data: one fixed train set, sharded over replica groups and ranks; a held-out test set.
     x_train, y_train = make_spirals(2000, seed=1234)

@@ -75,6 +75,9 @@ from .group import (
     log_tail,
     reap,
 )
+from . import placement as placement_mod
+from .placement import describe as describe_placement
+from .placement import GroupDevices, parse_gpus, place_groups, sharing_notes, visible_gpus
 from .progress import RunProgress
 from .standby import StandbyPool
 
@@ -204,7 +207,11 @@ class Supervisor:
             lighthouse=args.lighthouse or "",
         )
 
-        self.groups = [Group(gid, args.ranks_per_group) for gid in range(args.replicas)]
+        self.placement = resolve_placement(args)
+        self.groups = [
+            Group(gid, args.ranks_per_group, devices=self.placement[gid].devices)
+            for gid in range(args.replicas)
+        ]
         self.standbys = StandbyPool(
             None if args.no_standby else standby.runnable_argv(command),
             size=args.ranks_per_group,
@@ -274,7 +281,10 @@ class Supervisor:
             f"{args.replicas} replica group(s) x {args.ranks_per_group} rank(s): "
             f"{' '.join(self.command)}"
             + (f"; chaos {args.chaos} every {args.every:g}s" if args.chaos else "")
+            + f"; {describe_placement(self.placement)}"
         )
+        for note in sharing_notes(self.placement, args.ranks_per_group):
+            self.say(f"warning: {note}")
         for group in self.groups:
             self.start_group(group)
 
@@ -555,6 +565,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="ranks (processes) per replica group",
     )
+    parser.add_argument(
+        "--gpus",
+        type=_gpus_arg,
+        default=None,
+        help="GPUs to place the groups on, as CUDA_VISIBLE_DEVICES lists them (0,1,3 or "
+        "UUIDs), or 'none' for CPU only (default: every GPU the launcher sees)",
+    )
+    parser.add_argument(
+        "--gpus-per-group",
+        type=int,
+        default=None,
+        help="GPUs in each group's slice (exported as its CUDA_VISIBLE_DEVICES; default: the "
+        "GPUs split evenly over the groups, groups sharing when there are fewer GPUs than groups)",
+    )
     parser.add_argument("--chaos", choices=CHAOS_MODES, default=None, help="failure to inject")
     parser.add_argument(
         "--every", type=float, default=5.0, help="seconds between injected failures"
@@ -666,6 +690,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_placement(args: argparse.Namespace) -> List[GroupDevices]:
+    """Each group's GPUs: ``--gpus`` (else the GPUs this process sees) split by
+    ``--gpus-per-group``. Raises ValueError for a slice larger than the GPUs there are."""
+    gpus = args.gpus
+    if gpus is None:
+        gpus = visible_gpus(os.environ, placement_mod.nvml_gpu_count)
+    return place_groups(gpus, args.replicas, args.gpus_per_group)
+
+
+def _gpus_arg(text: str) -> List[str]:
+    try:
+        return parse_gpus(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -681,6 +721,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--replicas and --ranks-per-group must be >= 1")
     if args.every <= 0:
         parser.error("--every must be > 0")
+    try:
+        resolve_placement(args)
+    except ValueError as error:
+        parser.error(str(error))
     try:
         command = build_command(args.command, args.no_python)
     except ValueError as error:

@@ -56,11 +56,15 @@ def _plain_state(group: Group) -> str:
     return "run" if group.progressing else "start"
 
 
+def _devices(group: Group) -> str:
+    return ",".join(group.devices) if group.devices else "cpu"
+
+
 def table_lines(groups: Sequence[Group], quorum_number: QuorumNumber) -> List[str]:
     """The terminal table: a header and one row per group."""
     rows = [
         f"{'group':>5} {'state':<10} {'try':>3} {'step':>6} {'loss':>8} {'part':>4} "
-        f"{'quorum':>6} {'qchg':>4} {'heals':>5} {'fails':>5} {'restarts':>8}"
+        f"{'quorum':>6} {'qchg':>4} {'heals':>5} {'fails':>5} {'restarts':>8} gpus"
     ]
     for group in groups:
         stats = group.stats
@@ -69,7 +73,8 @@ def table_lines(groups: Sequence[Group], quorum_number: QuorumNumber) -> List[st
             f"{fmt_num(group.step, 'd'):>6} {fmt_num(group.loss, '.4f'):>8} "
             f"{fmt_num(group.participants, 'd'):>4} "
             f"{fmt_num(quorum_number(group.quorum_id), 'd'):>6} {stats.quorum_changes:>4} "
-            f"{stats.heals:>5} {stats.uncommitted:>5} {stats.restarts:>8}"
+            f"{stats.heals:>5} {stats.uncommitted:>5} {stats.restarts:>8} "
+            f"{_devices(group)}"
         )
     return rows
 
@@ -81,7 +86,9 @@ def status_line(groups: Sequence[Group], quorum_number: QuorumNumber) -> str:
         parts.append(
             f"g{group.gid}[{_plain_state(group)} step={fmt_num(group.step, 'd')} "
             f"loss={fmt_num(group.loss, '.3f')} part={fmt_num(group.participants, 'd')} "
-            f"q=#{fmt_num(quorum_number(group.quorum_id), 'd')}]"
+            f"q=#{fmt_num(quorum_number(group.quorum_id), 'd')}"
+            + (f" gpu={_devices(group)}" if group.devices else "")
+            + "]"
         )
     return "status " + " ".join(parts)
 
@@ -233,6 +240,7 @@ def _group_json(group: Group) -> Dict[str, Any]:
         "first_step_times": group.first_step_times,
         "done": {str(rank): record for rank, record in group.done.items()},
         "pids": group.pids,
+        "devices": list(group.devices),
     }
 
 

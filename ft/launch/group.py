@@ -266,6 +266,8 @@ class Group:
     ranks: List[RankProc] = dataclasses.field(default_factory=list)
     """The processes of the current attempt, by rank."""
     master_port: int = 0
+    devices: Tuple[str, ...] = ()
+    """The GPUs its ranks see (``CUDA_VISIBLE_DEVICES``); empty: the launcher's own view."""
     restart_at: Deadline = dataclasses.field(default_factory=Deadline.never)
     """While RESTARTING: when the next attempt starts."""
     progressing: bool = False
@@ -377,6 +379,9 @@ class ChildEnv:
             TORCHELASTIC_RESTART_COUNT=str(group.attempt - 1),
             FT_LAUNCH_ATTEMPT=str(group.attempt),
         )
+        if group.devices:
+            # The group's slice of the GPUs; LOCAL_RANK indexes into it, as under torchrun.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(group.devices)
         return env
 
 

@@ -141,7 +141,10 @@ class StandbyPool:
         if len(self.ready) < self.size and everyone_trains:
             proc = spawn_child(
                 [sys.executable, "-u", "-m", "ft.launch.standby", path0(self.argv)],
-                self.env(),
+                # A standby does not know its group's GPUs yet: should anything it imports ask
+                # torch whether CUDA is there, NVML answers, and no CUDA context is made with
+                # the launcher's view of the GPUs (it could not be changed afterwards).
+                dict(self.env(), PYTORCH_NVML_BASED_CUDA_CHECK="1"),
                 stdin=subprocess.PIPE,
             )
             self.ready.append(proc)
@@ -194,9 +197,29 @@ class StandbyPool:
         self.ready = []
 
 
+def _adopt_gpus(before: Optional[str], after: Optional[str]) -> None:
+    """Makes torch see the GPUs of the rank this standby becomes (``CUDA_VISIBLE_DEVICES``
+    ``after``). CUDA reads that variable once, when it initializes: a standby that initialized
+    it with another view cannot take the rank's, and says so rather than train on a GPU that
+    belongs to another group."""
+    torch = sys.modules.get("torch")
+    if torch is None or before == after:
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "ft standby: CUDA was initialized before this process was given its GPUs "
+            f"(CUDA_VISIBLE_DEVICES {before!r} -> {after!r}); start ranks cold (--no-standby)"
+        )
+    cache_clear = getattr(torch.cuda.device_count, "cache_clear", None)
+    if cache_clear is not None:  # device_count() memoizes its answer
+        cache_clear()
+
+
 def _become(env: Dict[str, str], argv: List[str]) -> None:
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ.clear()
     os.environ.update(env)
+    _adopt_gpus(before, env.get("CUDA_VISIBLE_DEVICES"))
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

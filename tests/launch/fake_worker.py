@@ -64,6 +64,7 @@ def main():
             "TORCHELASTIC_RESTART_COUNT",
             "OMP_NUM_THREADS",
             "FT_LAUNCH_STOP_FILE",
+            "CUDA_VISIBLE_DEVICES",
         ]
         with open(os.path.join(log_dir, f"env_g{gid}_r{rank}_t{attempt}.json"), "w") as f:
             json.dump({k: os.environ.get(k) for k in keys}, f)

@@ -303,12 +303,12 @@ QUORUMS = {77: 1, 78: 2}.get
 
 def test_table_lines():
     assert table_lines(fixed_groups(), QUORUMS) == [
-        "group state      try   step     loss part quorum qchg heals fails restarts",
-        "    0 running      1     12   0.1235    3      1    3     2     4        1",
-        "    1 starting     1      -        -    -      -    0     0     0        0",
-        "    2 STOPPED      1     11   0.5000    3      1    0     0     0        0",
-        "    3 finishing    1     12        -    -      2    0     0     0        0",
-        "    4 restarting   1      -        -    -      -    0     0     0        0",
+        "group state      try   step     loss part quorum qchg heals fails restarts gpus",
+        "    0 running      1     12   0.1235    3      1    3     2     4        1 cpu",
+        "    1 starting     1      -        -    -      -    0     0     0        0 cpu",
+        "    2 STOPPED      1     11   0.5000    3      1    0     0     0        0 cpu",
+        "    3 finishing    1     12        -    -      2    0     0     0        0 cpu",
+        "    4 restarting   1      -        -    -      -    0     0     0        0 cpu",
     ]
 
 

@@ -150,3 +150,44 @@ def test_pool_hands_out_a_ready_standby_and_reaps_the_rest(tmp_path) -> None:
     finally:
         pool.close()  # even when an assertion failed: no standby outlives the test
     assert leftover.returncode is not None and pool.ready == [] and not said
+
+
+def test_standby_takes_the_gpus_of_the_rank_it_becomes(tmp_path) -> None:
+    script = tmp_path / "gpus.py"
+    script.write_text(
+        "import json, os, torch\n"
+        "print(json.dumps({'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'),"
+        " 'cuda_initialized': torch.cuda.is_initialized()}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="0,1")
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "ft.launch.standby", str(tmp_path)],
+        cwd=str(tmp_path),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rank_env = {"CUDA_VISIBLE_DEVICES": "1", "PATH": os.environ.get("PATH", "")}
+    rc, out, err = finish(proc, standby.activation(rank_env, [str(script)]))
+    assert rc == 0, err
+    rec = json.loads(out.strip().splitlines()[-1])
+    # Preloading torch and ft made no CUDA context, so the rank's slice is the one CUDA reads.
+    assert rec == {"cvd": "1", "cuda_initialized": False}
+
+
+def test_standby_that_initialized_cuda_refuses_other_gpus(monkeypatch) -> None:
+    # No GPU here: a stand-in torch whose CUDA reports itself initialized.
+    class FakeCuda:
+        @staticmethod
+        def is_initialized() -> bool:
+            return True
+
+    class FakeTorch:
+        cuda = FakeCuda
+
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    standby._adopt_gpus("0", "0")  # the same view: nothing to change
+    with pytest.raises(RuntimeError, match="CUDA was initialized before .* '0,1' -> '1'"):
+        standby._adopt_gpus("0,1", "1")
