@@ -56,6 +56,15 @@ def _plain_state(group: Group) -> str:
     return "run" if group.progressing else "start"
 
 
+# A failing group's cause, cut to what one table row or status entry has room for; the full
+# line is announced once when it first appears.
+CAUSE_CHARS = 60
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS - 3] + "..."
+
+
 def _devices(group: Group) -> str:
     return ",".join(group.devices) if group.devices else "cpu"
 
@@ -74,7 +83,7 @@ def table_lines(groups: Sequence[Group], quorum_number: QuorumNumber) -> List[st
             f"{fmt_num(group.participants, 'd'):>4} "
             f"{fmt_num(quorum_number(group.quorum_id), 'd'):>6} {stats.quorum_changes:>4} "
             f"{stats.heals:>5} {stats.uncommitted:>5} {stats.restarts:>8} "
-            f"{_devices(group)}"
+            f"{_devices(group)}" + (f"  failing: {_short(group.failing)}" if group.failing else "")
         )
     return rows
 
@@ -88,6 +97,7 @@ def status_line(groups: Sequence[Group], quorum_number: QuorumNumber) -> str:
             f"loss={fmt_num(group.loss, '.3f')} part={fmt_num(group.participants, 'd')} "
             f"q=#{fmt_num(quorum_number(group.quorum_id), 'd')}"
             + (f" gpu={_devices(group)}" if group.devices else "")
+            + (f" failing={_short(group.failing)!r}" if group.failing else "")
             + "]"
         )
     return "status " + " ".join(parts)
@@ -241,6 +251,7 @@ def _group_json(group: Group) -> Dict[str, Any]:
         "done": {str(rank): record for rank, record in group.done.items()},
         "pids": group.pids,
         "devices": list(group.devices),
+        "last_error": group.last_error,
     }
 
 
@@ -270,6 +281,8 @@ def write_summary(outcome: RunOutcome, out: TextIO) -> None:
         )
         if group.state != GroupState.DONE and group.exit_info:
             print(f"{'':>5} {group.exit_info}", file=out)
+        if group.state != GroupState.DONE and group.last_error:
+            print(f"{'':>5} last step error: {group.last_error}", file=out)
     injected = len(outcome.chaos_log)
     print(
         f"chaos: {injected} failure(s) injected"

@@ -279,6 +279,11 @@ class Group:
     participants: Optional[int] = None
     quorum_id: Optional[int] = None
     accuracy: Optional[float] = None
+    failing: Optional[str] = None
+    """Why the current attempt's latest step did not commit (its ``error``); None once one
+    commits."""
+    last_error: Optional[str] = None
+    """The latest step error any attempt reported, kept for the summary."""
     stats: GroupStats = dataclasses.field(default_factory=GroupStats)
     exit_info: str = ""
     """Why the latest attempt ended, for the summary."""
@@ -301,6 +306,7 @@ class Group:
         self.state = GroupState.RUNNING
         self.start_times.append(now_s)
         self.step = self.loss = self.participants = None
+        self.failing = None
 
     def any_stopped(self) -> bool:
         """A rank is held SIGSTOPped by chaos."""

@@ -9,6 +9,8 @@ Contract:
 * Quorum ids are numbered 1, 2, ... in the order they are first reported
   (:meth:`RunProgress.quorum_number`); a new one is announced through ``say`` (the first only
   when ``verbose``).
+* A step that did not commit and says why (``error``) sets its group's :attr:`Group.failing`
+  until a step commits; a new cause is announced once through ``say``.
 * :attr:`RunProgress.finishing` turns true once any group reports its stop phase (or the
   launcher asks the run to stop) and stays true.
 """
@@ -82,6 +84,7 @@ class RunProgress:
             self.commits_after_last_chaos += 1
         if not current:
             return
+        self._cause(group, record)
         if not group.progressing:
             group.progressing = True
             group.first_step_times.append(self.clock())
@@ -94,6 +97,19 @@ class RunProgress:
             group.loss = record["loss"]
         group.participants = record.get("participants", group.participants)
         self._quorum(group, record.get("quorum_id"))
+
+    def _cause(self, group: Group, record: Dict[str, Any]) -> None:
+        """Keeps why the group's steps fail; says it when the cause is new, so a storm of
+        identical failures is one line, not one per step."""
+        if record.get("committed"):
+            group.failing = None
+            return
+        error = record.get("error")
+        if not error:
+            return
+        if error != group.failing and error != group.last_error:
+            self.say(f"group {group.gid}: step {record.get('step')} failed: {error}")
+        group.failing = group.last_error = error
 
     def _quorum(self, group: Group, quorum_id: Any) -> None:
         if quorum_id is None or quorum_id == group.quorum_id:

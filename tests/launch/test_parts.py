@@ -229,6 +229,24 @@ def test_progress_records():
     assert group.done[1]["hash"] == "abc" and group.step == 7 and group.accuracy == 0.9
 
 
+def test_a_failing_group_shows_its_cause_until_a_step_commits():
+    said: List[str] = []
+    progress = RunProgress(said.append, clock=lambda: 1.0)
+    group = make_group(0, step=3, participants=2, quorum_id=900)
+    cause = "allreduce: DistBackendError: NCCL error: invalid usage (duplicate GPU)" + "x" * 40
+    failed = {"event": "step", "step": 3, "committed": False, "error": cause, "quorum_id": 900}
+    for _ in range(5):  # a storm of identical failures is announced once
+        progress.apply(group, 1, 0, failed)
+    assert [line for line in said if "failed" in line] == [f"group 0: step 3 failed: {cause}"]
+    assert group.failing == cause and group.stats.uncommitted == 5
+    row = table_lines([group], QUORUMS)[1]
+    assert row.endswith("failing: " + cause[:57] + "...") and len(row) < 160, row
+    assert f"failing={cause[:57] + '...'!r}]" in status_line([group], QUORUMS)
+    progress.apply(group, 1, 0, {"event": "step", "step": 4, "committed": True, "quorum_id": 900})
+    assert group.failing is None and "failing" not in table_lines([group], QUORUMS)[1]
+    assert group.last_error == cause  # kept for the summary
+
+
 # ------------------------------------------------------------------------------------- chaos
 
 
