@@ -1,0 +1,132 @@
+"""Striped heal on loopback (HTTPTransport.recv_checkpoint_striped): donors are real processes
+(tests/checkpointing/ckpt_peer.py) serving the same deterministic payload; the receiver is this
+process. Speed is measured by bench/heal_bench.py, not here."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+
+from ft.checkpointing import CheckpointCorruptError, CheckpointTransferError, HTTPTransport
+from ft.checkpointing.striped import StripeOptions
+from tests.checkpointing.ckpt_testlib import Peer, check_payload, run_in_thread
+
+STEP = 3
+BIG_MB = 8
+TIMEOUT = timedelta(seconds=30)
+
+
+def _donors(n: int, *extra: str):
+    peers = [
+        Peer("http", "--step", str(STEP), "--big-mb", str(BIG_MB), "--chunks", "2", *extra)
+        for _ in range(n)
+    ]
+    try:
+        urls = [p.expect("ready", timeout=60)["url"] for p in peers]
+    except BaseException:
+        for p in peers:
+            p.close()
+        raise
+    return peers, urls
+
+
+def _receiver(**kw) -> HTTPTransport:
+    return HTTPTransport(
+        TIMEOUT, 2, advertise_host="127.0.0.1", same_host=False, stripe=StripeOptions(**kw)
+    )
+
+
+def test_three_donors_bitwise_and_each_serves_part():
+    # paced donors (50 ms per 1 MiB range): no donor finishes before the others have begun
+    peers, urls = _donors(3, "--slow", "0.05")
+    rx = _receiver()
+    try:
+        got = rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT)
+        check_payload(got, BIG_MB)
+        served = rx.last_served
+        assert set(served) == set(urls) and all(v > 0 for v in served.values()), served
+    finally:
+        rx.shutdown()
+        for p in peers:
+            p.close()
+
+
+def test_donor_killed_mid_heal_the_others_finish_bitwise():
+    # paced donors (20 ms per 1 MiB slice): the heal takes long enough to kill one mid-way
+    peers, urls = _donors(3, "--slow", "0.02")
+    rx = _receiver(stall_timeout_s=2.0)
+    try:
+        out = run_in_thread(lambda: rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT))
+        time.sleep(0.15)
+        peers[1].kill9()
+        out["thread"].join(TIMEOUT.total_seconds())
+        assert not out["thread"].is_alive()
+        assert "error" not in out, out.get("error")
+        check_payload(out["value"], BIG_MB)
+        assert rx.last_served[urls[1]] < sum(rx.last_served.values())
+    finally:
+        rx.shutdown()
+        for p in peers:
+            p.close()
+
+
+def test_every_donor_gone_is_a_clear_error():
+    peers, urls = _donors(2, "--slow", "0.05")
+    rx = _receiver(stall_timeout_s=1.0)
+    try:
+        out = run_in_thread(lambda: rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT))
+        time.sleep(0.15)
+        for p in peers:
+            p.kill9()
+        out["thread"].join(TIMEOUT.total_seconds())
+        assert not out["thread"].is_alive()
+        err = out.get("error")
+        assert isinstance(err, CheckpointTransferError), err
+        assert "no source left" in str(err) and all(u in str(err) for u in urls), err
+    finally:
+        rx.shutdown()
+        for p in peers:
+            p.close()
+
+
+def test_donors_with_different_bytes_fail_the_heal():
+    # --plain: a random tensor of its own in each donor, same shape: the digests disagree
+    peers = [Peer("http", "--step", str(STEP), "--plain", "--big-mb", "4") for _ in range(2)]
+    rx = _receiver()
+    try:
+        urls = [p.expect("ready", timeout=60)["url"] for p in peers]
+        with pytest.raises(CheckpointCorruptError, match="different bytes"):
+            rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT)
+    finally:
+        rx.shutdown()
+        for p in peers:
+            p.close()
+
+
+def test_sources_count_only_their_own_receiver_and_wait_for_helpers():
+    """The assigned source counts the striped receiver's delivery; a helper does not, but its
+    wait for its own receivers lasts until the striped reader is done."""
+    import torch
+
+    state = {"user": {"w": torch.arange(4 << 18, dtype=torch.float32)}, "torchft": {"step": 1}}
+    a = HTTPTransport(TIMEOUT, 2, advertise_host="127.0.0.1", same_host=False)
+    b = HTTPTransport(TIMEOUT, 2, advertise_host="127.0.0.1", same_host=False)
+    rx = _receiver()
+    try:
+        for t in (a, b):
+            t.send_checkpoint([1], STEP, state, TIMEOUT)
+        got = rx.recv_checkpoint_striped([(0, a.metadata()), (1, b.metadata())], STEP, TIMEOUT)
+        assert torch.equal(got["user"]["w"], state["user"]["w"])
+        assert rx.last_served[a.metadata()] > 0 and rx.last_served[b.metadata()] > 0
+        assert a.wait_delivered(STEP, 1, timedelta(seconds=5))
+        assert not b.wait_delivered(STEP, 1, timedelta(seconds=0.2))
+        # once a source's receivers have it (it may change the tensors from then on), no new
+        # striped reader is let in: a later heal helped by it takes everything elsewhere
+        got = rx.recv_checkpoint_striped([(1, b.metadata()), (0, a.metadata())], STEP, TIMEOUT)
+        assert torch.equal(got["user"]["w"], state["user"]["w"])
+        assert rx.last_served[a.metadata()] == 0, rx.last_served
+    finally:
+        for t in (a, b, rx):
+            t.shutdown()
