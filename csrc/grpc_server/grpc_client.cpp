@@ -886,10 +886,12 @@ class ClientCallStream {
 // - Made with a `signing_key` (the job secret's gRPC key, ft.utils.auth), the
 //   channel signs every request itself: a fresh token per call, carried in the
 //   request's leading auth field (request_auth.hpp), with the GIL released.
-//   The key stays in this object's memory.
-// - `call(method, request, timeout_s, wait_for_ready)` makes one unary
-//   call of `method` (e.g. "/torchft.LighthouseService/Heartbeat") with the
-//   serialized `request`, signed when the channel has a key. It returns the
+//   The key stays in this object's memory. The tokens are bound to the server
+//   id last given to `set_server_id` (its streams' tokens too).
+// - `call(method, request, timeout_s, wait_for_ready, sign=True)` makes one
+//   unary call of `method` (e.g. "/torchft.LighthouseService/Heartbeat") with
+//   the serialized `request`, signed when the channel has a key and `sign`
+//   (the server-id call is not). It returns the
 //   serialized response, or raises CallError
 //   (code, details) with the call's gRPC status: DEADLINE_EXCEEDED once
 //   `timeout_s` has passed, UNAVAILABLE when the server cannot be reached (at
@@ -920,11 +922,19 @@ class ClientChannel {
     stub_ = std::make_shared<grpc::GenericStub>(channel_);
   }
 
+  // The server id the channel's signatures are bound to from now on
+  // (request_auth.hpp); nothing without a signing key.
+  void setServerId(const std::string& serverId) {
+    if (signer_ != nullptr)
+      signer_->setServerId(serverId);
+  }
+
   py::bytes call(
       const std::string& method,
       const py::bytes& request,
       double timeoutS,
-      bool waitForReady) {
+      bool waitForReady,
+      bool sign) {
     std::shared_ptr<grpc::GenericStub> stub = currentStub();
     char* data = nullptr;
     Py_ssize_t size = 0;
@@ -940,7 +950,10 @@ class ClientChannel {
       status =
           run(*stub,
               method,
-              requestBuffer(signer_.get(), method, std::move(body)),
+              requestBuffer(
+                  sign ? signer_.get() : nullptr,
+                  method,
+                  std::move(body)),
               deadlineAfter(timeoutS),
               waitForReady,
               &response);
@@ -1670,7 +1683,9 @@ void bindClient(py::module_& m) {
           py::arg("method"),
           py::arg("request"),
           py::arg("timeout"),
-          py::arg("wait_for_ready"))
+          py::arg("wait_for_ready"),
+          py::arg("sign") = true)
+      .def("set_server_id", &ClientChannel::setServerId, py::arg("server_id"))
       .def("wait_connected", &ClientChannel::waitConnected, py::arg("timeout"))
       .def("open_stream", &ClientChannel::openStream, py::arg("method"))
       .def(

@@ -1216,7 +1216,8 @@ std::string bufferToString(const grpc::ByteBuffer& buffer, bool* ok) {
 // Python nothing.
 bool verifyRequest(Server* server, CallState& state, std::string* body) {
   RequestVerifier* verifier = server->verifier();
-  if (verifier == nullptr)
+  // The server-id call is the one that is not signed: Python answers it.
+  if (verifier == nullptr || state.method() == ft_auth::kServerIdMethod)
     return true;
   size_t offset = 0;
   std::string why;
@@ -1675,16 +1676,17 @@ PYBIND11_MODULE(_grpc_server, m) {
                  py::object heartbeat,
                  py::object steadyQuorum,
                  std::unordered_map<std::string, std::string> callStreams) {
-                // verifier: (key bytes, skew ms, max remembered nonces) or
-                // None. heartbeat: (method path, stream method path or "", max
-                // name bytes, no-deadline seconds) or None.
+                // verifier: (key bytes, skew ms, max remembered nonces,
+                // server id) or None. heartbeat: (method path, stream method
+                // path or "", max name bytes, no-deadline seconds) or None.
                 std::unique_ptr<RequestVerifier> v;
                 if (!verifier.is_none()) {
                   auto t = verifier.cast<py::tuple>();
                   v = std::make_unique<RequestVerifier>(
                       t[0].cast<std::string>(),
                       t[1].cast<int64_t>(),
-                      t[2].cast<size_t>());
+                      t[2].cast<size_t>(),
+                      t[3].cast<std::string>());
                 }
                 std::unique_ptr<HeartbeatTable> h;
                 if (!heartbeat.is_none()) {
@@ -1802,10 +1804,11 @@ PYBIND11_MODULE(_grpc_server, m) {
   // ft.utils.auth.Verifier.
   py::class_<RequestVerifier>(m, "RequestVerifier")
       .def(
-          py::init<std::string, int64_t, size_t>(),
+          py::init<std::string, int64_t, size_t, std::string>(),
           py::arg("key"),
           py::arg("skew_ms"),
-          py::arg("max_nonces"))
+          py::arg("max_nonces"),
+          py::arg("server_id"))
       .def(
           "verify",
           [](RequestVerifier& v,
@@ -1819,6 +1822,10 @@ PYBIND11_MODULE(_grpc_server, m) {
   // ft.utils.auth.Verifier.
   py::class_<ft_auth::RequestSigner>(m, "RequestSigner")
       .def(py::init<std::string>(), py::arg("key"))
+      .def(
+          "set_server_id",
+          &ft_auth::RequestSigner::setServerId,
+          py::arg("server_id"))
       .def(
           "token",
           [](ft_auth::RequestSigner& s,

@@ -4,9 +4,15 @@
 // holds both sides to it.
 //
 // Contract:
-// - A token is "v1.<unix ms>.<32 hex nonce>.<hex HMAC-SHA256>", the HMAC taken
-//   with the purpose's key over "v1\n<method>\n<ms>\n<nonce>\n" followed by the
-//   request bytes.
+// - A token is "v2.<unix ms>.<32 hex nonce>.<32 hex server id>.<hex
+//   HMAC-SHA256>", the HMAC taken with the purpose's key over
+//   "v2\n<method>\n<server id>\n<ms>\n<nonce>\n" followed by the request
+//   bytes. The server id names one life of one server (drawn at random when it
+//   starts): a verifier accepts only tokens made for its own id, so a request
+//   captured on its way to one server is refused by every other server and by
+//   the same one after a restart (docs/security.md, "Bound to one server").
+// - kServerIdMethod is the one method that is not signed (it tells a client
+//   the server id to sign for; Python answers it).
 // - A signed request carries its token in a leading protobuf field
 //   (kAuthFieldNumber, length-delimited) ahead of the request's own fields:
 //   servers that do not know it (torchft's) skip it as an unknown field, and
@@ -20,7 +26,8 @@
 //   Thread-safe. verify() returns "" when the token is good, else the reason
 //   (never the key).
 // - RequestSigner makes tokens whose nonces do not repeat: a random 64-bit
-//   prefix per signer and a counter. Thread-safe. Not fork-safe, as the gRPC
+//   prefix per signer and a counter, for the server id last set
+//   (setServerId). Thread-safe. Not fork-safe, as the gRPC
 //   channel that holds it is not: a child must make its own channel.
 // - splitSigned and ft.utils.auth.split_signed agree on every input (a
 //   randomized test holds them to it).
@@ -59,8 +66,13 @@ static_assert(
         kAuthTag[1] == ((((kAuthFieldNumber << 3) | 2) >> 7) & 0x7F | 0x80) &&
         kAuthTag[2] == (((kAuthFieldNumber << 3) | 2) >> 14),
     "kAuthTag must be the varint key of field kAuthFieldNumber, wire type 2");
-// Tokens are ~115 bytes; anything longer than this is not one of ours.
+// Tokens are ~150 bytes; anything longer than this is not one of ours.
 constexpr size_t kMaxTokenBytes = 255;
+// ft.utils.auth.SERVER_ID_METHOD: not signed, answered by Python.
+constexpr const char* kServerIdMethod = "/ft.Auth/ServerId";
+// ft.utils.auth.OTHER_SERVER: what a refusal for another server id says.
+constexpr const char* kOtherServer = "signed for another server";
+constexpr size_t kServerIdChars = 32;
 
 // HMAC-SHA256 keyed once: the hash states after absorbing (key ^ ipad) and
 // (key ^ opad) are kept, and each message copies them. That saves re-keying
@@ -139,18 +151,21 @@ class KeyedHmac {
   EVP_MD_CTX* outer_ = nullptr;
 };
 
-// The HMAC of a request: over "v1\n<what>\n<ms>\n<nonce>\n" + body, fed
-// in pieces (no copy of the request).
+// The HMAC of a request: over "v2\n<what>\n<server id>\n<ms>\n<nonce>\n" +
+// body, fed in pieces (no copy of the request).
 inline std::string requestMac(
     const KeyedHmac& hmac,
     std::string_view what,
+    std::string_view serverId,
     std::string_view ms,
     std::string_view nonce,
     const char* body,
     size_t bodySize) {
   return hmac.hex({
-      {"v1\n", 3},
+      {"v2\n", 3},
       {what.data(), what.size()},
+      {"\n", 1},
+      {serverId.data(), serverId.size()},
       {"\n", 1},
       {ms.data(), ms.size()},
       {"\n", 1},
@@ -208,11 +223,26 @@ inline std::string splitSigned(const char* data, size_t size, size_t* offset) {
   return std::string("\x01malformed");
 }
 
+inline bool isServerId(std::string_view s) {
+  return s.size() == kServerIdChars &&
+      s.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+
 class RequestVerifier {
  public:
-  RequestVerifier(std::string key, int64_t skewMs, size_t maxNonces)
-      : hmac_(key), skewMs_(skewMs), maxNonces_(maxNonces) {
+  RequestVerifier(
+      std::string key,
+      int64_t skewMs,
+      size_t maxNonces,
+      std::string serverId)
+      : hmac_(key),
+        skewMs_(skewMs),
+        maxNonces_(maxNonces),
+        serverId_(std::move(serverId)) {
     OPENSSL_cleanse(key.data(), key.size());
+    if (!isServerId(serverId_))
+      throw std::invalid_argument(
+          "server_id must be 32 lowercase hex characters");
   }
 
   std::string verify(
@@ -226,30 +256,43 @@ class RequestVerifier {
       if (static_cast<unsigned char>(c) >= 0x80)
         return "malformed signature"; // as the specification: tokens are ASCII
     }
-    // v1 . ms . nonce . mac
-    size_t d1 = token.find('.');
-    size_t d2 = d1 == std::string::npos ? d1 : token.find('.', d1 + 1);
-    size_t d3 = d2 == std::string::npos ? d2 : token.find('.', d2 + 1);
-    if (d3 == std::string::npos ||
-        token.find('.', d3 + 1) != std::string::npos ||
-        token.compare(0, d1, "v1") != 0)
+    // v2 . ms . nonce . server id . mac
+    size_t dots[5];
+    size_t n = 0;
+    for (size_t i = 0; i < token.size() && n < 5; ++i) {
+      if (token[i] == '.')
+        dots[n++] = i;
+    }
+    if (n == 3 && token.compare(0, dots[0], "v1") == 0)
+      return "signature not bound to a server (the caller runs an older ft; "
+             "every process of the job must run the same version)";
+    if (n != 4 || token.compare(0, dots[0], "v2") != 0)
       return "malformed signature";
     const std::string_view view(token);
-    const std::string_view ms = view.substr(d1 + 1, d2 - d1 - 1);
-    const std::string_view nonce = view.substr(d2 + 1, d3 - d2 - 1);
+    const std::string_view ms = view.substr(dots[0] + 1, dots[1] - dots[0] - 1);
+    const std::string_view nonce =
+        view.substr(dots[1] + 1, dots[2] - dots[1] - 1);
+    const std::string_view sid =
+        view.substr(dots[2] + 1, dots[3] - dots[2] - 1);
     if (ms.empty() || ms.size() > 18 ||
         ms.find_first_not_of("0123456789") != std::string_view::npos ||
-        nonce.size() != kNonceChars)
+        nonce.size() != kNonceChars || !isServerId(sid))
       return "malformed signature";
     const std::string expected =
-        requestMac(hmac_, what, ms, nonce, body, bodySize);
-    const size_t macSize = token.size() - d3 - 1;
+        requestMac(hmac_, what, sid, ms, nonce, body, bodySize);
+    const size_t macSize = token.size() - dots[3] - 1;
     if (expected.empty() || macSize != expected.size() ||
         CRYPTO_memcmp(
-            token.data() + d3 + 1,
+            token.data() + dots[3] + 1,
             expected.data(),
             expected.size()) != 0)
       return "bad signature (a different job secret, or an altered request)";
+    if (sid != serverId_)
+      return std::string(kOtherServer) + " (server id " +
+          std::string(sid.substr(0, 8)) + "...), not this one (" +
+          serverId_.substr(0, 8) +
+          "...): a request captured on its way elsewhere, or sent before this "
+          "server restarted";
     int64_t t = 0;
     for (char c : ms)
       t = t * 10 + (c - '0');
@@ -305,6 +348,7 @@ class RequestVerifier {
   const KeyedHmac hmac_;
   const int64_t skewMs_;
   const size_t maxNonces_;
+  const std::string serverId_;
   std::mutex mu_;
   std::unordered_set<Nonce, NonceHash> seen_;
   std::deque<std::pair<int64_t, Nonce>> order_;
@@ -320,16 +364,33 @@ class RequestSigner {
     prefix_ = hex16(r);
   }
 
+  // The server id the next tokens are made for (ft.utils.auth: the client
+  // learns it from the server before it signs). Until set: all zeros, which no
+  // server that checks signatures has.
+  void setServerId(const std::string& serverId) {
+    if (!isServerId(serverId))
+      throw std::invalid_argument(
+          "server_id must be 32 lowercase hex characters");
+    std::lock_guard<std::mutex> g(mu_);
+    serverId_ = serverId;
+  }
+
   // The token for `body` sent to `what` (a gRPC method path).
   std::string
   token(const std::string& what, const char* body, size_t bodySize) {
     const std::string ms = std::to_string(unixMillis());
     const std::string nonce =
         prefix_ + hex16(counter_.fetch_add(1, std::memory_order_relaxed));
+    std::string sid;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      sid = serverId_;
+    }
     std::string t;
-    t.reserve(3 + ms.size() + 1 + nonce.size() + 1 + 64);
-    t.append("v1.").append(ms).append(".").append(nonce).append(".");
-    t.append(requestMac(hmac_, what, ms, nonce, body, bodySize));
+    t.reserve(3 + ms.size() + 1 + nonce.size() + 1 + sid.size() + 1 + 64);
+    t.append("v2.").append(ms).append(".").append(nonce).append(".");
+    t.append(sid).append(".");
+    t.append(requestMac(hmac_, what, sid, ms, nonce, body, bodySize));
     return t;
   }
 
@@ -345,6 +406,8 @@ class RequestSigner {
   const KeyedHmac hmac_;
   std::string prefix_;
   std::atomic<uint64_t> counter_{0};
+  std::mutex mu_;
+  std::string serverId_ = std::string(kServerIdChars, '0');
 };
 
 } // namespace ft_auth

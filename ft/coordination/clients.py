@@ -38,6 +38,7 @@ import datetime as _dt
 import functools
 import json
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -50,7 +51,18 @@ from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from . import wire
 from .quorum import FailureNotification, Quorum, QuorumResult
-from ..utils.auth import GRPC_PURPOSE, SecretLike, Signer, resolve_secret
+from ..utils.auth import (
+    GRPC_PURPOSE,
+    LIGHTHOUSE_SERVER_NAME,
+    NO_SERVER_ID,
+    OTHER_SERVER,
+    SERVER_ID_METHOD,
+    AuthError,
+    SecretLike,
+    Signer,
+    manager_server_name,
+    resolve_secret,
+)
 from ..utils.deadline import Deadline
 from ..utils.tls import TLSConfig, resolve_tls
 from ..utils.retry import retry_until
@@ -90,10 +102,27 @@ def _service_methods(service: str) -> Dict[str, Tuple[str, type, bool]]:
     }
 
 
+def _other_server(exc: BaseException) -> bool:
+    """A refusal of a signature made for another server id: the server restarted since this
+    client learnt its id (or a connection was redirected)."""
+    return (
+        isinstance(exc, CoordinationError)
+        and exc.code == grpc.StatusCode.UNAUTHENTICATED
+        and OTHER_SERVER in exc.details
+    )
+
+
 class _Client:
     """A channel to one server. With a job secret, every request carries its signature
     (ft.utils.auth): the client serializes the request once, and each attempt sends those bytes
     behind a fresh signature (the native channel signs in C++, grpcio's path in Python).
+
+    Signatures are bound to one server life: before its first signed call the client asks the
+    server for its id (``SERVER_ID_METHOD``, the one unsigned call; the answer is signed over a
+    fresh challenge, and names the server, which the client checks when it knows whom it calls:
+    the lighthouse, or a ManagerServer given its ``replica_id``). It asks again after a lost
+    connection, and when the server refuses a signature made for another id (it restarted),
+    then sends the request once more (docs/security.md, "Bound to one server").
 
     ``transport``: ``"auto"`` (``FT_CLIENT_TRANSPORT``, else native when built), ``"native"``
     (gRPC C++: ft.coordination._grpc_server.Channel) or ``"grpcio"``, for unary calls; the
@@ -161,12 +190,75 @@ class _Client:
             if self._native is not None and _rpc.call_streams_enabled()
             else {}
         )
+        self._server_id_call = self._channel.unary_unary(
+            SERVER_ID_METHOD, request_serializer=None, response_deserializer=None
+        )
+        # The id of the server life this client's signatures are bound to (None: ask first).
+        self._server_id: Optional[str] = None
         self._connected = False
         self._open()
         return self
 
     def _open(self) -> None:
         """What a kind of client sets up beside its channels (called by ``__new__``)."""
+
+    def _expected_server_name(self) -> Optional[str]:
+        """The name the server must prove in its server-id answer (None: any)."""
+        return None
+
+    def _learn_server_id(self, timeout: float) -> str:
+        """Asks the server for its id, checks the answer (signed over a fresh challenge, and
+        naming the expected server), and binds this client's signatures to it. A server that
+        does not know the call (no secret; torchft's) checks no signature: the client signs
+        for ``NO_SERVER_ID``, which every server that checks refuses."""
+        challenge = secrets.token_hex(16)
+        timeout = max(timeout, 1e-3)
+        try:
+            if self._native is not None:
+                try:
+                    answer = self._native.call(
+                        SERVER_ID_METHOD, challenge.encode(), timeout, True, sign=False
+                    )
+                except _rpc.native.CallError as e:
+                    raise _rpc.status_error(*_rpc.native_status(e), "ServerId") from None
+            else:
+                try:
+                    answer = self._server_id_call(
+                        challenge.encode(), timeout=timeout, wait_for_ready=True
+                    )
+                except grpc.RpcError as e:
+                    raise _rpc.translate(e, "ServerId") from None
+        except CoordinationError as e:
+            if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            sid = NO_SERVER_ID
+        else:
+            try:
+                _, sid = self._signer.check_server_id_answer(
+                    answer, challenge, self._expected_server_name()
+                )
+            except AuthError as e:
+                raise CoordinationError(
+                    grpc.StatusCode.UNAUTHENTICATED, f"{self._addr}: {e}", "ServerId"
+                ) from None
+        if self._native is not None:
+            self._native.set_server_id(sid)
+        self._server_id = sid
+        return sid
+
+    def _signed(self, path: str, data: bytes, timeout: float) -> bytes:
+        """``data`` behind a signature for ``path``, bound to the server's id (asked for
+        first when not known, within ``min(timeout, connect_timeout)``)."""
+        sid = self._server_id
+        if sid is None:
+            sid = self._learn_server_id(min(timeout, self._connect_timeout))
+        return self._signer.sign_request(path, data, sid)
+
+    def _note_refusal(self, code: grpc.StatusCode, details: str) -> None:
+        """After a stream's refusal: a signature for another server id means the server
+        restarted; the next call asks for its new id."""
+        if code == grpc.StatusCode.UNAUTHENTICATED and OTHER_SERVER in details:
+            self._server_id = None
 
     def _invoke(self, method: str, request, **kwargs):
         """Sends ``request`` through grpcio (signed when there is a secret); returns what the
@@ -176,7 +268,7 @@ class _Client:
     def _invoke_serialized(self, method: str, data: bytes, **kwargs):
         path, call = self._calls[method]
         if self._signer is not None:
-            data = self._signer.sign_request(path, data)
+            data = self._signed(path, data, kwargs.get("timeout") or self._connect_timeout)
         return call(data, **kwargs)
 
     def _call(
@@ -203,6 +295,18 @@ class _Client:
         stream = self._call_streams.get(method)
 
         def attempt(remaining: float):
+            try:
+                return send(remaining)
+            except CoordinationError as e:
+                if not _other_server(e):
+                    raise
+            # Refused unread, for a signature bound to an earlier life of the server (it
+            # restarted since): ask for its id again and send once more.
+            self._server_id = None
+            self._learn_server_id(deadline.remaining())
+            return send(max(deadline.remaining(), 1e-3))
+
+        def send(remaining: float):
             if wait_for_ready and not self._connected:
                 # Bound the connection phase by connect_timeout as well as by the deadline.
                 connect = min(self._connect_timeout, remaining)
@@ -213,6 +317,8 @@ class _Client:
                         _rpc.wait_ready(self._channel, self._addr, connect)
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
+            if self._signer is not None and self._server_id is None:
+                self._learn_server_id(deadline.remaining())
             if native is not None:
                 try:
                     raw = (
@@ -225,6 +331,7 @@ class _Client:
                     code, details = _rpc.native_status(e)
                     if code == grpc.StatusCode.UNAVAILABLE:
                         self._connected = False
+                        self._server_id = None  # the server may come back as a new life
                     raise _rpc.status_error(code, details, method) from None
             else:
                 try:
@@ -234,6 +341,7 @@ class _Client:
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         self._connected = False
+                        self._server_id = None  # the server may come back as a new life
                     raise _rpc.translate(e, method) from None
             self._connected = True
             return resp
@@ -304,10 +412,17 @@ class FailureSubscription:
                         self._callback(wire.notification_from_pb(msg))
                     except Exception:
                         logger.exception("failure notification callback raised")
+            except (CoordinationError, TimeoutError) as e:
+                # Asking the server for its id failed (ft.utils.auth): try again after a pause.
+                self._subscribed.clear()
+                logger.debug("failure subscription to %s: %s", self._client._addr, e)
+                self._closed.wait(next(delays))
+                continue
             except grpc.RpcError as e:
                 self._subscribed.clear()
                 if self._closed.is_set():
                     break
+                self._client._note_refusal(e.code(), e.details() or "")
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     logger.debug("failure subscription to %s: %s", self._client._addr, e.code())
                     self._closed.wait(next(delays))
@@ -380,7 +495,9 @@ class _HeartbeatStream:
             code, details = _rpc.native_status(e)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise TimeoutError(f"Heartbeat: {details}") from None
-            if code not in _rpc.TRANSIENT_CODES:
+            # A signature for another server id (the lighthouse restarted): this heartbeat goes
+            # as a call, which learns the new id; the next one opens a new stream.
+            if code not in _rpc.TRANSIENT_CODES and OTHER_SERVER not in details:
                 self._unary_until = time.monotonic() + self.RETRY_AFTER_S
                 logger.debug("heartbeat stream: %s %s; unary heartbeats for a while", code, details)
             return False
@@ -457,6 +574,9 @@ class LighthouseClient(_Client):
     _response_parsers = {"Quorum": wire.quorum_from_response}
     _call_stream_methods = {"Quorum": "QuorumStream"}
 
+    def _expected_server_name(self) -> Optional[str]:
+        return LIGHTHOUSE_SERVER_NAME
+
     def _open(self) -> None:
         self._heartbeats = (
             _HeartbeatStream(self._native, _method_path(self._service, "HeartbeatStream"))
@@ -520,6 +640,13 @@ class LighthouseClient(_Client):
         request = pb.LighthouseHeartbeatRequest(replica_id=replica_id, leaving=leaving)
         deadline = Deadline.after(_rpc.required_seconds(timeout, "Heartbeat"))
         stream = self._heartbeats if not leaving else None
+        if stream is not None and self._signer is not None and self._server_id is None:
+            # The stream signs for the server's id: learn it first (a failure leaves this
+            # heartbeat to the call below, which retries).
+            try:
+                self._learn_server_id(min(deadline.remaining(), self._connect_timeout))
+            except (CoordinationError, TimeoutError):
+                stream = None
         if stream is not None and stream.send(request, deadline.remaining()):
             return
         self._call("Heartbeat", request, max(deadline.remaining(), 1e-3), wait_for_ready)
@@ -558,6 +685,7 @@ class LighthouseClient(_Client):
                 if not msg.keepalive:
                     yield wire.notification_from_pb(msg)
         except grpc.RpcError as e:
+            self._note_refusal(e.code(), e.details() or "")
             if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 raise _rpc.translate(e, "SubscribeFailures") from None
         finally:
@@ -571,9 +699,34 @@ class ManagerClient(_Client):
         addr: ``"http://host:port"`` or ``"host:port"`` of the ManagerServer.
         connect_timeout: how long to wait for the connection.
         secret, tls, transport: as for every ft client (docs/security.md).
+        replica_id: the replica whose ManagerServer this is, when known: with a secret, the
+            client signs only for a server that proves it serves that replica (a connection
+            redirected to another group's server fails with UNAUTHENTICATED, "the server is
+            ..."). None: any of the job's ManagerServers.
     """
 
     _service = "ManagerService"
+
+    def __new__(
+        cls,
+        addr: str,
+        connect_timeout: Timeout,
+        *,
+        secret: SecretLike = None,
+        tls: Optional[TLSConfig] = None,
+        transport: str = "auto",
+        replica_id: Optional[str] = None,
+    ) -> Self:
+        self = super().__new__(
+            cls, addr, connect_timeout, secret=secret, tls=tls, transport=transport
+        )
+        self._replica_id = replica_id
+        return self
+
+    def _expected_server_name(self) -> Optional[str]:
+        replica_id = getattr(self, "_replica_id", None)
+        return manager_server_name(replica_id) if replica_id is not None else None
+
     _call_stream_methods = {"Quorum": "QuorumStream", "ShouldCommit": "ShouldCommitStream"}
 
     def quorum(

@@ -52,7 +52,15 @@ from google.protobuf.message import DecodeError
 from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
 from .rpc_server import Call, CallAborted, Method, RpcServer
-from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
+from ..utils.auth import (
+    GRPC_PURPOSE,
+    LIGHTHOUSE_SERVER_NAME,
+    SecretLike,
+    Verifier,
+    check_exposure,
+    new_server_id,
+    resolve_secret,
+)
 from ..utils.tls import TLSConfig, resolve_tls
 from ..utils.http_server import BoundedHTTPServer, BoundedRequestHandler
 from ..utils.net import is_loopback
@@ -1250,7 +1258,13 @@ class LighthouseServer:
             keepalive_ms=max(1000, heartbeat_timeout_ms),
             transport=transport,
             max_workers=max_workers,
-            verifier=Verifier(self._secret, GRPC_PURPOSE) if self._secret is not None else None,
+            # Signatures are bound to this server life (docs/security.md, "Bound to one server").
+            verifier=(
+                Verifier(self._secret, GRPC_PURPOSE, server_id=new_server_id())
+                if self._secret is not None
+                else None
+            ),
+            name=LIGHTHOUSE_SERVER_NAME,
             tls=tls,
             # Routine heartbeats are answered in C++ (native server): the lighthouse's CPU per
             # replica group stays small when thousands of groups heartbeat.
@@ -1364,8 +1378,13 @@ class LighthouseServer:
             return 409, {"error": f"replica {replica_id!r} has no manager address"}
         from .clients import ManagerClient
 
+        # Signed for that replica's server alone: it refuses the kill of any other replica.
         client = ManagerClient(
-            member.address, connect_timeout=KILL_CONNECT_TIMEOUT, secret=self._secret, tls=self._tls
+            member.address,
+            connect_timeout=KILL_CONNECT_TIMEOUT,
+            secret=self._secret,
+            tls=self._tls,
+            replica_id=replica_id,
         )
         try:
             client.kill(msg, timeout=KILL_TIMEOUT)
@@ -1376,6 +1395,12 @@ class LighthouseServer:
             client.close()
         logger.warning("killed %s (%s): %s", replica_id, member.address, msg)
         return 200, {"killed": replica_id}
+
+    @property
+    def server_id(self) -> Optional[str]:
+        """This server life's id, which every signature it accepts is bound to (None without
+        a secret; ft.utils.auth)."""
+        return self._server.server_id
 
     def address(self) -> str:
         """``http://host:port`` of the gRPC service (what managers and clients dial)."""

@@ -35,7 +35,15 @@ from ._rpc import CoordinationError, Timeout
 from . import wire
 from .clients import LighthouseClient
 from .rpc_server import Call, Method, RpcServer
-from ..utils.auth import GRPC_PURPOSE, SecretLike, Verifier, check_exposure, resolve_secret
+from ..utils.auth import (
+    GRPC_PURPOSE,
+    SecretLike,
+    Verifier,
+    check_exposure,
+    manager_server_name,
+    new_server_id,
+    resolve_secret,
+)
 from ..utils.deadline import Deadline, to_seconds
 from ..utils.tls import TLSConfig, resolve_tls
 from .quorum import (
@@ -264,7 +272,14 @@ class ManagerServer:
                 transport=transport,
                 max_workers=workers,
                 tls=tls,
-                verifier=Verifier(secret, GRPC_PURPOSE) if secret is not None else None,
+                # Signatures are bound to this server life (docs/security.md, "Bound to one
+                # server"); its name is what callers that know the replica check.
+                verifier=(
+                    Verifier(secret, GRPC_PURPOSE, server_id=new_server_id())
+                    if secret is not None
+                    else None
+                ),
+                name=manager_server_name(replica_id),
                 # Each rank's per-step calls as messages of one long-lived call per rank
                 # (native server): no new HTTP/2 stream, headers and call object per step.
                 call_streams={
@@ -524,6 +539,12 @@ class ManagerServer:
             rnd.error = error
             rnd.done = True
             self._cond.notify_all()
+
+    @property
+    def server_id(self) -> Optional[str]:
+        """This server life's id, which every signature it accepts is bound to (None without
+        a secret; ft.utils.auth)."""
+        return self._server.server_id
 
     def address(self) -> str:
         """``http://host:port`` of this server."""

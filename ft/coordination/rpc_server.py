@@ -32,7 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from . import _rpc
-from ..utils.auth import AuthError, Verifier, split_signed
+from ..utils.auth import SERVER_ID_METHOD, AuthError, Verifier, split_signed
 
 if TYPE_CHECKING:
     from ..utils.tls import TLSConfig
@@ -263,6 +263,14 @@ class _GrpcioCall(Call):
                     return _End(grpc.StatusCode.CANCELLED, "cancelled")
 
 
+class _Raw:
+    """The request type of a method that takes its request's bytes as they are."""
+
+    @staticmethod
+    def FromString(data: bytes) -> bytes:  # noqa: N802 (protobuf's name)
+        return data
+
+
 @dataclass(frozen=True)
 class Method:
     """One RPC: its request type, its handler, and whether it answers with a stream."""
@@ -289,8 +297,13 @@ class RpcServer:
             answering end (0: gRPC's default).
         transport: ``"auto"`` (native when built), ``"native"`` or ``"grpcio"``.
         max_workers: grpcio only: most calls open at once.
-        verifier: checks every request's signature (None: no authentication). The native
-            server runs the same check in C++, before the GIL (one replay cache per server).
+        verifier: checks every request's signature (None: no authentication); it must be
+            bound to a server id (``Verifier(..., server_id=new_server_id())``), one per server
+            life, which the server tells clients (``SERVER_ID_METHOD``, the one call that is
+            not signed) signed over their challenge and ``name``. The native server runs the
+            same check in C++, before the GIL (one replay cache per server).
+        name: what this server is, as its server-id answer proves it (ft.utils.auth:
+            ``LIGHTHOUSE_SERVER_NAME``, ``manager_server_name(replica_id)``).
         tls: serve TLS with these credentials (grpcio only; see ft.utils.tls).
         fast_heartbeat: native only: the full name of a ``LighthouseHeartbeatRequest`` method
             whose well-formed calls the C++ server answers itself, without Python; collect
@@ -327,7 +340,10 @@ class RpcServer:
         fast_heartbeat_stream: Optional[str] = None,
         steady_quorum: Optional[str] = None,
         call_streams: Optional[Dict[str, str]] = None,
+        name: str = "",
     ) -> None:
+        if verifier is not None and verifier.server_id is None:
+            raise ValueError("a gRPC server's verifier must be bound to a server id")
         if transport not in ("auto", "native", "grpcio"):
             raise ValueError(f"transport must be 'auto', 'native' or 'grpcio', got {transport!r}")
         if transport == "native" and _native is None:
@@ -338,8 +354,11 @@ class RpcServer:
             )
         if tls is not None and transport == "native":
             raise ValueError("the native gRPC server does not serve TLS; use transport='grpcio'")
-        self._methods = methods
+        self._methods = dict(methods)
         self._verifier = verifier
+        self.name = name
+        if verifier is not None:
+            self._methods[SERVER_ID_METHOD] = Method(_Raw, self._answer_server_id)
         # TLS is served by grpcio only: "auto" falls back to it.
         self.transport = (
             "native" if transport != "grpcio" and _native is not None and tls is None else "grpcio"
@@ -400,7 +419,8 @@ class RpcServer:
         if method is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
             return
-        if not call.verified:  # else the native server checked it and took it off
+        if not call.verified and call.method != SERVER_ID_METHOD:
+            # (else the native server checked it and took it off)
             # The signature rides in the request's leading field (ft.utils.auth); off it comes,
             # checked or not, so the request parses as its client serialized it.
             data, token = split_signed(data)
@@ -426,6 +446,22 @@ class RpcServer:
         except Exception as e:  # noqa: BLE001 (the server must survive any handler bug)
             logger.exception("%s failed", call.method)
             call.finish(grpc.StatusCode.INTERNAL, f"{call.method}: {type(e).__name__}: {e}")
+
+    @property
+    def server_id(self) -> Optional[str]:
+        """This server life's id (signatures must be bound to it), or None without a verifier."""
+        return self._verifier.server_id if self._verifier is not None else None
+
+    def _answer_server_id(self, challenge: bytes, call: Call) -> None:
+        """``SERVER_ID_METHOD``: this server's name and id, signed over the client's challenge
+        (32 hex characters; ft.utils.auth.Verifier.answer_server_id)."""
+        if len(challenge) != 32 or not all(c in b"0123456789abcdef" for c in challenge):
+            call.finish(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{SERVER_ID_METHOD}: the request must be a challenge of 32 hex characters",
+            )
+            return
+        call.reply_serialized(self._verifier.answer_server_id(self.name, challenge.decode()))
 
     def _dispatch_native(self, native_call, data: bytes) -> None:
         self.dispatch(_NativeCall(native_call), data)

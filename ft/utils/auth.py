@@ -21,6 +21,17 @@ checkpoint content), ``what`` names the request (the gRPC method, or the HTTP pa
 and ``body`` is the serialized request. A verifier accepts a token once, within
 ``FT_AUTH_MAX_SKEW_S`` (default 120 s) of its own clock.
 
+On gRPC the signature is also bound to the server it is meant for: every server life draws a
+random *server id* (:func:`new_server_id`), a client learns it before it signs (the unsigned
+``SERVER_ID_METHOD`` call, whose answer the server signs over the client's challenge and its
+name), and the token carries it (``v2``)::
+
+    token = "v2.<unix ms>.<nonce>.<server id: 32 hex>.<HMAC(k, "v2\\n<method>\\n<server id>\\n<ms>\\n<nonce>\\n" + body)>"
+
+A server accepts only tokens made for its own id, so a request captured on its way to one
+server is refused by every other one, and by the same one after it restarted (a new life, a new
+id), which forgot the nonces it had seen (docs/security.md, "Bound to one server").
+
 On gRPC the token travels inside the request message, as a length-delimited field numbered
 ``AUTH_FIELD_NUMBER`` placed ahead of the request's own fields (``body`` is the bytes after it).
 A server that does not know the field (torchft's) skips it as unknown; ft's servers take it off
@@ -37,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import json
 import logging
 import os
 import secrets as _secrets
@@ -57,6 +69,12 @@ __all__ = [
     "AUTH_FIELD_NUMBER",
     "HTTP_SCHEME",
     "GRPC_PURPOSE",
+    "SERVER_ID_METHOD",
+    "OTHER_SERVER",
+    "NO_SERVER_ID",
+    "LIGHTHOUSE_SERVER_NAME",
+    "manager_server_name",
+    "new_server_id",
     "CHECKPOINT_REQUEST_PURPOSE",
     "CHECKPOINT_CONTENT_PURPOSE",
     "SAME_HOST_PURPOSE",
@@ -86,6 +104,19 @@ CHECKPOINT_REQUEST_PURPOSE = "ckpt-request"  # a healer's requests to a checkpoi
 CHECKPOINT_CONTENT_PURPOSE = "ckpt-content"  # a source's metadata and range checksums
 SAME_HOST_PURPOSE = "same-host"  # requests on the same-host heal socket
 
+# The one gRPC method that is not signed: it tells a client the server's id (and name), signed
+# over the client's challenge (Verifier.answer_server_id, Signer.check_server_id_answer). It is
+# no method of torchft's services: only ft's clients with a secret call it.
+SERVER_ID_METHOD = "/ft.Auth/ServerId"
+# What a server's refusal of a signature made for another server id says (clients that read it
+# ask the server for its id again and resend once).
+OTHER_SERVER = "signed for another server"
+# The server id a client signs for when the server does not authenticate (no secret, or
+# torchft's): no server that checks signatures ever has it.
+NO_SERVER_ID = "0" * 32
+# The names servers prove in their server-id answer; a client that knows whom it calls checks it.
+LIGHTHOUSE_SERVER_NAME = "lighthouse"
+
 # Shorter secrets are refused: 16 bytes is the least that a brute force cannot reach.
 MIN_SECRET_BYTES = 16
 # Clocks of the hosts of one job agree to within this (NTP keeps them far closer); a token
@@ -95,7 +126,8 @@ DEFAULT_MAX_SKEW_S = 120.0
 # tokens as old as they are refused (only signed requests add nonces, so only a member of the
 # job, sending 10k requests a second for minutes, could reach it).
 MAX_REMEMBERED_NONCES = 1 << 21
-_VERSION = "v1"
+_VERSION = "v1"  # tokens bound by ``what`` alone (HTTP: the address the client dialled)
+_BOUND_VERSION = "v2"  # tokens bound to one server life (gRPC: its server id)
 # Tokens are ~115 bytes; a longer field is not a signature (and is refused as malformed).
 _MAX_TOKEN_BYTES = 255
 
@@ -267,11 +299,35 @@ def _max_skew_s() -> float:
         return DEFAULT_MAX_SKEW_S
 
 
-def _mac(key: bytes, what: str, ms: str, nonce: str, body: bytes) -> str:
+def manager_server_name(replica_id: str) -> str:
+    """The name a replica group's ManagerServer proves in its server-id answer."""
+    return f"manager:{replica_id}"
+
+
+def new_server_id() -> str:
+    """A server life's id: 128 random bits as 32 hex characters (never ``NO_SERVER_ID``)."""
+    while True:
+        sid = _secrets.token_hex(16)
+        if sid != NO_SERVER_ID:
+            return sid
+
+
+def _is_server_id(s: str) -> bool:
+    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+
+
+def _mac(
+    key: bytes, what: str, ms: str, nonce: str, body: bytes, server_id: Optional[str] = None
+) -> str:
     # hmac.new, not the one-shot hmac.digest: the one-shot call releases the GIL around the
     # hash, and taking it back can wait on another thread (a gRPC poller) for far longer than
     # hashing a request takes.
-    h = hmac.new(key, f"{_VERSION}\n{what}\n{ms}\n{nonce}\n".encode(), hashlib.sha256)
+    head = (
+        f"{_VERSION}\n{what}\n{ms}\n{nonce}\n"
+        if server_id is None
+        else f"{_BOUND_VERSION}\n{what}\n{server_id}\n{ms}\n{nonce}\n"
+    )
+    h = hmac.new(key, head.encode(), hashlib.sha256)
     if body:
         h.update(body)
     return h.hexdigest()
@@ -306,16 +362,46 @@ class Signer:
     def __init__(self, secret: JobSecret, purpose: str) -> None:
         self._key = secret.key(purpose)
 
-    def sign(self, what: str, body: bytes = b"") -> str:
+    def sign(self, what: str, body: bytes = b"", server_id: Optional[str] = None) -> str:
+        """A token for ``what`` and ``body``; with ``server_id``, bound to that server life
+        (``v2``, what gRPC servers require)."""
         ms = str(int(time.time() * 1000))
         nonce = _nonces.next()
-        return f"{_VERSION}.{ms}.{nonce}.{_mac(self._key, what, ms, nonce, body)}"
+        if server_id is None:
+            return f"{_VERSION}.{ms}.{nonce}.{_mac(self._key, what, ms, nonce, body)}"
+        mac = _mac(self._key, what, ms, nonce, body, server_id)
+        return f"{_BOUND_VERSION}.{ms}.{nonce}.{server_id}.{mac}"
 
-    def sign_request(self, what: str, body: bytes) -> bytes:
-        """``body`` (a serialized gRPC request for method ``what``) with its signature in a
-        leading auth field (:func:`split_signed` takes it apart)."""
-        token = self.sign(what, body).encode("ascii")
+    def sign_request(self, what: str, body: bytes, server_id: str) -> bytes:
+        """``body`` (a serialized gRPC request for method ``what``, to the server whose id is
+        ``server_id``) with its signature in a leading auth field (:func:`split_signed` takes
+        it apart)."""
+        token = self.sign(what, body, server_id).encode("ascii")
         return _AUTH_TAG + _varint(len(token)) + token + body
+
+    def check_server_id_answer(
+        self, answer: bytes, challenge: str, expected_name: Optional[str] = None
+    ) -> Tuple[str, str]:
+        """``(name, server id)`` from a server's answer to ``SERVER_ID_METHOD`` (see
+        :meth:`Verifier.answer_server_id`). Raises :class:`AuthError` when the answer is not
+        signed with this job's secret over ``challenge``, or names another server than
+        ``expected_name`` (when given)."""
+        try:
+            fields = json.loads(answer.decode("utf-8"))
+            name, sid, mac = fields["name"], fields["id"], fields["mac"]
+            ok = isinstance(name, str) and isinstance(sid, str) and isinstance(mac, str)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok or not _is_server_id(sid):
+            raise AuthError("malformed server-id answer (not an ft server?)")
+        if not hmac.compare_digest(_server_id_mac(self._key, name, sid, challenge), mac):
+            raise AuthError(
+                "the server's id is not signed with this client's job secret (a different job "
+                "secret: another job's server, or a wrong secret here)"
+            )
+        if expected_name is not None and name != expected_name:
+            raise AuthError(f"the server is {name!r}, not {expected_name!r}")
+        return name, sid
 
     @property
     def key(self) -> bytes:
@@ -335,15 +421,40 @@ class Signer:
         return hmac.compare_digest(self.mac(*parts), mac)
 
 
+def _server_id_mac(key: bytes, name: str, server_id: str, challenge: str) -> str:
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in (
+        b"ft-server-id",
+        name.encode("utf-8", "surrogateescape"),
+        server_id.encode(),
+        challenge.encode("utf-8", "surrogateescape"),
+    ):
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()
+
+
 class Verifier:
     """Checks request tokens for one purpose: signature, age, and that no nonce is used twice.
 
+    With a ``server_id`` (a gRPC server's life, :func:`new_server_id`) it accepts only tokens
+    bound to that id (``v2``); without, only ``v1`` tokens, bound by ``what`` alone.
+
     Contract: :meth:`verify` raises :class:`AuthError` with a reason that names the problem
-    (missing, malformed, expired, replayed, bad signature) and never the secret; it accepts a
-    given token at most once. Thread-safe; O(1) amortized.
+    (missing, malformed, expired, replayed, bad signature, signed for another server) and
+    never the secret; it accepts a given token at most once. Thread-safe; O(1) amortized.
     """
 
-    def __init__(self, secret: JobSecret, purpose: str, max_skew_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        secret: JobSecret,
+        purpose: str,
+        max_skew_s: Optional[float] = None,
+        server_id: Optional[str] = None,
+    ) -> None:
+        if server_id is not None and (not _is_server_id(server_id) or server_id == NO_SERVER_ID):
+            raise ValueError("server_id must be 32 lowercase hex characters (new_server_id())")
+        self.server_id = server_id
         self._key = secret.key(purpose)
         self._skew_ms = int((max_skew_s if max_skew_s is not None else _max_skew_s()) * 1000)
         self._lock = threading.Lock()
@@ -357,12 +468,31 @@ class Verifier:
         if not token.isascii():  # hmac.compare_digest refuses non-ASCII text
             raise AuthError("malformed signature")
         parts = token.split(".")
-        if len(parts) != 4 or parts[0] != _VERSION or not parts[1].isdigit() or len(parts[2]) != 32:
+        bound = self.server_id is not None
+        if bound and len(parts) == 4 and parts[0] == _VERSION:
+            raise AuthError(
+                "signature not bound to a server (the caller runs an older ft; every process "
+                "of the job must run the same version)"
+            )
+        if (
+            len(parts) != (5 if bound else 4)
+            or parts[0] != (_BOUND_VERSION if bound else _VERSION)
+            or not parts[1].isdigit()
+            or len(parts[1]) > 18
+            or len(parts[2]) != 32
+            or (bound and not _is_server_id(parts[3]))
+        ):
             raise AuthError("malformed signature")
-        _, ms, nonce, mac = parts
-        expected = _mac(self._key, what, ms, nonce, body)
+        ms, nonce, mac = parts[1], parts[2], parts[-1]
+        sid = parts[3] if bound else None
+        expected = _mac(self._key, what, ms, nonce, body, sid)
         if not hmac.compare_digest(expected, mac):
             raise AuthError("bad signature (a different job secret, or an altered request)")
+        if bound and sid != self.server_id:
+            raise AuthError(
+                f"{OTHER_SERVER} (server id {sid[:8]}...), not this one ({self.server_id[:8]}...):"
+                f" a request captured on its way elsewhere, or sent before this server restarted"
+            )
         t = int(ms)
         now = int(time.time() * 1000)
         if abs(now - t) > self._skew_ms:
@@ -377,11 +507,21 @@ class Verifier:
             self._seen[nonce] = t
             self._order.append((t, nonce))
 
-    def native_config(self) -> Tuple[bytes, int, int]:
-        """(key, skew window in ms, most nonces remembered): what the native gRPC server needs
-        to run this same check in C++ (ft/coordination/_grpc_server). The key stays in this
-        process."""
-        return self._key, self._skew_ms, MAX_REMEMBERED_NONCES
+    def native_config(self) -> Tuple[bytes, int, int, str]:
+        """(key, skew window in ms, most nonces remembered, server id): what the native gRPC
+        server needs to run this same check in C++ (ft/coordination/_grpc_server). The key
+        stays in this process."""
+        if self.server_id is None:
+            raise ValueError("the native gRPC server needs a verifier with a server_id")
+        return self._key, self._skew_ms, MAX_REMEMBERED_NONCES, self.server_id
+
+    def answer_server_id(self, name: str, challenge: str) -> bytes:
+        """This server's answer to ``SERVER_ID_METHOD``: its ``name`` and id, signed over the
+        client's ``challenge`` (:meth:`Signer.check_server_id_answer` checks it)."""
+        if self.server_id is None:
+            raise ValueError("this verifier is bound to no server")
+        mac = _server_id_mac(self._key, name, self.server_id, challenge)
+        return json.dumps({"name": name, "id": self.server_id, "mac": mac}).encode("utf-8")
 
     def _prune(self, now: int) -> None:
         cutoff = now - self._skew_ms

@@ -5,7 +5,7 @@ a fraction of a second and these tests do not depend on the backend build. Start
 ``tests.coordination._helpers.CoordinationChild`` (the ``children`` fixture) as
 ``python -m tests.coordination._child MODE ...`` in the repository root. Modes:
 
-    manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S]
+    manager REPLICA_ID LIGHTHOUSE_ADDR WORLD_SIZE [HEARTBEAT_S [TRANSPORT]]
     lighthouse [LighthouseServer kwargs as JSON]
     cli [ft-lighthouse flags...]
     subscriber REPLICA_ID LIGHTHOUSE_ADDR
@@ -64,6 +64,7 @@ def main() -> int:
             world_size,
             hb,
             5.0,
+            transport=sys.argv[6] if len(sys.argv) > 6 else "auto",
         )
         print(f"ADDRESS {server.address()}", flush=True)
         _serve_forever(server)

@@ -176,12 +176,18 @@ def test_each_message_is_checked_against_the_job_secret(lighthouse_factory):
         lh,
         [
             pb.CallStreamRequest(timeout_ms=5000, request=body),
-            pb.CallStreamRequest(timeout_ms=5000, request=wrong.sign_request(QUORUM, body)),
+            pb.CallStreamRequest(
+                timeout_ms=5000, request=wrong.sign_request(QUORUM, body, lh.server_id)
+            ),
             pb.CallStreamRequest(
                 timeout_ms=5000,
-                request=good.sign_request("/torchft.LighthouseService/Heartbeat", body),
+                request=good.sign_request(
+                    "/torchft.LighthouseService/Heartbeat", body, lh.server_id
+                ),
             ),
-            pb.CallStreamRequest(timeout_ms=5000, request=good.sign_request(QUORUM, body)),
+            pb.CallStreamRequest(
+                timeout_ms=5000, request=good.sign_request(QUORUM, body, lh.server_id)
+            ),
         ],
     )
     assert [a.code for a in answers] == [grpc.StatusCode.UNAUTHENTICATED.value[0]] * 3 + [0]

@@ -63,7 +63,7 @@ def lighthouse(request):
 
 def raw_call(lh, secret, body: bytes, timeout=5.0):
     if secret is not None:
-        body = Signer(JobSecret(secret), GRPC_PURPOSE).sign_request(PATH, body)
+        body = Signer(JobSecret(secret), GRPC_PURPOSE).sign_request(PATH, body, lh.server_id)
     with grpc.insecure_channel(lh.address().replace("http://", "")) as ch:
         return ch.unary_unary(PATH, request_serializer=None, response_deserializer=None)(
             body, timeout=timeout
@@ -183,6 +183,8 @@ def open_stream(lh, secret):
     """A raw native heartbeat stream to ``lh``, signed with ``secret`` (None: unsigned)."""
     key = Signer(JobSecret(secret), GRPC_PURPOSE).key if secret is not None else b""
     channel = _rpc.make_native_channel(lh.address(), key)
+    if secret is not None:
+        channel.set_server_id(lh.server_id)  # what a client learns before it signs
     return channel, channel.open_stream(STREAM)
 
 

@@ -269,7 +269,7 @@ def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_
     """The signature rides in the request's leading field (ft.utils.auth): whichever transport
     and whether or not it checks signatures, the handler gets the request its client serialized,
     and with a verifier a broken or missing field is refused with the reason."""
-    from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier
+    from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier, new_server_id
 
     secret = JobSecret("rpc-server-test-secret-0123456789")
     seen = []
@@ -280,10 +280,11 @@ def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_
         seen.append((req.requester.replica_id, call.verified, req.SerializeToString()))
         call.reply(pb.LighthouseQuorumResponse())
 
-    verifier = Verifier(secret, GRPC_PURPOSE) if with_verifier else None
+    sid = new_server_id()
+    verifier = Verifier(secret, GRPC_PURPOSE, server_id=sid) if with_verifier else None
     s = serve({SVC + "Quorum": Method(pb.LighthouseQuorumRequest, quorum)}, verifier=verifier)
     body = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a")).SerializeToString()
-    signed = Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body)
+    signed = Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body, sid)
     assert signed.endswith(body) and len(signed) > len(body)
     checked_in_cpp = with_verifier and s.transport == "native"
     channel, stub = stub_for(s)
@@ -292,7 +293,7 @@ def test_the_signature_field_is_taken_off_before_the_handler_parses(serve, with_
         assert seen == [("a", checked_in_cpp, body)]
         broken = signed[:3] + bytes([200]) + signed[4:]  # a length past the token's end
         head = signed[: len(signed) - len(body)]
-        twice = head + Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body)
+        twice = head + Signer(secret, GRPC_PURPOSE).sign_request(SVC + "Quorum", body, sid)
         if with_verifier:
             for bad, why in (
                 (body, "no signature"),

@@ -92,7 +92,7 @@ def test_replayed_request_is_refused(lighthouse_factory):
     target = lh.address().replace("http://", "")
     path = "/torchft.LighthouseService/Heartbeat"
     body = pb.LighthouseHeartbeatRequest(replica_id="r").SerializeToString()
-    signed = Signer(JobSecret(SECRET), GRPC_PURPOSE).sign_request(path, body)
+    signed = Signer(JobSecret(SECRET), GRPC_PURPOSE).sign_request(path, body, lh.server_id)
     head = signed[: len(signed) - len(body)]  # the leading auth field alone
     with grpc.insecure_channel(target) as ch:
         call = ch.unary_unary(path, request_serializer=None, response_deserializer=None)

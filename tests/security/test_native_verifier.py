@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ft.coordination.rpc_server import native_available
-from ft.utils.auth import GRPC_PURPOSE, AuthError, JobSecret, Signer, Verifier
+from ft.utils.auth import GRPC_PURPOSE, AuthError, JobSecret, Signer, Verifier, new_server_id
 
 pytestmark = pytest.mark.skipif(
     not native_available(), reason="native gRPC server not built (no gRPC C++)"
@@ -20,15 +20,17 @@ pytestmark = pytest.mark.skipif(
 
 SECRET = JobSecret("native-verifier-secret-0123456789abcdef")
 WHAT = "/torchft.LighthouseService/Quorum"
+SID = new_server_id()  # the server life both verifiers stand for
+OTHER_SID = new_server_id()
 
 
 def both():
-    """A fresh pair (own replay caches) built from one key and window."""
+    """A fresh pair (own replay caches) built from one key, window and server id."""
     from ft.coordination import _grpc_server
 
-    spec = Verifier(SECRET, GRPC_PURPOSE)
-    key, skew_ms, max_nonces = spec.native_config()
-    return spec, _grpc_server.RequestVerifier(key, skew_ms, max_nonces)
+    spec = Verifier(SECRET, GRPC_PURPOSE, server_id=SID)
+    key, skew_ms, max_nonces, sid = spec.native_config()
+    return spec, _grpc_server.RequestVerifier(key, skew_ms, max_nonces, sid)
 
 
 def python_verdict(v: Verifier, what: str, body: bytes, token: str) -> str:
@@ -39,35 +41,45 @@ def python_verdict(v: Verifier, what: str, body: bytes, token: str) -> str:
         return str(e)
 
 
-def good_token(what: str = WHAT, body: bytes = b"body", ms: int = None) -> str:
+def good_token(what: str = WHAT, body: bytes = b"body", ms: int = None, sid: str = SID) -> str:
     if ms is None:
-        return Signer(SECRET, GRPC_PURPOSE).sign(what, body)
+        return Signer(SECRET, GRPC_PURPOSE).sign(what, body, sid)
     # A genuine signature made at another time (the clock-window cases).
     from ft.utils import auth
 
     nonce = "ab" * 16
-    return f"v1.{ms}.{nonce}.{auth._mac(SECRET.key(GRPC_PURPOSE), what, str(ms), nonce, body)}"
+    mac = auth._mac(SECRET.key(GRPC_PURPOSE), what, str(ms), nonce, body, sid)
+    return f"v2.{ms}.{nonce}.{sid}.{mac}"
 
 
 def cases():
     now = int(time.time() * 1000)
     good = good_token()
-    v, ms, nonce, mac = good.split(".")
+    v, ms, nonce, sid, mac = good.split(".")
+    unbound = Signer(SECRET, GRPC_PURPOSE).sign(WHAT, b"body")  # v1: no server id
     other_key = Signer(JobSecret("another-job-secret-0123456789abcdef"), GRPC_PURPOSE)
     return [
         ("good", WHAT, b"body", good),
         ("empty", WHAT, b"body", ""),
-        ("three parts", WHAT, b"body", f"{v}.{ms}.{nonce}"),
-        ("five parts", WHAT, b"body", good + ".x"),
-        ("wrong version", WHAT, b"body", f"v2.{ms}.{nonce}.{mac}"),
-        ("ms not digits", WHAT, b"body", f"{v}.12a.{nonce}.{mac}"),
-        ("negative ms", WHAT, b"body", f"{v}.-{ms}.{nonce}.{mac}"),
-        ("short nonce", WHAT, b"body", f"{v}.{ms}.{nonce[:-1]}.{mac}"),
+        ("four parts", WHAT, b"body", f"{v}.{ms}.{nonce}.{mac}"),
+        ("six parts", WHAT, b"body", good + ".x"),
+        ("wrong version", WHAT, b"body", f"v3.{ms}.{nonce}.{sid}.{mac}"),
+        ("v1 token (not bound to a server)", WHAT, b"body", unbound),
+        ("ms not digits", WHAT, b"body", f"{v}.12a.{nonce}.{sid}.{mac}"),
+        ("negative ms", WHAT, b"body", f"{v}.-{ms}.{nonce}.{sid}.{mac}"),
+        ("19-digit ms", WHAT, b"body", f"{v}.{'9' * 19}.{nonce}.{sid}.{mac}"),
+        ("short nonce", WHAT, b"body", f"{v}.{ms}.{nonce[:-1]}.{sid}.{mac}"),
+        ("server id upper case", WHAT, b"body", f"{v}.{ms}.{nonce}.{sid.upper()}.{mac}"),
+        ("short server id", WHAT, b"body", f"{v}.{ms}.{nonce}.{sid[:-1]}.{mac}"),
+        # the server id moved, the signature kept: the signature covers it
+        ("server id altered", WHAT, b"body", f"{v}.{ms}.{nonce}.{OTHER_SID}.{mac}"),
+        # genuine, made for another server (or this one's earlier life)
+        ("signed for another server", WHAT, b"body", good_token(sid=OTHER_SID)),
         ("altered body", WHAT, b"bodY", good),
         ("other method", "/torchft.LighthouseService/Heartbeat", b"body", good),
-        ("mac upper case", WHAT, b"body", f"{v}.{ms}.{nonce}.{mac.upper()}"),
-        ("truncated mac", WHAT, b"body", f"{v}.{ms}.{nonce}.{mac[:-2]}"),
-        ("other secret", WHAT, b"body", other_key.sign(WHAT, b"body")),
+        ("mac upper case", WHAT, b"body", f"{v}.{ms}.{nonce}.{sid}.{mac.upper()}"),
+        ("truncated mac", WHAT, b"body", f"{v}.{ms}.{nonce}.{sid}.{mac[:-2]}"),
+        ("other secret", WHAT, b"body", other_key.sign(WHAT, b"body", SID)),
         ("too old", WHAT, b"body", good_token(ms=now - 10 * 60 * 1000)),
         ("from the future", WHAT, b"body", good_token(ms=now + 10 * 60 * 1000)),
         ("empty body", WHAT, b"", good_token(body=b"")),
@@ -89,6 +101,10 @@ def test_native_check_gives_the_specifications_verdict_and_reason(name):
         assert expected == ""
     else:
         assert expected != ""
+    if name == "signed for another server":
+        assert expected.startswith("signed for another server")
+    if name == "v1 token (not bound to a server)":
+        assert "not bound to a server" in expected
 
 
 def test_a_replay_is_refused_by_both_the_same_way():
@@ -124,8 +140,11 @@ def test_native_signer_tokens_verify_by_the_specification_once_each():
     ft.utils.auth.Verifier, are fresh on every call, and bind the method and the body."""
     from ft.coordination import _grpc_server
 
-    spec = Verifier(SECRET, GRPC_PURPOSE)
+    spec = Verifier(SECRET, GRPC_PURPOSE, server_id=SID)
     signer = _grpc_server.RequestSigner(Signer(SECRET, GRPC_PURPOSE).key)
+    # until told the server's id it signs for none (all zeros), which no server has
+    assert "another server" in python_verdict(spec, WHAT, b"body", signer.token(WHAT, b"body"))
+    signer.set_server_id(SID)
     tokens = [signer.token(WHAT, b"body") for _ in range(100)]
     assert len(set(tokens)) == 100
     for t in tokens:
@@ -136,6 +155,9 @@ def test_native_signer_tokens_verify_by_the_specification_once_each():
     other_job = _grpc_server.RequestSigner(
         Signer(JobSecret("another-job-secret-0123456789abcdef"), GRPC_PURPOSE).key
     )
+    other_job.set_server_id(SID)
+    signer.set_server_id(OTHER_SID)
+    assert "another server" in python_verdict(spec, WHAT, b"body", signer.token(WHAT, b"body"))
     assert "bad signature" in python_verdict(spec, WHAT, b"body", other_job.token(WHAT, b"body"))
 
 
@@ -146,8 +168,8 @@ def test_split_signed_gives_back_the_request_and_refuses_a_broken_field(body, cu
     the signed bytes either loses the field (no token) or yields a token that does not verify."""
     from ft.utils.auth import split_signed
 
-    spec = Verifier(SECRET, GRPC_PURPOSE)
-    signed = Signer(SECRET, GRPC_PURPOSE).sign_request(WHAT, body)
+    spec = Verifier(SECRET, GRPC_PURPOSE, server_id=SID)
+    signed = Signer(SECRET, GRPC_PURPOSE).sign_request(WHAT, body, SID)
     request, token = split_signed(signed)
     assert request == body
     cut_request, cut_token = split_signed(signed[: min(cut, len(signed))])

@@ -1,0 +1,171 @@
+"""A TCP proxy on loopback that records what clients send through it, and a reader that takes
+the gRPC messages back out of the recorded HTTP/2 bytes: an eavesdropper on the path, for the
+tests that replay what it captured (tests/security/test_replay.py).
+
+Only DATA frames are read (HEADERS are HPACK-compressed and not needed: a test finds the
+message it wants by its content). Each gRPC message is a 5-byte prefix (compressed flag,
+big-endian length) and the message, split across DATA frames as HTTP/2 pleases.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Callable, Dict, List, Tuple
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_DATA = 0x0
+_PADDED = 0x8
+
+
+class RecordingProxy:
+    """Listens on 127.0.0.1 (``port``) and forwards each connection to 127.0.0.1:``target``,
+    keeping every byte a client sent (per connection, in order). ``close()`` ends it all."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self._lock = threading.Lock()
+        self._sent: List[bytearray] = []
+        self._threads: List[threading.Thread] = []
+        self._socks: List[socket.socket] = []
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self._srv.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self._start(self._accept)
+
+    def _start(self, target, *args) -> None:  # type: ignore[no-untyped-def]
+        t = threading.Thread(target=target, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._srv.accept()
+            except OSError:
+                return  # closed
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            record = bytearray()
+            with self._lock:
+                self._sent.append(record)
+                self._socks += [client, server]
+            self._start(self._pump, client, server, record)
+            self._start(self._pump, server, client, None)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record) -> None:  # type: ignore[no-untyped-def]
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if record is not None:
+                    with self._lock:
+                        record += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def messages(self) -> List[bytes]:
+        """Every gRPC message clients sent so far, in order (connection by connection)."""
+        with self._lock:
+            sent = [bytes(r) for r in self._sent]
+        out: List[bytes] = []
+        for data in sent:
+            out += grpc_messages(data)
+        return out
+
+    def close(self) -> None:
+        try:
+            self._srv.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
+        except OSError:
+            pass
+        self._srv.close()
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for t in list(self._threads):
+            t.join(5)
+
+
+def grpc_messages(data: bytes) -> List[bytes]:
+    """The gRPC messages in the client side of one HTTP/2 connection (``data`` from its
+    preface on), stream by stream in the order their first bytes came."""
+    if not data.startswith(_PREFACE):
+        return []
+    pos = len(_PREFACE)
+    streams: Dict[int, bytearray] = {}
+    while pos + 9 <= len(data):
+        length = int.from_bytes(data[pos : pos + 3], "big")
+        kind, flags = data[pos + 3], data[pos + 4]
+        stream = struct.unpack(">I", data[pos + 5 : pos + 9])[0] & 0x7FFFFFFF
+        payload = data[pos + 9 : pos + 9 + length]
+        pos += 9 + length
+        if len(payload) < length:
+            break  # a frame still on its way
+        if kind != _DATA:
+            continue
+        if flags & _PADDED:
+            pad = payload[0]
+            payload = payload[1 : len(payload) - pad]
+        streams.setdefault(stream, bytearray()).extend(payload)
+    out: List[bytes] = []
+    for body in streams.values():
+        out += _split_messages(bytes(body))
+    return out
+
+
+def _split_messages(body: bytes) -> List[bytes]:
+    out: List[bytes] = []
+    pos = 0
+    while pos + 5 <= len(body):
+        compressed, n = body[pos], int.from_bytes(body[pos + 1 : pos + 5], "big")
+        if compressed or pos + 5 + n > len(body):
+            break  # ft sends no compressed messages; an incomplete one is not ours yet
+        out.append(body[pos + 5 : pos + 5 + n])
+        pos += 5 + n
+    return out
+
+
+def find_signed(messages: List[bytes], match: Callable[[bytes], bool]) -> Tuple[bytes, str]:
+    """The first captured signed request whose request bytes (the signature taken off) satisfy
+    ``match`` -- sent as a call or on a heartbeat stream ("call"), or carried by a call stream
+    ("stream": CallStreamRequest.request) -- and how it travelled. AssertionError if none."""
+    from ft.coordination._proto import torchft_pb2 as pb
+    from ft.utils.auth import split_signed
+
+    for m in messages:
+        request, token = split_signed(m)
+        if token and _matches(match, request):
+            return m, "call"
+        try:
+            carried = pb.CallStreamRequest.FromString(m).request
+        except Exception:  # noqa: BLE001 (not a CallStreamRequest)
+            continue
+        request, token = split_signed(carried)
+        if token and _matches(match, request):
+            return carried, "stream"
+    raise AssertionError(f"no such signed request among {len(messages)} captured messages")
+
+
+def _matches(match: Callable[[bytes], bool], request: bytes) -> bool:
+    try:
+        return bool(match(request))
+    except Exception:  # noqa: BLE001 (a message of another type)
+        return False
