@@ -260,3 +260,92 @@ def default_config_combos(
         manager.shutdown(wait=False)
         test_store.set(f"done/{i}/{rank}", "1")
     return out
+
+
+def step_faults(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    *,
+    lh_addr: str,
+    ports: List[int],
+    fault: str,
+    stop_at: int = 6,
+    inject_at: Optional[List[int]] = None,
+    max_consecutive_failures: Optional[int] = None,
+    use_async_quorum: bool = True,
+    max_attempts: int = 60,
+    run_timeout: float = 60.0,
+) -> Dict[str, Any]:
+    """One replica group (rank == group) runs torchft's plain loop (start_quorum, allreduce,
+    should_commit) under a fault, until it has committed ``stop_at`` steps, should_commit
+    raises, or ``max_attempts`` attempts or ``run_timeout`` seconds have passed:
+
+    * ``"non_contiguous"``: group 1 allreduces a non-contiguous tensor at every step, which
+      the backend refuses; the Manager then aborts the process group, so group 0's allreduce
+      fails too. A persistent fault, in every group.
+    * ``"abort"``: group 0 aborts its process group before the allreduce of each step in
+      ``inject_at`` (once each), as ft-launch's chaos does: transient faults.
+
+    Every attempt prints ft-launch's step record (``ft.launch.worker.emit_step``). Returns
+    each attempt's quorum id and commit, and what should_commit raised, if it did.
+    """
+    import ft
+    from ft.launch import worker
+    from tests.manager.inproc import make_manager
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("ft.coordination").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    test_store = connect_store(store_port)
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=10))
+    manager = make_manager(
+        lh_addr,
+        f"g{rank}",
+        store_port=ports[rank],
+        pg=pg,
+        use_async_quorum=use_async_quorum,
+        max_consecutive_failures=max_consecutive_failures,
+    )
+    # Every group heartbeats before any asks for a quorum, so the first quorum holds all.
+    test_store.set(f"ready/{rank}", "1")
+    test_store.wait([f"ready/{g}" for g in range(world_size)], timedelta(seconds=60))
+
+    attempts: List[Dict[str, Any]] = []
+    raised: Optional[Dict[str, Any]] = None
+    inject = set(inject_at or [])
+    deadline = time.monotonic() + run_timeout
+    while len(attempts) < max_attempts and time.monotonic() < deadline:
+        if manager.current_step() >= stop_at:
+            break
+        step = manager.current_step()
+        manager.start_quorum()
+        if fault == "non_contiguous" and rank == 1:
+            t = torch.ones(8)[::2]
+        else:
+            t = torch.ones(4)
+        injected = fault == "abort" and rank == 0 and step in inject
+        if injected:
+            inject.discard(step)
+            pg.abort()
+        manager.allreduce(t).wait()
+        try:
+            committed = manager.should_commit()
+        except ft.PersistentStepFailure as e:
+            committed = False
+            raised = {
+                "type": type(e).__name__,
+                "message": str(e),
+                "phase": e.phase,
+                "error": e.error,
+                "count": e.count,
+                "bound": e.bound,
+                "is_runtime_error": isinstance(e, RuntimeError),
+            }
+        worker.emit_step(manager, loss=0.0, committed=committed, injected=injected)
+        attempts.append({"step": step, "quorum_id": manager.quorum_id(), "committed": committed})
+        if raised is not None:
+            break
+    result = {"group": rank, "step": manager.current_step(), "attempts": attempts, "raised": raised}
+    manager.shutdown(wait=False)
+    return result
