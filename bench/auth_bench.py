@@ -145,15 +145,17 @@ def bench_cost(requests: int) -> None:
     from bench import quorum_bench
     from ft.coordination import LighthouseClient
     from ft.coordination.rpc_server import native_available
-    from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier
+    from ft.utils.auth import GRPC_PURPOSE, JobSecret, Signer, Verifier, new_server_id
 
     secret = JobSecret(SECRET)
+    sid = new_server_id()  # tokens are bound to one server life (docs/security.md)
     path = "/torchft.LighthouseService/Heartbeat"
     body = b"\n\x0fgroup-000:abcdef"  # a heartbeat's bytes
-    signer, verifier = Signer(secret, GRPC_PURPOSE), Verifier(secret, GRPC_PURPOSE)
+    signer = Signer(secret, GRPC_PURPOSE)
+    verifier = Verifier(secret, GRPC_PURPOSE, server_id=sid)
     n = 50000
     t0 = time.perf_counter()
-    tokens = [signer.sign(path, body) for _ in range(n)]
+    tokens = [signer.sign(path, body, sid) for _ in range(n)]
     sign_us = (time.perf_counter() - t0) / n * 1e6
     t0 = time.perf_counter()
     for t in tokens:
@@ -164,12 +166,13 @@ def bench_cost(requests: int) -> None:
         from ft.coordination import _grpc_server
 
         native_signer = _grpc_server.RequestSigner(signer.key)
+        native_signer.set_server_id(sid)
         t0 = time.perf_counter()
         for _ in range(n):
             native_signer.token(path, body)
         native_sign_us = (time.perf_counter() - t0) / n * 1e6  # includes the Python call
         native = _grpc_server.RequestVerifier(*verifier.native_config())
-        tokens = [signer.sign(path, body) for _ in range(n)]
+        tokens = [signer.sign(path, body, sid) for _ in range(n)]
         t0 = time.perf_counter()
         for t in tokens:
             native.verify(path, body, t)

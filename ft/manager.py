@@ -97,6 +97,7 @@ from ft.step_failures import (
     StepFailurePolicy,
     next_streak,
 )
+from ft.utils.auth import StoreValues, resolve_secret
 from ft.utils.deadline import Deadline, to_seconds, to_timedelta
 from ft.utils.retry import backoff_delays
 
@@ -707,6 +708,11 @@ class Manager:
         prefixed = (
             store if restart == "0" else dist.PrefixStore(f"torchft/manager/{restart}", store)
         )
+        # With a job secret, what ft writes here is signed for this store and attempt, and
+        # checked on read (the store authenticates no one; ft.utils.auth.StoreValues).
+        sealed = StoreValues(
+            resolve_secret(), f"{join_hostport(store_addr, self._store_port)}/{restart}"
+        )
 
         if self._rank == 0:
             name = self._replica_id or os.environ.get("REPLICA_GROUP_ID") or "replica"
@@ -729,20 +735,28 @@ class Manager:
                 quorum_retries=quorum_retries,
             )
             assert self._lighthouse_addr is not None
-            prefixed.set(LIGHTHOUSE_ADDR_KEY, self._lighthouse_addr)  # before the address
-            prefixed.set(MANAGER_ADDR_KEY, self._manager.address())
-            prefixed.set(REPLICA_ID_KEY, self._replica_id)
+            for key, value in (
+                (LIGHTHOUSE_ADDR_KEY, self._lighthouse_addr),  # before the address
+                (MANAGER_ADDR_KEY, self._manager.address()),
+                (REPLICA_ID_KEY, self._replica_id),
+            ):
+                prefixed.set(key, sealed.seal(key, value))
             addr = self._manager.address()
         else:
-            addr = prefixed.get(MANAGER_ADDR_KEY).decode()
-            self._replica_id = prefixed.get(REPLICA_ID_KEY).decode()
+            addr = sealed.open(MANAGER_ADDR_KEY, prefixed.get(MANAGER_ADDR_KEY)).decode()
+            self._replica_id = sealed.open(REPLICA_ID_KEY, prefixed.get(REPLICA_ID_KEY)).decode()
             if not self._lighthouse_addr and prefixed.check([LIGHTHOUSE_ADDR_KEY]):
-                self._lighthouse_addr = prefixed.get(LIGHTHOUSE_ADDR_KEY).decode()
+                self._lighthouse_addr = sealed.open(
+                    LIGHTHOUSE_ADDR_KEY, prefixed.get(LIGHTHOUSE_ADDR_KEY)
+                ).decode()
         # Rank 0 hosts the ManagerServer and calls it directly (no loopback gRPC per step).
         self._client: GroupServerClient = (
             LocalManagerClient(self._manager)
             if self._rank == 0
-            else ManagerClient(addr, connect_timeout=self._connect_timeout)
+            # Signs only for the server that proves it serves this replica (docs/security.md).
+            else ManagerClient(
+                addr, connect_timeout=self._connect_timeout, replica_id=self._replica_id
+            )
         )
 
         if not self._lighthouse_addr:

@@ -78,6 +78,8 @@ __all__ = [
     "CHECKPOINT_REQUEST_PURPOSE",
     "CHECKPOINT_CONTENT_PURPOSE",
     "SAME_HOST_PURPOSE",
+    "STORE_PURPOSE",
+    "StoreValues",
     "SecretLike",
     "AuthError",
     "InsecureServerError",
@@ -103,6 +105,7 @@ GRPC_PURPOSE = "grpc"  # requests to the lighthouse and ManagerServers
 CHECKPOINT_REQUEST_PURPOSE = "ckpt-request"  # a healer's requests to a checkpoint source
 CHECKPOINT_CONTENT_PURPOSE = "ckpt-content"  # a source's metadata and range checksums
 SAME_HOST_PURPOSE = "same-host"  # requests on the same-host heal socket
+STORE_PURPOSE = "store"  # what ft writes to a group's TCPStore (StoreValues)
 
 # The one gRPC method that is not signed: it tells a client the server's id (and name), signed
 # over the client's challenge (Verifier.answer_server_id, Signer.check_server_id_answer). It is
@@ -531,3 +534,66 @@ class Verifier:
             seen.pop(nonce, None)
             if t >= cutoff:  # forgotten early: refuse anything as old from now on
                 self._forgotten_before_ms = max(self._forgotten_before_ms, t + 1)
+
+
+_STORE_MAGIC = b"ft-signed-v1\n"
+
+
+class StoreValues:
+    """Signs what ft writes to a replica group's store (torch's TCPStore, which has no
+    authentication) and checks it on read, so that a peer without the secret cannot make the
+    group's ranks dial an address of its choosing.
+
+    A sealed value is ``"ft-signed-v1\\n<scope>\\n<hex HMAC>\\n<value>"``, the HMAC (the
+    ``STORE_PURPOSE`` key) over the scope, the key and the value. ``scope`` names the store and
+    the attempt the value was written for (``"<store host:port>/<attempt>"``): every rank of a
+    group computes the same one, and a value copied from another group's store or an earlier
+    attempt names another. :meth:`open` raises :class:`AuthError` for a value that is unsigned,
+    altered, signed with another secret, or signed for another scope. Without a secret, values
+    go as they are (the wire of torchft's keys).
+    """
+
+    def __init__(self, secret: Optional[JobSecret], scope: str) -> None:
+        if "\n" in scope:
+            raise ValueError("a store scope is one line")
+        self._key = secret.key(STORE_PURPOSE) if secret is not None else None
+        self.scope = scope
+
+    def _mac(self, scope: bytes, key: str, value: bytes) -> bytes:
+        h = hmac.new(self._key, digestmod=hashlib.sha256)
+        for p in (scope, key.encode("utf-8", "surrogateescape"), value):
+            h.update(len(p).to_bytes(8, "little"))
+            h.update(p)
+        return h.hexdigest().encode("ascii")
+
+    def seal(self, key: str, value: Union[str, bytes]) -> bytes:
+        """``value`` as it goes into the store under ``key``."""
+        data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        if self._key is None:
+            return data
+        scope = self.scope.encode("utf-8", "surrogateescape")
+        return _STORE_MAGIC + scope + b"\n" + self._mac(scope, key, data) + b"\n" + data
+
+    def open(self, key: str, data: bytes) -> bytes:
+        """The value read from the store under ``key``, once its signature checks."""
+        if self._key is None:
+            return data
+        where = f"store key {key!r} (store {self.scope})"
+        if not data.startswith(_STORE_MAGIC):
+            raise AuthError(
+                f"{where}: the value is not signed with the job secret: written by a peer "
+                f"without it (forged), or by a rank of this group that has no {SECRET_FILE_ENV}"
+            )
+        parts = data[len(_STORE_MAGIC) :].split(b"\n", 2)
+        if len(parts) != 3:
+            raise AuthError(f"{where}: malformed signed value")
+        scope, mac, value = parts
+        if not hmac.compare_digest(self._mac(scope, key, value), mac):
+            raise AuthError(f"{where}: bad signature (a different job secret, or an altered value)")
+        if scope.decode("utf-8", "surrogateescape") != self.scope:
+            raise AuthError(
+                f"{where}: the value was signed for store {scope.decode('utf-8', 'replace')!r}: "
+                f"copied from another group's store or an earlier attempt (or this group's "
+                f"ranks disagree on MASTER_ADDR / MASTER_PORT)"
+            )
+        return value
