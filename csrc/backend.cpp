@@ -7,6 +7,7 @@
 #include <thread>
 #include <tuple>
 
+#include "host_staging.hpp"
 #include "lane.hpp"
 #include "transport.hpp"
 
@@ -151,17 +152,32 @@ TransportReduction<Opts> onTransport(
 
 // The inner op of an adapter: `method` called on the communicator the op is
 // dispatched to, with copies of the adapter's arguments (the c10d methods take
-// their tensor lists by mutable reference).
+// their tensor lists by mutable reference). `staged` makes the same call on
+// host copies of the tensors (host_staging.hpp).
 template <typename... Params, typename... Args>
-Issue callOnInner(
+InnerCall callOnInner(
     c10::intrusive_ptr<c10d::Work> (c10d::Backend::*method)(Params...),
     Args... args) {
-  return [method, args = std::make_tuple(std::move(args)...)](
-             c10d::Backend& inner) mutable {
-    return std::apply(
-        [&](auto&... arg) { return (inner.*method)(arg...); },
-        args);
+  auto invoke = [method](auto argsTuple) -> Issue {
+    return [method,
+            argsTuple = std::move(argsTuple)](c10d::Backend& inner) mutable {
+      return std::apply(
+          [&](auto&... arg) { return (inner.*method)(arg...); },
+          argsTuple);
+    };
   };
+  auto argsTuple = std::make_tuple(std::move(args)...);
+  InnerCall call;
+  call.direct = invoke(argsTuple);
+  call.staged = [invoke, argsTuple](HostStaging& staging) {
+    return invoke(
+        std::apply(
+            [&](const auto&... arg) {
+              return std::make_tuple(staging.stageArg(arg)...);
+            },
+            argsTuple));
+  };
+  return call;
 }
 
 BlockingRegion& blockingRegion() {
@@ -302,7 +318,9 @@ void FtBackend::configure(
   const milliseconds timeout(timeoutMs_.load());
   Transports transports;
   try {
-    transports = makeTransports(store, rank, size, numLanes_, timeout);
+    TransportOptions options;
+    options.hostStageSharedGpu = hostStageSharedGpu_.load();
+    transports = makeTransports(store, rank, size, numLanes_, timeout, options);
   } catch (const std::exception&) {
     C10_THROW_ERROR(
         DistBackendError,
@@ -537,8 +555,9 @@ void FtBackend::verifyAgreement(
         all,
         in,
         c10d::AllgatherOptions());
-    blockingRegion()(
-        [&] { cpu->run(lane, gather, Clock::now() + timeout)->wait(timeout); });
+    blockingRegion()([&] {
+      cpu->run(lane, gather.direct, Clock::now() + timeout)->wait(timeout);
+    });
   } catch (...) {
     const std::string message = std::string("agreement check before ") + name +
         " failed: " + messageOf(std::current_exception());
@@ -569,7 +588,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
     const Op& op,
     std::vector<at::Tensor> outputs,
     std::chrono::milliseconds optsTimeout,
-    const Issue& issue,
+    const InnerCall& call,
     Finalize finalize) {
   const char* name = op.name;
   auto generation = requireGeneration(name);
@@ -604,6 +623,8 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
       ": this build of ft has no transport for ",
       device.type(),
       " tensors");
+  const std::vector<at::Tensor> written =
+      outputs; // for host staging's copy back
   auto work = c10::make_intrusive<FtWork>(
       generation->rank,
       op.type,
@@ -624,9 +645,26 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
   // to settle) inside run(), and the watchdog bounds that too.
   watchdog_->poke(work->deadline());
   c10::intrusive_ptr<c10d::Work> inner;
+  std::shared_ptr<HostStaging> staging;
   try {
-    blockingRegion()(
-        [&] { inner = transport->run(laneIndex, issue, work->deadline()); });
+    blockingRegion()([&] {
+      // A CUDA op on a lane NCCL cannot carry (ranks share a GPU) runs on the
+      // lane's Gloo communicator over host copies of its tensors.
+      const bool stage = device.is_cuda()
+          ? transport->hostStaged(laneIndex, device, work->deadline())
+          : stageCpuOps_.load();
+      if (!stage) {
+        inner = transport->run(laneIndex, call.direct, work->deadline());
+        return;
+      }
+      Transport* cpu = transports.serving(c10::Device(c10::kCPU));
+      TORCH_INTERNAL_ASSERT(cpu != nullptr, "ft: no CPU transport to stage on");
+      transport = cpu; // its failedBy() judges what run() throws now
+      staging =
+          std::make_shared<HostStaging>(/*forceCpuCopies=*/device.is_cpu());
+      inner = cpu->run(laneIndex, call.staged(*staging), work->deadline());
+      hostStagedOps_.fetch_add(1);
+    });
   } catch (...) {
     auto error = std::current_exception();
     work->fail(error);
@@ -647,6 +685,16 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
   // threads never drop the last C++ reference to a caller's tensor.
   work->holdInner(inner);
 
+  if (staging) {
+    // The result lands in the caller's tensors on success only, and before
+    // the op's own finalize (an average divides what was copied back).
+    finalize = [staging, written, then = std::move(finalize)](int size) {
+      staging->copyBack(written);
+      if (then) {
+        then(size);
+      }
+    };
+  }
   std::weak_ptr<Generation> weakGeneration = generation;
   const int size = generation->size;
   auto onInnerDone =

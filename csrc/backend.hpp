@@ -45,6 +45,16 @@ namespace ft {
 using BlockingRegion = std::function<void(const std::function<void()>&)>;
 void setBlockingRegion(BlockingRegion region);
 
+class HostStaging;
+
+// An op as a transport runs it: `direct` on the caller's tensors; `staged`
+// makes the same call on host copies of them, kept in the HostStaging given
+// (for a lane NCCL cannot carry; see host_staging.hpp).
+struct InnerCall {
+  Issue direct;
+  std::function<Issue(HostStaging&)> staged;
+};
+
 // How long each step of the last configure() took, in milliseconds.
 struct ReconfigureTimings {
   uint64_t generation = 0;
@@ -110,6 +120,27 @@ class FtBackend : public c10d::Backend {
   size_t reaperPending();
   bool waitReaperIdle(Clock::time_point deadline) {
     return reaper_.waitIdle(deadline);
+  }
+  // Ranks of one NCCL communicator on one GPU: carry that lane's CUDA ops
+  // host-staged over Gloo (on, the default), or refuse them with a ValueError
+  // naming the ranks. Read by the next configure().
+  void setHostStageSharedGpu(bool on) {
+    hostStageSharedGpu_.store(on);
+  }
+  bool hostStageSharedGpu() const {
+    return hostStageSharedGpu_.load();
+  }
+  // Tests only: run CPU ops through host staging too (copies into fresh CPU
+  // tensors, Gloo, copies back), so that path is exercised where no GPU is.
+  void setStageCpuOps(bool on) {
+    stageCpuOps_.store(on);
+  }
+  bool stageCpuOps() const {
+    return stageCpuOps_.load();
+  }
+  // Ops run host-staged so far (tests, and a sign of a shared GPU).
+  uint64_t hostStagedOps() const {
+    return hostStagedOps_.load();
   }
   // The CUDA device whose NCCL communicators configure() creates eagerly
   // (-1: none; each lane then connects on its first CUDA op). A CUDA barrier
@@ -221,7 +252,7 @@ class FtBackend : public c10d::Backend {
       const Op& op,
       std::vector<at::Tensor> outputs,
       std::chrono::milliseconds optsTimeout,
-      const Issue& issue,
+      const InnerCall& call,
       Finalize finalize = Finalize());
 
   // With checkAgreement(): an allgather of the op's signature on the lane's
@@ -241,6 +272,9 @@ class FtBackend : public c10d::Backend {
   const int numLanes_;
   std::atomic<int64_t> timeoutMs_;
   std::atomic<bool> checkAgreement_{false};
+  std::atomic<bool> hostStageSharedGpu_{true};
+  std::atomic<bool> stageCpuOps_{false};
+  std::atomic<uint64_t> hostStagedOps_{0};
   std::atomic<int> cudaDevice_{-1};
   ReconfigureTimings lastTimings_; // guarded by mutex_
   mutable std::mutex mutex_;

@@ -7,6 +7,7 @@
 #include "backend.hpp"
 #include "checksum.hpp"
 #include "gloo_comm.hpp"
+#include "host_staging.hpp"
 #include "lane.hpp"
 #include "nccl_comm.hpp" // empty unless FT_USE_NCCL
 #include "process_memory.hpp"
@@ -99,6 +100,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("lane"),
       "Selects the lane the calling thread's next ops run on.");
   m.def("get_current_lane", &ft::currentLane);
+  m.def(
+      "_shared_devices",
+      &ft::sharedDevices,
+      py::arg("device_ids"),
+      "The groups of ranks (by index in device_ids) that name the same GPU: "
+      "the NCCL lanes' shared-GPU decision, for table tests.");
   m.def(
       "crc32c",
       [](py::object data, uint32_t value) {
@@ -263,6 +270,22 @@ PYBIND11_MODULE(_C, m) {
           "check_agreement",
           &ft::FtBackend::checkAgreement,
           &ft::FtBackend::setCheckAgreement)
+      .def_property(
+          "host_stage_shared_gpu",
+          &ft::FtBackend::hostStageSharedGpu,
+          &ft::FtBackend::setHostStageSharedGpu,
+          "Ranks of one NCCL lane on one GPU: carry its CUDA ops host-staged "
+          "over Gloo (True) or refuse them with a ValueError (False). Read by "
+          "the next configure().")
+      .def_property(
+          "_stage_cpu_ops",
+          &ft::FtBackend::stageCpuOps,
+          &ft::FtBackend::setStageCpuOps)
+      .def_property_readonly(
+          "host_staged_ops",
+          &ft::FtBackend::hostStagedOps,
+          "Ops run host-staged so far (CUDA ops on a lane whose ranks share a "
+          "GPU).")
       .def("current_rank", &ft::FtBackend::currentRank)
       .def("current_size", &ft::FtBackend::currentSize)
       .def("generation", &ft::FtBackend::generationId)

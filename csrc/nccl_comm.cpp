@@ -3,6 +3,7 @@
 
 #include "nccl_comm.hpp"
 #include "c10d_compat.hpp"
+#include "host_staging.hpp"
 #include "work.hpp"
 
 #include <ATen/ATen.h>
@@ -265,16 +266,28 @@ int ncclLinkedVersion() {
 class NcclWork;
 
 struct NcclLane::State {
-  State(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int lane)
-      : store(std::move(store)), rank(rank), size(size), lane(lane) {}
+  State(
+      c10::intrusive_ptr<c10d::Store> store,
+      int rank,
+      int size,
+      int lane,
+      bool hostStageSharedGpu)
+      : store(std::move(store)),
+        rank(rank),
+        size(size),
+        lane(lane),
+        hostStageSharedGpu(hostStageSharedGpu) {}
   ~State();
 
   const c10::intrusive_ptr<c10d::Store> store;
   const int rank;
   const int size;
   const int lane;
+  const bool hostStageSharedGpu;
 
   std::mutex initMutex; // one connect() at a time
+  // Ranks share a GPU: no communicator; ops run host-staged (hostStaged()).
+  std::atomic<bool> hostStaged{false};
   // Serializes every call on `comm` (enqueue, async-error poll, abort).
   std::mutex commMutex;
   ncclComm_t comm = nullptr;
@@ -629,9 +642,16 @@ NcclLane::NcclLane(
     c10::intrusive_ptr<c10d::Store> store,
     int rank,
     int size,
-    int lane)
+    int lane,
+    bool hostStageSharedGpu)
     : c10d::Backend(rank, size),
-      state_(std::make_shared<State>(std::move(store), rank, size, lane)) {}
+      state_(
+          std::make_shared<State>(
+              std::move(store),
+              rank,
+              size,
+              lane,
+              hostStageSharedGpu)) {}
 
 NcclLane::~NcclLane() {
   state_->abortComm();
@@ -655,6 +675,39 @@ NcclLane::~NcclLane() {
 bool NcclLane::connected() const {
   return state_->connected.load();
 }
+
+bool NcclLane::hostStaged() const {
+  return state_->hostStaged.load();
+}
+
+namespace {
+
+// The physical GPU behind `device`, as every process names it.
+std::string deviceUuid(int device) {
+  cudaDeviceProp prop;
+  checkCuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  static const char* kHex = "0123456789abcdef";
+  std::string id = "GPU-";
+  for (unsigned char byte : prop.uuid.bytes) {
+    id += kHex[byte >> 4];
+    id += kHex[byte & 15];
+  }
+  return id;
+}
+
+std::string describeSharing(const std::vector<std::vector<int>>& groups) {
+  std::string text;
+  for (const auto& group : groups) {
+    text += text.empty() ? "ranks " : "; ranks ";
+    for (size_t i = 0; i < group.size(); ++i) {
+      text += (i == 0 ? "" : (i + 1 == group.size() ? " and " : ", ")) +
+          std::to_string(group[i]);
+    }
+  }
+  return text + " are on one GPU";
+}
+
+} // namespace
 
 bool NcclLane::closeIfIdle() {
   State& s = *state_;
@@ -746,6 +799,69 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
       " (rank " + std::to_string(s.rank) + " of " + std::to_string(s.size) +
       ")";
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (s.hostStaged.load()) {
+    TORCH_CHECK_VALUE(
+        s.device.load() == device,
+        "ft: NCCL lane ",
+        s.lane,
+        " is bound to cuda:",
+        s.device.load(),
+        ", got a tensor on cuda:",
+        device);
+    return;
+  }
+
+  // Which GPU each rank is on: NCCL cannot make a communicator with two ranks
+  // on one GPU (it fails the init, on every rank), so the lane decides here,
+  // the same way on every rank, before asking it.
+  s.store->set("dev/" + std::to_string(s.rank), deviceUuid(device));
+  std::vector<std::string> devKeys;
+  for (int r = 0; r < s.size; ++r) {
+    devKeys.push_back("dev/" + std::to_string(r));
+  }
+  while (
+      !s.store->check(devKeys)) { // polled, so abort() and the deadline end it
+    if (s.aborted.load()) {
+      throwBackend(where + " was aborted while the ranks named their GPUs");
+    }
+    if (Clock::now() >= deadline) {
+      throwBackend(
+          where + " missed its deadline while the ranks named their GPUs");
+    }
+    std::this_thread::sleep_for(kUniqueIdPoll);
+  }
+  std::vector<std::string> ids;
+  for (const auto& key : devKeys) {
+    const auto bytes = s.store->get(key);
+    ids.emplace_back(bytes.begin(), bytes.end());
+  }
+  const auto sharing = sharedDevices(ids);
+  if (!sharing.empty()) {
+    const std::string why = describeSharing(sharing) + " (" +
+        ids[sharing.front().front()] +
+        "), and NCCL cannot run a communicator with two ranks on one GPU";
+    TORCH_CHECK_VALUE(
+        s.hostStageSharedGpu,
+        "ft: NCCL lane ",
+        s.lane,
+        ": ",
+        why,
+        ". Give every rank its own GPU (ft-launch places replica groups on "
+        "their own "
+        "GPUs where there are enough), or allow host-staged collectives "
+        "(shared_gpu=\"host-staged\", FT_SHARED_GPU=host-staged)");
+    TORCH_WARN_ONCE(
+        "ft: ",
+        why,
+        ": CUDA collectives go host-staged over Gloo (pinned host copy, Gloo, "
+        "copy "
+        "back), much slower than NCCL. Give every rank its own GPU for NCCL "
+        "speed, "
+        "or set FT_SHARED_GPU=error to refuse instead.");
+    s.device.store(device);
+    s.hostStaged.store(true);
+    return;
+  }
   if (s.stream == nullptr) {
     s.device.store(device);
     s.stream = acquireLaneStream(device);
@@ -867,6 +983,13 @@ static c10::intrusive_ptr<c10d::Work> runOp(
       "ft: an NCCL op issued outside NcclTransport::run()");
   const Clock::time_point deadline = *tlsOpDeadline;
   lane.connect(device, deadline);
+  TORCH_CHECK_VALUE(
+      !s.hostStaged.load(),
+      "ft: ",
+      spec.name,
+      ": NCCL lane ",
+      s.lane,
+      " is host-staged (ranks share a GPU); its ops run on the CPU transport");
 
   const auto dev = static_cast<c10::DeviceIndex>(device);
   c10::cuda::CUDAGuard guard(dev);
@@ -1393,6 +1516,14 @@ class NcclTransport final : public Transport {
     OpDeadlineScope scope(deadline);
     return issue(*lanes_.at(lane));
   }
+  bool hostStaged(
+      int lane,
+      const c10::Device& device,
+      Clock::time_point deadline) override {
+    const auto& ncclLane = lanes_.at(lane);
+    ncclLane->connect(device.has_index() ? device.index() : 0, deadline);
+    return ncclLane->hostStaged();
+  }
   // The lane raises DistBackendError only when its communicator failed,
   // missed a deadline or was aborted; other errors refused the op up front.
   bool failedBy(const std::exception_ptr& error) const override {
@@ -1456,14 +1587,21 @@ std::shared_ptr<Transport> makeNcclTransport(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    int numLanes) {
+    int numLanes,
+    const TransportOptions& options) {
   std::vector<c10::intrusive_ptr<NcclLane>> lanes;
   lanes.reserve(numLanes);
   for (int i = 0; i < numLanes; ++i) {
     auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
         "nccl" + std::to_string(i),
         store);
-    lanes.push_back(c10::make_intrusive<NcclLane>(laneStore, rank, size, i));
+    lanes.push_back(
+        c10::make_intrusive<NcclLane>(
+            laneStore,
+            rank,
+            size,
+            i,
+            options.hostStageSharedGpu));
   }
   return std::make_shared<NcclTransport>(std::move(lanes));
 }

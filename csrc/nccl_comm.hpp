@@ -6,6 +6,9 @@
 //  * makeNcclTransport() is the CUDA tensors' Transport (transport.hpp): one
 //    NcclLane per lane. An NcclLane is a c10d::Backend, so the op adapters'
 //    calls (Issue) run on it as on a Gloo communicator.
+//  * Before creating it, connect() publishes this rank's GPU UUID under
+//    "dev/<rank>" and reads every rank's: ranks on one GPU make the lane
+//    host-staged (see hostStaged()) instead.
 //  * The communicator is created by connect(): eagerly by configure() when
 //    the backend has a CUDA device, else on the lane's first CUDA op. The
 //    init is non-blocking (ncclCommInitRankConfig with blocking = 0) and is
@@ -59,7 +62,12 @@ int ncclLiveStreams();
 
 class NcclLane : public c10d::Backend {
  public:
-  NcclLane(c10::intrusive_ptr<c10d::Store> store, int rank, int size, int lane);
+  NcclLane(
+      c10::intrusive_ptr<c10d::Store> store,
+      int rank,
+      int size,
+      int lane,
+      bool hostStageSharedGpu = true);
   ~NcclLane() override;
 
   // Creates the communicator on CUDA device `device` unless it exists (then
@@ -67,6 +75,12 @@ class NcclLane : public c10d::Backend {
   // arrive by `deadline` or the lane is aborted meanwhile.
   void connect(int device, std::chrono::steady_clock::time_point deadline);
   bool connected() const;
+  // Set by connect() when two ranks of this communicator are on one GPU (their
+  // device UUIDs, exchanged through the store, match): NCCL refuses such a
+  // communicator, so none is made and the lane's ops run host-staged on the
+  // CPU transport (host_staging.hpp). With hostStageSharedGpu off, connect()
+  // raises a ValueError naming the ranks instead.
+  bool hostStaged() const;
   // Refuses every later op (as abort() does, without ncclCommAbort yet), then
   // says whether nothing of this lane can still run on the device: no
   // communicator is being created and every op's kernels have finished
@@ -144,7 +158,8 @@ std::shared_ptr<Transport> makeNcclTransport(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    int numLanes);
+    int numLanes,
+    const TransportOptions& options);
 
 } // namespace ft
 

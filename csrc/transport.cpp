@@ -22,8 +22,9 @@ std::shared_ptr<Transport> makeCudaTransport(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
-    int numLanes) {
-  return makeNcclTransport(store, rank, size, numLanes);
+    int numLanes,
+    const TransportOptions& options) {
+  return makeNcclTransport(store, rank, size, numLanes, options);
 }
 #else
 constexpr bool kHasCudaTransport = false;
@@ -31,7 +32,8 @@ std::shared_ptr<Transport> makeCudaTransport(
     const c10::intrusive_ptr<c10d::Store>& /*store*/,
     int /*rank*/,
     int /*size*/,
-    int /*numLanes*/) {
+    int /*numLanes*/,
+    const TransportOptions& /*options*/) {
   return nullptr;
 }
 #endif
@@ -43,10 +45,11 @@ Transports makeTransports(
     int rank,
     int size,
     int numLanes,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout,
+    const TransportOptions& options) {
   Transports transports{connectGloo(store, rank, size, numLanes, timeout)};
   // No timeout: a CUDA transport waits against each op's own deadline.
-  if (auto cuda = makeCudaTransport(store, rank, size, numLanes)) {
+  if (auto cuda = makeCudaTransport(store, rank, size, numLanes, options)) {
     transports.push_back(std::move(cuda));
   }
   return transports;

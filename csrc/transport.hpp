@@ -18,6 +18,12 @@
 //    backend's watchdog alone decides that an op is late; whatever run() waits
 //    for while issuing (a lazy connect, a non-blocking call settling) gives
 //    up at that same deadline, not at one of its own.
+//  * hostStaged(lane, device, deadline) readies lane `lane` for an op on
+//    `device` (connecting it, bounded by `deadline`, as run() would) and says
+//    whether that lane's ops must run host-staged on the CPU transport
+//    instead (host_staging.hpp): a CUDA transport whose communicator would
+//    put two ranks on one GPU says so. Throws as run() does, or ValueError
+//    when the job refuses to share GPUs.
 //  * failedBy(error): whether `error`, thrown by run(), means the transport
 //    itself failed (the generation is then unusable), rather than that the op
 //    was refused before anything was sent.
@@ -64,6 +70,12 @@ class Transport {
   virtual void connect(int device, Clock::time_point deadline) = 0;
   virtual c10::intrusive_ptr<c10d::Work>
   run(int lane, const Issue& issue, Clock::time_point deadline) = 0;
+  virtual bool hostStaged(
+      int /*lane*/,
+      const c10::Device& /*device*/,
+      Clock::time_point /*deadline*/) {
+    return false;
+  }
   virtual bool failedBy(const std::exception_ptr& error) const = 0;
 
   virtual void sever() noexcept = 0;
@@ -78,6 +90,13 @@ class Transport {
 
 using Transports = std::vector<std::shared_ptr<Transport>>;
 
+// What a generation's transports are told beyond where and who they are.
+struct TransportOptions {
+  // Ranks of one communicator on one GPU: carry its CUDA ops host-staged over
+  // Gloo (true), or refuse them with a ValueError (false).
+  bool hostStageSharedGpu = true;
+};
+
 // Every transport this build has, for one generation: `numLanes` lanes under
 // `store` (which carries the generation's prefix). Blocks until the
 // transports that connect when built have connected, or `timeout` passes
@@ -87,7 +106,8 @@ Transports makeTransports(
     int rank,
     int size,
     int numLanes,
-    std::chrono::milliseconds timeout);
+    std::chrono::milliseconds timeout,
+    const TransportOptions& options);
 
 // Argument checks that depend on the transports this build has (ValueError):
 // a tensor's device, and the CUDA device a backend may connect eagerly to.

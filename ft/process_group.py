@@ -147,6 +147,18 @@ def parse_store_addr(store_addr: str) -> Tuple[str, int, str]:
     return host, port_number, prefix
 
 
+SHARED_GPU_POLICIES = ("host-staged", "error")
+
+
+def _shared_gpu_policy(value: Optional[str]) -> str:
+    policy = value if value is not None else os.environ.get("FT_SHARED_GPU", "host-staged")
+    if policy not in SHARED_GPU_POLICIES:
+        raise ValueError(
+            f"shared_gpu (or FT_SHARED_GPU) must be one of {SHARED_GPU_POLICIES}, got {policy!r}"
+        )
+    return policy
+
+
 def _check_agreement_default(value: Optional[bool]) -> bool:
     if value is not None:
         return bool(value)
@@ -390,6 +402,7 @@ class ProcessGroupFt(ProcessGroup):
         timeout: timedelta = timedelta(seconds=60),
         num_lanes: int = DEFAULT_NUM_LANES,
         check_agreement: Optional[bool] = None,
+        shared_gpu: Optional[str] = None,
     ) -> None:
         """
         Args:
@@ -399,11 +412,19 @@ class ProcessGroupFt(ProcessGroup):
                 calls the same op on same-shaped tensors, raising a clear
                 error instead of letting Gloo abort the process. Costs one
                 small round trip per op. Default: env FT_CHECK_AGREEMENT=1.
+            shared_gpu: what CUDA collectives do when two ranks of the group
+                sit on one physical GPU, which NCCL cannot serve:
+                ``"host-staged"`` carries them over Gloo through pinned host
+                copies (one warning says so), ``"error"`` refuses them with a
+                ValueError naming the ranks. Default: env FT_SHARED_GPU, else
+                ``"host-staged"``.
         """
         super().__init__(0, 1)
         self._timeout = to_timedelta(timeout)
+        host_staged = _shared_gpu_policy(shared_gpu) == "host-staged"
         self._backend = _C.FtBackend(0, 1, self._timeout, num_lanes)
         self._backend.check_agreement = _check_agreement_default(check_agreement)
+        self._backend.host_stage_shared_gpu = host_staged
         for device in ("cpu", "cuda"):
             self._register_backend(
                 torch.device(device), ProcessGroup.BackendType.CUSTOM, self._backend

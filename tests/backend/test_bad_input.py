@@ -1,5 +1,6 @@
 """Bad input: a clear error naming the problem, and the group stays usable."""
 
+import pytest
 import torch
 
 from tests.procs import Workers
@@ -53,3 +54,15 @@ def test_mismatched_sizes_across_ranks_are_caught_before_any_data_moves():
         assert r["errored"] == "None", r
         assert torch.equal(r["same_generation_after"], torch.full((2,), 2.0))
         assert r["dtype_error"].startswith("ValueError") and "Float" in r["dtype_error"], r
+
+
+def test_shared_gpu_policy_is_checked_and_reaches_the_backend(monkeypatch):
+    import ft
+
+    assert ft.ProcessGroupGloo().backend.host_stage_shared_gpu is True  # the default
+    assert ft.ProcessGroupGloo(shared_gpu="error").backend.host_stage_shared_gpu is False
+    monkeypatch.setenv("FT_SHARED_GPU", "error")
+    assert ft.ProcessGroupGloo().backend.host_stage_shared_gpu is False
+    assert ft.ProcessGroupGloo(shared_gpu="host-staged").backend.host_stage_shared_gpu is True
+    with pytest.raises(ValueError, match="shared_gpu .* must be one of"):
+        ft.ProcessGroupGloo(shared_gpu="maybe")

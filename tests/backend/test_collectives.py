@@ -12,9 +12,43 @@ def test_collectives_match_torch_gloo(world_size):
     with Workers("tests.backend.workers:collectives_vs_gloo", world_size, dtypes=dtypes) as w:
         reports = w.join(timeout=90)
     for rank, report in enumerate(reports):
+        assert report.pop("host_staged_ops") == 0
         bad = [case for case, ok in report.items() if not ok]
         assert not bad, f"rank {rank}: differs from torch Gloo: {bad}"
         assert len(report) > 40
+
+
+def test_host_staged_collectives_match_torch_gloo():
+    # The path a lane takes when its ranks share a GPU (no GPU here: CPU tensors are staged
+    # into fresh CPU copies; tests/gpu/test_shared_gpu.py runs it on CUDA tensors).
+    dtypes = ["float32", "int64", "bfloat16"]
+    with Workers(
+        "tests.backend.workers:collectives_vs_gloo", 3, dtypes=dtypes, host_staged=True
+    ) as w:
+        reports = w.join(timeout=90)
+    for rank, report in enumerate(reports):
+        staged = report.pop("host_staged_ops")
+        bad = [case for case, ok in report.items() if not ok]
+        assert not bad, f"rank {rank}: host-staged differs from torch Gloo: {bad}"
+        assert staged >= len(report), (staged, len(report))  # every op went through staging
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ([], []),
+        (["GPU-a"], []),
+        (["GPU-a", "GPU-b", "GPU-c"], []),
+        (["GPU-a", "GPU-a"], [[0, 1]]),
+        (["GPU-a", "GPU-b", "GPU-a"], [[0, 2]]),
+        (["GPU-a", "GPU-b", "GPU-a", "GPU-b", "GPU-c"], [[0, 2], [1, 3]]),
+        (["GPU-x"] * 3, [[0, 1, 2]]),
+    ],
+)
+def test_shared_gpu_decision(ids, expected):
+    from ft import _C
+
+    assert _C._shared_devices(ids) == expected
 
 
 @pytest.mark.parametrize("init_method", ["store", "tcp"])

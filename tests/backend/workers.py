@@ -109,10 +109,13 @@ def _run_cases(pg, rank, ws, dtype):
     return out
 
 
-def collectives_vs_gloo(rank, world_size, port, dtypes):
+def collectives_vs_gloo(rank, world_size, port, dtypes, host_staged=False):
     store = connect_store(port)
     pg = ft_group(rank, world_size, port)
     pg._is_ft = True
+    # Host staging (the shared-GPU path) on CPU tensors: every op runs on copies of its
+    # tensors, and only its outputs are copied back.
+    pg.backend._stage_cpu_ops = host_staged
     ref = dist.ProcessGroupGloo(PrefixStore("ref", store), rank, world_size, timedelta(seconds=20))
     report = {}
     for name in dtypes:
@@ -125,6 +128,7 @@ def collectives_vs_gloo(rank, world_size, port, dtypes):
                 torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got[case], want[case])
             )
             report[f"{name}/{case}"] = same
+    report["host_staged_ops"] = pg.backend.host_staged_ops
     return report
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds ft's extension from source on the GPU machine and runs the GPU tests
-# (plus the CUDA benchmark) within 8 minutes.
+# Builds ft's extension from source on the GPU machine and runs, within 8 minutes: the GPU
+# tests, the README demo (2 replica groups, one kill, identical hashes), the heal benchmark on
+# 8 GiB of CUDA state and the CUDA backend benchmark.
 #
 # The GPU machine (the device tool's `run`): Python 3.12, torch 2.11.0+cu130,
 # nvcc 13.0, ninja, one H200, no package index. Run from the repository root:
@@ -83,7 +84,21 @@ for f in ${FT_GPU_TESTS:-tests/gpu/test_*.py}; do
   [ "$r" -ne 0 ] && rc=$r && echo "[$f exit $r]"
 done
 
-stamp "CUDA benchmark"
+# The README demo with 2 replica groups on this host's GPUs (on one GPU they share it, and
+# their cross-group collectives go host-staged), one group killed: it must end with every
+# replica's state hash identical. The ranks report which GPU they ran on.
+stamp "demo: 2 groups, one kill, identical hashes"
+timeout "$(cap 150)" "$PY" -m ft.launch --replicas 2 --chaos kill --every 8 --max-steps 120 \
+  --timeout 130 --stop-grace 20 --log-dir "$OUT/demo_logs" --summary-json "$OUT/demo.json" \
+  -- examples/train_ddp.py 2>&1 | tail -n 25
+r=${PIPESTATUS[0]}
+[ "$r" -ne 0 ] && rc=$r && echo "[demo exit $r]"
+grep -ho '"gpu":"[^"]*"' "$OUT"/demo_logs/*.log 2>/dev/null | sort | uniq -c || true
+
+stamp "heal benchmark (CUDA state, 8 GiB)"
+timeout "$(cap 120)" "$PY" -m bench.heal_bench --device cuda --gib 8 --reps 3 2>&1 | tail -n 30 || true
+
+stamp "CUDA backend benchmark"
 timeout "$(cap 90)" "$PY" bench/backend_bench.py --cuda --json "$OUT/bench_cuda.json" 2>&1 | tail -n 40 || true
 
 stamp "done (pytest exit $rc)"

@@ -51,16 +51,20 @@ def payload_path(tmp_path_factory):
     return path
 
 
+# A job secret as ft requires one (16 bytes at least): the heal is signed as in production.
+SECRET = "gpu-test-secret-0123456789"
+
+
 @pytest.mark.parametrize("same_host", [True, False], ids=["same-host", "http"])
 def test_cuda_state_heals_bitwise_from_another_process(payload_path, same_host):
-    peer = Peer("http", "--step", "5", "--token", "tok", "--payload", payload_path)
+    peer = Peer("http", "--step", "5", "--token", SECRET, "--payload", payload_path)
     try:
         url = peer.expect("ready")["url"]
         expected = cuda_state()
         with HTTPTransport(
             TO,
             4,
-            token="tok",
+            token=SECRET,
             advertise_host="127.0.0.1",
             device=torch.device("cuda"),
             same_host=same_host,
