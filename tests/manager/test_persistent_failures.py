@@ -50,12 +50,15 @@ def test_a_persistent_fault_raises_in_every_group_after_a_bounded_number_of_quor
         assert f"{bound} times in a row" in msg and f"max_consecutive_failures={bound}" in msg
         if g == 1:
             assert "tensors must be contiguous" in msg, msg
-        # Bounded: the first quorum may still miss a group (a membership change restarts the
-        # streak), hence the slack of 2; a storm would run all 60 attempts.
+        # Bounded: the first quorum may still miss a group, which then commits alone (the
+        # other's joining is a membership change, which starts the streak afresh), hence the
+        # slack of 2; a storm would run all 60 attempts.
         quorums = {a["quorum_id"] for a in attempts}
         assert len(attempts) <= bound + 2, attempts
         assert len(quorums) <= bound + 2, sorted(quorums)
-        assert not any(a["committed"] for a in attempts), attempts
+        first_failure = [a["committed"] for a in attempts].index(False)
+        assert not any(a["committed"] for a in attempts[first_failure:]), attempts
+        assert len(attempts) - first_failure == bound, attempts
         # From the streak's backoff_after-th failure on, a wait before every next quorum,
         # logged at ERROR with the error, the phase and what is retried.
         log = child.output()
@@ -66,9 +69,8 @@ def test_a_persistent_fault_raises_in_every_group_after_a_bounded_number_of_quor
         assert "persistent_failure" in log
         # ft-launch's step records say why each step did not commit.
         records = step_records(child)
-        assert len(records) == len(attempts)
-        for r in records:
-            assert r["committed"] is False
+        assert [r["committed"] for r in records] == [a["committed"] for a in attempts]
+        for r in records[first_failure:]:
             assert r["error"].startswith(f"allreduce: {expected_error[g]}: "), r
             assert "\n" not in r["error"] and len(r["error"]) <= 200
 
@@ -93,7 +95,8 @@ def test_transient_failures_between_commits_never_reach_the_bound(replicas) -> N
         assert res["raised"] is None, res["raised"]
         assert res["step"] == 9, res["attempts"]
         failed_steps = sorted({a["step"] for a in res["attempts"] if not a["committed"]})
-        assert set(inject_at) <= set(failed_steps), res["attempts"]
+        if g == 0:  # the injector fails them all (group 1 may have joined late, and healed)
+            assert set(inject_at) <= set(failed_steps), res["attempts"]
         records = step_records(child)
         assert [r["committed"] for r in records] == [a["committed"] for a in res["attempts"]]
         for r in records:
