@@ -355,6 +355,9 @@ def main() -> int:
             )
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+    except ft.PersistentStepFailure as e:
+        # Every retry met the same fault (the message names it): a restart would too.
+        worker.exit_for_persistent_failure(f"train_ddp: group {group_id} rank {rank}", e)
     except BaseException as e:  # noqa: BLE001 - the launcher restarts the whole group
         worker.exit_for_restart(f"train_ddp: group {group_id} rank {rank}", e)
 

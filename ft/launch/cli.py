@@ -79,6 +79,7 @@ from . import placement as placement_mod
 from .placement import describe as describe_placement
 from .placement import GroupDevices, parse_gpus, place_groups, sharing_notes, visible_gpus
 from .progress import RunProgress
+from .worker import PERSISTENT_FAILURE_EXIT
 from .standby import StandbyPool
 
 __all__ = [
@@ -421,6 +422,8 @@ class Supervisor:
         self.spawner.kill(alive)
         group.exit_info = f"try {group.attempt}: rank {culprit.rank} {how}"
         group.stats.count_failure(exit_code, group.progressing)
+        if exit_code == PERSISTENT_FAILURE_EXIT and group.stats.gave_up is None:
+            group.stats.gave_up = group.last_error or "(see the rank's log)"
         give_up = self.restart_policy.give_up(group.stats)
         if self.terminating or self.stop_requested and self._others_all_finished(group):
             group.state = GroupState.FAILED

@@ -233,6 +233,9 @@ class GroupStats:
     """Steps rank 0 reported as failed by an injected allreduce error."""
     crashes_in_a_row: int = 0
     """Latest attempts that each failed by themselves before their first step."""
+    gave_up: Optional[str] = None
+    """The persistent fault a rank's Manager gave up on (``PERSISTENT_FAILURE_EXIT``): the
+    group is not restarted."""
 
     def count_step(self, record: Dict[str, Any]) -> bool:
         """Counts one step record of rank 0; returns whether the step committed."""
@@ -517,6 +520,8 @@ class RestartPolicy:
 
     def give_up(self, stats: GroupStats) -> Optional[str]:
         """Why the group is not restarted again, or None: it is."""
+        if stats.gave_up is not None:
+            return f"not restarted, its steps failed persistently: {stats.gave_up}"
         if self.max_restarts is not None and stats.restarts >= self.max_restarts:
             return f"giving up after {stats.restarts} restart(s)"
         if stats.crashes_in_a_row >= self.max_crashes:

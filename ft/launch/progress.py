@@ -78,6 +78,10 @@ class RunProgress:
                 group.step = record.get("step")
         elif event == "step" and rank == 0:
             self._step(group, current, record)
+        elif event == "gave_up":
+            group.stats.gave_up = record.get("error") or "a persistent step failure"
+            group.last_error = group.stats.gave_up
+            self.say(f"group {group.gid} rank {rank}: gave up: {group.stats.gave_up}")
 
     def _step(self, group: Group, current: bool, record: Dict[str, Any]) -> None:
         if group.stats.count_step(record) and self._chaos_seen:
@@ -89,7 +93,11 @@ class RunProgress:
             group.progressing = True
             group.first_step_times.append(self.clock())
         if record.get("barrier"):
-            return  # stop-phase steps (no update): keep showing the last training step
+            # Stop-phase steps (no update) keep showing the last training step; a group that
+            # healed straight into the stop phase shows the step it healed to.
+            if group.step is None:
+                group.step = record.get("step")
+            return
         group.step = record.get("step", group.step)
         if isinstance(group.step, int):
             self.max_step = max(self.max_step, group.step)

@@ -12,6 +12,8 @@
               (``"{phase}: {Type}: {message}"``, e.g. ``"allreduce: DistBackendError: ..."``)
   ``heal``    this worker loaded a peer's live state: ``from_step``, ``to_step``
   ``final``   the worker entered its stop phase (``step``)
+  ``gave_up`` the worker's Manager gave up on a persistent fault (``error``); the worker then
+              exits with ``PERSISTENT_FAILURE_EXIT`` and is not restarted
   ``done``    the worker finished: ``step``, ``hash`` (sha256 of model + optimizer state),
               optional ``accuracy``, ``loss``
 
@@ -109,6 +111,23 @@ def emit_step(manager: Any, *, loss: float, committed: bool, **fields: Any) -> N
         committed=committed,
         **fields,
     )
+
+
+# The exit status of a worker whose steps failed the same way until the Manager gave up
+# (``ft.PersistentStepFailure``): a restart would meet the same fault, so the launcher does not
+# restart the group. 78 is sysexits' EX_CONFIG, what such a fault usually is.
+PERSISTENT_FAILURE_EXIT = 78
+
+
+def exit_for_persistent_failure(who: str, error: BaseException) -> NoReturn:
+    """Ends a worker whose Manager gave up on a fault that every retry met again: the cause
+    goes to stderr and to the launcher (a ``gave_up`` record), then the process exits at once
+    with :data:`PERSISTENT_FAILURE_EXIT`, which ft-launch does not restart."""
+    emit("gave_up", error=" ".join(str(error).split())[:ERROR_CHARS])
+    traceback.print_exception(error)
+    print(f"{who}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(PERSISTENT_FAILURE_EXIT)
 
 
 def exit_for_restart(who: str, error: BaseException) -> NoReturn:

@@ -35,6 +35,12 @@ def main():
     p.add_argument("--stubborn", action="store_true")
     p.add_argument("--dump-env", action="store_true")
     p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument(
+        "--persistent-fault-group",
+        type=int,
+        default=None,
+        help="this group's steps all fail with one error; it gives up after 5 (exit 78)",
+    )
     a = p.parse_args()
     gid, rank = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["RANK"])
     ngroups = int(os.environ["NUM_REPLICA_GROUPS"])
@@ -96,6 +102,7 @@ def main():
             step = max(others)
     stop_file = os.environ["FT_LAUNCH_STOP_FILE"]
     final_since = None
+    failures = 0
     while True:
         if rank == 0:
             with open(my_file + ".tmp", "w") as f:
@@ -119,6 +126,21 @@ def main():
             time.sleep(a.step_s)
             continue
         time.sleep(a.step_s)
+        if a.persistent_fault_group == gid:
+            failures += 1
+            error = "allreduce: ValueError: ft: NCCL lane 0: ranks 0 and 1 are on one GPU"
+            emit(
+                "step",
+                step=step,
+                participants=ngroups,
+                quorum_id=quorum,
+                committed=False,
+                error=error,
+            )
+            if failures >= 5:
+                emit("gave_up", error=f"5 consecutive steps failed: {error}")
+                sys.exit(78)
+            continue
         ok = not injected
         injected.clear()
         if ok:

@@ -405,3 +405,20 @@ def test_train_ddp_two_ranks_per_group():
         170,
     )
     _check_real_run(rc, out, s, ranks=4)
+
+
+def test_group_that_gave_up_on_a_persistent_fault_is_not_restarted_and_says_why():
+    rc, out, s = run_launch(
+        "--replicas 2 --max-steps 30 --restart-delay 0.1",
+        [FAKE, "--persistent-fault-group", "1", "--step-s", "0.05"],
+        90,
+    )
+    g1 = s["groups"][1]
+    assert rc == 1, out  # the run did not finish whole
+    assert g1["tries"] == 1 and g1["state"] == "failed", g1
+    assert "ranks 0 and 1 are on one GPU" in g1["last_error"], g1
+    # The cause is announced once (not once per failed step), then the give-up.
+    assert out.count("group 1: step 0 failed: allreduce: ValueError") == 1, out
+    assert "group 1: not restarted, its steps failed persistently: 5 consecutive" in out, out
+    assert "last step error: 5 consecutive steps failed" in out, out  # in the summary
+    assert s["groups"][0]["state"] == "done", s["groups"][0]

@@ -476,3 +476,25 @@ def test_cli_reexports_and_parser_defaults():
     assert args.kill_grace == 5.0 and args.stop_grace == 60.0 and args.restart_delay == 0.5
     assert cli.CHAOS_MODES == ("kill", "stop", "allreduce")
     assert cli.Group is Group and cli.RankProc is RankProc
+
+
+def test_a_group_that_gave_up_is_not_restarted():
+    from ft.launch.group import RestartPolicy
+
+    stats = GroupStats()
+    policy = RestartPolicy()
+    assert policy.give_up(stats) is None
+    stats.gave_up = "allreduce: ValueError: mismatched sizes"
+    assert policy.give_up(stats) == (
+        "not restarted, its steps failed persistently: allreduce: ValueError: mismatched sizes"
+    )
+
+
+def test_barrier_steps_show_the_step_a_group_healed_into():
+    said: List[str] = []
+    progress = RunProgress(said.append, clock=lambda: 1.0)
+    group = make_group(0, step=None)
+    progress.apply(group, 1, 0, {"event": "step", "step": 518, "barrier": True})
+    assert group.step == 518
+    progress.apply(group, 1, 0, {"event": "step", "step": 519, "barrier": True})
+    assert group.step == 518  # the last training step, as before
