@@ -206,11 +206,12 @@ class _Client:
         """The name the server must prove in its server-id answer (None: any)."""
         return None
 
-    def _learn_server_id(self, timeout: float) -> str:
+    def _learn_server_id(self, timeout: float, method: str = "ServerId") -> str:
         """Asks the server for its id, checks the answer (signed over a fresh challenge, and
         naming the expected server), and binds this client's signatures to it. A server that
         does not know the call (no secret; torchft's) checks no signature: the client signs
-        for ``NO_SERVER_ID``, which every server that checks refuses."""
+        for ``NO_SERVER_ID``, which every server that checks refuses. Failures are raised as
+        failures of ``method`` (the call that needed the id)."""
         challenge = secrets.token_hex(16)
         timeout = max(timeout, 1e-3)
         try:
@@ -220,14 +221,14 @@ class _Client:
                         SERVER_ID_METHOD, challenge.encode(), timeout, True, sign=False
                     )
                 except _rpc.native.CallError as e:
-                    raise _rpc.status_error(*_rpc.native_status(e), "ServerId") from None
+                    raise _rpc.status_error(*_rpc.native_status(e), method) from None
             else:
                 try:
                     answer = self._server_id_call(
                         challenge.encode(), timeout=timeout, wait_for_ready=True
                     )
                 except grpc.RpcError as e:
-                    raise _rpc.translate(e, "ServerId") from None
+                    raise _rpc.translate(e, method) from None
         except CoordinationError as e:
             if e.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -239,7 +240,7 @@ class _Client:
                 )
             except AuthError as e:
                 raise CoordinationError(
-                    grpc.StatusCode.UNAUTHENTICATED, f"{self._addr}: {e}", "ServerId"
+                    grpc.StatusCode.UNAUTHENTICATED, f"{self._addr}: {e}", method
                 ) from None
         if self._native is not None:
             self._native.set_server_id(sid)
@@ -251,7 +252,9 @@ class _Client:
         first when not known, within ``min(timeout, connect_timeout)``)."""
         sid = self._server_id
         if sid is None:
-            sid = self._learn_server_id(min(timeout, self._connect_timeout))
+            sid = self._learn_server_id(
+                min(timeout, self._connect_timeout), path.rsplit("/", 1)[-1]
+            )
         return self._signer.sign_request(path, data, sid)
 
     def _note_refusal(self, code: grpc.StatusCode, details: str) -> None:
@@ -303,7 +306,7 @@ class _Client:
             # Refused unread, for a signature bound to an earlier life of the server (it
             # restarted since): ask for its id again and send once more.
             self._server_id = None
-            self._learn_server_id(deadline.remaining())
+            self._learn_server_id(deadline.remaining(), method)
             return send(max(deadline.remaining(), 1e-3))
 
         def send(remaining: float):
@@ -318,7 +321,7 @@ class _Client:
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
             if self._signer is not None and self._server_id is None:
-                self._learn_server_id(deadline.remaining())
+                self._learn_server_id(deadline.remaining(), method)
             if native is not None:
                 try:
                     raw = (
@@ -644,7 +647,7 @@ class LighthouseClient(_Client):
             # The stream signs for the server's id: learn it first (a failure leaves this
             # heartbeat to the call below, which retries).
             try:
-                self._learn_server_id(min(deadline.remaining(), self._connect_timeout))
+                self._learn_server_id(min(deadline.remaining(), self._connect_timeout), "Heartbeat")
             except (CoordinationError, TimeoutError):
                 stream = None
         if stream is not None and stream.send(request, deadline.remaining()):

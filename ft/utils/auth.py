@@ -131,7 +131,7 @@ DEFAULT_MAX_SKEW_S = 120.0
 MAX_REMEMBERED_NONCES = 1 << 21
 _VERSION = "v1"  # tokens bound by ``what`` alone (HTTP: the address the client dialled)
 _BOUND_VERSION = "v2"  # tokens bound to one server life (gRPC: its server id)
-# Tokens are ~115 bytes; a longer field is not a signature (and is refused as malformed).
+# Tokens are ~115 (v1) or ~150 (v2) bytes; a longer field is not a signature (refused as malformed).
 _MAX_TOKEN_BYTES = 255
 
 

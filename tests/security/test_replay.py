@@ -326,3 +326,17 @@ def test_a_client_refuses_to_sign_for_another_groups_server(lighthouse_factory, 
     assert "the server is 'manager:B', not 'manager:A'" in str(e.value)
     with ManagerClient(b.address(), 5.0, secret=SECRET, replica_id="B") as c:
         assert c.should_commit(0, 0, True, timeout=5.0)
+
+
+def test_a_client_with_a_secret_still_talks_to_a_server_without_one(lighthouse_factory):
+    """A server without a secret (or torchft's) does not know the server-id call: the client
+    signs for the all-zero id, which no server that checks signatures accepts, and the
+    server, which checks none, answers."""
+    from ft.utils.auth import NO_SERVER_ID
+
+    lh = lighthouse_factory()  # no secret
+    transport = lh._server.transport
+    with LighthouseClient(lh.address(), 5.0, secret=SECRET, transport=transport) as c:
+        c.heartbeat("A", timeout=5.0)
+        assert [m.replica_id for m in c.quorum("A", timeout=5.0, step=1).participants] == ["A"]
+        assert c._server_id == NO_SERVER_ID
