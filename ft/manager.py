@@ -1153,10 +1153,11 @@ class Manager:
             bound = policy.max_consecutive_failures
             self._log.error(
                 "step_failure_backoff",
-                f"{streak.count} consecutive steps failed in phase {streak.failure.phase} "
-                f"with the same error while the quorum's {len(streak.members)} members stayed "
-                f"the same: {streak.failure.one_line()}; waiting {self._backoff_s:.2f}s, then "
-                f"retrying step {self._step} (quorum, configure, collectives, vote); "
+                f"step {self._step} failed {streak.count} times in a row in phase "
+                f"{streak.failure.phase} with the same error while the quorum's "
+                f"{len(streak.members)} members stayed the same: {streak.failure.one_line()}; "
+                f"waiting {self._backoff_s:.2f}s before the next quorum, then retrying step "
+                f"{self._step} (quorum, configure, collectives, vote); "
                 + (
                     f"should_commit raises PersistentStepFailure at {bound} "
                     "(max_consecutive_failures)"
