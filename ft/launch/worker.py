@@ -119,11 +119,25 @@ def emit_step(manager: Any, *, loss: float, committed: bool, **fields: Any) -> N
 PERSISTENT_FAILURE_EXIT = 78
 
 
+def _gave_up_line(error: BaseException) -> str:
+    """The cause of a give-up in one line of at most ``ERROR_CHARS`` characters, the cause
+    first: ``"{count} consecutive steps failed: {phase}: {Type}: {message}"`` from an
+    ``ft.PersistentStepFailure``'s attributes (its message puts the cause after the count and
+    the membership, where a cut would lose it), else the exception's own text."""
+    count, phase, cause = (getattr(error, k, None) for k in ("count", "phase", "error"))
+    if count and phase and cause:
+        line = f"{count} consecutive steps failed: {phase}: {cause}"
+    else:
+        line = str(error) or type(error).__name__
+    line = " ".join(line.split())
+    return line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 3] + "..."
+
+
 def exit_for_persistent_failure(who: str, error: BaseException) -> NoReturn:
     """Ends a worker whose Manager gave up on a fault that every retry met again: the cause
     goes to stderr and to the launcher (a ``gave_up`` record), then the process exits at once
     with :data:`PERSISTENT_FAILURE_EXIT`, which ft-launch does not restart."""
-    emit("gave_up", error=" ".join(str(error).split())[:ERROR_CHARS])
+    emit("gave_up", error=_gave_up_line(error))
     traceback.print_exception(error)
     print(f"{who}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()

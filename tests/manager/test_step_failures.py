@@ -5,6 +5,7 @@ record's error, and a quorum that keeps failing (a real lighthouse, in process).
 from __future__ import annotations
 
 import pickle
+import sys
 import time
 from datetime import timedelta
 
@@ -225,3 +226,24 @@ def test_a_quorum_that_keeps_failing_raises_persistent_step_failure() -> None:
     finally:
         manager.shutdown(wait=False)
         lh.shutdown()
+
+
+def test_a_worker_that_gives_up_reports_the_cause_first_and_exits_78(procs) -> None:
+    code = (
+        "from ft.launch import worker\n"
+        "from ft.step_failures import FailureStreak, StepFailure, StepFailurePolicy\n"
+        "from ft.step_failures import PersistentStepFailure\n"
+        "f = StepFailure('allreduce', 'ValueError', 'tensors must be contiguous ' + 'x' * 300)\n"
+        "s = FailureStreak(count=20, failure=f, members=frozenset({'a', 'b'}))\n"
+        "e = PersistentStepFailure.of(s, StepFailurePolicy(), step=4)\n"
+        "worker.exit_for_persistent_failure('train: group 1 rank 0', e)\n"
+    )
+    child = procs.start([sys.executable, "-c", code])
+    assert child.wait(60) == 78, child.output()
+    records = [parse_progress(line) for line in child.output().splitlines()]
+    gave_up = [r for r in records if r is not None and r["event"] == "gave_up"]
+    assert len(gave_up) == 1, child.output()
+    line = gave_up[0]["error"]
+    assert line.startswith("20 consecutive steps failed: allreduce: ValueError: tensors must"), line
+    assert len(line) <= 200
+    assert "train: group 1 rank 0: PersistentStepFailure: step 4 failed 20 times" in child.output()
