@@ -7,7 +7,8 @@
   failures).
 * :func:`compute_quorum_result` is a ManagerServer's per-rank answer (docs/design.md, "The quorum rule"): replica
   rank, max step, the primary's store address, and the heal assignment (round-robin over the
-  up-to-date members, offset by the group rank).
+  up-to-date members, offset by the group rank; every up-to-date member is a donor of a
+  striped heal).
 * :func:`participation` is a replica's own reading of its answer: whether its gradients count
   this step, how many replicas the average divides by, and how many count toward
   ``min_replica_size``.
@@ -105,6 +106,10 @@ class QuorumResult:
     heal: bool = False
     commit_failures: int = 0
     replica_ids: List[str] = field(default_factory=list)
+    heal_donors: List[Tuple[int, str]] = field(default_factory=list)
+    """(replica rank, ManagerServer address) of every member that can serve this quorum's
+    heal (the up-to-date ones), in replica rank order; empty when nobody heals. An ft
+    extension (proto field 1001): a striped heal takes from all of them."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,9 @@ def compute_quorum_result(
         heal=heal,
         commit_failures=max(m.commit_failures for m in members),
         replica_ids=ids,
+        # Every member's answer names the donors, so that an up-to-date member assigned no
+        # receiver knows to stage its state for the striped heal too.
+        heal_donors=[(i, members[i].address) for i in up_to_date] if recovering else [],
     )
     if heal:
         src = assignment[replica_rank]

@@ -137,6 +137,7 @@ def result_from_pb(r: pb.ManagerQuorumResponse) -> QuorumResult:
         heal=r.heal,
         commit_failures=r.commit_failures,
         replica_ids=list(r.replica_ids),
+        heal_donors=[(d.replica_rank, d.manager_address) for d in r.heal_donors],
     )
 
 
@@ -153,6 +154,9 @@ def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
         heal=r.heal,
         commit_failures=r.commit_failures,
         replica_ids=r.replica_ids,
+        heal_donors=[
+            pb.HealDonor(replica_rank=rank, manager_address=addr) for rank, addr in r.heal_donors
+        ],
     )
     if r.recover_src_replica_rank is not None:
         out.recover_src_replica_rank = r.recover_src_replica_rank

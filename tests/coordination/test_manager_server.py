@@ -72,6 +72,8 @@ def test_two_groups_per_rank_answers(lighthouse_factory, manager_factory):
     assert a0.recover_src_replica_rank == 1 and a0.recover_src_manager_address == s1.address()
     assert b0.recover_dst_replica_ranks == [0] and b1.recover_dst_replica_ranks == [0]
     assert a0.max_replica_rank is None and b0.max_replica_rank == 0
+    # Every answer names the heal's donors (ft's field 1001) across the wire.
+    assert all(r.heal_donors == [(1, s1.address())] for r in (a0, a1, b0, b1))
     # A healing peer reads the source's checkpoint metadata for its group rank.
     assert (
         ManagerClient(a1.recover_src_manager_address, 5.0)._checkpoint_metadata(1, 5.0) == "meta-1"

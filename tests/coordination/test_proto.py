@@ -106,6 +106,11 @@ def test_wire_layout_matches_torchft():
     assert f["commit_failures"].type == F.TYPE_INT64 and f["data"].type == F.TYPE_STRING
     r = pb.ManagerQuorumResponse.DESCRIPTOR.fields_by_name
     assert r["recover_src_replica_rank"].has_presence and r["max_replica_rank"].has_presence
+    # torchft keeps adding ManagerQuorumResponse fields after 13: ft's own are numbered from
+    # 1000, where torchft's never reach.
+    ours = {n: f.number for n, f in r.items() if n not in WIRE["ManagerQuorumResponse"]}
+    assert ours == {"heal_donors": 1001}
+    assert r["heal_donors"].message_type.name == "HealDonor"
     for name in ("quorum_id", "max_step", "replica_rank", "replica_world_size", "max_world_size"):
         assert r[name].type == F.TYPE_INT64
     svc = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}

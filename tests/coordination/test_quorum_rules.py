@@ -299,9 +299,10 @@ def test_worked_example_group_rank_1_rotates_sources():
     assert all(r.store_address == "store-r3" for r in a.values())  # max_participants[1 % 2]
 
 
-# (name, steps, group_rank, init_sync, expected heal flags, expected src ranks)
+# (name, steps, group_rank, init_sync, expected heal flags, expected src ranks, expected
+# donors: the replica ranks in every member's heal_donors)
 HEAL_CASES = [
-    ("all equal, step>0: nobody heals", [4, 4, 4], 0, True, [False] * 3, [None] * 3),
+    ("all equal, step>0: nobody heals", [4, 4, 4], 0, True, [False] * 3, [None] * 3, []),
     (
         "init_sync at step 0: all but primary heal",
         [0, 0, 0],
@@ -309,6 +310,7 @@ HEAL_CASES = [
         True,
         [False, True, True],
         [None, 0, 0],
+        [0],
     ),
     (
         "init_sync at step 0, group rank 1: primary is r1",
@@ -317,25 +319,49 @@ HEAL_CASES = [
         True,
         [True, False, True],
         [1, None, 1],
+        [1],
     ),
-    ("no init_sync at step 0: nobody heals", [0, 0, 0], 0, False, [False] * 3, [None] * 3),
-    ("one behind", [3, 2, 3], 0, True, [False, True, False], [None, 0, None]),
-    ("one behind, group rank 1", [3, 2, 3], 1, True, [False, True, False], [None, 2, None]),
-    ("single member", [7], 3, True, [False], [None]),
-    ("one ahead of many", [1, 1, 5, 1], 0, False, [True, True, False, True], [2, 2, None, 2]),
+    ("no init_sync at step 0: nobody heals", [0, 0, 0], 0, False, [False] * 3, [None] * 3, []),
+    ("one behind", [3, 2, 3], 0, True, [False, True, False], [None, 0, None], [0, 2]),
+    ("one behind, group rank 1", [3, 2, 3], 1, True, [False, True, False], [None, 2, None], [0, 2]),
+    ("one behind, one donor", [3, 2], 0, True, [False, True], [None, 0], [0]),
+    ("single member", [7], 3, True, [False], [None], []),
+    (
+        "one ahead of many",
+        [1, 1, 5, 1],
+        0,
+        False,
+        [True, True, False, True],
+        [2, 2, None, 2],
+        [2],
+    ),
+    (
+        "three up to date, two behind",
+        [6, 2, 6, 0, 6],
+        1,
+        True,
+        [False, True, False, True, False],
+        [None, 2, None, 4, None],
+        [0, 2, 4],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "name,steps,gr,init_sync,heal,src", HEAL_CASES, ids=[c[0] for c in HEAL_CASES]
+    "name,steps,gr,init_sync,heal,src,donors", HEAL_CASES, ids=[c[0] for c in HEAL_CASES]
 )
-def test_heal_assignment(name, steps, gr, init_sync, heal, src):
+def test_heal_assignment(name, steps, gr, init_sync, heal, src, donors):
     a = _answers(steps, gr, init_sync)
     assert [a[f"r{i}"].heal for i in range(len(steps))] == heal
     assert [a[f"r{i}"].recover_src_replica_rank for i in range(len(steps))] == src
     # Every recovering member is somebody's destination, exactly once.
     dsts = sorted(d for r in a.values() for d in r.recover_dst_replica_ranks)
     assert dsts == [i for i, h in enumerate(heal) if h]
+    # Every member is told the same donors: the up-to-date ones, with their addresses; the
+    # assigned source is always one of them.
+    want = [(i, f"addr-r{i}") for i in donors]
+    assert all(r.heal_donors == want for r in a.values()), {k: r.heal_donors for k, r in a.items()}
+    assert all(s in donors for s in src if s is not None)
 
 
 def test_participants_are_sorted_and_commit_failures_max():
