@@ -90,7 +90,11 @@ def main() -> int:
 
     # Reconfigure cost in the two cases the backend tells apart: the old generation's
     # kernels have finished (its communicators are aborted later, by the reaper), or one
-    # is still running (ncclCommAbort before configure() returns).
+    # is still running (stopped before configure() returns: with ncclCommRevoke where the
+    # linked NCCL has it, the teardown then left to the reaper; else ncclCommAbort in place).
+    from ft import _C
+
+    results["nccl_revoke"] = bool(_C.nccl_revoke_available())
     x = torch.ones(1024, device="cuda")
     sleep_cycles = int(0.05 * torch.cuda.get_device_properties(0).clock_rate * 1000)
     for case, n in (("idle", args.reconfigures), ("op_in_flight", max(3, args.reconfigures // 4))):
@@ -129,6 +133,7 @@ def main() -> int:
             f"{r['issue_ratio']:6.2f} {ft_r['end_to_end_us_per_op']:10.1f} "
             f"{th['end_to_end_us_per_op']:13.1f} {r['end_to_end_ratio']:6.2f}"
         )
+    print(f"busy communicators stopped with ncclCommRevoke: {results['nccl_revoke']}")
     print("reconfigure (ms):", json.dumps(results["reconfigure"]))
     if args.json:
         with open(args.json, "w") as f:

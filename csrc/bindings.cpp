@@ -83,6 +83,12 @@ PYBIND11_MODULE(_C, m) {
       },
       "Version of the linked NCCL library (ncclGetVersion), as a tuple.");
   m.def(
+      "nccl_revoke_available",
+      &ft::ncclRevokeAvailable,
+      "Whether an abort stops a busy NCCL communicator with ncclCommRevoke "
+      "(NCCL 2.28.7+, FT_NCCL_REVOKE not 0), leaving its teardown to the "
+      "Reaper, instead of ncclCommAbort in place.");
+  m.def(
       "_nccl_live_streams",
       &ft::ncclLiveStreams,
       "Lane CUDA streams created and not yet destroyed (leak checks).");
@@ -92,6 +98,10 @@ PYBIND11_MODULE(_C, m) {
       "nccl_version",
       []() -> py::object { return py::none(); },
       "None: this build of ft has no NCCL path.");
+  m.def(
+      "nccl_revoke_available",
+      []() { return false; },
+      "False: this build of ft has no NCCL path.");
 #endif
 
   m.def(

@@ -13,11 +13,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -253,6 +255,43 @@ int ncclLiveStreams() {
   return liveStreams.load();
 }
 
+namespace {
+
+// ncclCommRevoke (NCCL 2.28.7 and later) stops a communicator's in-flight
+// work without joining its proxy threads, which ncclCommAbort does with
+// 500 ms polls (about a second on an H200). Found at run time in the libnccl
+// this process loaded, so one build serves older libraries too (they abort
+// in place). FT_NCCL_REVOKE=0 turns it off.
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+constexpr int kRevokeDefault = 0; // NCCL_REVOKE_DEFAULT: the only flag value
+constexpr int kFirstRevokeVersion = 22807; // 2.28.7
+
+RevokeFn linkedRevoke() {
+  static const RevokeFn fn = []() -> RevokeFn {
+    const char* env = std::getenv("FT_NCCL_REVOKE");
+    if (env != nullptr && std::string(env) == "0") {
+      return nullptr;
+    }
+    int version = 0;
+    if (ncclGetVersion(&version) != ncclSuccess ||
+        version < kFirstRevokeVersion) {
+      return nullptr;
+    }
+    void* lib = dlopen("libnccl.so.2", RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) {
+      return nullptr;
+    }
+    return reinterpret_cast<RevokeFn>(dlsym(lib, "ncclCommRevoke"));
+  }();
+  return fn;
+}
+
+} // namespace
+
+bool ncclRevokeAvailable() {
+  return linkedRevoke() != nullptr;
+}
+
 int ncclLinkedVersion() {
   int version = 0;
   ncclResult_t r = ncclGetVersion(&version);
@@ -291,6 +330,7 @@ struct NcclLane::State {
   // Serializes every call on `comm` (enqueue, async-error poll, abort).
   std::mutex commMutex;
   ncclComm_t comm = nullptr;
+  bool revoked = false; // ncclCommRevoke was called on `comm` (commMutex)
   std::atomic<int> device{-1};
   cudaStream_t stream = nullptr;
   std::atomic<bool> aborted{false};
@@ -332,6 +372,12 @@ struct NcclLane::State {
   }
 
   void abortComm();
+  // Stops the communicator's in-flight work with ncclCommRevoke and waits,
+  // until `until` at most, for it to be quiescent; later ops are refused as
+  // after abortComm(). The communicator is torn down (ncclCommAbort) when the
+  // lane is destroyed, which only the Reaper does. False where revoke is not
+  // available or did not take: the caller aborts in place.
+  bool revokeComm(Clock::time_point until);
   // After abortComm(): waits, until `until` at most, for every op being
   // enqueued to finish and for the lane stream to empty.
   void drainStream(Clock::time_point until);
@@ -510,6 +556,56 @@ void NcclLane::State::abortComm() {
     }
   }
   pollCv.notify_all();
+}
+
+bool NcclLane::State::revokeComm(Clock::time_point until) {
+  const RevokeFn revoke = linkedRevoke();
+  if (revoke == nullptr) {
+    return false;
+  }
+  std::unique_lock<std::mutex> lock(commMutex);
+  if (comm == nullptr) {
+    aborted.store(true);
+    lock.unlock();
+    pollCv.notify_all();
+    return true; // never connected, or already torn down: nothing runs
+  }
+  if (!connected.load()) {
+    return false; // an init in progress: ncclCommAbort ends it
+  }
+  aborted.store(true);
+  const int dev = device.load();
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+  if (!revoked) {
+    const ncclResult_t r = revoke(comm, kRevokeDefault);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      return false;
+    }
+    revoked = true;
+  }
+  // Quiescent once the state leaves ncclInProgress: the kernels have stopped.
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess || state != ncclInProgress) {
+      break;
+    }
+    if (Clock::now() >= until) {
+      TORCH_WARN(
+          "ft: NCCL lane ",
+          lane,
+          ": the revoked communicator was not quiescent after ",
+          kAbortDrainBound.count(),
+          " ms");
+      break;
+    }
+    lock.unlock();
+    std::this_thread::sleep_for(kSettlePoll);
+    lock.lock();
+  }
+  lock.unlock();
+  pollCv.notify_all(); // the poller fails what is pending
+  return true;
 }
 
 ncclResult_t NcclLane::State::settle(
@@ -738,8 +834,11 @@ int NcclLane::device() const {
 }
 
 void NcclLane::abort() {
-  state_->abortComm();
-  state_->drainStream(Clock::now() + kAbortDrainBound);
+  const auto until = Clock::now() + kAbortDrainBound;
+  if (!state_->revokeComm(until)) {
+    state_->abortComm();
+  }
+  state_->drainStream(until);
 }
 
 void NcclLane::State::drainStream(Clock::time_point until) {

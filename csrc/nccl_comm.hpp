@@ -19,10 +19,14 @@
 //    FtWork's, so a per-op timeout and set_timeout() reach the lane. The lane
 //    keeps no timeout of its own; the backend's watchdog decides an op is
 //    late, and the lane gives up at that same moment.
-//  * abort() (any thread, idempotent) calls ncclCommAbort, also on a
-//    communicator whose init is still in progress; nothing is issued on the
-//    lane afterwards. It then waits (bounded, kAbortDrainBound) until the
-//    lane stream is empty: work queued behind the aborted kernels, such as an
+//  * abort() (any thread, idempotent) stops the communicator: with
+//    ncclCommRevoke where the linked NCCL has it (2.28.7 and later), waiting
+//    only until the communicator is quiescent, the teardown (ncclCommAbort,
+//    about a second of proxy-thread joins) left to the lane's destruction on
+//    the Reaper; else with ncclCommAbort in place, also on a communicator
+//    whose init is still in progress. Nothing is issued on the lane
+//    afterwards. It then waits (bounded, kAbortDrainBound) until the lane
+//    stream is empty: work queued behind the stopped kernels, such as an
 //    allgather's copy-out, would otherwise write into the caller's outputs
 //    after abort() returned. The generation calls it (through the transport)
 //    on abort, on a missed deadline and on reconfigure.
@@ -56,6 +60,9 @@ namespace ft {
 
 // NCCL_VERSION_CODE of the linked library (ncclGetVersion), e.g. 23007.
 int ncclLinkedVersion();
+// Whether abort() stops a busy communicator with ncclCommRevoke (the linked
+// NCCL has it, and FT_NCCL_REVOKE is not 0) instead of ncclCommAbort.
+bool ncclRevokeAvailable();
 // Lane CUDA streams held by live lanes, process-wide (leak checks). Released
 // streams are pooled, never destroyed (see acquireLaneStream).
 int ncclLiveStreams();

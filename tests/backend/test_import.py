@@ -110,3 +110,20 @@ def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         ft.NoSuchThing  # noqa: B018 (the lookup itself must raise)
     assert "Manager" in dir(ft) and ft.__version__
+
+
+@pytest.mark.parametrize("env", [{}, {"FT_NCCL_REVOKE": "0"}], ids=["default", "off"])
+def test_busy_nccl_communicators_are_revoked_where_the_linked_nccl_can(env, monkeypatch):
+    # Runs in the CUDA build lane (an NCCL build needs no GPU to say what it links).
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = run("""
+        import torch, ft
+        print(repr((ft._C.has_nccl, ft._C.nccl_version(), ft._C.nccl_revoke_available())))
+    """)
+    assert r.returncode == 0, r.stderr
+    has_nccl, version, revoke = eval(r.stdout.strip().splitlines()[-1])
+    if not has_nccl:
+        assert revoke is False and version is None
+        return
+    assert revoke == (not env and tuple(version) >= (2, 28, 7)), (version, revoke)

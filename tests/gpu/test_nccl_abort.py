@@ -85,3 +85,40 @@ def test_reaper_aborts_deferred_generations_concurrently():
         assert total < 0.6 * n * single, (total, single)
     finally:
         pg.shutdown()
+
+
+def test_no_write_after_abort_without_revoke_too():
+    # Where the linked NCCL has ncclCommRevoke, abort() uses it; the other path (ncclCommAbort
+    # in place, as with an older NCCL) must keep the same guarantee. The choice is made once
+    # per process, so that path runs in a child with FT_NCCL_REVOKE=0.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, FT_NCCL_REVOKE="0")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_no_write_into_outputs_after_abort_returns",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_revoke_is_used_where_the_linked_nccl_has_it():
+    from ft import _C
+
+    version = _C.nccl_version()
+    assert _C.nccl_revoke_available() == (tuple(version) >= (2, 28, 7)), version
