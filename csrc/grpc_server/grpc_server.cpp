@@ -268,7 +268,7 @@ using ft_auth::RequestVerifier;
 // costs the server a new HTTP/2 stream, its headers, a call object and its
 // trailers; a message on an open stream is one DATA frame. At a thousand groups
 // heartbeating ten times a second that is most of the lighthouse's CPU
-// (docs/benchmarks.md, "Quorum").
+// (docs/benchmarks.md, "Quorum and lighthouse").
 class HeartbeatTable {
  public:
   HeartbeatTable(

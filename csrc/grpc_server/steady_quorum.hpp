@@ -5,9 +5,10 @@
 // rule (ft/coordination/quorum.py, quorum_compute's fast path) then issues the
 // same members at once, under the same quorum id. Taking the GIL, parsing,
 // and running the Python rule for every one of those requests made the
-// lighthouse's round 2-4x torchft's (docs/benchmarks.md, "Quorum"). Here such
-// a round is recognised and answered in C++; everything else still goes to
-// Python, which stays the one place where the rule is decided.
+// lighthouse's round 2-4x torchft's (docs/benchmarks.md, "Quorum and
+// lighthouse"). Here such a round is recognised and answered in C++; everything
+// else still goes to Python, which stays the one place where the rule is
+// decided.
 //
 // Contract:
 // - Python arms it (`arm`) right after it issued a quorum, while no other

@@ -463,7 +463,7 @@ class _HeartbeatStream:
     transport). Why: a unary call costs the lighthouse a new HTTP/2 stream, headers, a call
     object and trailers; a message on an open stream is one DATA frame. At a thousand groups
     heartbeating ten times a second that halves the lighthouse's CPU (docs/benchmarks.md,
-    "Quorum").
+    "Quorum and lighthouse").
 
     Nothing is lost to a server that does not take the stream: the first message of every
     call counts as sent only once the lighthouse confirmed the stream (its answer's headers,
@@ -518,7 +518,7 @@ class _CallStream:
     stream, ``ClientCallStream`` in csrc/grpc_server/grpc_client.cpp, one request at a time.
     Why: a call costs the lighthouse, and this client, a new HTTP/2 stream, headers, a call
     object and trailers; a message on an open stream is one DATA frame each way
-    (docs/benchmarks.md, "Quorum").
+    (docs/benchmarks.md, "Quorum and lighthouse").
 
     Nothing is lost to a server without the stream method (torchft's lighthouse, ft's on
     grpcio): it ends the stream UNIMPLEMENTED before reading the request, and that request,

@@ -1,6 +1,6 @@
 #!/bin/bash
 # torchtitan 0.3.0's TorchFT integration (torchtitan/experiments/torchft), unmodified, on CPU
-# against ft, with `import torchft` resolved to ft by an import alias (issue 21 §3, last bullet).
+# against ft, with `import torchft` resolved to ft by an import alias.
 #
 # What it does:
 #   1. setup (once; skipped when $VENV exists): a throwaway venv at $VENV made by the project
