@@ -73,9 +73,9 @@ from .group import (
     RestartPolicy,
     free_port_pair,
     log_tail,
-    reap,
 )
 from . import placement as placement_mod
+from .children import reap
 from .placement import describe as describe_placement
 from .placement import GroupDevices, parse_gpus, place_groups, sharing_notes, visible_gpus
 from .progress import RunProgress

@@ -26,23 +26,22 @@ import socket
 import subprocess
 import threading
 from typing import (
-    TYPE_CHECKING,
     Any,
     Callable,
     Dict,
     List,
     NamedTuple,
     Optional,
+    Protocol,
     Sequence,
     Tuple,
 )
 
 from ft.utils.deadline import Deadline
 
+from .children import reap, spawn_child
 from .worker import PROGRESS_PREFIX, parse_progress
 
-if TYPE_CHECKING:
-    from .standby import StandbyPool
 
 # SIGKILL cannot be caught, so a killed rank is normally reaped within milliseconds; one stuck
 # in an uninterruptible kernel call (a driver, a dead network mount) takes longer. The loop
@@ -124,32 +123,6 @@ def free_port_pair(rng: Optional[random.Random] = None) -> int:
         if _port_pair_free(port):
             return port
     raise OSError(f"ft-launch: no pair of free ports found in {lo}-{hi + 1}")
-
-
-def spawn_child(argv: Sequence[str], env: Dict[str, str], stdin: Any) -> subprocess.Popen:
-    """Starts one child of the launcher, its stdout and stderr on one text pipe."""
-    return subprocess.Popen(
-        list(argv),
-        env=env,
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # a terminal's Ctrl-C goes to the launcher only
-        bufsize=1,
-        text=True,
-        errors="replace",
-    )
-
-
-def reap(procs: Sequence[subprocess.Popen], deadline: Deadline) -> List[subprocess.Popen]:
-    """Waits for each of ``procs`` to exit until ``deadline``; returns those still running."""
-    running = []
-    for proc in procs:
-        try:
-            proc.wait(timeout=deadline.remaining())
-        except subprocess.TimeoutExpired:
-            running.append(proc)
-    return running
 
 
 def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -405,6 +378,14 @@ class ProgressEvent(NamedTuple):
     line: Optional[str]
 
 
+class WarmStarts(Protocol):
+    """Where a rank's process may come from ready-made (:class:`ft.launch.standby.StandbyPool`)."""
+
+    def activate(self, env: Dict[str, str]) -> Optional[subprocess.Popen]:
+        """A ready process turned into the rank ``env`` describes, or None: start it cold."""
+        ...
+
+
 class GroupSpawner:
     """Starts and kills the ranks of replica groups, and reads what they print.
 
@@ -423,7 +404,7 @@ class GroupSpawner:
         command: Sequence[str],
         log_dir: str,
         env: ChildEnv,
-        standbys: "StandbyPool",
+        standbys: "WarmStarts",
         tee: bool,
         clock: Callable[[], float],
     ) -> None:

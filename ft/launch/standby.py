@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ft.utils.deadline import Deadline
 
-from .group import reap, spawn_child
+from .children import reap, spawn_child
 
 __all__ = ["PRELOAD", "READY", "StandbyPool", "activation", "path0", "runnable_argv", "main"]
 
