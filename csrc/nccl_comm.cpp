@@ -378,6 +378,14 @@ struct NcclLane::State {
   // lane is destroyed, which only the Reaper does. False where revoke is not
   // available or did not take: the caller aborts in place.
   bool revokeComm(Clock::time_point until);
+  void waitForKeys(
+      const std::vector<std::string>& keys,
+      Clock::time_point deadline,
+      const std::string& what);
+  bool decideSharedGpu(
+      int device,
+      Clock::time_point deadline,
+      const std::string& where);
   // After abortComm(): waits, until `until` at most, for every op being
   // enqueued to finish and for the lane stream to empty.
   void drainStream(Clock::time_point until);
@@ -791,6 +799,17 @@ std::string deviceUuid(int device) {
   return id;
 }
 
+void checkBoundDevice(const NcclLane::State& s, int device) {
+  TORCH_CHECK_VALUE(
+      s.device.load() == device,
+      "ft: NCCL lane ",
+      s.lane,
+      " is bound to cuda:",
+      s.device.load(),
+      ", got a tensor on cuda:",
+      device);
+}
+
 std::string describeSharing(const std::vector<std::vector<int>>& groups) {
   std::string text;
   for (const auto& group : groups) {
@@ -872,18 +891,73 @@ void NcclLane::State::drainStream(Clock::time_point until) {
   }
 }
 
+// Polls the lane's store until every key in `keys` is set, so that abort()
+// and the deadline can end the wait; `what` names it in the errors.
+void NcclLane::State::waitForKeys(
+    const std::vector<std::string>& keys,
+    Clock::time_point deadline,
+    const std::string& what) {
+  while (!store->check(keys)) {
+    if (aborted.load()) {
+      throwBackend(what + " was aborted");
+    }
+    if (Clock::now() >= deadline) {
+      throwBackend(what + " missed its deadline");
+    }
+    std::this_thread::sleep_for(kUniqueIdPoll);
+  }
+}
+
+// Which GPU each rank is on: NCCL cannot make a communicator with two ranks
+// on one GPU (it fails the init, on every rank), so the lane decides before
+// asking it, the same way on every rank (they all read the same UUIDs).
+// Returns whether the lane is host-staged; throws ValueError where the job
+// refuses to share GPUs.
+bool NcclLane::State::decideSharedGpu(
+    int device,
+    Clock::time_point deadline,
+    const std::string& where) {
+  store->set("dev/" + std::to_string(rank), deviceUuid(device));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) {
+    keys.push_back("dev/" + std::to_string(r));
+  }
+  waitForKeys(keys, deadline, where + ", while the ranks named their GPUs,");
+  std::vector<std::string> ids;
+  for (const auto& key : keys) {
+    const auto bytes = store->get(key);
+    ids.emplace_back(bytes.begin(), bytes.end());
+  }
+  const auto sharing = sharedDevices(ids);
+  if (sharing.empty()) {
+    return false;
+  }
+  const std::string why = describeSharing(sharing) + " (" +
+      ids[sharing.front().front()] +
+      "), and NCCL cannot run a communicator with two ranks on one GPU";
+  TORCH_CHECK_VALUE(
+      hostStageSharedGpu,
+      "ft: NCCL lane ",
+      lane,
+      ": ",
+      why,
+      ". Give every rank its own GPU (ft-launch places replica groups on their "
+      "own GPUs where there are enough), or allow host-staged collectives "
+      "(shared_gpu=\"host-staged\", FT_SHARED_GPU=host-staged)");
+  TORCH_WARN_ONCE(
+      "ft: ",
+      why,
+      ": CUDA collectives go host-staged over Gloo (pinned host copy, Gloo, "
+      "copy back), much slower than NCCL. Give every rank its own GPU for "
+      "NCCL speed, or set FT_SHARED_GPU=error to refuse instead.");
+  return true;
+}
+
 void NcclLane::connect(int device, Clock::time_point deadline) {
   State& s = *state_;
   std::lock_guard<std::mutex> initLock(s.initMutex);
-  if (s.connected.load()) {
-    TORCH_CHECK_VALUE(
-        s.device.load() == device,
-        "ft: NCCL lane ",
-        s.lane,
-        " is bound to cuda:",
-        s.device.load(),
-        ", got a tensor on cuda:",
-        device);
+  if (s.connected.load() || s.hostStaged.load()) {
+    checkBoundDevice(s, device);
     if (s.aborted.load()) {
       throwBackend("NCCL lane " + std::to_string(s.lane) + " was aborted");
     }
@@ -898,65 +972,7 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
       " (rank " + std::to_string(s.rank) + " of " + std::to_string(s.size) +
       ")";
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  if (s.hostStaged.load()) {
-    TORCH_CHECK_VALUE(
-        s.device.load() == device,
-        "ft: NCCL lane ",
-        s.lane,
-        " is bound to cuda:",
-        s.device.load(),
-        ", got a tensor on cuda:",
-        device);
-    return;
-  }
-
-  // Which GPU each rank is on: NCCL cannot make a communicator with two ranks
-  // on one GPU (it fails the init, on every rank), so the lane decides here,
-  // the same way on every rank, before asking it.
-  s.store->set("dev/" + std::to_string(s.rank), deviceUuid(device));
-  std::vector<std::string> devKeys;
-  for (int r = 0; r < s.size; ++r) {
-    devKeys.push_back("dev/" + std::to_string(r));
-  }
-  while (
-      !s.store->check(devKeys)) { // polled, so abort() and the deadline end it
-    if (s.aborted.load()) {
-      throwBackend(where + " was aborted while the ranks named their GPUs");
-    }
-    if (Clock::now() >= deadline) {
-      throwBackend(
-          where + " missed its deadline while the ranks named their GPUs");
-    }
-    std::this_thread::sleep_for(kUniqueIdPoll);
-  }
-  std::vector<std::string> ids;
-  for (const auto& key : devKeys) {
-    const auto bytes = s.store->get(key);
-    ids.emplace_back(bytes.begin(), bytes.end());
-  }
-  const auto sharing = sharedDevices(ids);
-  if (!sharing.empty()) {
-    const std::string why = describeSharing(sharing) + " (" +
-        ids[sharing.front().front()] +
-        "), and NCCL cannot run a communicator with two ranks on one GPU";
-    TORCH_CHECK_VALUE(
-        s.hostStageSharedGpu,
-        "ft: NCCL lane ",
-        s.lane,
-        ": ",
-        why,
-        ". Give every rank its own GPU (ft-launch places replica groups on "
-        "their own "
-        "GPUs where there are enough), or allow host-staged collectives "
-        "(shared_gpu=\"host-staged\", FT_SHARED_GPU=host-staged)");
-    TORCH_WARN_ONCE(
-        "ft: ",
-        why,
-        ": CUDA collectives go host-staged over Gloo (pinned host copy, Gloo, "
-        "copy "
-        "back), much slower than NCCL. Give every rank its own GPU for NCCL "
-        "speed, "
-        "or set FT_SHARED_GPU=error to refuse instead.");
+  if (s.decideSharedGpu(device, deadline, where)) {
     s.device.store(device);
     s.hostStaged.store(true);
     return;
@@ -977,18 +993,10 @@ void NcclLane::connect(int device, Clock::time_point deadline) {
     const auto* bytes = reinterpret_cast<const uint8_t*>(&uid);
     s.store->set("uid", std::vector<uint8_t>(bytes, bytes + sizeof(uid)));
   } else {
-    // Poll, so abort() and the deadline can end the wait.
-    while (!s.store->check({"uid"})) {
-      if (s.aborted.load()) {
-        throwBackend(
-            where + " was aborted while waiting for rank 0's unique id");
-      }
-      if (Clock::now() >= deadline) {
-        throwBackend(
-            where + " missed its deadline waiting for rank 0's unique id");
-      }
-      std::this_thread::sleep_for(kUniqueIdPoll);
-    }
+    s.waitForKeys(
+        {"uid"},
+        deadline,
+        where + ", waiting for rank 0's unique id,");
     auto bytes = s.store->get("uid");
     TORCH_CHECK(
         bytes.size() == sizeof(uid),
