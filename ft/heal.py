@@ -8,15 +8,23 @@ counts); the Healer owns the checkpoint transport's use, the clients of other gr
 ManagerServers, and the checks a received checkpoint must pass before anything loads it.
 
 Contract:
-  * ``send(quorum, state_dict, timeout)`` sends ``state_dict()`` to every replica rank in
-    ``quorum.recover_dst_replica_ranks`` (nothing when empty). When the send fails, the
-    transport is told to abandon the step, so that receivers fail their heal now (and retry at
-    the next quorum) instead of waiting out their timeout; the failure is re-raised.
-  * ``receive(quorum, group_rank, timeout, required_keys)`` asks the source replica's
+  * ``serves(quorum)``: whether this replica stages its state for the quorum's heal: it is
+    assigned receivers (``quorum.recover_dst_replica_ranks``), or it is one of several donors
+    (``quorum.heal_donors``) of a striped heal and its transport stripes.
+  * ``send(quorum, state_dict, timeout)`` stages ``state_dict()`` for the replica ranks in
+    ``quorum.recover_dst_replica_ranks`` and for striped receivers, when ``serves(quorum)``
+    (nothing otherwise). When the send fails, the transport is told to abandon the step, so
+    that receivers fail their heal now (and retry at the next quorum) instead of waiting out
+    their timeout; the failure is re-raised.
+  * ``wait_delivered(quorum, timeout, stop)`` returns once this replica's receivers have the
+    state and no striped receiver still reads it; where the heal may stripe, it first waits
+    (at most :data:`DONOR_ARRIVAL_S`) for every healing replica to ask for it.
+  * ``receive(quorum, group_rank, timeout, required_keys, donors)`` asks the source replica's
     ManagerServer for the checkpoint metadata of ``group_rank``, fetches the checkpoint of step
-    ``quorum.max_step`` through the transport, and returns it only if it has the Manager's two
-    sections (``"user"`` and ``"torchft"``, both dicts) and a ``"user"`` entry for every key in
-    ``required_keys``; otherwise :class:`ValueError` names what is missing.
+    ``quorum.max_step`` through the transport (striped over ``donors`` where the transport
+    stripes), and returns it only if it has the Manager's two sections (``"user"`` and
+    ``"torchft"``, both dicts) and a ``"user"`` entry for every key in ``required_keys``;
+    otherwise :class:`ValueError` names what is missing.
   * Clients of other groups' ManagerServers are made by ``client_factory(address,
     connect_timeout=...)`` (default :class:`~ft.coordination.ManagerClient`; the Manager passes
     ``ft.manager.ManagerClient``) and called by torchft's names (``_checkpoint_metadata``).
@@ -37,7 +45,7 @@ from ft.utils.deadline import Deadline
 from ft.coordination import ManagerClient
 from ft.coordination.quorum import QuorumResult
 
-__all__ = ["Healer", "ReceivedCheckpoint", "MAX_PEER_CLIENTS"]
+__all__ = ["Healer", "ReceivedCheckpoint", "MAX_PEER_CLIENTS", "DONOR_ARRIVAL_S"]
 
 # Distinct source groups a replica heals from over a job's life are few; past this many cached
 # clients the cache is emptied rather than grown (a job whose groups keep changing address).
@@ -45,6 +53,14 @@ MAX_PEER_CLIENTS = 16
 # Once the assigned source's metadata is in, the other donors' (asked at the same moment) are
 # waited for this much longer; a donor that has not answered by then is no source of the heal.
 _HELPER_METADATA_GRACE_S = 0.5
+# Where a heal may stripe, a donor waits at most this long after staging for every healing
+# replica to ask it for the checkpoint, before it waits for those reading to finish: once that
+# wait returns, the donor's caller changes its state and no new reader is let in. Receivers ask
+# every donor as soon as they have their quorum answer (the moment the donors have theirs), so
+# they come within milliseconds; one that does not (it fetches from a same-host source alone,
+# or gave up on this donor) holds the donor this long, once per heal. It matches the receivers'
+# own wait for a helper's staging (StripeOptions.helper_wait_s).
+DONOR_ARRIVAL_S = 2.0
 # While a source waits for its receivers (wait_delivered), it checks this often whether to stop
 # (its step failed: a receiver died, say).
 _STOP_POLL_S = 0.1
@@ -77,10 +93,35 @@ class Healer:
         self._client_factory = client_factory
         self._peer_clients: Dict[str, ManagerClient] = {}
 
+    def stripes(self) -> bool:
+        """Whether the transport takes a heal from several donors at once (and can tell when
+        they have been asked for and read)."""
+        t = self.transport
+        return (
+            self.confirms_delivery()
+            and callable(getattr(t, "recv_checkpoint_striped", None))
+            and callable(getattr(t, "wait_asked", None))
+        )
+
+    def striped(self, quorum: QuorumResult) -> bool:
+        """Whether the quorum's heal may take from several donors at once."""
+        return len(quorum.heal_donors) > 1 and self.stripes()
+
+    def serves(self, quorum: QuorumResult) -> bool:
+        """Whether this replica stages its state for the quorum's heal: the quorum assigns it
+        receivers, or it is a donor of a striped heal (docs/design.md, "Striped heal")."""
+        if quorum.recover_dst_replica_ranks:
+            return True
+        return (
+            not quorum.heal
+            and self.striped(quorum)
+            and any(rank == quorum.replica_rank for rank, _ in quorum.heal_donors)
+        )
+
     def send(
         self, quorum: QuorumResult, state_dict: Callable[[], Dict[str, Any]], timeout: timedelta
     ) -> None:
-        if not quorum.recover_dst_replica_ranks:
+        if not self.serves(quorum):
             return
         try:
             self.transport.send_checkpoint(
@@ -115,6 +156,18 @@ class Healer:
         at ``timeout``, or as soon as ``stop()`` (checked every ``_STOP_POLL_S``)."""
         deadline = Deadline.after(timeout)
         receivers = len(quorum.recover_dst_replica_ranks)
+        if self.striped(quorum):
+            # Striped receivers take a lease here only once they come (a helper's do not count
+            # as deliveries): wait for every healing replica of the quorum to have asked, or
+            # until it is clear that one will not.
+            healing = quorum.replica_world_size - len(quorum.heal_donors)
+            arrival = deadline.sooner(DONOR_ARRIVAL_S)
+            while not arrival.expired and not stop():
+                slice_s = min(_STOP_POLL_S, arrival.remaining())
+                if self.transport.wait_asked(  # type: ignore[attr-defined]
+                    quorum.max_step, healing, timedelta(seconds=slice_s)
+                ):
+                    break
         while True:
             slice_s = min(_STOP_POLL_S, deadline.remaining())
             if self.transport.wait_delivered(

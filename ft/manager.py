@@ -1240,7 +1240,9 @@ class Manager:
     def _send_heal(self, quorum: QuorumResult) -> None:
         self._log.info(
             "heal_send",
-            f"sending the checkpoint to replica ranks {quorum.recover_dst_replica_ranks}",
+            f"sending the checkpoint to replica ranks {quorum.recover_dst_replica_ranks}"
+            # a donor of a striped heal stages for the other donors' receivers too
+            + (" and striped receivers" if self._healer.striped(quorum) else ""),
             max_step=quorum.max_step,
         )
         with span_block("torchft::manager::_checkpoint_transport::send_checkpoint"):
@@ -1274,7 +1276,7 @@ class Manager:
         defer = (
             allow_heal
             and self._use_async_quorum
-            and bool(quorum.recover_dst_replica_ranks)
+            and self._healer.serves(quorum)
             and not quorum.heal
             and self._healer.confirms_delivery()
         )
@@ -1388,7 +1390,8 @@ class Manager:
     def _heal(self, quorum: QuorumResult, defer_send: bool) -> None:
         """Sends and receives the heals the quorum asks for (docs/design.md, "Heal")."""
         try:
-            if quorum.recover_dst_replica_ranks:
+            # Assigned receivers, or a donor of a striped heal (docs/design.md, "Striped heal").
+            if self._healer.serves(quorum):
                 if defer_send:
                     # The training thread reads and sends the state (send_pending_heal):
                     # reading it here would race the forward pass.
@@ -1411,7 +1414,11 @@ class Manager:
                 )
                 with span_block("torchft::manager::_checkpoint_transport::recv_checkpoint"):
                     got = self._healer.receive(
-                        quorum, self._rank, self._timeout, self._load_state_dict_fns
+                        quorum,
+                        self._rank,
+                        self._timeout,
+                        self._load_state_dict_fns,
+                        donors=quorum.heal_donors,
                     )
                 # DTensors arrive as their pieces and become DTensors again when the state is
                 # applied, on the training thread (reading this rank's own state here, on the

@@ -40,7 +40,7 @@ from ft.utils.auth import (
 )
 from ft.utils.deadline import Deadline, Timeout, to_seconds
 from ft.utils.http_server import BoundedHTTPServer, BoundedRequestHandler
-from ft.utils.tls import TLSConfig, resolve_tls
+from ft.utils.tls import TLSConfig, resolve_tls, warn_cleartext
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
@@ -175,6 +175,7 @@ class CheckpointServer:
         check_exposure(bind_host, secret, insecure, "the checkpoint server")
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self.tls = resolve_tls(tls)
+        warn_cleartext(secret, self.tls, "the checkpoint server")
         tls_server = self.tls.server_context() if self.tls and self.tls.can_serve else None
         self._scheme = "https" if tls_server else "http"
         self.httpd = _HTTPServer(
@@ -261,6 +262,24 @@ class CheckpointServer:
             # The caller changes the tensors from now on: nobody new may start reading them.
             st.released = True
             return True
+
+    def wait_asked(self, step: int, receivers: int, deadline: Deadline) -> bool:
+        """Waits until ``receivers`` receivers have been given the metadata of the staged
+        checkpoint of ``step`` (each may still be reading it), or until nobody new can be (it
+        is no longer staged, or released): True; False at the deadline."""
+        with self.cond:
+
+            def settled() -> bool:
+                st = self._staging
+                return (
+                    st is None
+                    or st.step != step
+                    or st.closing
+                    or st.released
+                    or st.asked >= receivers
+                )
+
+            return deadline.wait(self.cond, settled)
 
     def check_staged(self, step: int) -> None:
         """Returns if ``step`` is being served; raises CheckpointError otherwise."""
@@ -351,7 +370,8 @@ class CheckpointServer:
                 st.lease(lease, n, self.timeout_s)
             else:
                 st.delivered += 1  # no data: the metadata is all of it
-                self.cond.notify_all()
+            st.asked += 1
+            self.cond.notify_all()
             return st, st.header + wire.TRAILER.pack(ser.crc32(st.header)), lease
 
     def _servable(self, step: int) -> Optional[Staging]:

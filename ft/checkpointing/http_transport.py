@@ -249,6 +249,14 @@ class HTTPTransport(CheckpointTransport[T]):
         (over HTTP or the same-host path); False at ``timeout`` or once it is withdrawn."""
         return self._checkpoints.wait_delivered(step, receivers, Deadline.after(timeout))
 
+    def wait_asked(self, step: int, receivers: int, timeout: timedelta) -> bool:
+        """Waits until ``receivers`` receivers have asked for the checkpoint of ``step`` (a
+        metadata answer each, over HTTP or the same-host path, striped or not), or until
+        nobody new can (it is not staged, or :meth:`wait_delivered` released it): True; False
+        at ``timeout``. A donor of a striped heal waits for this before :meth:`wait_delivered`,
+        which does not wait for receivers that have not come yet."""
+        return self._checkpoints.wait_asked(step, receivers, Deadline.after(timeout))
+
     def disallow_checkpoint(self) -> None:
         """Withdraws the staged checkpoint.
 

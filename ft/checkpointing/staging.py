@@ -111,6 +111,9 @@ class Staging:
         self.served_bytes = 0  # data bytes sent over HTTP (ranges that completed)
         self.active = 0  # data responses currently reading tensors
         self.delivered = 0  # receivers that have read all of it (their leases used up)
+        # metadata answers given (receivers that came for it, striped or not): a source that
+        # helps a striped heal waits for its receivers to come (CheckpointServer.wait_asked)
+        self.asked = 0
         self.conns: Set[socket.socket] = set()  # their connections, to cut them off
         self.leases: Dict[str, Lease] = {}
         self._cpu: Dict[int, torch.Tensor] = {}

@@ -53,9 +53,20 @@ def train(
     quorum_retries: Optional[int] = None,
     min_replica_size: int = 1,
     max_steps_total: int = 1000,
+    same_host: Optional[bool] = None,
+    pace_s: float = 0.0,
+    ballast_mib: int = 0,
+    start_after: Optional[str] = None,
 ) -> Dict[str, Any]:
     import ft
     from ft.checkpointing import HTTPTransport, PGTransport
+
+    class PacedHTTPTransport(HTTPTransport):
+        # a source that serves each 1 MiB slice no faster than pace_s: every donor of a
+        # striped heal is still serving when the others come
+        def _pace(self) -> None:
+            time.sleep(pace_s)
+
     from tests.manager.inproc import make_manager
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -74,7 +85,9 @@ def train(
     if transport == "pg":
         ckpt: Any = PGTransport(pg, timeout=to, device=torch.device("cpu"))
     else:
-        ckpt = HTTPTransport(timeout=to, num_chunks=2, advertise_host="127.0.0.1")
+        ckpt = (PacedHTTPTransport if pace_s else HTTPTransport)(
+            timeout=to, num_chunks=2, advertise_host="127.0.0.1", same_host=same_host
+        )
         if corrupt_sends:
             port = urlsplit(ckpt.metadata()).port
             proxy = CorruptingProxy(port, "data", count=corrupt_sends)
@@ -82,12 +95,27 @@ def train(
             ckpt.metadata = lambda: url  # type: ignore[method-assign]
 
     loads: List[int] = []
+    # ballast_mib MiB more state, so that a heal has several ranges to stripe: it counts the
+    # committed steps (a group that starts late holds zeros until it heals)
+    ballast = torch.zeros(ballast_mib << 18)
+
+    def state_dict() -> Dict[str, Any]:
+        sd = {"model": model.state_dict(), "optim": optim.state_dict()}
+        if ballast_mib:
+            sd["ballast"] = ballast
+        return sd
 
     def load_state_dict(sd: Dict[str, Any]) -> None:
         loads.append(1)
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
+        if ballast_mib:
+            ballast.copy_(sd["ballast"])
 
+    if start_after:
+        # a group that joins late, its imports already done: no Manager (no heartbeat) until
+        # the test sets this key
+        test_store.wait([start_after], timedelta(seconds=120))
     manager = make_manager(
         lh_addr,
         f"g{g}",
@@ -96,7 +124,7 @@ def train(
         store_port=ports[g],
         pg=pg,
         load_state_dict=load_state_dict,
-        state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+        state_dict=state_dict,
         min_replica_size=min_replica_size,
         use_async_quorum=async_quorum,
         timeout=to,
@@ -138,6 +166,10 @@ def train(
             pg.abort()  # chaos: the process group fails under this replica
         loss.backward()
         opt.step()
+        # the ballast holds the committed step: one more on a commit, also the commit of a
+        # step whose heal (async mode) was applied at should_commit
+        if ballast_mib and manager.current_step() == int(ballast[0].item()) + 1:
+            ballast.add_(1)
         err = manager.errored()
         history.append(
             {
@@ -165,8 +197,12 @@ def train(
         "init_hash": init_hash,
         "loads": len(loads),
         "proxy_flipped": proxy.flipped if proxy is not None else 0,
-        # HTTPTransport: "same-host" or "http" for the last heal; None if it never healed
+        # HTTPTransport: "same-host", "http" or "http-striped" for the last heal; None if it
+        # never healed
         "recv_path": getattr(ckpt, "last_recv_path", None),
+        # HTTPTransport: data bytes this group's checkpoint server sent, every heal together
+        "served_bytes": getattr(ckpt, "served_bytes", None),
+        "ballast": ballast.clone(),
     }
     manager.shutdown(wait=False)
     return result
