@@ -7,12 +7,15 @@ Heartbeat, and the ft extension ``SubscribeFailures``) and, on a second port, an
 
 * ``GET /``            self-contained, self-refreshing HTML page;
 * ``GET /api/status``  the same information as JSON (with the managers' addresses, so it
-  needs ``Authorization: Bearer <job secret or auth token>`` when either is configured);
+  needs a signed-in session when a job secret or an operator token is configured);
 * ``GET /metrics``     Prometheus text format (no addresses);
+* ``POST /api/login``  exchanges a login ticket (``python -m ft.utils.dashboard_login``, made
+  from the job secret, which itself never travels) for a session cookie;
 * ``POST /api/kill``   JSON ``{"replica_id": ..., "msg": ...}``: forwards Kill to that group's
   ManagerServer. Needs the header ``X-FT-Request: 1`` and, when configured, the credential.
 
-Who may use which endpoint, and the connection limits: see ``_make_http_handler``.
+With TLS configured (``FT_TLS_*``) the dashboard serves HTTPS. Who may use which endpoint, and
+the connection limits: see ft.coordination.dashboard.server.
 
 Quorum ids never repeat across restarts: the counter starts from the wall clock in microseconds
 (a restarted lighthouse starts above every id the previous one can have issued, since issuing
@@ -33,7 +36,6 @@ leave the dashboard). When a member of the current quorum misses its heartbeat d
 from __future__ import annotations
 
 import datetime as _dt
-import hmac
 import json
 import logging
 import os
@@ -44,7 +46,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
-from urllib.parse import urlparse, urlsplit
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -61,9 +62,14 @@ from ..utils.auth import (
     new_server_id,
     resolve_secret,
 )
-from ..utils.tls import TLSConfig, resolve_tls
-from ..utils.http_server import BoundedHTTPServer, BoundedRequestHandler
-from ..utils.net import is_loopback
+from ..utils.tls import TLSConfig, resolve_tls, warn_cleartext
+from ..utils.dashboard_login import DashboardSessions
+from .dashboard.server import (  # noqa: F401  (CSRF_HEADER: re-exported)
+    CSRF_HEADER,
+    DASHBOARD_IDLE_TIMEOUT_S,
+    DASHBOARD_MAX_CONNECTIONS,
+    DashboardServer,
+)
 from ..utils.deadline import Deadline
 from .quorum import (
     LighthouseOptions,
@@ -864,299 +870,7 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
 
 
 # --- dashboard (HTTP) ----------------------------------------------------------------------
-
-# Most dashboard connections open at once. A browser holds at most 6 connections to one host
-# and the page polls once a second, so 64 serve about ten open pages plus a metrics scraper;
-# more are refused at once. It bounds the threads and descriptors that anyone who reaches the
-# port can take (the lighthouse's gRPC side needs its descriptors).
-DASHBOARD_MAX_CONNECTIONS = 64
-# A dashboard connection must deliver its whole request this long after connecting (or after
-# its previous answer), or it is closed. The page polls every second, so its own connection
-# never idles this long, and browsers reopen a closed idle connection on their own.
-DASHBOARD_IDLE_TIMEOUT_S = 10.0
-# Socket timeout of each read and write once a request is in (a client that stops reading).
-_DASHBOARD_IO_TIMEOUT_S = 30.0
-_MAX_BODY = 64 * 1024
-# Header the dashboard's page sends with every action. A page of another origin cannot send a
-# custom header without a CORS preflight, which this server never approves (no OPTIONS).
-CSRF_HEADER = "X-FT-Request"
-
-
-def _hostname(hostport: str) -> str:
-    """The host of a ``Host`` header value (brackets and port removed, lower case)."""
-    try:
-        return urlsplit("//" + hostport.strip()).hostname or ""
-    except ValueError:
-        return ""
-
-
-def _hide_addresses(st: dict) -> None:
-    """Removes every manager and store address from a status document, in place."""
-    q = st.get("quorum")
-    for m in q["members"] if q else ():
-        m["address"] = ""
-        m["store_address"] = ""
-    for r in st["replicas"]:
-        r["address"] = ""
-
-
-def _make_http_handler(lh: "LighthouseServer"):
-    page_cache: Dict[str, bytes] = {}
-
-    class Handler(BoundedRequestHandler):
-        """The dashboard's endpoints, and who may use them.
-
-        Open to anyone who reaches the port: ``/`` (the page), ``/healthz``, and ``/metrics``
-        (counts, ages and replica ids, never an address).
-
-        ``GET /api/status`` lists every manager's and store's address, so:
-
-        * with a credential configured (the job secret, or the older ``auth_token`` /
-          ``FT_AUTH_TOKEN``; either is accepted) it needs ``Authorization: Bearer <credential>``
-          and answers 401, with no status, without it;
-        * with none, it is open when the dashboard listens on loopback only (whoever reaches
-          it is on this host already); listening elsewhere, it answers with every address
-          removed (``config.addresses_hidden``), as anyone on the network could read it.
-
-        Actions (every POST; the one there is, ``/api/kill``) are refused with 403 and the
-        reason unless the request carries ``X-FT-Request: 1`` (a page of another origin
-        cannot send a custom header without a CORS preflight, which this server never
-        approves) and, if it has an ``Origin``, that origin is this dashboard's own (``http``
-        or ``https`` on the request's ``Host``; a reverse proxy must pass ``Host`` through).
-        Their parameters come from a JSON object sent as ``Content-Type: application/json``
-        only. With a credential configured they need it too (401). Over plain HTTP the
-        credential crosses the network as sent: reach a remote dashboard through an SSH tunnel
-        or a TLS proxy.
-
-        With no credential and a loopback listener, ``/api/`` requests must also name a
-        loopback ``Host`` (an IP literal or ``localhost``), or get 403: a site whose name an
-        attacker points at 127.0.0.1 (DNS rebinding) is same-origin to the browser, but its
-        requests name that site.
-
-        Every connection is bounded (ft.utils.http_server): idle ones are closed after the
-        idle timeout, which also covers reading a POST's body, and beyond the connection
-        cap new ones are refused at once.
-        """
-
-        server_version = "ft-lighthouse"
-        protocol_version = "HTTP/1.1"
-        timeout = _DASHBOARD_IO_TIMEOUT_S
-        hold_idle_deadline = True  # released by do_GET at once, by do_POST after the body
-
-        def log_message(self, fmt, *args):  # quiet
-            logger.debug("http: " + fmt, *args)
-
-        def _send(
-            self, code: int, body: bytes, ctype: str, headers: Tuple[Tuple[str, str], ...] = ()
-        ) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            # Never inside another site's frame (a click there must not land on "kill").
-            self.send_header("X-Frame-Options", "DENY")
-            self.send_header("Content-Security-Policy", "frame-ancestors 'none'")
-            for k, v in headers:
-                self.send_header(k, v)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def _json(self, code: int, obj, headers: Tuple[Tuple[str, str], ...] = ()) -> None:
-            self._send(code, json.dumps(obj).encode(), "application/json", headers)
-
-        # --- who is asking ---------------------------------------------------------------
-
-        def _credential(self) -> Optional[bool]:
-            """None when no credential is configured; else whether the request presents one."""
-            expected: List[bytes] = []
-            secret = getattr(lh, "_secret", None)
-            if secret is not None:
-                expected.append(secret.export().encode("utf-8", "surrogateescape"))
-            token = getattr(lh, "_auth_token", None)
-            if token:
-                expected.append(token.encode("utf-8", "surrogateescape"))
-            if not expected:
-                return None
-            scheme, _, got = self.headers.get("Authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer":
-                got = self.headers.get("X-FT-Token", "")
-            try:
-                presented = got.strip().encode("latin-1")  # the header's bytes as sent
-            except UnicodeEncodeError:
-                return False
-            ok = False
-            for e in expected:  # compare with each: the time taken reveals nothing
-                ok |= hmac.compare_digest(presented, e)
-            return ok and bool(presented)
-
-        def _loopback_only(self) -> bool:
-            return is_loopback(str(self.server.server_address[0]))
-
-        def _rebinding(self) -> bool:
-            """True for an /api/ request that a DNS-rebinding page could have made (see above)."""
-            if self._credential() is not None or not self._loopback_only():
-                return False
-            return not is_loopback(_hostname(self.headers.get("Host", "")))
-
-        def _csrf_refusal(self) -> Optional[str]:
-            """Why a state-changing request may come from another site's page (None: it cannot)."""
-            if self.headers.get(CSRF_HEADER, "").strip() != "1":
-                return (
-                    f"refused: the request lacks the header {CSRF_HEADER}: 1 that the "
-                    f"dashboard's page sends (a page of another site cannot send it)"
-                )
-            origin = self.headers.get("Origin")
-            if origin is not None:
-                host = self.headers.get("Host", "").strip().lower()
-                if not host or origin.strip().lower() not in (f"http://{host}", f"https://{host}"):
-                    return (
-                        f"refused: the request comes from a page of another origin "
-                        f"({origin[:200]!r}), not from this dashboard's"
-                    )
-            return None
-
-        def _unauthorized(self) -> None:
-            self._json(
-                401,
-                {
-                    "error": "missing or wrong credential: send Authorization: Bearer "
-                    "<job secret or auth token>",
-                    "auth_required": True,
-                },
-                (("WWW-Authenticate", 'Bearer realm="ft-lighthouse"'),),
-            )
-
-        # --- GET -------------------------------------------------------------------------
-
-        def do_HEAD(self):
-            self.do_GET()
-
-        def do_GET(self):
-            if not self.request_read():
-                return
-            path = urlparse(self.path).path
-            if path in ("/", "/index.html"):
-                if "page" not in page_cache:
-                    from .dashboard import page_html
-
-                    page_cache["page"] = page_html().encode()
-                self._send(200, page_cache["page"], "text/html; charset=utf-8")
-            elif path == "/api/status":
-                self._status()
-            elif path == "/metrics":  # ids and numbers only: render_metrics lists no address
-                self._send(
-                    200,
-                    render_metrics(lh._state.status()).encode(),
-                    "text/plain; version=0.0.4; charset=utf-8",
-                )
-            elif path == "/healthz":
-                self._send(200, b"ok\n", "text/plain")
-            else:
-                self._json(404, {"error": f"no such page: {path[:200]}"})
-
-        def _status(self) -> None:
-            if self._rebinding():
-                self._json(
-                    403,
-                    {
-                        "error": "refused: the Host header does not name this host "
-                        "(only a loopback Host is served here)"
-                    },
-                )
-                return
-            cred = self._credential()
-            if cred is False:
-                self._unauthorized()
-                return
-            st = lh._state.status()
-            hidden = cred is None and not self._loopback_only()
-            if hidden:
-                _hide_addresses(st)
-            st["config"]["auth_required"] = cred is not None
-            st["config"]["addresses_hidden"] = hidden
-            self._json(200, st)
-
-        # --- POST ------------------------------------------------------------------------
-
-        def do_POST(self):
-            self.close_connection = True  # one action per connection: no leftovers to parse
-            path = urlparse(self.path).path
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                length = -1
-            if length < 0 or length > _MAX_BODY or "Transfer-Encoding" in self.headers:
-                self._json(
-                    413,
-                    {"error": f"the body must have a Content-Length of at most {_MAX_BODY} bytes"},
-                )
-                return
-            body = self.rfile.read(length) if length else b""
-            if len(body) != length or not self.request_read():
-                return  # the client left, or took longer than the idle timeout to send it
-            why = self._csrf_refusal()
-            if why is None and self._rebinding():
-                why = (
-                    "refused: the Host header does not name this host (only a loopback Host "
-                    "is served here)"
-                )
-            if why is not None:
-                logger.warning(
-                    "dashboard: %s %s from %s %s",
-                    self.command,
-                    path[:200],
-                    self.client_address[0],
-                    why,
-                )
-                self._json(403, {"error": why})
-                return
-            cred = self._credential()
-            if cred is False:
-                self._unauthorized()
-                return
-            if path != "/api/kill":
-                self._json(404, {"error": f"no such endpoint: {path[:200]}"})
-                return
-            if self.headers.get_content_type() != "application/json":
-                self._json(
-                    415,
-                    {
-                        "error": "parameters must be a JSON object sent as "
-                        "Content-Type: application/json"
-                    },
-                )
-                return
-            try:
-                args = json.loads(body)
-                if not isinstance(args, dict):
-                    raise ValueError("the body must be a JSON object")
-            except ValueError as e:
-                self._json(400, {"error": f"bad JSON: {e}"})
-                return
-            rid = args.get("replica_id")
-            msg = args.get("msg") or "killed from the lighthouse dashboard"
-            if not isinstance(rid, str) or not rid:
-                self._json(400, {"error": "replica_id (a non-empty string) is required"})
-                return
-            if not isinstance(msg, str):
-                self._json(400, {"error": "msg must be a string"})
-                return
-            code, result = lh._kill(rid, msg)
-            if code >= 500 and cred is None and not self._loopback_only():
-                # The failure's text can name the manager's address, hidden here (see above).
-                result = {"error": f"kill of {rid} failed; the lighthouse's log has the details"}
-            self._json(code, result)
-
-    return Handler
-
-
-class _HTTPServer(BoundedHTTPServer):
-    """The dashboard's server: a thread per connection, capped and idle-bounded
-    (ft.utils.http_server)."""
+# The dashboard's server, its endpoints and who may use them: ft.coordination.dashboard.server.
 
 
 class LighthouseServer:
@@ -1173,8 +887,8 @@ class LighthouseServer:
             5,000).
         http_bind: dashboard address; default: the gRPC host with an ephemeral port. ``""``
             disables the dashboard.
-        auth_token: a dashboard credential (for its actions and ``/api/status``), accepted
-            besides the job secret; default env ``FT_AUTH_TOKEN``.
+        auth_token: an operator token for the dashboard (its actions and ``/api/status``),
+            accepted besides a login ticket; default env ``FT_AUTH_TOKEN``.
         dead_grace_ms: dead replicas leave the dashboard this long after their heartbeat expired.
         quorum_id_file: optional file persisting the last quorum id (see module docstring).
         hostname: host name to advertise in :meth:`address` (default: derived from ``bind``).
@@ -1184,8 +898,10 @@ class LighthouseServer:
             overrides ``"auto"``.
         secret: the job secret (ft.utils.auth; default: ``FT_JOB_SECRET_FILE`` /
             ``FT_JOB_SECRET``). With it, every gRPC call must be signed with it, and the
-            dashboard's status and actions need it as a bearer credential.
-        tls: serve gRPC over TLS (ft.utils.tls; default: ``FT_TLS_*``).
+            dashboard's status and actions need a session signed in with a login ticket made
+            from it (ft.utils.dashboard_login); the secret itself is never a dashboard
+            credential. Without TLS, the first server of the process to start logs a warning.
+        tls: serve gRPC, and the dashboard, over TLS (ft.utils.tls; default: ``FT_TLS_*``).
         insecure: allow serving beyond loopback without a secret (default: ``FT_INSECURE``);
             without it such a start raises :class:`ft.utils.auth.InsecureServerError`.
         dashboard_idle_timeout_s: a dashboard connection that has not sent its whole request
@@ -1242,6 +958,7 @@ class LighthouseServer:
         self._tls = tls = resolve_tls(tls)
         bind_host, _ = _rpc.split_hostport(bind)
         check_exposure(bind_host, self._secret, insecure, "the lighthouse")
+        warn_cleartext(self._secret, tls, "the lighthouse")
         opts = LighthouseOptions(
             min_replicas=min_replicas,
             join_timeout_s=join_timeout_ms / 1000,
@@ -1281,7 +998,7 @@ class LighthouseServer:
         self._port = self._server.port
         self._host = _rpc.advertised_host(bind_host, hostname)
 
-        self._http: Optional[_HTTPServer] = None
+        self._http: Optional[DashboardServer] = None
         self._http_thread: Optional[threading.Thread] = None
         if http_bind is None:
             http_bind = _rpc.join_hostport(bind_host or "::", 0)
@@ -1322,13 +1039,17 @@ class LighthouseServer:
         if host in ("", "*"):
             host = "::"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._http = _HTTPServer(
+        tls = self._tls
+        self._http = DashboardServer(
             (host, port),
-            _make_http_handler(self),
+            status=self._state.status,
+            metrics=lambda: render_metrics(self._state.status()),
+            kill=lambda rid, msg: self._kill(rid, msg),  # looked up at each call
+            sessions=DashboardSessions(self._secret, self._auth_token),
+            ssl_context=tls.server_context() if tls is not None and tls.can_serve else None,
             family=family,
             idle_timeout_s=idle_timeout_s,
             max_connections=max_connections,
-            name="ft-lighthouse-http",
         )
         self._http_thread = threading.Thread(
             target=self._http.serve_forever,
@@ -1407,11 +1128,12 @@ class LighthouseServer:
         return f"http://{_rpc.join_hostport(self._host, self._port)}"
 
     def dashboard_address(self) -> Optional[str]:
-        """``http://host:port`` of the dashboard, or None when disabled."""
+        """``http://host:port`` of the dashboard (``https://`` with TLS), or None when
+        disabled."""
         if self._http is None:
             return None
         port = self._http.server_address[1]
-        return f"http://{_rpc.join_hostport(self._host, port)}"
+        return f"{self._http.scheme}://{_rpc.join_hostport(self._host, port)}"
 
     @property
     def transport(self) -> str:

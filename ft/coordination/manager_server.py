@@ -45,7 +45,7 @@ from ..utils.auth import (
     resolve_secret,
 )
 from ..utils.deadline import Deadline, to_seconds
-from ..utils.tls import TLSConfig, resolve_tls
+from ..utils.tls import TLSConfig, resolve_tls, warn_cleartext
 from .quorum import (
     GroupRequest,
     Quorum,
@@ -256,6 +256,7 @@ class ManagerServer:
             insecure,
             f"the manager server of replica {replica_id}",
         )
+        warn_cleartext(secret, tls, f"the manager server of replica {replica_id}")
         self._lighthouse = LighthouseClient(
             lighthouse_addr, connect_timeout, secret=secret, tls=tls
         )

@@ -18,12 +18,24 @@ Settings: ``tls=TLSConfig(...)`` where a component takes it, or the environment:
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
+import threading
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-__all__ = ["TLSConfig", "resolve_tls", "CERT_ENV", "KEY_ENV", "CA_ENV", "SERVER_NAME_ENV"]
+__all__ = [
+    "TLSConfig",
+    "resolve_tls",
+    "warn_cleartext",
+    "CERT_ENV",
+    "KEY_ENV",
+    "CA_ENV",
+    "SERVER_NAME_ENV",
+]
+
+logger = logging.getLogger("ft.tls")
 
 CERT_ENV = "FT_TLS_CERT_FILE"
 KEY_ENV = "FT_TLS_KEY_FILE"
@@ -133,4 +145,30 @@ def resolve_tls(tls: Optional[TLSConfig] = None) -> Optional[TLSConfig]:
         key_file=key,
         ca_file=ca,
         server_name=os.environ.get(SERVER_NAME_ENV) or None,
+    )
+
+
+_cleartext_lock = threading.Lock()
+_cleartext_warned = False
+
+
+def warn_cleartext(secret: Any, tls: Optional[TLSConfig], what: str) -> None:
+    """Logs, once per process, a warning that a server of a job with a secret (``secret`` not
+    None) serves without TLS: the secret authenticates, but hides nothing. Servers call it at
+    start (the lighthouse, ManagerServers, checkpoint servers)."""
+    global _cleartext_warned
+    if secret is None or (tls is not None and tls.can_serve):
+        return
+    with _cleartext_lock:
+        if _cleartext_warned:
+            return
+        _cleartext_warned = True
+    logger.warning(
+        "%s serves without TLS: the job secret authenticates every request, but the model's "
+        "weights and the job's requests travel in clear, readable by anyone on the network "
+        "path. Set %s and %s (and %s on clients) to encrypt them (docs/security.md, \"TLS\").",
+        what,
+        CERT_ENV,
+        KEY_ENV,
+        CA_ENV,
     )

@@ -308,34 +308,70 @@ def test_dashboard_renders_members_in_chromium(lighthouse_factory, webdriver, tm
     )
 
 
-def test_dashboard_page_signs_in_and_kills_in_chromium(
-    lighthouse_factory, children, webdriver, monkeypatch
+def test_dashboard_page_signs_in_with_a_login_link_and_kills_in_chromium(
+    lighthouse_factory, children, webdriver
 ):
-    """The page's own kill (header, JSON body, credential) passes the checks that stop a
-    cross-site page (tests/security), and it asks for the credential that /api/status needs."""
-    monkeypatch.setenv("FT_AUTH_TOKEN", "page-token-0123456789")
-    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=20000)
-    child = children("manager", "victim", lh.address(), "1")
-    from ft.coordination import ManagerClient
+    """The page signs in with a login link (the job secret never reaches the browser; the
+    session is an HttpOnly cookie), a cross-site page in the signed-in browser still cannot
+    kill (tests/security), and the page's own kill (header, JSON body, session) works."""
+    import os
 
-    ManagerClient(child.address(), 5.0)._quorum(0, 0, "", False, 5.0)
-    webdriver.s("POST", "/url", {"url": lh.dashboard_address() + "/"})
-    deadline = time.monotonic() + 15
+    from ft.coordination import ManagerClient
+    from ft.utils.auth import JobSecret
+    from ft.utils.dashboard_login import login_url
+    from tests.security.test_dashboard_http import attacker_site, count_kills
+
+    secret = JobSecret.generate()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FT_")}
+    env["FT_JOB_SECRET"] = secret.export()
+    lh = lighthouse_factory(min_replicas=1, heartbeat_timeout_ms=20000, secret=secret)
+    child = children("manager", "victim", lh.address(), "1", env=env)
+    with ManagerClient(child.address(), 5.0, secret=secret, replica_id="victim") as rank0:
+        rank0._quorum(0, 0, "", False, 5.0)
+    kills = count_kills(lh)
+    dashboard = lh.dashboard_address()
+
+    def members() -> int:
+        return webdriver.run("return document.querySelectorAll('#members tr.member').length")
+
+    webdriver.s("POST", "/url", {"url": dashboard + "/"})
+    deadline = time.monotonic() + 20
     while not webdriver.run("return !!document.querySelector('#error .signin')"):
-        assert time.monotonic() < deadline, "the page never asked for the credential"
+        assert time.monotonic() < deadline, "the page never asked to sign in"
         time.sleep(0.1)
-    assert webdriver.run("return document.querySelectorAll('#members tr.member').length") == 0
-    # What signIn() stores from its prompt.
-    webdriver.run("sessionStorage.setItem('ft-token', 'page-token-0123456789')")
-    while webdriver.run("return document.querySelectorAll('#members tr.member').length") != 1:
+    assert members() == 0
+    # The operator pastes a login link into the open tab (a change of fragment only).
+    link = login_url(dashboard, secret)
+    webdriver.s("POST", "/url", {"url": link})
+    while members() != 1:
         assert time.monotonic() < deadline, "members never rendered after signing in"
+        time.sleep(0.1)
+    assert webdriver.run("return location.hash") == ""  # the ticket left the address bar
+    assert webdriver.run("return document.cookie") == ""  # HttpOnly: no script reads it
+    assert secret.export() not in webdriver.run("return document.documentElement.outerHTML")
+
+    # A page of another origin, opened in the signed-in browser, tries every kill it can.
+    with attacker_site(dashboard) as (page, reports):
+        webdriver.s("POST", "/url", {"url": page})
+        while not reports:
+            assert time.monotonic() < deadline + 20, "the attacker page never reported back"
+            time.sleep(0.1)
+    time.sleep(0.5)  # anything still in flight lands
+    assert reports[0]["no_cors_json_as_text_plain"] == "sent:opaque", reports  # it ran
+    assert reports[0]["cors_read_status"].startswith("blocked:"), reports
+    assert kills == [] and child.proc.poll() is None, reports
+
+    webdriver.s("POST", "/url", {"url": dashboard + "/"})
+    while members() != 1:  # still signed in (the cookie), without a new link
+        assert time.monotonic() < deadline + 30, "the session did not survive a reload"
         time.sleep(0.1)
     webdriver.run(
         "window.confirm = () => true; window.alert = (m) => { window.lastAlert = m; };"
         "document.querySelector('button.kill').click();"
     )
     while not webdriver.run("return window.lastAlert || ''"):
-        assert time.monotonic() < deadline, "the kill never answered"
+        assert time.monotonic() < deadline + 30, "the kill never answered"
         time.sleep(0.1)
     assert webdriver.run("return window.lastAlert") == "killed victim"
+    assert kills == ["victim"]
     assert child.wait(10) == 1

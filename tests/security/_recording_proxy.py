@@ -21,12 +21,14 @@ _PADDED = 0x8
 
 class RecordingProxy:
     """Listens on 127.0.0.1 (``port``) and forwards each connection to 127.0.0.1:``target``,
-    keeping every byte a client sent (per connection, in order). ``close()`` ends it all."""
+    keeping every byte a client sent and every byte the server answered (per connection, in
+    order). ``close()`` ends it all."""
 
     def __init__(self, target_port: int) -> None:
         self.target = target_port
         self._lock = threading.Lock()
         self._sent: List[bytearray] = []
+        self._received: List[bytearray] = []  # what the server answered, per connection
         self._threads: List[threading.Thread] = []
         self._socks: List[socket.socket] = []
         self._srv = socket.create_server(("127.0.0.1", 0))
@@ -51,12 +53,13 @@ class RecordingProxy:
                 client.close()
                 continue
             server.settimeout(None)
-            record = bytearray()
+            record, reply = bytearray(), bytearray()
             with self._lock:
                 self._sent.append(record)
+                self._received.append(reply)
                 self._socks += [client, server]
             self._start(self._pump, client, server, record)
-            self._start(self._pump, server, client, None)
+            self._start(self._pump, server, client, reply)
 
     def _pump(self, src: socket.socket, dst: socket.socket, record) -> None:  # type: ignore[no-untyped-def]
         try:
@@ -76,6 +79,11 @@ class RecordingProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def transcript(self) -> bytes:
+        """Every byte that crossed the proxy, both ways, connection by connection."""
+        with self._lock:
+            return b"".join(bytes(a) + bytes(b) for a, b in zip(self._sent, self._received))
 
     def messages(self) -> List[bytes]:
         """Every gRPC message clients sent so far, in order (connection by connection)."""

@@ -23,6 +23,7 @@ import pytest
 
 from ft.coordination import LighthouseClient, LighthouseServer, ManagerClient
 from ft.utils.auth import JobSecret
+from ft.utils.dashboard_login import login_ticket
 
 from tests.coordination._helpers import CoordinationChild
 from tests.procs import Proc, wait_for
@@ -121,23 +122,26 @@ ATTACK_PAGE = """<!doctype html>
 "use strict";
 const dash = "DASH";
 const json = JSON.stringify({replica_id: "victim", msg: "csrf"});
+// Every attempt asks the browser to send its cookies for the dashboard (a signed-in
+// operator's session cookie is same-site here: another port of the same host).
+const c = "include";
 const attempts = {
   // "Simple" requests, sent without asking: a no-cors POST of JSON as text/plain ...
   no_cors_json_as_text_plain: () => fetch(dash + "/api/kill",
-      {method: "POST", mode: "no-cors", body: json}),
+      {method: "POST", mode: "no-cors", credentials: c, body: json}),
   // ... one with replica_id in the query string and no body at all, and a form body.
   no_cors_query_string: () => fetch(dash + "/api/kill?replica_id=victim",
-      {method: "POST", mode: "no-cors"}),
+      {method: "POST", mode: "no-cors", credentials: c}),
   no_cors_form_body: () => fetch(dash + "/api/kill?replica_id=victim", {method: "POST", mode: "no-cors",
-      headers: {"Content-Type": "application/x-www-form-urlencoded"}, body: "replica_id=victim"}),
+      credentials: c, headers: {"Content-Type": "application/x-www-form-urlencoded"}, body: "replica_id=victim"}),
   // no-cors cannot carry a custom header: the browser drops it.
   no_cors_custom_header: () => fetch(dash + "/api/kill", {method: "POST", mode: "no-cors",
-      headers: {"X-FT-Request": "1"}, body: json}),
+      credentials: c, headers: {"X-FT-Request": "1"}, body: json}),
   // With the header, the browser must ask first (CORS preflight); the dashboard never agrees.
-  cors_custom_header: () => fetch(dash + "/api/kill", {method: "POST",
+  cors_custom_header: () => fetch(dash + "/api/kill", {method: "POST", credentials: c,
       headers: {"X-FT-Request": "1", "Content-Type": "application/json"}, body: json}),
   // Reading the status (the managers' addresses) from another origin.
-  cors_read_status: () => fetch(dash + "/api/status").then(r => r.text()),
+  cors_read_status: () => fetch(dash + "/api/status", {credentials: c}).then(r => r.text()),
 };
 (async () => {
   document.getElementById("form").submit();
@@ -334,7 +338,6 @@ def test_status_without_credentials_reveals_no_manager_addresses(clean_env, how)
         # Anyone on the network reaches this one, and no credential is configured.
         "not_loopback": {"http_bind": "0.0.0.0:0", "insecure": True},
     }[how]
-    good = {"job_secret": secret.export(), "auth_token": token}.get(how)
     with lighthouse(**kw) as lh:
         _form_quorum(lh, secret if how == "job_secret" else None)
         port = lh._http.server_address[1]
@@ -365,7 +368,17 @@ def test_status_without_credentials_reveals_no_manager_addresses(clean_env, how)
         _assert_reveals_nothing(out)
 
         if how != "not_loopback":  # the credential shows everything (so this test can fail)
-            code, out = http(base + "/api/status", headers={"Authorization": "Bearer " + good})
+            if how == "auth_token":
+                good = {"Authorization": "Bearer " + token}
+            else:  # a session signed in with a login ticket (the secret itself never travels)
+                req = urllib.request.Request(
+                    base + "/api/login",
+                    json.dumps({"credential": login_ticket(secret)}).encode(),
+                    ACTION,
+                )
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    good = {"Cookie": r.headers["Set-Cookie"].split(";")[0]}
+            code, out = http(base + "/api/status", headers=good)
             assert code == 200 and MANAGER_ADDR in out, out
             assert json.loads(out)["config"]["addresses_hidden"] is False
 
