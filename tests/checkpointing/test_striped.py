@@ -130,3 +130,27 @@ def test_sources_count_only_their_own_receiver_and_wait_for_helpers():
     finally:
         for t in (a, b, rx):
             t.shutdown()
+
+
+def test_a_helping_source_waits_until_its_receivers_have_asked():
+    """wait_asked: a donor without receivers of its own learns that the striped receivers
+    came (each metadata answer counts), and stops waiting once it released the state."""
+    import torch
+
+    state = {"user": {"w": torch.arange(4 << 18, dtype=torch.float32)}, "torchft": {"step": 1}}
+    a = HTTPTransport(TIMEOUT, 2, advertise_host="127.0.0.1", same_host=False)
+    b = HTTPTransport(TIMEOUT, 2, advertise_host="127.0.0.1", same_host=False)
+    rx = _receiver()
+    try:
+        for t in (a, b):
+            t.send_checkpoint([], STEP, state, TIMEOUT)
+        assert not b.wait_asked(STEP, 1, timedelta(seconds=0.2))  # nobody came yet
+        got = rx.recv_checkpoint_striped([(0, a.metadata()), (1, b.metadata())], STEP, TIMEOUT)
+        assert torch.equal(got["user"]["w"], state["user"]["w"])
+        assert b.wait_asked(STEP, 1, timedelta(seconds=5))
+        assert not b.wait_asked(STEP, 2, timedelta(seconds=0.2))  # one receiver, not two
+        assert b.wait_delivered(STEP, 0, timedelta(seconds=5))  # no striped reader left
+        assert b.wait_asked(STEP, 2, timedelta(seconds=5))  # released: nobody new may come
+    finally:
+        for t in (a, b, rx):
+            t.shutdown()
