@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "auth_token",
         default=None,
-        help="an extra dashboard credential for operators (default: env FT_AUTH_TOKEN); the "
-        "job secret is always accepted",
+        help="an operator token for the dashboard (default: env FT_AUTH_TOKEN); with a job "
+        "secret, operators sign in with a link from python -m ft.utils.dashboard_login",
     )
     _flag(
         p,
