@@ -2,7 +2,7 @@
 
 Contract:
 * ``import ft`` makes the torch.distributed backend "ft" available: at once when torch is
-  already imported, otherwise the moment torch finishes importing (see :mod:`ft._backend_hook`).
+  already imported, otherwise the moment torch finishes importing (see :mod:`ft.backend.registration`).
   Either way ``torch.distributed.init_process_group("ft")`` works after ``import ft`` and
   ``import torch``, in any order.
 * ``import ft`` itself imports neither torch nor the extension ``ft._C``. The names below load
@@ -19,14 +19,14 @@ from ft._version import __version__
 
 # name -> the module that defines it. Every torch-side public name of the package lives here.
 _LAZY: Dict[str, str] = {
-    "ProcessGroup": "ft.process_group",
-    "ProcessGroupFt": "ft.process_group",
-    "ProcessGroupGloo": "ft.process_group",
-    "ProcessGroupNCCL": "ft.process_group",
-    "ProcessGroupXCCL": "ft.process_group",
-    "ProcessGroupBabyNCCL": "ft.process_group",
-    "ProcessGroupBabyXCCL": "ft.process_group",
-    "lane": "ft.process_group",
+    "ProcessGroup": "ft.backend.process_group",
+    "ProcessGroupFt": "ft.backend.process_group",
+    "ProcessGroupGloo": "ft.backend.process_group",
+    "ProcessGroupNCCL": "ft.backend.process_group",
+    "ProcessGroupXCCL": "ft.backend.process_group",
+    "ProcessGroupBabyNCCL": "ft.backend.process_group",
+    "ProcessGroupBabyXCCL": "ft.backend.process_group",
+    "lane": "ft.backend.process_group",
     "Manager": "ft.manager",
     "WorldSizeMode": "ft.manager",
     "PersistentStepFailure": "ft.step_failures",  # torch-free
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from ft.optim.wrapper import Optimizer, OptimizerWrapper  # noqa: F401
     from ft.otel import setup_logger  # noqa: F401
     from ft.step_failures import PersistentStepFailure  # noqa: F401
-    from ft.process_group import (  # noqa: F401
+    from ft.backend.process_group import (  # noqa: F401
         ProcessGroup,
         ProcessGroupBabyNCCL,
         ProcessGroupBabyXCCL,
@@ -74,9 +74,9 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
         lane,
     )
 
-from ft import _backend_hook  # noqa: E402
+from ft.backend import registration  # noqa: E402
 
-_backend_hook.register_when_torch_loads()
+registration.register_when_torch_loads()
 
 
 def _export_torchft_records() -> None:

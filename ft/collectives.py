@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from ft.process_group import current_lane, lane
+from ft.backend.process_group import current_lane, lane
 
 __all__ = [
     "Segment",

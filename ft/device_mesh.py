@@ -13,7 +13,7 @@ torch ``DeviceMesh`` here, so ``fully_shard(model, mesh=mesh)`` and DTensor ops 
 How the mesh is built (torch 2.13): ``DeviceMesh.from_group`` takes one existing process group
 per dimension. The dimensions other than the replicate one are torch's own groups, made by
 ``init_device_mesh`` over the replica group's default process group. The replicate dimension
-is a :class:`ft.process_group.ManagedProcessGroup` over the Manager, registered in torch's
+is a :class:`ft.managed_process_group.ManagedProcessGroup` over the Manager, registered in torch's
 group registry (``ProcessGroup.register``) so that DTensor's functional collectives find it by
 name. Its collectives therefore go through :meth:`ft.Manager.allreduce`: a failure is reported
 to the Manager (the step does not commit) instead of raised, and an average divides by the
@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ft.process_group import ManagedProcessGroup, ProcessGroup
+from ft.backend.process_group import ProcessGroup
+from ft.managed_process_group import ManagedProcessGroup
 
 if TYPE_CHECKING:
     from ft.manager import Manager
@@ -88,7 +89,7 @@ class ManagedDeviceMesh(DeviceMesh):
             dimension alone.
         mesh_dim_names: every dimension's name, the replicate one included.
         replicate_pg: the replicate dimension's group, registered in torch's group registry
-            (:meth:`ft.process_group.ProcessGroup.register`).
+            (:meth:`ft.backend.process_group.ProcessGroup.register`).
         replicate_dim: the replicate dimension's position.
         parent: kept as an attribute for torchft's callers; unused (torch's slicing makes
             submeshes here).

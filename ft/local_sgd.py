@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from ft.collectives import BucketedAllreduce
-from ft.process_group import lane
+from ft.backend.process_group import lane
 from ft.protocols import ManagerLike
 from ft.spans import span, span_block
 from ft.utils.tensors import clone_state

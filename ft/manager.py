@@ -82,7 +82,7 @@ from ft.coordination import (
 from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
-from ft.process_group import connect_store_client
+from ft.backend.process_group import connect_store_client
 from ft.progress_watch import ProgressWatch
 from ft.work import _DummyWork
 from ft.utils import net

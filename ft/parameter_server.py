@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from torch.distributed import TCPStore
 
-from ft.process_group import ProcessGroup
+from ft.backend.process_group import ProcessGroup
 from ft.utils import net
 from ft.utils.auth import check_exposure
 from ft.utils.http_server import BoundedHTTPServer, BoundedRequestHandler

@@ -45,12 +45,6 @@ __all__ = ["CheckpointFetcher"]
 
 logger = logging.getLogger(__name__)
 
-# Of the time left, a source may spend all but a reserve on waiting for the step to be staged,
-# so that a step staged at the last moment still leaves its transfer some time: 1 s, or a
-# quarter of a short timeout (which must not go mostly to waiting). The source usually has the
-# step staged already, and then answers at once and the transfer gets all the time left.
-_TRANSFER_RESERVE_S = 1.0
-_TRANSFER_RESERVE_SHARE = 0.25
 # Range fetchers end by the deadline on their own (every read is bounded by it) and then say
 # what went wrong; they are waited for this much longer so that the caller gets their error
 # (a checksum mismatch, a refusal) rather than a bare timeout.
@@ -61,12 +55,6 @@ _ERROR_ORDER = (CheckpointCorruptError, CheckpointAuthError, CheckpointNotAvaila
 # A refusal's text is read up to this much: more than any message a source sends, and a bound
 # on what a hostile one can make the receiver read.
 _REFUSAL_TEXT_BYTES = 4096
-
-
-def _server_wait(deadline: Deadline) -> float:
-    """How long the source may wait for the step to be staged (see _TRANSFER_RESERVE_S)."""
-    remaining = deadline.remaining()
-    return max(0.0, remaining - min(_TRANSFER_RESERVE_S, remaining * _TRANSFER_RESERVE_SHARE))
 
 
 def _severity(e: BaseException) -> int:
@@ -172,7 +160,7 @@ class CheckpointFetcher:
             )
         where = f"checkpoint step {step} from rank {src_rank} at {metadata}"
 
-        wait_s = _server_wait(deadline)
+        wait_s = wire.server_wait(deadline)
         session = (
             same_host.Session.open(url.fragment, deadline, where, wire.raise_for_status)
             if self._same_host and url.fragment
@@ -185,7 +173,7 @@ class CheckpointFetcher:
                 if fetched is None:
                     session.close()
                     session = None
-                    wait_s = _server_wait(deadline)
+                    wait_s = wire.server_wait(deadline)
             if fetched is not None:
                 body, lease, reply = fetched
             else:

@@ -45,6 +45,8 @@ import json
 import struct
 from typing import List, Tuple
 
+from ft.utils.deadline import Deadline
+
 from ft.checkpointing import same_host
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.transport import (
@@ -130,3 +132,18 @@ def raise_for_status(status: int, text: str) -> None:
 def bracket(host: str) -> str:
     """``host`` as it stands in a URL's authority (an IPv6 literal in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# Of the time left, a source may spend all but a reserve on waiting for the step to be staged,
+# so that a step staged at the last moment still leaves its transfer some time: 1 s, or a
+# quarter of a short timeout (which must not go mostly to waiting). The source usually has the
+# step staged already, and then answers at once and the transfer gets all the time left.
+TRANSFER_RESERVE_S = 1.0
+TRANSFER_RESERVE_SHARE = 0.25
+
+
+def server_wait(deadline: Deadline) -> float:
+    """The ``wait`` a receiver asks of a source: how long it may wait for the step to be
+    staged (see TRANSFER_RESERVE_S)."""
+    remaining = deadline.remaining()
+    return max(0.0, remaining - min(TRANSFER_RESERVE_S, remaining * TRANSFER_RESERVE_SHARE))

@@ -244,9 +244,7 @@ class StripedFetch:
         self._worker(s)
 
     def _meta(self, s: _Source) -> None:
-        from ft.checkpointing.fetcher import _server_wait  # shared rule for the assigned source
-
-        wait_s = _server_wait(self._deadline)
+        wait_s = wire.server_wait(self._deadline)
         if not s.primary:
             wait_s = min(wait_s, self._opts.helper_wait_s)
         path = (

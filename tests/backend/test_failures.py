@@ -109,7 +109,7 @@ def test_gloo_devices_own_no_epoll_instance_another_thread_made_meanwhile(monkey
 
     import torch.distributed as dist
 
-    import ft.process_group as fpg
+    import ft.backend.process_group as fpg
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(fpg.net, "chosen_advertise_host", lambda: None)

@@ -2,14 +2,14 @@
 
 Contract:
 * :func:`register_when_torch_loads` is called once, by ``import ft``. If torch is already in
-  ``sys.modules`` it imports :mod:`ft.process_group` (which registers the backend) at once.
+  ``sys.modules`` it imports :mod:`ft.backend.process_group` (which registers the backend) at once.
   Otherwise it arms a one-shot import hook: when the module ``torch`` finishes executing, the
   backend is registered, and the hook removes itself.
 * A process that never imports torch (a lighthouse) never loads torch or ``ft._C``.
 * When torch is first imported by an ft module's own top level (``import ft.work`` or
-  ``from ft.futures import ...`` as a program's first import), :mod:`ft.process_group` cannot
+  ``from ft.futures import ...`` as a program's first import), :mod:`ft.backend.process_group` cannot
   be imported yet: it imports that half-initialised module. The backend is then registered with
-  a creator that imports :mod:`ft.process_group` when ``init_process_group("ft")`` first runs.
+  a creator that imports :mod:`ft.backend.process_group` when ``init_process_group("ft")`` first runs.
 * A failure to register (for example an ``ft._C`` built for another torch) never breaks
   ``import torch``: it is logged as a warning, and the same error is raised again, with its
   cause, by the first use of an ft name that needs the backend.
@@ -42,14 +42,14 @@ def _an_ft_module_is_initialising() -> bool:
 
 
 def _create_backend(store, rank: int, world_size: int, timeout):
-    from ft.process_group import _create_backend as create
+    from ft.backend.process_group import _create_backend as create
 
     return create(store, rank, world_size, timeout)
 
 
 def _register() -> None:
     if not _an_ft_module_is_initialising():
-        import ft.process_group  # noqa: F401  (registers "ft" with torch.distributed on import)
+        import ft.backend.process_group  # noqa: F401  (registers "ft" with torch.distributed on import)
 
         return
     import torch.distributed as dist
