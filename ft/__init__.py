@@ -36,7 +36,7 @@ _LAZY: Dict[str, str] = {
     "DistributedSampler": "ft.data",
     "DiLoCo": "ft.local_sgd",
     "LocalSGD": "ft.local_sgd",
-    "setup_logger": "ft.otel",  # torch-free
+    "setup_logger": "ft.observability.otel",  # torch-free
 }
 
 __all__: List[str] = ["__version__", *_LAZY]
@@ -80,11 +80,11 @@ registration.register_when_torch_loads()
 
 
 def _export_torchft_records() -> None:
-    """As ``import torchft`` does: torchft's three record loggers (ft.records) are exported
+    """As ``import torchft`` does: torchft's three record loggers (ft.observability.records) are exported
     through OpenTelemetry when TORCHFT_USE_OTEL asks for it (a no-op otherwise)."""
     import warnings
 
-    from ft import otel, records
+    from ft.observability import otel, records
 
     for name in records.NAMES:
         try:

@@ -56,7 +56,7 @@ from torch.distributed import ReduceOp
 from ft.collectives import BucketedAllreduce
 from ft.backend.process_group import lane
 from ft.protocols import ManagerLike
-from ft.spans import span, span_block
+from ft.observability.spans import span, span_block
 from ft.utils.tensors import clone_state
 
 __all__ = [

@@ -86,10 +86,10 @@ from ft.backend.process_group import connect_store_client
 from ft.progress_watch import ProgressWatch
 from ft.work import _DummyWork
 from ft.utils import net
-from ft import records
+from ft.observability import records
 from ft.heal import Healer
 from ft.protocols import GroupServerClient
-from ft.spans import span, span_block
+from ft.observability.spans import span, span_block
 from ft.step_failures import (
     FailureStreak,
     PersistentStepFailure,

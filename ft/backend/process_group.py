@@ -59,7 +59,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOp
 
 from ft import _C
 from ft.utils import net
-from ft import records
+from ft.observability import records
 from ft.utils.deadline import Deadline, to_timedelta
 from ft.utils.retry import retry_until
 from ft.work import _DummyWork
