@@ -114,3 +114,40 @@ def test_receive_asks_the_source_through_the_client_factory_by_torchft_s_name() 
     assert made == [("src:1", timedelta(seconds=3))]
     assert healer._peer_clients["src:1"].asked == [(2, timedelta(seconds=1))]
     healer.close()
+
+
+class _StripingTransport(_Transport):
+    """What Healer.stripes() looks for: delivery confirmed, striped receive, wait_asked."""
+
+    confirms_delivery = True
+
+    def recv_checkpoint_striped(self, sources, step, timeout) -> Any:
+        raise AssertionError("not called here")
+
+    def wait_asked(self, step, receivers, timeout) -> bool:
+        raise AssertionError("not called here")
+
+
+_DONORS = [(0, "a:1"), (2, "c:1")]
+
+
+# (name, quorum fields, transport stripes, stages)
+SERVES = [
+    ("assigned receivers", dict(replica_rank=0, recover_dst_replica_ranks=[1]), False, True),
+    ("other donor, striping", dict(replica_rank=2, heal_donors=_DONORS), True, True),
+    ("other donor, no striping", dict(replica_rank=2, heal_donors=_DONORS), False, False),
+    ("single donor", dict(replica_rank=0, heal_donors=_DONORS[:1]), True, False),
+    ("not a donor", dict(replica_rank=3, heal_donors=_DONORS), True, False),
+    ("healing", dict(replica_rank=1, heal=True, heal_donors=_DONORS), True, False),
+    ("nobody heals", dict(replica_rank=0), True, False),
+]
+
+
+@pytest.mark.parametrize("name, fields, stripes, stages", SERVES, ids=[c[0] for c in SERVES])
+def test_who_stages_for_a_heal(name: str, fields: Any, stripes: bool, stages: bool) -> None:
+    t = (_StripingTransport if stripes else _Transport)(fail=False)
+    healer = Healer(t, timedelta(seconds=1))  # type: ignore[arg-type]
+    q = QuorumResult(max_step=5, replica_world_size=4, **fields)
+    assert healer.serves(q) is stages
+    healer.send(q, lambda: {"user": {}, "torchft": {}}, timedelta(seconds=1))
+    assert [s[:2] for s in t.sent] == ([(q.recover_dst_replica_ranks, 5)] if stages else [])
