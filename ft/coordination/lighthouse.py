@@ -52,6 +52,7 @@ from google.protobuf.message import DecodeError
 
 from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
+from .metrics import render_metrics
 from .rpc_server import Call, CallAborted, Method, RpcServer
 from ..utils.auth import (
     GRPC_PURPOSE,
@@ -696,104 +697,6 @@ class _LighthouseState:
                     "subscribers": len(self.subscribers),
                 },
             }
-
-
-def _prom_escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def render_metrics(status: dict) -> str:
-    lines: List[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{_prom_escape(str(v))}"' for k, v in labels.items())
-            lines.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
-
-    q = status["quorum"]
-    st = status["stats"]
-    metric(
-        "ft_lighthouse_quorum_id",
-        "gauge",
-        "Id of the current quorum (0: none yet).",
-        [({}, q["quorum_id"] if q else 0)],
-    )
-    metric(
-        "ft_lighthouse_quorum_members",
-        "gauge",
-        "Members of the current quorum.",
-        [({}, len(q["members"]) if q else 0)],
-    )
-    metric(
-        "ft_lighthouse_quorum_age_seconds",
-        "gauge",
-        "Seconds since the current quorum was issued.",
-        [({}, q["age_s"] if q else 0)],
-    )
-    metric(
-        "ft_lighthouse_participants",
-        "gauge",
-        "Replicas waiting for the next quorum.",
-        [({}, len(status["next_quorum"]["participants"]))],
-    )
-    metric(
-        "ft_lighthouse_heartbeat_age_seconds",
-        "gauge",
-        "Seconds since each replica's last heartbeat.",
-        [
-            ({"replica_id": r["replica_id"]}, r["heartbeat_age_s"])
-            for r in status["replicas"]
-            if r["heartbeat_age_s"] is not None
-        ],
-    )
-    metric(
-        "ft_lighthouse_replica_alive",
-        "gauge",
-        "1 if the replica's heartbeat is fresh.",
-        [({"replica_id": r["replica_id"]}, int(r["alive"])) for r in status["replicas"]],
-    )
-    metric(
-        "ft_lighthouse_quorum_latency_seconds",
-        "gauge",
-        "Time from the first participant joining to the quorum being issued (last round).",
-        [({}, st["last_quorum_latency_s"])],
-    )
-    metric(
-        "ft_lighthouse_quorum_latency_median_seconds",
-        "gauge",
-        "Median quorum latency over the last 1000 rounds.",
-        [({}, st["median_quorum_latency_s"])],
-    )
-    metric(
-        "ft_lighthouse_quorums_total", "counter", "Quorums issued.", [({}, st["quorums_issued"])]
-    )
-    metric(
-        "ft_lighthouse_native_rounds_total",
-        "counter",
-        "Quorums issued by the native server's steady round (without Python).",
-        [({}, st["native_rounds"])],
-    )
-    metric(
-        "ft_lighthouse_quorum_changes_total",
-        "counter",
-        "Quorums with a new quorum_id.",
-        [({}, st["quorum_changes"])],
-    )
-    metric(
-        "ft_lighthouse_failure_notifications_total",
-        "counter",
-        "Failure notifications sent (heartbeat expiries of quorum members).",
-        [({}, st["failure_notifications"])],
-    )
-    metric(
-        "ft_lighthouse_failure_subscribers",
-        "gauge",
-        "Open SubscribeFailures streams.",
-        [({}, st["subscribers"])],
-    )
-    return "\n".join(lines) + "\n"
 
 
 _SERVICE = "/torchft.LighthouseService/"
