@@ -56,11 +56,12 @@ _HELPER_METADATA_GRACE_S = 0.5
 # Where a heal may stripe, a donor waits at most this long after staging for every healing
 # replica to ask it for the checkpoint, before it waits for those reading to finish: once that
 # wait returns, the donor's caller changes its state and no new reader is let in. Receivers ask
-# every donor as soon as they have their quorum answer (the moment the donors have theirs), so
-# they come within milliseconds; one that does not (it fetches from a same-host source alone,
-# or gave up on this donor) holds the donor this long, once per heal. It matches the receivers'
-# own wait for a helper's staging (StripeOptions.helper_wait_s).
-DONOR_ARRIVAL_S = 2.0
+# every donor as soon as they have their quorum answer (sync quorum: when the donors stage;
+# async: before, their requests wait for the staging), so a receiver that stripes comes within
+# milliseconds. One that does not (it fetches from a same-host source alone, or gave up on this
+# donor) holds the donor this long, once per heal: short, as every other group then waits for
+# this one at its next collective or quorum.
+DONOR_ARRIVAL_S = 0.25
 # While a source waits for its receivers (wait_delivered), it checks this often whether to stop
 # (its step failed: a receiver died, say).
 _STOP_POLL_S = 0.1
