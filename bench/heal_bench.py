@@ -227,7 +227,11 @@ def main() -> None:
             TIMEOUT, a.chunks, advertise_host="127.0.0.1", device=dev, same_host=False
         )
         paths: List[Tuple[str, int, Any]] = [
-            ("ft same-host path", 1, lambda step, ds: local.recv_checkpoint(0, ds[0].url, step, TIMEOUT)),
+            (
+                "ft same-host path",
+                1,
+                lambda step, ds: local.recv_checkpoint(0, ds[0].url, step, TIMEOUT),
+            ),
             (
                 f"ft HTTP, {a.chunks} chunks, 1 donor",
                 1,
@@ -271,7 +275,9 @@ def main() -> None:
             if "copy into fresh memory" in times
             else None
         )
-        print(f"\n| path | GB/s | vs {floor_name} | vs copy into fresh memory | donor blocked (ms) |")
+        print(
+            f"\n| path | GB/s | vs {floor_name} | vs copy into fresh memory | donor blocked (ms) |"
+        )
         print("|---|---|---|---|---|")
         for name, ts in times.items():
             gbs = total / statistics.median(ts) / 1e9

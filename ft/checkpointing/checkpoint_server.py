@@ -10,7 +10,6 @@ returns the caller may mutate the tensors again.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -252,12 +251,7 @@ class CheckpointServer:
 
             deadline.wait(self.cond, settled)
             st = self._staging
-            if (
-                st is None
-                or st.step != step
-                or st.delivered < receivers
-                or st.striped_readers()
-            ):
+            if st is None or st.step != step or st.delivered < receivers or st.striped_readers():
                 return False
             # The caller changes the tensors from now on: nobody new may start reading them.
             st.released = True

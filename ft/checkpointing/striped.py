@@ -292,9 +292,11 @@ class StripedFetch:
                     return None
                 if not self._deadline.wait(
                     self._cond,
-                    lambda: bool(self._todo)
-                    or self._fatal is not None
-                    or len(self._crcs) == len(self._units),
+                    lambda: (
+                        bool(self._todo)
+                        or self._fatal is not None
+                        or len(self._crcs) == len(self._units)
+                    ),
                 ):
                     return None
 
@@ -427,7 +429,9 @@ class StripedFetch:
                 f"&ok={1 if ok else 0}"
             )
             try:
-                conn, resp, _, _ = self._f.open(s.host, s.port, path, done_deadline, s.where, s.secure)
+                conn, resp, _, _ = self._f.open(
+                    s.host, s.port, path, done_deadline, s.where, s.secure
+                )
                 resp.close()
                 conn.close()
             except (CheckpointError, OSError) as e:
@@ -446,5 +450,7 @@ class StripedFetch:
         logger.info(
             "striped heal of step %d: %s",
             self._step,
-            ", ".join(f"{s.metadata}: {s.served} bytes in {s.ranges} ranges" for s in self._sources),
+            ", ".join(
+                f"{s.metadata}: {s.served} bytes in {s.ranges} ranges" for s in self._sources
+            ),
         )

@@ -58,7 +58,9 @@ def test_donor_killed_mid_heal_the_others_finish_bitwise():
     peers, urls = _donors(3, "--slow", "0.02")
     rx = _receiver(stall_timeout_s=2.0)
     try:
-        out = run_in_thread(lambda: rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT))
+        out = run_in_thread(
+            lambda: rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT)
+        )
         time.sleep(0.15)
         peers[1].kill9()
         out["thread"].join(TIMEOUT.total_seconds())
@@ -76,7 +78,9 @@ def test_every_donor_gone_is_a_clear_error():
     peers, urls = _donors(2, "--slow", "0.05")
     rx = _receiver(stall_timeout_s=1.0)
     try:
-        out = run_in_thread(lambda: rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT))
+        out = run_in_thread(
+            lambda: rx.recv_checkpoint_striped(list(enumerate(urls)), STEP, TIMEOUT)
+        )
         time.sleep(0.15)
         for p in peers:
             p.kill9()

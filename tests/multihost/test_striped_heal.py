@@ -56,8 +56,21 @@ def _start(hosts, tmp: str, donors: List[str], rate: str, stall_s: float = 5.0):
         # the donor's sending side: tbf on its host's end of the link
         hosts.run(
             name,
-            ["tc", "qdisc", "add", "dev", f"eth{i + 1}", "root", "tbf", "rate", rate,
-             "burst", "32kb", "latency", "400ms"],
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"eth{i + 1}",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "32kb",
+                "latency",
+                "400ms",
+            ],
         )
         cfg = {
             "role": "donor",
