@@ -12,6 +12,7 @@ them all, so that the backend's face imports nothing above it (docs/design.md, "
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from ft.backend import process_group as _backend_face
@@ -32,6 +33,7 @@ from ft.backend.process_group import (  # noqa: F401
     ProcessGroupTimeout,
     ProcessGroupWrapper,
     ProcessGroupXCCL,
+    ReconfigureOptions,
     connect_store_client,
     create_store_client,
     current_lane,
@@ -65,7 +67,24 @@ __all__ = [
     "trigger_nccl_fr_trace_through_pipe",
     "lane",
     "parse_store_addr",
+    "ReconfigureOptions",
+    "reconfigure_with_store",
 ]
+
+
+def reconfigure_with_store(
+    pg: Any,
+    store_addr: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta = _backend_face.RECONFIGURE_TIMEOUT,
+) -> None:
+    """:func:`ft.backend.process_group.reconfigure_with_store`, reaching the store through
+    this module's ``create_store_client`` (torchft's module held both, and code written for
+    it patches the store client here)."""
+    _backend_face.reconfigure_with_store(
+        pg, store_addr, rank, world_size, timeout, store_client=create_store_client
+    )
 
 
 def __getattr__(name: str) -> Any:

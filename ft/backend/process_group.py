@@ -44,12 +44,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import json
 import logging
 import os
+import secrets
 import socket
 import threading
+import uuid as _uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -83,6 +87,8 @@ __all__ = [
     "trigger_nccl_fr_trace_through_pipe",
     "lane",
     "parse_store_addr",
+    "ReconfigureOptions",
+    "reconfigure_with_store",
 ]
 
 logger = logging.getLogger(__name__)
@@ -311,6 +317,66 @@ class ProcessGroup(_TorchProcessGroup):
         time), this process's ``rank`` among ``world_size``. Blocks until connected."""
         raise NotImplementedError(f"{type(self).__name__} does not implement configure()")
 
+    # -- the reconfigure API (torchft-nightly's; torch 2.14's names) ---------------------
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        """True: every group of this family can be rebuilt with :meth:`reconfigure` (a
+        subclass that implements only torchft 0.2.0's ``configure`` gets it from the
+        default :meth:`reconfigure`)."""
+        return True
+
+    def set_rank_info(
+        self,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        global_rank: Optional[int] = None,
+    ) -> None:
+        """This process's identity: its replica group, its rank and the number of ranks in
+        that group, and its job-wide rank (carried in the reconfigure handle, so that every
+        member learns its peers' global ranks). The Manager calls it once."""
+        self._rank_info = (replica_id, group_rank, group_world_size, global_rank)
+
+    def _rank_info_or_default(self) -> Tuple[Optional[str], Optional[int], Optional[int], Any]:
+        return getattr(self, "_rank_info", None) or (None, None, None, None)
+
+    def _handle_id(self) -> str:
+        """The id this group's reconfigure handle carries: random, fixed for the group's
+        life, so a group finds its own rank among ordered handles."""
+        hid = getattr(self, "_reconfigure_id", None)
+        if hid is None:
+            hid = self._reconfigure_id = _uuid.uuid4().hex
+        return hid
+
+    def get_reconfigure_handle(self) -> str:
+        """An opaque string naming this group to its peers (JSON: its id, the address of a
+        rendezvous store this group hosts, its global rank). Exchanged out of band (the
+        Manager: through the lighthouse; :func:`reconfigure_with_store`: through a store)
+        and handed to every member's :meth:`reconfigure` in rank order. The store is started
+        on the first call and lives as long as the group."""
+        return json.dumps(
+            {
+                "id": self._handle_id(),
+                "store": _hosted_store_addr(self),
+                "global_rank": self._rank_info_or_default()[3],
+            }
+        )
+
+    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
+        """Rebuilds the group from ``opts``: ``opts.handles``, every member's
+        :meth:`get_reconfigure_handle` in rank order (this group's rank is the index of its
+        own), ``opts.uuid``, an id fresh for every reconfiguration and the same on every
+        member. The members meet on the first handle's store, under ``torchft/<uuid>``.
+
+        Blocks until the group is connected and returns a completed Work; raises if it
+        cannot connect. This default rendezvouses and calls :meth:`configure`, so a group
+        written for torchft 0.2.0 (``configure`` only) reconfigures too."""
+        rdv = _rendezvous(opts, self._handle_id())
+        replica_id = self._rank_info_or_default()[0]
+        self.configure(rdv.store_addr, replica_id or "0", rdv.rank, rdv.world_size)
+        return _DummyWork(None)
+
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         raise NotImplementedError(f"{type(self).__name__} does not implement getBackendName()")
 
@@ -481,6 +547,26 @@ class ProcessGroupFt(ProcessGroup):
             raise
         finally:
             _configuring.deadline = None
+
+    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
+        """Rebuilds the group in place from ordered handles (see
+        :meth:`ProcessGroup.reconfigure`): a new generation on the first handle's store, under
+        ``torchft/<uuid>``, with the members' global ranks where the handles carry them. The
+        same object, backend and registration before and after. Connecting is bounded by the
+        group's timeout (:meth:`set_timeout`)."""
+        rdv = _rendezvous(opts, self._handle_id())
+        replica_id, group_rank, group_world_size, _ = self._rank_info_or_default()
+        self.configure(
+            rdv.store_addr,
+            replica_id or "0",
+            rdv.rank,
+            rdv.world_size,
+            quorum_id=rdv.uuid,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            global_ranks=rdv.global_ranks,
+        )
+        return _DummyWork(None)
 
     def _client_store(self, host: str, port: int, deadline: Deadline) -> TCPStore:
         what = (
@@ -820,6 +906,124 @@ def create_store_client(store_addr: str, timeout: timedelta) -> Store:
     return PrefixStore(prefix, connect_store_client(host, port, timeout))
 
 
+# -- reconfigure handles --------------------------------------------------------------------
+
+try:  # torch 2.14 and later: torch's own options type
+    from torch._C._distributed_c10d import ReconfigureOptions
+except ImportError:  # torch < 2.14: a stand-in with the same fields
+
+    @dataclass
+    class ReconfigureOptions:  # type: ignore[no-redef]
+        """What a reconfiguration needs (torch 2.14's ``ReconfigureOptions``): ``uuid``, an
+        id fresh for every reconfiguration and equal on every member; ``handles``, the
+        members' reconfigure handles (a list assigns ranks by position; ft's groups need a
+        list); ``timeout`` (None: the group's own); ``hints``, backend-specific settings."""
+
+        uuid: int = 0
+        handles: Union[List[str], Set[str]] = field(default_factory=list)
+        timeout: Optional[timedelta] = None
+        hints: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    """Where and as what one member of a reconfiguration connects: the store prefix all
+    members share, its rank and the world size, and the members' global ranks (None unless
+    every handle names one)."""
+
+    store_addr: str
+    rank: int
+    world_size: int
+    uuid: int
+    global_ranks: Optional[List[int]]
+
+
+def _rendezvous(opts: Any, handle_id: str) -> _Rendezvous:
+    """Reads ordered handles (ft's and torchft's JSON handles): the rank is the index of the
+    handle whose id is ``handle_id``; every member meets on the first handle's store under
+    ``torchft/<uuid>``, a prefix no other reconfiguration uses."""
+    handles = opts.handles
+    if not isinstance(handles, (list, tuple)):
+        raise ValueError(
+            "ft's process groups need the handles in rank order (a list), got "
+            f"{type(handles).__name__}"
+        )
+    if not handles:
+        raise ValueError("reconfigure needs at least this group's own handle")
+    try:
+        peers = [json.loads(h) for h in handles]
+        ids = [p["id"] for p in peers]
+        first_store = peers[0]["store"]
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"not a reconfigure handle of this process-group family: {e}") from e
+    if handle_id not in ids:
+        raise ValueError(f"this group's handle (id {handle_id}) is not among the {len(ids)} given")
+    ranks = [p.get("global_rank") for p in peers]
+    return _Rendezvous(
+        store_addr=f"{first_store}/torchft/{opts.uuid}",
+        rank=ids.index(handle_id),
+        world_size=len(peers),
+        uuid=opts.uuid,
+        global_ranks=None if any(r is None for r in ranks) else [int(r) for r in ranks],
+    )
+
+
+_hosting_lock = threading.Lock()
+
+
+def _hosted_store_addr(pg: Any) -> str:
+    """``host:port`` of the rendezvous store ``pg`` hosts, started on the first call."""
+    with _hosting_lock:
+        store = getattr(pg, "_rendezvous_store", None)
+        if store is None:
+            store = TCPStore(
+                host_name=net.advertise_host(),
+                port=0,
+                is_master=True,
+                wait_for_workers=False,
+            )
+            pg._rendezvous_store = store
+    host = net.advertise_host()
+    return f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
+
+
+RECONFIGURE_TIMEOUT = timedelta(seconds=60)
+
+
+def reconfigure_with_store(
+    pg: Any,
+    store_addr: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta = RECONFIGURE_TIMEOUT,
+    store_client: Optional[Callable[[str, timedelta], Store]] = None,
+) -> None:
+    """Rebuilds ``pg`` as ``rank`` of ``world_size`` without a Manager: the members swap
+    their reconfigure handles through the store at ``store_addr`` ("host:port/prefix", a
+    prefix used for this one reconfiguration), rank 0 draws the uuid, and every member
+    calls ``pg.reconfigure`` with the handles in rank order and waits for it.
+
+    Works for every group with the reconfigure API: ft's, and torch's own made with
+    ``enable_reconfigure=True`` (torch 2.14). Raises ``DistStoreError`` when a member's
+    handle does not arrive within ``timeout`` (``pg`` is then left as it was), and what
+    ``pg.reconfigure`` raises. ``store_client``: how to reach the store (default
+    :func:`create_store_client`).
+    """
+    timeout = to_timedelta(timeout)
+    store = (store_client or create_store_client)(store_addr, timeout)
+    store.set(f"handle/{rank}", pg.get_reconfigure_handle())
+    if rank == 0:
+        store.set("uuid", str(secrets.randbits(63)))
+    keys = ["uuid"] + [f"handle/{r}" for r in range(world_size)]
+    store.wait(keys, timeout)
+    got = store.multi_get(keys)
+    opts = ReconfigureOptions()
+    opts.uuid = int(got[0])
+    opts.handles = [h.decode() if isinstance(h, bytes) else str(h) for h in got[1:]]
+    opts.timeout = timeout
+    pg.reconfigure(opts).wait()
+
+
 def _configure_group(
     pg: Any, store_addr: str, replica_id: str, rank: int, world_size: int, extra: Dict[str, Any]
 ) -> None:
@@ -889,6 +1093,48 @@ class ProcessGroupWrapper(ProcessGroup):
         raise NotImplementedError(
             f"{type(self).__name__} wraps no group: pass pg=... or implement _create_pg()"
         )
+
+    def _delegates_reconfigure(self) -> bool:
+        """Whether reconfiguring goes to the wrapped group itself (one it was given that has
+        the reconfigure API: ft's, or torch's made with ``enable_reconfigure=True``)."""
+        pg = self._pg
+        return not self._owns_pg and (
+            isinstance(pg, ProcessGroup) or bool(getattr(pg, "supports_reconfigure", False))
+        )
+
+    def set_rank_info(
+        self,
+        replica_id: str,
+        group_rank: int,
+        group_world_size: int,
+        global_rank: Optional[int] = None,
+    ) -> None:
+        super().set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+        if isinstance(self._pg, ProcessGroup):
+            self._pg.set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+
+    def _handle_id(self) -> str:
+        if not self._owns_pg and isinstance(self._pg, ProcessGroup):
+            return self._pg._handle_id()
+        return super()._handle_id()
+
+    def get_reconfigure_handle(self) -> str:
+        if self._delegates_reconfigure():
+            return self._pg.get_reconfigure_handle()
+        return super().get_reconfigure_handle()
+
+    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
+        """Reconfigures the wrapped group when it has the reconfigure API; otherwise (a group
+        this wrapper creates, or one with only ``configure``) rendezvouses on the handles and
+        configures it as :meth:`configure` does."""
+        if self._delegates_reconfigure():
+            if isinstance(self._pg, ProcessGroup):
+                self._rank = _rendezvous(opts, self._handle_id()).rank
+            return self._pg.reconfigure(opts)
+        rdv = _rendezvous(opts, self._handle_id())
+        replica_id = self._rank_info_or_default()[0]
+        self.configure(rdv.store_addr, replica_id or "0", rdv.rank, rdv.world_size)
+        return _DummyWork(None)
 
     def abort(self, errored: bool = True) -> None:
         if errored:
@@ -1172,6 +1418,10 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         self._error = None
         super().configure(store_addr, replica_id, rank, world_size, **kwargs)
 
+    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
+        self._error = None
+        return super().reconfigure(opts)
+
     def report_error(self, e: Exception) -> None:
         """Records ``e`` (unless an error is already recorded): later ops are skipped until
         the next configure."""
@@ -1253,6 +1503,10 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
         self._future_error = None
         super().configure(store_addr, replica_id, rank, world_size, **kwargs)
 
+    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
+        self._future_error = None
+        return super().reconfigure(opts)
+
     def report_future_error(self, e: Exception) -> None:
         """Makes the next op's Work fail with ``e``."""
         self._future_error = e
@@ -1274,7 +1528,8 @@ class ProcessGroupDummy(ProcessGroup):
     ``rank()``/``size()`` report the given values. For tests, and for discarding ops a
     library insists on issuing.
 
-    Attributes: ``configure_count`` (configure calls), ``_work`` (the Works returned).
+    Attributes: ``configure_count`` (configure calls), ``reconfigure_count`` (reconfigure
+    calls), ``_work`` (the Works returned).
     torchft accepts only rank 0 of 1; ft accepts any ``0 <= rank < world``.
     """
 
@@ -1289,12 +1544,17 @@ class ProcessGroupDummy(ProcessGroup):
         self.wait_count = 0
         self.get_future_count = 0
         self.configure_count = 0
+        self.reconfigure_count = 0
         self._work: List[dist.Work] = []
 
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
     ) -> None:
         self.configure_count += 1
+
+    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
+        self.reconfigure_count += 1
+        return _DummyWork(None)
 
     def _done(self, result: Any) -> dist.Work:
         work = _DummyWork(result)

@@ -801,3 +801,36 @@ def configure_after_shutdown(rank, world_size, port):
     u = torch.full((3,), float(rank + 1))
     dist.all_reduce(u, group=pg)
     return t, after_shutdown, u, pg.errored()
+
+
+def resize_with_handles(rank, world_size, port, plan):
+    """Rebuilds one ProcessGroupGloo through the reconfigure API (reconfigure_with_store) for
+    each member list in `plan` (old ranks, in new rank order), then aborts it and rebuilds it
+    with every process. Returns, per generation taken part in: (rank, size, allreduce result,
+    same object, backend generation)."""
+    from ft.backend.process_group import reconfigure_with_store
+
+    timeout = timedelta(seconds=20)
+    store = connect_store(port)
+    pg = ft.ProcessGroupGloo(timeout=timeout)
+    pg.set_rank_info(f"replica_{rank}", 0, 1, global_rank=10 + rank)
+    first = pg
+    out = []
+
+    def step(members, tag):
+        reconfigure_with_store(
+            pg, f"{ADDR}:{port}/{tag}", members.index(rank), len(members), timeout
+        )
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t, group=pg)
+        out.append((pg.rank(), pg.size(), t, pg is first, pg.backend.generation(), pg.global_ranks))
+
+    for i, members in enumerate(plan):
+        if rank in members:
+            step(members, f"resize/{i}")
+        store.set(f"done/{i}/{rank}", "1")
+        store.wait([f"done/{i}/{r}" for r in range(world_size)], timeout)
+    pg.abort()
+    step(list(range(world_size)), "recovery")
+    pg.shutdown()
+    return out
