@@ -11,7 +11,7 @@ Extensions:
   OpenSSL are installed (``pkg-config grpc++ libcrypto``, e.g. Debian's libgrpc++-dev and
   libssl-dev). It compiles with pybind11's own headers (``pybind11.get_include()``) and links
   gRPC C++ and libcrypto, not torch. Without it the lighthouse serves, and clients call, with
-  grpcio.
+  grpcio (slower: the build then ends with a WARNING saying what was missing).
 
 Build switches (docs/building.md, "Build switches"; environment; 1/ON/YES/TRUE and 0/OFF/NO/FALSE, as PyTorch's):
 
@@ -25,10 +25,10 @@ Build switches (docs/building.md, "Build switches"; environment; 1/ON/YES/TRUE a
     MAX_JOBS=N                 parallel compile jobs (torch's ninja build reads it)
     DEBUG=1                    -O0 -g (REL_WITH_DEB_INFO=1: -O2 -g); default -O2, no symbols
     FT_NATIVE_GRPC=0|1         native gRPC server off, or on and required (default: on where
-                               gRPC C++ is found, except in a wheel)
-    FT_WHEEL_NATIVE_GRPC=1     build the native gRPC server into a wheel too (bdist_wheel,
-                               so also `pip install .`); off by default so that a wheel needs
-                               no libgrpc++ where it is installed
+                               gRPC C++ is found; a build without it ends with a WARNING)
+    FT_WHEEL_NATIVE_GRPC=0     leave the native gRPC server out of a wheel (bdist_wheel, so
+                               also `pip install .`); scripts/build_wheel.sh bundles gRPC C++
+                               into the wheels it makes (auditwheel)
     FT_BUILD_EXTENSIONS=0      pure-Python install, torch not imported (the lighthouse
                                image: examples/deploy/Dockerfile.lighthouse)
 
@@ -37,6 +37,7 @@ major.minor it was compiled against, since torch's C++ ABI changes between minor
 sdist declares the range of pyproject.toml and marks Requires-Dist dynamic (PEP 643).
 """
 
+import atexit
 import glob
 import os
 import subprocess
@@ -243,31 +244,78 @@ def extension():
     )
 
 
+# The WARNINGs of this build (no_native_grpc), printed by build_ext.
+BUILD_WARNINGS = []
+
+NO_NATIVE_GRPC_COST = (
+    "the lighthouse and the ManagerServers will serve, and their clients call, with grpcio "
+    "(the fallback): quorum rounds about 2-3x slower, heartbeats about 4x the CPU "
+    "(docs/benchmarks.md, \"Quorum and lighthouse\")"
+)
+
+
+def _pkg_config(*args):
+    return subprocess.run(["pkg-config", *args], capture_output=True, text=True)
+
+
+def missing_grpc_parts():
+    """What of gRPC C++ and OpenSSL pkg-config cannot find, for the message (asked only after
+    the combined query failed: each query costs seconds)."""
+    try:
+        _pkg_config("--version")
+    except OSError:
+        return ["pkg-config (the build finds gRPC C++ with it)"]
+    missing = []
+    for module, what in (("grpc++", "gRPC C++"), ("libcrypto", "OpenSSL's libcrypto")):
+        if _pkg_config("--exists", module).returncode != 0:
+            missing.append(f"{what} (pkg-config {module})")
+    return missing or ["gRPC C++ or OpenSSL (pkg-config grpc++ libcrypto failed)"]
+
+
+def no_native_grpc(missing, install):
+    """Records the WARNING of a build without the native server: the build prints it when it
+    starts compiling and again when the process ends (build_ext below)."""
+    cost = NO_NATIVE_GRPC_COST[0].upper() + NO_NATIVE_GRPC_COST[1:]
+    BUILD_WARNINGS.append(
+        "WARNING: ft is built without its native gRPC server (ft.coordination._grpc_server): "
+        f"{'; '.join(missing)} not found. {cost}. To build it: {install}, then rebuild; "
+        "FT_NATIVE_GRPC=0 builds without it and without this warning."
+    )
+
+
+def print_build_warnings():
+    for text in BUILD_WARNINGS:
+        print(text, file=sys.stderr, flush=True)
+
+
 def grpc_server_extension():
     """ft.coordination._grpc_server, or None (module docstring: FT_NATIVE_GRPC)."""
     wanted = env_flag("FT_NATIVE_GRPC")
     if wanted is False:
+        print("ft: FT_NATIVE_GRPC=0: no native gRPC server; " + NO_NATIVE_GRPC_COST)
         return None
-    if wanted is None and BUILDING_WHEEL and not env_flag("FT_WHEEL_NATIVE_GRPC", False):
+    if wanted is None and BUILDING_WHEEL and env_flag("FT_WHEEL_NATIVE_GRPC", True) is False:
         print(
-            "ft: wheel without the native gRPC server (it would need libgrpc++ where the wheel "
-            "is installed; FT_WHEEL_NATIVE_GRPC=1 builds it in): the lighthouse will use grpcio"
+            "ft: FT_WHEEL_NATIVE_GRPC=0: a wheel without the native gRPC server; "
+            + NO_NATIVE_GRPC_COST
         )
         return None
     try:
         cflags = subprocess.check_output(
-            ["pkg-config", "--cflags", "grpc++", "libcrypto"], text=True
+            ["pkg-config", "--cflags", "grpc++", "libcrypto"], text=True, stderr=subprocess.DEVNULL
         ).split()
         libs = subprocess.check_output(
-            ["pkg-config", "--libs", "grpc++", "libcrypto"], text=True
+            ["pkg-config", "--libs", "grpc++", "libcrypto"], text=True, stderr=subprocess.DEVNULL
         ).split()
     except (OSError, subprocess.CalledProcessError):
         if wanted:
             raise SystemExit(
                 "ft: FT_NATIVE_GRPC=1 but gRPC C++ or OpenSSL was not found (pkg-config grpc++ libcrypto)"
             ) from None
-        print(
-            "ft: gRPC C++ or OpenSSL not found (pkg-config grpc++ libcrypto): the lighthouse will use grpcio"
+        no_native_grpc(
+            missing_grpc_parts(),
+            "apt-get install libgrpc++-dev libssl-dev pkg-config (Debian/Ubuntu; elsewhere put "
+            "their .pc files on PKG_CONFIG_PATH)",
         )
         return None
     try:
@@ -277,7 +325,7 @@ def grpc_server_extension():
             raise SystemExit(
                 "ft: FT_NATIVE_GRPC=1 but pybind11 is not installed (pip install pybind11)"
             ) from None
-        print("ft: pybind11 not installed: no native gRPC server, the lighthouse will use grpcio")
+        no_native_grpc(["pybind11"], "pip install pybind11")
         return None
     return Extension(
         name="ft.coordination._grpc_server",
@@ -354,6 +402,11 @@ if torch is not None:
     class Build(BuildExtension):
         def run(self):
             generate_proto()
+            if BUILD_WARNINGS:
+                print_build_warnings()
+                # Again as the process ends: the last lines of the build's log (pip -v), after
+                # the compiler's output and the wheel's packing.
+                atexit.register(print_build_warnings)
             super().run()
 
     cmdclass["build_ext"] = Build.with_options(use_ninja=True)

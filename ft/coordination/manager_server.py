@@ -302,9 +302,10 @@ class ManagerServer:
         )
         self._heartbeater.start()
         logger.info(
-            "manager server %s for replica %s (world_size=%d) on %s, lighthouse %s",
+            "manager server %s for replica %s (%s server, world_size=%d) on %s, lighthouse %s",
             self.address(),
             replica_id,
+            self._server.transport,
             world_size,
             bind,
             lighthouse_addr,

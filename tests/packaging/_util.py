@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +24,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 HERE = Path(__file__).resolve().parent
+# shutil.copytree's ignore for a copy of the checkout without build outputs.
+IGNORE_BUILD_OUTPUTS = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.so",
+    "*.o",
+    "__pycache__",
+    "*.egg-info",
+    ".hypothesis",
+    ".pytest_cache",
+)
 
 
 def slow_tests_enabled() -> bool:

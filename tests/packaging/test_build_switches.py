@@ -144,16 +144,16 @@ def test_native_grpc_switches(tmp_path):
         [
             (("build_ext",), {"FT_NATIVE_GRPC": "0"}),
             (("bdist_wheel",), {}),
-            (("bdist_wheel",), {"FT_WHEEL_NATIVE_GRPC": "1"}),
+            (("bdist_wheel",), {"FT_WHEEL_NATIVE_GRPC": "0"}),
             (("build_ext",), {}),
             (("build_ext",), {"FT_NATIVE_GRPC": "1"}),
         ],
         grpc=True,
     )
-    off, wheel, wheel_on, in_place, required = [r.get("grpc", r.get("error")) for r in results]
+    off, wheel, wheel_off, in_place, required = [r.get("grpc", r.get("error")) for r in results]
     assert off is False
-    assert wheel is False  # a wheel leaves it out unless asked
-    assert wheel_on == in_place  # both: wherever gRPC C++, libcrypto and pybind11 are found
+    assert wheel == in_place  # a wheel too: wherever gRPC C++, libcrypto and pybind11 are found
+    assert wheel_off is False  # the wheel's opt-out
     assert required is True or required.startswith("exit: ")
     if in_place:
         assert required is True
