@@ -63,7 +63,7 @@ from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, Dict, Iterator, Optional, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,8 @@ from ft.coordination import (
 from ft.coordination.manager_server import LocalManagerClient
 from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
-from ft.backend.process_group import connect_store_client
+from ft.backend.process_group import ProcessGroup as _FtProcessGroup
+from ft.backend.process_group import ReconfigureOptions, connect_store_client
 from ft.progress_watch import ProgressWatch
 from ft.work import _DummyWork
 from ft.utils import net
@@ -348,6 +349,40 @@ class _EveryName:
 _EVERY_NAME = _EveryName()
 
 
+def _configures(pg: Any) -> bool:
+    """Whether the Manager rebuilds ``pg`` with ``configure()`` on the quorum's store (ft's
+    groups, and groups written for torchft 0.2.0) rather than with ``reconfigure(opts)`` on
+    handles exchanged through the lighthouse (torch's own groups made with
+    ``enable_reconfigure=True``, and subclasses that implement only ``reconfigure``)."""
+    if not callable(getattr(pg, "configure", None)):
+        return False
+    impl = getattr(type(pg), "configure", None)
+    # None: an instance attribute (a mock, a duck-typed group); else it must be a real one.
+    return impl is None or impl is not _FtProcessGroup.configure
+
+
+def _group_error(pg: Any) -> Optional[Exception]:
+    """The process group's pending error, or None: ``errored()`` of a group that has it (ft's,
+    torchft's); else the error its backends report (``get_error()``, torch's own groups)."""
+    errored = getattr(pg, "errored", None)
+    if errored is not None:
+        return errored()
+    for device in getattr(pg, "_device_types", None) or ():
+        try:
+            backend = pg._get_backend(device)
+        except RuntimeError:
+            continue
+        get_error = getattr(backend, "get_error", None)
+        error = get_error() if get_error is not None else None
+        if error is not None and error != torch._C._distributed_c10d.ErrorType.SUCCESS:
+            return dist.DistBackendError(f"the process group's {device} backend reports {error}")
+    return None
+
+
+def _can_rebuild(pg: Any) -> bool:
+    return _configures(pg) or bool(getattr(pg, "supports_reconfigure", False))
+
+
 def _keyword_parameters(fn: Callable[..., Any]) -> Any:
     """The keyword names ``fn`` accepts (a set-like that holds every name if it takes
     ``**kwargs``)."""
@@ -471,10 +506,19 @@ class Manager:
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
+        if not _can_rebuild(pg):
+            raise ValueError(
+                f"Manager(pg=...): {type(pg).__name__} cannot be reconfigured at a new quorum. "
+                f"Pass one of ft's process groups (ft.ProcessGroupGloo, ft.ProcessGroupNCCL, "
+                f"...), or a torch process group created with enable_reconfigure=True (torch "
+                f"2.14 and later, with a backend that supports reconfigure)"
+            )
         self._pg = pg
         # A process group written against torchft's base class may take only the four
         # positional arguments: ft's extra facts go only to a configure() that names them.
-        self._pg_configure_takes = _keyword_parameters(pg.configure)
+        self._pg_configure_takes = (
+            _keyword_parameters(pg.configure) if _configures(pg) else frozenset()
+        )
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
         self._world_size_mode = world_size_mode
@@ -583,6 +627,16 @@ class Manager:
         except BaseException:
             self._teardown(wait=False)
             raise
+        if isinstance(pg, _FtProcessGroup):
+            # Its reconfigure handle names its job-wide rank where the group id is a number
+            # (REPLICA_GROUP_ID, torchft's launchers), as torchft's does.
+            group_id = os.environ.get("REPLICA_GROUP_ID", "")
+            pg.set_rank_info(
+                self._replica_id,
+                self._rank,
+                self._world_size,
+                int(group_id) * self._world_size + self._rank if group_id.isdigit() else None,
+            )
         self._log.info(
             "start",
             f"manager ready (world_size={self._world_size}, "
@@ -1225,8 +1279,7 @@ class Manager:
         failed (a collective, or an abort after a peer's death)."""
         if self._errored is not None:
             return True
-        pg_errored = getattr(self._pg, "errored", None)  # a plain torch group has none
-        return pg_errored is not None and pg_errored() is not None
+        return _group_error(self._pg) is not None
 
     def _abandon_pending_heal(self, reason: str) -> None:
         quorum, self._heal_send_due = self._heal_send_due, None
@@ -1297,6 +1350,13 @@ class Manager:
     def _quorum_call(self, shrink_only: bool, quorum_timeout: timedelta) -> QuorumResult:
         # torchft's name for the call (GroupServerClient), so a stand-in written for torchft's
         # client drives the Manager.
+        # The group's reconfigure handle goes with the request only where the group is
+        # rebuilt from the handles (it is carried through the lighthouse to every peer).
+        handle = (
+            {}
+            if _configures(self._pg)
+            else {"reconfigure_handle": self._pg.get_reconfigure_handle()}
+        )
         return self._client._quorum(
             group_rank=self._rank,
             step=self._step,
@@ -1305,6 +1365,50 @@ class Manager:
             timeout=quorum_timeout,
             init_sync=self._init_sync,
             commit_failures=self._commit_failures,
+            **handle,
+        )
+
+    def _reconfigure_pg(self, communicator_id: int, handles: List[str]) -> None:
+        """Rebuilds the process group for a new quorum (torchft-nightly's name and
+        arguments): with ``configure()`` on the quorum's store where the group has one
+        (:func:`_configures`; the quorum is the one :meth:`_decide` is taking in), else with
+        ``reconfigure`` on the members' handles in replica rank order, ``communicator_id``
+        (the quorum id) as their uuid. Raises what either raises."""
+        quorum = getattr(self, "_configuring", None)
+        if quorum is not None and _configures(self._pg):
+            self._configure_pg(quorum)
+            return
+        if not handles or not all(handles):
+            raise RuntimeError(
+                f"cannot reconfigure {type(self._pg).__name__} for quorum {communicator_id}: "
+                f"not every member sent a reconfigure handle ({len(handles)} handles; a "
+                f"member running torchft 0.2.0 or an ft release before the reconfigure API "
+                f"sends none)"
+            )
+        opts = ReconfigureOptions()
+        opts.uuid = communicator_id
+        opts.handles = list(handles)
+        opts.timeout = self._timeout
+        self._pg.reconfigure(opts).wait()
+
+    def _configure_pg(self, quorum: QuorumResult) -> None:
+        store_prefixed_addr = f"{quorum.store_address}/torchft/{quorum.quorum_id}/{self._rank}"
+        extras = {
+            "quorum_id": quorum.quorum_id,
+            "group_rank": self._rank,
+            "group_world_size": self._world_size,
+            # This rank's peers across the replica groups, as job-wide ranks (replica r's
+            # group rank g is r * group_world_size + g), for the backend's logs.
+            "global_ranks": [
+                r * self._world_size + self._rank for r in range(quorum.replica_world_size)
+            ],
+        }
+        self._pg.configure(
+            store_prefixed_addr,
+            self._replica_id,
+            quorum.replica_rank,
+            quorum.replica_world_size,
+            **{k: v for k, v in extras.items() if k in self._pg_configure_takes},
         )
 
     def _decide(self, quorum: QuorumResult, t0: float, allow_heal: bool) -> bool:
@@ -1353,29 +1457,18 @@ class Manager:
                 "configure", f"store {quorum.store_address} with replicas {quorum.replica_ids}"
             )
             t1 = time.monotonic()
-            extras = {
-                "quorum_id": quorum.quorum_id,
-                "group_rank": self._rank,
-                "group_world_size": self._world_size,
-                # This rank's peers across the replica groups, as job-wide ranks (replica r's
-                # group rank g is r * group_world_size + g), for the backend's logs.
-                "global_ranks": [
-                    r * self._world_size + self._rank for r in range(quorum.replica_world_size)
-                ],
-            }
+            self._configuring = quorum
             try:
                 with span_block("torchft::manager::_pg::configure"):
-                    self._pg.configure(
-                        store_prefixed_addr,
-                        self._replica_id,
-                        quorum.replica_rank,
-                        quorum.replica_world_size,
-                        **{k: v for k, v in extras.items() if k in self._pg_configure_takes},
+                    self._reconfigure_pg(
+                        quorum.quorum_id, list(getattr(quorum, "reconfigure_handles", None) or [])
                     )
             except Exception as e:  # noqa: BLE001
                 self._log.error("configure", f"pg.configure({store_prefixed_addr}) failed")
                 self._report_error(e, abort=True, phase="configure")
                 return False
+            finally:
+                self._configuring = None
             self._log.info(
                 "configure",
                 f"process group configured in {(time.monotonic() - t1) * 1000:.1f} ms",
@@ -1542,8 +1635,7 @@ class Manager:
         # stream first, so that a collective still in flight has had its chance to fail.
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()
-        pg_errored = getattr(self._pg, "errored", None)  # a plain torch group has none
-        pg_error = pg_errored() if pg_errored is not None else None
+        pg_error = _group_error(self._pg)
         if pg_error is not None:
             # A collective issued straight on the group (FSDP's), or one aborted under it.
             self._report_error(pg_error, abort=False, phase="allreduce")

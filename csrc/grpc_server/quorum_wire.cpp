@@ -12,7 +12,8 @@
 // - For a well-formed message whose fields all have their declared wire types,
 //   the result equals wire.quorum_from_pb of protobuf's parse (the tests hold
 //   it to that): proto3 defaults for absent fields, the last value for a
-//   repeated scalar field, unknown fields skipped, `data` through
+//   repeated scalar field, every value of a repeated string field
+//   (reconfigure_handles) in order, unknown fields skipped, `data` through
 //   `data_from_wire` (called only for a non-empty string).
 // - Anything else (malformed bytes, a known field with another wire type,
 //   invalid UTF-8, a timestamp out of range) returns None, and the caller
@@ -110,6 +111,8 @@ struct Keys {
   PyObject* shrinkOnly = PyUnicode_InternFromString("shrink_only");
   PyObject* data = PyUnicode_InternFromString("data");
   PyObject* commitFailures = PyUnicode_InternFromString("commit_failures");
+  PyObject* reconfigureHandles =
+      PyUnicode_InternFromString("reconfigure_handles");
   PyObject* empty = PyUnicode_InternFromString("");
   PyObject* noArgs = PyTuple_New(0);
 }; // never freed: one per process
@@ -131,6 +134,11 @@ PyObject* decodeMember(
   int64_t step = 0, commitFailures = 0;
   uint64_t worldSize = 0;
   bool shrinkOnly = false;
+  Ref handles(PyList_New(0)); // reconfigure_handles (9), every occurrence
+  if (handles.p == nullptr) {
+    *fail = Fail::kRaised;
+    return nullptr;
+  }
   size_t i = 0;
   while (i < m.size()) {
     uint64_t field = 0, value = 0;
@@ -145,6 +153,16 @@ PyObject* decodeMember(
       if (t.p == nullptr)
         return nullptr;
       text[field == 7 ? 3 : field - 1] = std::move(t);
+    } else if (field == 9) {
+      if (wt != kBytes)
+        return nullptr;
+      Ref t(utf8(bytes));
+      if (t.p == nullptr)
+        return nullptr;
+      if (PyList_Append(handles.p, t.p) != 0) {
+        *fail = Fail::kRaised;
+        return nullptr;
+      }
     } else if (field == 4 || field == 5 || field == 6 || field == 8) {
       if (wt != kVarint)
         return nullptr;
@@ -171,7 +189,8 @@ PyObject* decodeMember(
   Ref stepObj(PyLong_FromLongLong(step));
   Ref worldObj(PyLong_FromUnsignedLongLong(worldSize));
   Ref failuresObj(PyLong_FromLongLong(commitFailures));
-  if (!stepObj.p || !worldObj.p || !failuresObj.p)
+  Ref handlesObj(PyList_AsTuple(handles.p));
+  if (!stepObj.p || !worldObj.p || !failuresObj.p || !handlesObj.p)
     return nullptr;
   auto* type = reinterpret_cast<PyTypeObject*>(cls);
   Ref member(type->tp_new(type, k.noArgs, nullptr)); // object.__new__(cls)
@@ -190,7 +209,8 @@ PyObject* decodeMember(
           k.shrinkOnly,
           shrinkOnly ? Py_True : Py_False) != 0 ||
       PyObject_GenericSetAttr(o, k.data, data.p) != 0 ||
-      PyObject_GenericSetAttr(o, k.commitFailures, failuresObj.p) != 0)
+      PyObject_GenericSetAttr(o, k.commitFailures, failuresObj.p) != 0 ||
+      PyObject_GenericSetAttr(o, k.reconfigureHandles, handlesObj.p) != 0)
     return nullptr;
   *fail = Fail::kNone;
   return member.release();

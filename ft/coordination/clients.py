@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Iterator, Optional, Self, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Self, Sequence, Tuple
 
 import grpc
 
@@ -600,6 +600,7 @@ class LighthouseClient(_Client):
         shrink_only: bool = False,
         data: Optional[dict] = None,
         commit_failures: int = 0,
+        reconfigure_handles: Sequence[str] = (),
         *,
         wait_for_ready: bool = True,
         retries: Optional[int] = None,
@@ -616,6 +617,7 @@ class LighthouseClient(_Client):
             shrink_only=shrink_only,
             data=json.dumps(data) if data is not None else "",
             commit_failures=commit_failures,
+            reconfigure_handles=reconfigure_handles,
         )
         return self._call(
             "Quorum",
@@ -741,6 +743,7 @@ class ManagerClient(_Client):
         timeout: Timeout,
         init_sync: bool = True,
         commit_failures: int = 0,
+        reconfigure_handle: str = "",
     ) -> QuorumResult:
         req = pb.ManagerQuorumRequest(
             group_rank=group_rank,
@@ -749,6 +752,7 @@ class ManagerClient(_Client):
             shrink_only=shrink_only,
             init_sync=init_sync,
             commit_failures=commit_failures,
+            reconfigure_handle=reconfigure_handle,
         )
         return wire.result_from_pb(self._call("Quorum", req, timeout))
 

@@ -149,6 +149,7 @@ def _methods(
             shrink_only=request.shrink_only,
             init_sync=request.init_sync,
             commit_failures=request.commit_failures,
+            reconfigure_handle=request.reconfigure_handle,
         )
         answer_later(call, lambda: wire.result_to_pb(server.quorum(req, deadline)))
 
@@ -513,6 +514,11 @@ class ManagerServer:
                 world_size=self._world_size,
                 shrink_only=shrink_only,
                 commit_failures=commit_failures,
+                # Each rank's process-group handle, in group rank order: every member's rank g
+                # gets the members' rank-g handles back (compute_quorum_result).
+                reconfigure_handles=[
+                    rnd.requests[r].reconfigure_handle for r in range(self._world_size)
+                ],
                 wait_for_ready=False,
                 retries=self._quorum_retries,
                 on_retry=on_retry,
@@ -624,6 +630,7 @@ class LocalManagerClient:
         timeout: Timeout,
         init_sync: bool = True,
         commit_failures: int = 0,
+        reconfigure_handle: str = "",
     ) -> QuorumResult:
         req = GroupRequest(
             group_rank=group_rank,
@@ -632,6 +639,7 @@ class LocalManagerClient:
             shrink_only=shrink_only,
             init_sync=init_sync,
             commit_failures=commit_failures,
+            reconfigure_handle=reconfigure_handle,
         )
         return self._call("Quorum", timeout, lambda deadline: self._server.quorum(req, deadline))
 

@@ -54,6 +54,9 @@ class QuorumMember:
         shrink_only: it asks for a quorum of the previous quorum's members only.
         data: user data it sent with its request (JSON-encodable), or None.
         commit_failures: how many commits in a row it failed.
+        reconfigure_handles: each group rank's process-group reconfigure handle, in group
+            rank order ("" where a rank sent none; torchft-nightly's field). Carried, never
+            compared: not part of the member's identity in the quorum rule.
     """
 
     replica_id: str
@@ -66,6 +69,7 @@ class QuorumMember:
     # crosses the wire as a JSON string (proto ``data``); ft.coordination._rpc converts.
     data: Optional[Any] = field(default=None, hash=False)
     commit_failures: int = 0
+    reconfigure_handles: Tuple[str, ...] = field(default=(), compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,9 @@ class QuorumResult:
     """(replica rank, ManagerServer address) of every member that can serve this quorum's
     heal (the up-to-date ones), in replica rank order; empty when nobody heals. An ft
     extension (proto field 1001): a striped heal takes from all of them."""
+    reconfigure_handles: List[str] = field(default_factory=list)
+    """This group rank's reconfigure handle in every member, in replica rank order ("" where
+    a member sent none): what ``ProcessGroup.reconfigure`` takes (torchft-nightly's field)."""
 
 
 @dataclass(frozen=True)
@@ -326,6 +333,10 @@ def compute_quorum_result(
         # Every member's answer names the donors, so that an up-to-date member assigned no
         # receiver knows to stage its state for the striped heal too.
         heal_donors=[(i, members[i].address) for i in up_to_date] if recovering else [],
+        reconfigure_handles=[
+            m.reconfigure_handles[group_rank] if group_rank < len(m.reconfigure_handles) else ""
+            for m in members
+        ],
     )
     if heal:
         src = assignment[replica_rank]
@@ -408,6 +419,7 @@ class GroupRequest:
     shrink_only: bool = False
     init_sync: bool = True
     commit_failures: int = 0
+    reconfigure_handle: str = ""
 
 
 def merge_group_requests(

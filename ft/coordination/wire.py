@@ -56,6 +56,7 @@ def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
         shrink_only=m.shrink_only,
         data=_data_to_wire(m.data),
         commit_failures=m.commit_failures,
+        reconfigure_handles=m.reconfigure_handles,
     )
 
 
@@ -78,6 +79,7 @@ def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
         shrink_only=m.shrink_only,
         data=_data_from_wire(m.data),
         commit_failures=m.commit_failures,
+        reconfigure_handles=tuple(m.reconfigure_handles),
     )
     return member
 
@@ -138,6 +140,7 @@ def result_from_pb(r: pb.ManagerQuorumResponse) -> QuorumResult:
         commit_failures=r.commit_failures,
         replica_ids=list(r.replica_ids),
         heal_donors=[(d.replica_rank, d.manager_address) for d in r.heal_donors],
+        reconfigure_handles=list(r.reconfigure_handles),
     )
 
 
@@ -154,6 +157,7 @@ def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
         heal=r.heal,
         commit_failures=r.commit_failures,
         replica_ids=r.replica_ids,
+        reconfigure_handles=r.reconfigure_handles,
         heal_donors=[
             pb.HealDonor(replica_rank=rank, manager_address=addr) for rank, addr in r.heal_donors
         ],

@@ -80,6 +80,35 @@ def test_two_groups_per_rank_answers(lighthouse_factory, manager_factory):
     )
 
 
+def test_reconfigure_handles_travel_by_group_rank(lighthouse_factory, manager_factory):
+    # torchft-nightly's fields: each rank sends its group's handle (ManagerQuorumRequest 7),
+    # the ManagerServer sends its ranks' handles with the member (QuorumMember 9), and every
+    # rank gets its own group rank's handle of every member, in replica rank order (14).
+    lh = lighthouse_factory(min_replicas=2)
+    s0 = manager_factory("g0", lh.address(), world_size=2)
+    s1 = manager_factory("g1", lh.address(), world_size=2)
+    wait_for(lambda: len(lh.status()["replicas"]) == 2, what="heartbeats from both groups")
+
+    def ask(server, name):
+        c = mc(server)
+        return parallel(
+            [
+                lambda r=r: c._quorum(r, 0, "", False, 5.0, reconfigure_handle=f"{name}/{r}")
+                for r in range(2)
+            ]
+        )
+
+    with run_threads([lambda: ask(s0, "g0"), lambda: ask(s1, "g1")]) as res:
+        pass
+    (a0, a1), (b0, b1) = res
+    assert a0.reconfigure_handles == b0.reconfigure_handles == ["g0/0", "g1/0"]
+    assert a1.reconfigure_handles == b1.reconfigure_handles == ["g0/1", "g1/1"]
+    # Without handles (torchft 0.2.0's clients, ft's configure() path): empty strings.
+    with run_threads([lambda: group_round(s0, [1, 1]), lambda: group_round(s1, [1, 1])]) as res:
+        pass
+    assert all(r.reconfigure_handles == ["", ""] for pair in res for r in pair)
+
+
 def test_steady_rounds_of_manager_servers(lighthouse_factory, manager_factory):
     """Two groups of two ranks step along: every answer is right, and on the native server the
     rounds after the first are answered without Python (grpcio: none)."""

@@ -90,6 +90,15 @@ WIRE = {
     "KillRequest": {"msg": 1},
 }
 
+# torchft-nightly 2026.10.26's additions for the reconfigure API: message -> {field: (number,
+# repeated)}. Its wheel ships no .proto; these numbers are what its compiled client and
+# ManagerServer put on the wire (tests/coordination/test_proto_compat.py talks to them).
+NIGHTLY_WIRE = {
+    "QuorumMember": {"reconfigure_handles": (9, True)},
+    "ManagerQuorumRequest": {"reconfigure_handle": (7, False)},
+    "ManagerQuorumResponse": {"reconfigure_handles": (14, True)},
+}
+
 
 def test_wire_layout_matches_torchft():
     from google.protobuf.descriptor import FieldDescriptor as F
@@ -108,7 +117,8 @@ def test_wire_layout_matches_torchft():
     assert r["recover_src_replica_rank"].has_presence and r["max_replica_rank"].has_presence
     # torchft keeps adding ManagerQuorumResponse fields after 13: ft's own are numbered from
     # 1000, where torchft's never reach.
-    ours = {n: f.number for n, f in r.items() if n not in WIRE["ManagerQuorumResponse"]}
+    theirs = set(WIRE["ManagerQuorumResponse"]) | set(NIGHTLY_WIRE["ManagerQuorumResponse"])
+    ours = {n: f.number for n, f in r.items() if n not in theirs}
     assert ours == {"heal_donors": 1001}
     assert r["heal_donors"].message_type.name == "HealDonor"
     for name in ("quorum_id", "max_step", "replica_rank", "replica_world_size", "max_world_size"):
@@ -119,3 +129,17 @@ def test_wire_layout_matches_torchft():
     # torchft's four, then ft's extensions (served by ft only; clients fall back to the four).
     assert svc["ManagerService"][:4] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"]
     assert svc["ManagerService"][4:] == ["QuorumStream", "ShouldCommitStream"]
+
+
+def test_wire_layout_matches_torchft_nightly():
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    from ft.coordination._proto import torchft_pb2 as pb
+
+    for msg, fields in NIGHTLY_WIRE.items():
+        d = pb.DESCRIPTOR.message_types_by_name[msg].fields_by_name
+        for name, (number, repeated) in fields.items():
+            f = d[name]
+            assert f.number == number and f.type == F.TYPE_STRING, (msg, name)
+            assert f.is_repeated == repeated, (msg, name)
+            assert number < 1000  # torchft's range, not ft's own

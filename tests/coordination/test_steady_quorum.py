@@ -547,6 +547,7 @@ WIRE_MEMBER = st.builds(
     shrink_only=st.booleans(),
     data=st.one_of(st.just(""), TEXT, st.builds(json.dumps, st.dictionaries(TEXT, st.integers()))),
     commit_failures=st.integers(-(2**63), 2**63 - 1),
+    reconfigure_handles=st.lists(TEXT, max_size=3),
 )
 
 

@@ -1,0 +1,60 @@
+"""Replica workers whose process group has only the reconfigure API (as torchft-nightly's
+groups and torch 2.14's own, made with ``enable_reconfigure=True``): the Manager must rebuild
+it from the handles carried through its ManagerServer and the lighthouse."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Dict, List
+
+import torch
+
+from ft.backend.process_group import ProcessGroup, ProcessGroupGloo, _rendezvous
+from ft.work import _DummyWork
+from tests.procs import connect_store
+
+
+class ReconfigureOnly(ProcessGroupGloo):
+    """ft's Gloo group without ``configure()``: rebuilt only through :meth:`reconfigure`,
+    which records what it was given."""
+
+    configure = ProcessGroup.configure  # the base class's: "does not implement configure()"
+
+    def __init__(self) -> None:
+        super().__init__(timeout=timedelta(seconds=10))
+        self.reconfigures: List[Dict[str, Any]] = []
+
+    def reconfigure(self, opts: Any) -> Any:
+        rdv = _rendezvous(opts, self._handle_id())
+        ProcessGroupGloo.configure(self, rdv.store_addr, "r", rdv.rank, rdv.world_size)
+        self.reconfigures.append(
+            {"uuid": opts.uuid, "rank": rdv.rank, "size": rdv.world_size, "n": len(opts.handles)}
+        )
+        return _DummyWork(None)
+
+
+def reconfigure_only_replica(
+    rank: int, world_size: int, store_port: int, *, lh_addr: str, steps: int = 3
+) -> Dict[str, Any]:
+    """Replica group ``rank`` (one process) runs ``steps`` committed steps of allreduce with a
+    :class:`ReconfigureOnly` group; returns the allreduce results and the reconfigures."""
+    from tests.manager.inproc import make_manager
+
+    test_store = connect_store(store_port)
+    pg = ReconfigureOnly()
+    manager = make_manager(lh_addr, f"g{rank}", pg=pg, use_async_quorum=False, init_sync=False)
+    test_store.set(f"ready/{rank}", "1")
+    test_store.wait([f"ready/{g}" for g in range(world_size)], timedelta(seconds=60))
+    sums = []
+    try:
+        for _ in range(steps * 4):
+            if manager.current_step() >= steps:
+                break
+            manager.start_quorum()
+            t = torch.full((2,), float(rank + 1))
+            manager.allreduce(t, should_quantize=False).wait()
+            if manager.should_commit():
+                sums.append(t.tolist())
+        return {"sums": sums, "reconfigures": pg.reconfigures, "size": pg.size()}
+    finally:
+        manager.shutdown(wait=False)
