@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Runs torchft 0.2.0's own test suite and example scripts against ft, imports changed.
+"""Runs torchft's own test suite (0.2.0, or torchft-nightly 2026.10.26) and 0.2.0's example
+scripts against ft, imports changed.
 
 Usage:
-  .venv/bin/python scripts/torchft_suite.py [--files F ...] [--examples] [--json OUT]
+  .venv/bin/python scripts/torchft_suite.py [--release 0.2.0|nightly] [--files F ...]
+      [--examples] [--json OUT]
 
 What it does, each run:
-1. Fetches torchft 0.2.0's source distribution from the package index (the sdist holds the
-   tests and the example scripts; the wheel lacks the examples), checks its sha256 against the
-   one pinned below, and caches it (``--cache``, default /tmp/ft-torchft-suite). Nothing of
-   torchft is kept in this repository.
+1. Fetches the release's archive from the package index, checks its sha256 against the one
+   pinned in ``RELEASES`` and caches it (``--cache``, default /tmp/ft-torchft-suite): torchft
+   0.2.0's source distribution (it holds the tests and the example scripts; the wheel lacks
+   the examples), or torchft-nightly's wheel (the nightly publishes no sdist; its wheel holds
+   the tests). Nothing of torchft is kept in this repository.
 2. Installs the suite's own test requirements (pinned below) into the cache with
    ``pip install --target``, not into the venv.
 3. Copies the test files (and their helpers: ``_test_utils.py``, ``_test/``, one benchmark a
@@ -54,6 +57,7 @@ import tokenize
 import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -65,9 +69,43 @@ sys.path.insert(0, str(ROOT))
 
 from ft.coordination.cli import start_lighthouse_process  # noqa: E402
 
-VERSION = "0.2.0"
-SDIST = f"torchft-{VERSION}.tar.gz"
-SDIST_SHA256 = "542e17910039735d6686517f98ed49686ba23fc4283b15cf1d984a251eb1546a"
+
+@dataclass(frozen=True)
+class Release:
+    """One torchft release whose tests the harness runs: its project on the package index, the
+    archive fetched (an sdist, or a wheel, read as a zip of sources) and that archive's
+    sha256."""
+
+    version: str
+    project: str
+    archive: str
+    sha256: str
+
+    @property
+    def is_wheel(self) -> bool:
+        return self.archive.endswith(".whl")
+
+
+RELEASES: Dict[str, Release] = {
+    "0.2.0": Release(
+        "0.2.0",
+        "torchft",
+        "torchft-0.2.0.tar.gz",
+        "542e17910039735d6686517f98ed49686ba23fc4283b15cf1d984a251eb1546a",
+    ),
+    # The reconfigure API (ProcessGroup.reconfigure, reconfigure handles through the
+    # lighthouse). Only the wheel's Python sources are used, so its CPython tag does not matter.
+    "nightly": Release(
+        "nightly-2026.10.26",
+        "torchft-nightly",
+        "torchft_nightly-2026.10.26-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+        "52d18c8d6c067026461af5ee9fe4239d076cf2ff2803b970ac3b319b8eeb8df0",
+    ),
+}
+DEFAULT_RELEASE = RELEASES["0.2.0"]
+VERSION = DEFAULT_RELEASE.version
+SDIST = DEFAULT_RELEASE.archive
+SDIST_SHA256 = DEFAULT_RELEASE.sha256
 DEFAULT_INDEX = "https://pypi.org/simple"
 DEFAULT_CACHE = Path(os.environ.get("FT_TORCHFT_SUITE_CACHE", "/tmp/ft-torchft-suite"))
 SUITE_PKG = "tft_suite"
@@ -190,6 +228,18 @@ KNOWN_FAILURES: Dict[str, str] = {
     ),
 }
 
+# torchft-nightly's tests that fail against ft for such a reason, in addition to the above
+# (the same tests keep their ids in the nightly).
+NIGHTLY_KNOWN_FAILURES: Dict[str, str] = {
+    "manager_test.py::TestManagedWork": _MANAGED_WORK,
+}
+
+
+def use_release(release: Release) -> None:
+    """Makes ``release``'s known failures the ones ``known_failure`` reports."""
+    if release.project == "torchft-nightly":
+        KNOWN_FAILURES.update(NIGHTLY_KNOWN_FAILURES)
+
 
 # ---------------------------------------------------------------------------------------------
 # Fetching
@@ -219,39 +269,50 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_sdist(cache: Path, timeout: float = 120.0) -> Path:
-    """The verified sdist in the cache, fetched from the package index's simple API if needed."""
+def fetch_sdist(cache: Path, timeout: float = 120.0, release: Release = DEFAULT_RELEASE) -> Path:
+    """The release's verified archive in the cache, fetched from the package index's simple
+    API if needed."""
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / SDIST
-    if path.exists() and _sha256(path) == SDIST_SHA256:
+    path = cache / release.archive
+    if path.exists() and _sha256(path) == release.sha256:
         return path
-    page_url = f"{_index_url()}/torchft/"
+    page_url = f"{_index_url()}/{release.project}/"
     req = urllib.request.Request(page_url, headers={"Accept": "text/html"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         page = r.read().decode("utf-8", "replace")
-    hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if SDIST in h]
+    hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if release.archive in h]
     if not hrefs:
-        raise RuntimeError(f"{page_url} lists no {SDIST}")
+        raise RuntimeError(f"{page_url} lists no {release.archive}")
     url = urllib.parse.urljoin(page_url, hrefs[0].replace("&amp;", "&")).split("#")[0]
     tmp = path.with_suffix(f".part{os.getpid()}")
     with urllib.request.urlopen(url, timeout=timeout) as r, open(tmp, "wb") as f:
         shutil.copyfileobj(r, f)
     got = _sha256(tmp)
-    if got != SDIST_SHA256:
+    if got != release.sha256:
         tmp.unlink()
-        raise RuntimeError(f"{SDIST}: sha256 {got}, expected {SDIST_SHA256}")
+        raise RuntimeError(f"{release.archive}: sha256 {got}, expected {release.sha256}")
     os.replace(tmp, path)
     return path
 
 
-def extract_sdist(sdist: Path, cache: Path) -> Path:
-    dest = cache / f"src-{VERSION}"
-    top = dest / f"torchft-{VERSION}"
-    if (top / "train_ddp.py").exists():
+def extract_sdist(sdist: Path, cache: Path, release: Release = DEFAULT_RELEASE) -> Path:
+    """The directory holding the release's ``torchft`` package (and, for an sdist, the
+    example scripts)."""
+    dest = cache / f"src-{release.version}"
+    top = dest if release.is_wheel else dest / f"torchft-{release.version}"
+    if (top / ("torchft/__init__.py" if release.is_wheel else "train_ddp.py")).exists():
         return top
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix="src-"))
-    with tarfile.open(sdist) as tf:
-        tf.extractall(tmp, filter="data")
+    if release.is_wheel:
+        with zipfile.ZipFile(sdist) as zf:
+            for name in zf.namelist():  # the sources only, checked to stay inside tmp
+                if name.startswith("torchft/") and name.endswith((".py", ".json")):
+                    if ".." in Path(name).parts:
+                        raise RuntimeError(f"{release.archive}: unsafe path {name}")
+                    zf.extract(name, tmp)
+    else:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="data")
     if dest.exists():
         shutil.rmtree(dest)
     os.replace(tmp, dest)
@@ -837,6 +898,9 @@ def unexpected_failures(results: List[FileResult]) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--release", choices=sorted(RELEASES), default="0.2.0", help="whose tests (default 0.2.0)"
+    )
     ap.add_argument("--files", nargs="*", help="test files relative to torchft/ (default: all)")
     ap.add_argument("--examples", action="store_true", help="also run train_ddp/train_diloco")
     ap.add_argument("--no-tests", action="store_true", help="run no test file")
@@ -847,12 +911,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--example-timeout", type=float, default=420.0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args(argv)
+    release = RELEASES[args.release]
+    if args.examples and release.is_wheel:
+        raise SystemExit(f"torchft {release.version}'s wheel holds no example scripts")
+    use_release(release)
 
-    sdist = fetch_sdist(args.cache)
-    src = extract_sdist(sdist, args.cache)
+    sdist = fetch_sdist(args.cache, release=release)
+    src = extract_sdist(sdist, args.cache, release)
     deps = install_requirements(args.cache)
     work = Path(tempfile.mkdtemp(prefix="ft-torchft-suite-"))
-    report: dict = {"torchft": VERSION, "files": {}, "examples": {}}
+    report: dict = {"torchft": release.version, "files": {}, "examples": {}}
     status = 0
     try:
         rewrites = prepare_suite(src, work)
@@ -860,7 +928,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = []
         for rel in files:
             if rel not in rewrites:
-                raise SystemExit(f"no such test file in torchft {VERSION}: {rel}")
+                raise SystemExit(f"no such test file in torchft {release.version}: {rel}")
             print(f"running {rel} ...", flush=True)
             r = run_file(rel, work, deps, args.timeout)
             results.append(r)

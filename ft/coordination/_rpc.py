@@ -192,10 +192,22 @@ def make_native_channel(addr: str, signing_key: bytes = b""):
 _STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
 
 
+# How torchft's Rust client words a missed deadline (its gRPC status as tonic prints it).
+# ft's message says more (which call, what it waited for) and ends with this phrase, so code
+# written against torchft that matches on it keeps working.
+TORCHFT_TIMEOUT_PHRASE = 'status: Cancelled, message: "Timeout expired"'
+
+
+def deadline_exceeded(method: str, details: str) -> TimeoutError:
+    """The error of a call that missed its deadline: names the call and why, in ft's words
+    and, last, in torchft's."""
+    return TimeoutError(f"{method}: deadline exceeded: {details} ({TORCHFT_TIMEOUT_PHRASE})")
+
+
 def status_error(code: grpc.StatusCode, details: str, method: str) -> BaseException:
     """A call's failure -> TimeoutError (missed deadline) or CoordinationError."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return TimeoutError(f"{method}: deadline exceeded: {details}")
+        return deadline_exceeded(method, details)
     return CoordinationError(code, details, method)
 
 

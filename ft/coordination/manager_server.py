@@ -618,7 +618,7 @@ class LocalManagerClient:
             return fn(Deadline.after(t))
         except CoordinationError as e:
             if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise TimeoutError(f"{method}: deadline exceeded: {e.details}") from None
+                raise _rpc.deadline_exceeded(method, e.details) from None
             raise CoordinationError(e.code, e.details, method) from None
 
     def quorum(

@@ -1,7 +1,9 @@
-"""torchft 0.2.0's own tests, imports changed, against ft (scripts/torchft_suite.py).
+"""torchft's own tests, imports changed, against ft (scripts/torchft_suite.py): torchft 0.2.0's,
+and torchft-nightly 2026.10.26's tests of the reconfigure API.
 
-Runs the harness on a subset of torchft's test files that fits a CI budget (about two minutes
-on two cores) and needs every test in them to pass or be a listed known failure
+Runs the harness on a subset of each release's test files that fits a CI budget (about two
+minutes on two cores for 0.2.0, under one for the nightly) and needs every test in them to
+pass or be a listed known failure
 (``KNOWN_FAILURES`` in the harness, mirrored in docs/migrating.md). The full suite and the
 example scripts run with ``python scripts/torchft_suite.py [--examples]``.
 
@@ -35,6 +37,10 @@ CI_FILES = [
     "ddp_test.py",
     "manager_test.py",
 ]
+# The nightly's tests of what changed with the reconfigure API: reconfigure_test.py, and the
+# Manager's and process groups' tests rewritten for it.
+NIGHTLY_CI_FILES = ["reconfigure_test.py", "manager_test.py", "process_group_test.py"]
+SUBSETS = {"0.2.0": CI_FILES, "nightly": NIGHTLY_CI_FILES}
 
 
 def _load_harness():
@@ -46,26 +52,30 @@ def _load_harness():
     return mod
 
 
-def _fetch_or_skip(harness) -> None:
+def _fetch_or_skip(harness, release) -> None:
     try:
-        harness.fetch_sdist(harness.DEFAULT_CACHE)
+        harness.fetch_sdist(harness.DEFAULT_CACHE, release=release)
         harness.install_requirements(harness.DEFAULT_CACHE)
     except Exception as e:  # noqa: BLE001  (no index here: what happens next depends on CI)
         if os.environ.get("CI", "").lower() == "true":
             raise AssertionError(f"CI reaches the package index, but: {e!r}") from e
-        pytest.skip(f"torchft {harness.VERSION} could not be fetched: {e!r}")
+        pytest.skip(f"torchft {release.version} could not be fetched: {e!r}")
 
 
-def test_torchft_suite_subset_passes_against_ft(tmp_path: Path) -> None:
+@pytest.mark.parametrize("release", sorted(SUBSETS))
+def test_torchft_suite_subset_passes_against_ft(tmp_path: Path, release: str) -> None:
     harness = _load_harness()
-    _fetch_or_skip(harness)
+    _fetch_or_skip(harness, harness.RELEASES[release])
+    files = SUBSETS[release]
     out = tmp_path / "results.json"
     r = subprocess.run(
         [
             sys.executable,
             str(HARNESS),
+            "--release",
+            release,
             "--files",
-            *CI_FILES,
+            *files,
             "--json",
             str(out),
             "--timeout",
@@ -86,4 +96,4 @@ def test_torchft_suite_subset_passes_against_ft(tmp_path: Path) -> None:
     ]
     assert not unexpected, "\n".join(unexpected) + "\n" + r.stdout[-3000:]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert sum(res["passed"] for res in results.values()) >= len(CI_FILES)
+    assert sum(res["passed"] for res in results.values()) >= len(files)
