@@ -80,3 +80,107 @@ def test_coordination_round_trip_on_the_oldest_grpcio_and_protobuf(floor_site):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"grpcio": FLOORS["grpcio"], "protobuf": FLOORS["protobuf"], "ok": True}
+
+
+def _nightly_native_module():
+    """torchft-nightly 2026.10.26's compiled coordination module (its ManagerServer and
+    ManagerClient), from its wheel as scripts/torchft_suite.py fetches it (sha256 pinned);
+    loaded alone, without the rest of its package."""
+    import glob
+    import importlib.util
+    import platform
+    import types
+    import zipfile
+
+    if sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64":
+        pytest.skip("the nightly's wheel is built for CPython 3.11 on x86_64")
+    spec = importlib.util.spec_from_file_location(
+        "torchft_suite", os.path.join(REPO, "scripts", "torchft_suite.py")
+    )
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, harness)
+    spec.loader.exec_module(harness)
+    release = harness.RELEASES["nightly"]
+    try:
+        wheel = harness.fetch_sdist(harness.DEFAULT_CACHE, release=release)
+    except Exception as e:  # noqa: BLE001
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI reaches the package index, but: {e!r}")
+        pytest.skip(f"torchft-nightly could not be fetched: {e!r}")
+    dest = harness.DEFAULT_CACHE / "nightly-native"
+    if not glob.glob(str(dest / "torchft" / "_torchft*.so")):
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                if name.startswith("torchft/_torchft") and name.endswith(".so"):
+                    zf.extract(name, dest)
+    so = glob.glob(str(dest / "torchft" / "_torchft*.so"))[0]
+    pkg = types.ModuleType("torchft")  # its parent package, without importing the real one
+    pkg.__path__ = [str(dest / "torchft")]
+    saved = sys.modules.get("torchft")
+    sys.modules["torchft"] = pkg
+    try:
+        mspec = importlib.util.spec_from_file_location("torchft._torchft", so)
+        mod = importlib.util.module_from_spec(mspec)
+        mspec.loader.exec_module(mod)
+    finally:
+        if saved is None:
+            sys.modules.pop("torchft", None)
+        else:
+            sys.modules["torchft"] = saved
+    return mod
+
+
+def test_reconfigure_handles_cross_between_ft_and_torchft_nightly():
+    """The nightly's client asks ft's ManagerServer and its own, both on ft's lighthouse: each
+    rank's handle reaches the other replica through both servers and the lighthouse."""
+    import threading
+    from datetime import timedelta
+
+    from ft.coordination import LighthouseServer, ManagerServer
+
+    nightly = _nightly_native_module()
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    servers = []
+    try:
+        kw = dict(
+            lighthouse_addr=lh.address(),
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=100),
+            connect_timeout=timedelta(seconds=5),
+            quorum_retries=0,
+        )
+        servers.append(ManagerServer(replica_id="a_ft", store_addr="s0:1", **kw))
+        servers.append(nightly.ManagerServer(replica_id="b_nightly", store_addr="s1:1", **kw))
+        answers = {}
+
+        def ask(name, addr):
+            client = nightly.ManagerClient(addr, timedelta(seconds=5))
+            q = client._quorum(
+                group_rank=0,
+                step=1,
+                checkpoint_metadata="",
+                shrink_only=False,
+                init_sync=False,
+                commit_failures=0,
+                timeout=timedelta(seconds=20),
+                reconfigure_handle=f"handle-{name}",
+            )
+            answers[name] = (list(q.replica_ids), list(q.reconfigure_handles))
+
+        threads = [
+            threading.Thread(target=ask, args=(n, s.address()))
+            for n, s in zip(("ft", "nightly"), servers)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a quorum did not return within 30 s"
+        want = (["a_ft", "b_nightly"], ["handle-ft", "handle-nightly"])
+        assert answers == {"ft": want, "nightly": want}
+    finally:
+        for s in servers:
+            s.shutdown()
+        lh.shutdown()
