@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# Builds a manylinux wheel of ft-torch and checks it in a fresh venv.
+# Builds a manylinux wheel of ft-torch, with the native gRPC server and gRPC C++ bundled, and
+# checks it in a fresh venv.
 #
-#   bash scripts/build_wheel.sh     # -> build/wheelhouse/ft_torch-<v>-cp311-cp311-manylinux_*.whl
+#   bash scripts/build_wheel.sh                 # from the working tree
+#   bash scripts/build_wheel.sh dist/ft_torch-<v>.tar.gz    # from an sdist
+#   # -> build/wheelhouse/ft_torch-<v>-cp311-cp311-manylinux_*.whl
 #
 # 1. The wheel is built with --no-build-isolation by $PYTHON (default .venv/bin/python), so
 #    it compiles against the torch installed there and requires torch==<that major.minor>.*.
-#    The build happens in a copy of the tree ($FT_WHEEL_WORK), never in its build/.
-#    Without FT_WHEEL_NATIVE_GRPC=1 the wheel has no native gRPC server and needs no libgrpc++
-#    (the lighthouse serves with grpcio); with it, auditwheel copies gRPC C++ into the wheel.
+#    The build happens in a copy of the tree, or in the unpacked sdist ($FT_WHEEL_WORK/src),
+#    never in the checkout's build/. It includes the native gRPC server
+#    (ft.coordination._grpc_server) and fails where gRPC C++, OpenSSL or pybind11 is missing
+#    (FT_NATIVE_GRPC=1); FT_WHEEL_NATIVE_GRPC=0 builds a wheel without it (the lighthouse and
+#    the ManagerServers then serve with grpcio).
 # 2. auditwheel (installed into a tools venv in $FT_WHEEL_WORK) checks which manylinux policy
-#    the extension satisfies and tags the wheel with it. torch's own libraries (libc10,
-#    libtorch*, and for a CUDA build libc10_cuda, libcudart, libnccl) are --exclude'd: the
-#    torch wheel the requirement pulls in provides them, loaded before ft._C (ft imports torch
-#    first), so they must not be copied into ft's wheel.
+#    the extensions satisfy, tags the wheel with it and copies the shared libraries they need
+#    beyond that policy into the wheel (ft_torch.libs/: gRPC C++, abseil, c-ares, re2,
+#    OpenSSL, zlib), so the wheel loads where no gRPC C++ is installed. torch's own libraries
+#    (libc10, libtorch*, and for a CUDA build libc10_cuda, libcudart, libnccl) are
+#    --exclude'd: the torch wheel the requirement pulls in provides them, loaded before ft._C
+#    (ft imports torch first), so they must not be copied into ft's wheel.
 # 3. A fresh venv installs the repaired wheel with its dependencies (constraints.txt holds
 #    torch to the main lane's version), and the checks of tests/packaging/smoke_installed.py
-#    run from outside the tree: import, a 2-process allreduce on the "ft" backend, the pin.
+#    run from outside the tree: import, a 2-process allreduce on the "ft" backend, the pin,
+#    the native server's presence. (tests/packaging/test_wheel.py also serves a quorum on it
+#    with the system's gRPC C++ hidden.)
 #
-# Environment: PYTHON, MAX_JOBS (default 2), FT_WHEEL_NATIVE_GRPC, FT_WHEEL_WORK
+# Environment: PYTHON, MAX_JOBS (default 2), FT_WHEEL_NATIVE_GRPC (default 1), FT_WHEEL_WORK
 # (default /tmp/ft-wheel), DIST (default build/wheelhouse), and the build switches of setup.py.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,15 +37,31 @@ export MAX_JOBS=${MAX_JOBS:-2}
 t0=$(date +%s)
 stamp() { echo "[build_wheel +$(( $(date +%s) - t0 ))s] $*"; }
 
+SDIST=${1:-}
+if [ -n "$SDIST" ]; then SDIST=$(cd "$(dirname "$SDIST")" && pwd)/$(basename "$SDIST"); fi
+# The native gRPC server is in the wheel unless asked otherwise; then the build must find it.
+if [ "${FT_WHEEL_NATIVE_GRPC:-1}" = 0 ] || [ "${FT_NATIVE_GRPC:-}" = 0 ]; then
+  WANT_NATIVE=false
+  export FT_WHEEL_NATIVE_GRPC=0
+else
+  WANT_NATIVE=true
+  export FT_NATIVE_GRPC=1
+fi
+
 rm -rf "$WORK/src" "$WORK/raw" "$WORK/check"
 mkdir -p "$WORK/src" "$WORK/raw" "$DIST"
 
-stamp "copying the tree to $WORK/src"
-tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist \
-  --exclude='*.so' --exclude='*.o' --exclude=__pycache__ --exclude='*.egg-info' \
-  --exclude=.hypothesis --exclude=.pytest_cache -cf - . | tar -C "$WORK/src" -xf -
+if [ -n "$SDIST" ]; then
+  stamp "unpacking $(basename "$SDIST") to $WORK/src"
+  tar -C "$WORK/src" --strip-components=1 -xzf "$SDIST"
+else
+  stamp "copying the tree to $WORK/src"
+  tar -C "$ROOT" --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist \
+    --exclude='*.so' --exclude='*.o' --exclude=__pycache__ --exclude='*.egg-info' \
+    --exclude=.hypothesis --exclude=.pytest_cache -cf - . | tar -C "$WORK/src" -xf -
+fi
 
-stamp "building the wheel against $("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
+stamp "building the wheel against $("$PYTHON" -c 'import torch; print("torch", torch.__version__)') (native gRPC server: $WANT_NATIVE)"
 (cd "$WORK/src" && "$PYTHON" -m pip wheel --no-build-isolation --no-deps -w "$WORK/raw" . \
    > "$WORK/build.log" 2>&1) || { tail -n 60 "$WORK/build.log"; echo "build failed (log: $WORK/build.log)"; exit 1; }
 RAW=$(ls "$WORK"/raw/ft_torch-*.whl)
@@ -65,10 +90,18 @@ case "$(basename "$WHEEL")" in
   *manylinux*) ;;
   *) echo "not a manylinux wheel: $WHEEL"; exit 1 ;;
 esac
-if unzip -l "$WHEEL" | grep -E 'libtorch|libc10' >/dev/null; then
+LISTING=$(unzip -Z1 "$WHEEL")
+if grep -E 'libtorch|libc10' <<<"$LISTING" >/dev/null; then
   echo "torch's libraries were copied into the wheel"; exit 1
 fi
-stamp "repaired: $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
+HAS_NATIVE=$(grep -q '^ft/coordination/_grpc_server\..*\.so$' <<<"$LISTING" && echo true || echo false)
+HAS_GRPC_LIBS=$(grep -q '^ft_torch\.libs/libgrpc++' <<<"$LISTING" && echo true || echo false)
+if [ "$HAS_NATIVE" != "$WANT_NATIVE" ] || [ "$HAS_GRPC_LIBS" != "$WANT_NATIVE" ]; then
+  echo "native gRPC server in the wheel: $HAS_NATIVE, gRPC C++ bundled: $HAS_GRPC_LIBS; wanted: $WANT_NATIVE"
+  exit 1
+fi
+stamp "repaired: $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1); $(stat -c %s "$WHEEL") bytes; native gRPC server: $HAS_NATIVE)"
+grep '^ft_torch\.libs/' <<<"$LISTING" | sed 's/^/  bundled: /' || true
 unzip -p "$WHEEL" '*.dist-info/METADATA' | grep '^Requires-Dist: torch'
 
 stamp "checking the wheel in a fresh venv"
@@ -79,7 +112,6 @@ mkdir -p "$WORK/elsewhere"
 cp "$ROOT/tests/packaging/smoke_installed.py" "$WORK/elsewhere/"
 SMOKE=$(cd "$WORK/elsewhere" && env -u PYTHONPATH "$WORK/check/bin/python" smoke_installed.py)
 echo "$SMOKE"
-WANT_NATIVE=$([ "${FT_WHEEL_NATIVE_GRPC:-0}" = 1 ] || [ "${FT_NATIVE_GRPC:-}" = 1 ] && echo true || echo false)
 "$PYTHON" -c '
 import json, sys
 out = json.loads(sys.argv[1].strip().splitlines()[-1])

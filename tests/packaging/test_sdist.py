@@ -1,23 +1,19 @@
-"""The sdist holds everything a build needs, and builds, installs and runs from outside the
-source tree.
+"""The sdist holds everything a build needs, is made by the README's command in a fresh venv
+without torch, and builds, installs and runs from outside the source tree.
 
-How (the fastest honest way on a 2-core machine with no second copy of torch):
+How (the fastest honest way on a 2-core machine):
 1. The sdist is built from the working tree by setuptools' PEP 517 hook ``build_sdist`` (what
-   ``pip`` and ``python -m build`` call), then unpacked in a temporary folder.
-2. A new venv is made with ``python -m venv --without-pip``, and a ``.pth`` file in it appends
-   the test interpreter's site-packages to its sys.path: torch, grpcio, protobuf, setuptools,
-   ninja and pybind11 come from there instead of being downloaded and unpacked again (torch
-   alone is ~1 GB unpacked). The new venv's own site-packages comes first, and the test venv
-   holds no ft (the suite imports ft from the source tree via sys.path, not an install).
-3. ``pip install --no-build-isolation --no-deps <unpacked sdist>`` builds the wheel (compiling
-   ft._C, and the native gRPC server where gRPC C++ is installed, from the sdist's sources
-   only) and installs it into the new venv.
-4. From a temporary folder, with no PYTHONPATH: ``import ft`` must come from the new venv, two
+   ``pip`` and ``python -m build`` call; conftest.py's ``sdist``).
+2. ``bash scripts/build_wheel.sh <sdist>`` (conftest.py's ``built_wheel``, shared with
+   test_wheel.py and test_lighthouse_image.py: the packaging tests' one compile of ft with the
+   native gRPC server) unpacks it, builds the wheel from the sdist's sources only (ft._C, and
+   the native gRPC server where gRPC C++ is installed), repairs it with auditwheel and installs
+   it with its dependencies into a fresh venv.
+3. From a temporary folder, with no PYTHONPATH: ``import ft`` must come from that venv, two
    processes allreduce on the "ft" backend, ``ft-lighthouse --help`` and ``ft-launch --help``
    run, and the installed metadata pins torch to the built-against major.minor.
 
-Build time (2 cores, MAX_JOBS=2): see the README's Install section; the test fails past 15
-minutes.
+Build time (2 cores, MAX_JOBS=2): docs/building.md, "Tests"; the build fails past 25 minutes.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from __future__ import annotations
 import email.parser
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -35,11 +30,6 @@ import pytest
 from tests.packaging import _util
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-@pytest.fixture(scope="session")
-def sdist(tmp_path_factory) -> Path:
-    return _util.build_sdist(tmp_path_factory.mktemp("sdist"))
 
 
 def _pkg_info(sdist: Path):
@@ -79,40 +69,13 @@ def test_sdist_metadata_declares_the_range_and_says_wheels_narrow_it(sdist):
     assert "requires-dist" in [d.lower() for d in info.get_all("Dynamic", [])]
 
 
-def test_sdist_builds_installs_and_runs_outside_the_tree(sdist, tmp_path):
-    _util.skip_unless_enabled()
-    src = _util.unpack(sdist, tmp_path / "src")
-    venv = tmp_path / "venv"
-    python = _util.overlay_venv(venv)
-    has_grpcpp = (
-        shutil.which("pkg-config") is not None
-        and subprocess.run(["pkg-config", "--exists", "grpc++", "libcrypto"]).returncode == 0
-    )
-    # A wheel leaves the native gRPC server out unless asked: ask, to compile its source too.
-    env = _util.clean_env(**({"FT_WHEEL_NATIVE_GRPC": "1"} if has_grpcpp else {}))
-    build = _util.run(
-        [
-            python,
-            "-m",
-            "pip",
-            "install",
-            "--no-build-isolation",
-            "--no-deps",
-            "--no-cache-dir",
-            "-v",
-            src,
-        ],
-        cwd=tmp_path,
-        env=env,
-        timeout=900,
-    )
-    print(f"sdist build+install: {build.seconds:.0f}s")
-
+def test_sdist_builds_installs_and_runs_outside_the_tree(built_wheel, tmp_path):
+    venv = built_wheel.check_venv
+    python = _util.venv_python(venv)
     out = _util.smoke_installed(python, venv, tmp_path)
     outside, site = out["outside"], str(_util.venv_site_packages(venv))
     assert out["dashboard_bytes"] > 1000
-    if has_grpcpp:
-        assert out["native_grpc"], "built with FT_WHEEL_NATIVE_GRPC=1 but not importable"
+    assert out["native_grpc"] == built_wheel.native
 
     for script in ("ft-lighthouse", "ft-launch", "torchft_lighthouse"):
         h = _util.run(
@@ -120,11 +83,49 @@ def test_sdist_builds_installs_and_runs_outside_the_tree(sdist, tmp_path):
         )
         assert "usage:" in h.stdout, (script, h.stdout)
     assert "--min_replicas" in h.stdout
-    # Every requirement of every installed distribution is met (torch==X.Y.* by the torch the
-    # overlay provides).
+    # Every requirement of every installed distribution is met (torch==X.Y.* too).
     _util.run([python, "-m", "pip", "check"], cwd=outside, env=_util.clean_env(), timeout=120)
     assert not list(Path(site).glob("csrc")) and not list(Path(site).glob("tests"))
     assert not os.path.exists(os.path.join(site, "ft", "coordination", "_grpc_server.cpp"))
+
+
+def readme_sdist_commands():
+    """The commands of README.md's "From an sdist" block, verbatim."""
+    lines = (_util.ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("From an sdist"))
+    block = []
+    for line in lines[start + 1 :]:
+        if line.startswith("    "):
+            block.append(line.strip())
+        elif block:
+            break
+    return block
+
+
+def test_the_readme_sdist_command_works_in_a_fresh_venv(tmp_path):
+    """README.md's commands for making the sdist, run as written in a fresh venv that has
+    neither torch nor any other build requirement beyond what they install."""
+    _util.skip_unless_enabled()  # installs from the package index
+    commands = readme_sdist_commands()
+    assert any(c.startswith("python -m build --sdist") for c in commands), commands
+    venv = tmp_path / "venv"
+    python = _util.pip_venv(venv)
+    src = tmp_path / "checkout"
+    shutil.copytree(_util.ROOT, src, ignore=_util.IGNORE_BUILD_OUTPUTS, symlinks=True)
+    env = _util.clean_env(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    for command in commands:
+        r = _util.run(["bash", "-c", command], cwd=src, env=env, timeout=600)
+        print(f"{command}: {r.seconds:.0f}s")
+    r = _util.run([python, "-c", "import torch"], cwd=tmp_path, env=env, timeout=60, check=False)
+    assert "No module named 'torch'" in r.stderr, "the venv was to pack without torch"
+    from ft._version import __version__
+
+    (made,) = (src / "dist").glob("*")
+    assert made.name == f"ft_torch-{__version__}.tar.gz", made
+    with tarfile.open(made) as tar:
+        names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    missing = sorted(set(_util.expected_sdist_members()) - names)
+    assert not missing, f"not in the sdist: {missing}"
 
 
 def test_sdist_builds_without_torch(tmp_path):
