@@ -317,15 +317,35 @@ class _ManagedWork(dist.Work):
 
     ``get_future()`` returns a future whose value is the reduced tensor (divided for AVG); it
     never completes with an error, so DDP's reducer and user callbacks never see one.
+    ``wait(timeout)`` with a timeout that passes first reports a TimeoutError to the Manager
+    (through ``on_timeout``: the step fails and nobody commits it) and returns False, as
+    torchft's does.
     """
 
-    def __init__(self, fut: torch.futures.Future) -> None:
+    def __init__(
+        self,
+        fut: torch.futures.Future,
+        on_timeout: Optional[Callable[[Exception], None]] = None,
+    ) -> None:
         super().__init__()
         self._fut = fut
+        self._on_timeout = on_timeout
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         # Never raises: the callback chain turns failures into a reported error. For CUDA
         # values this makes the current stream wait (no CPU block).
+        # torch's C++ callers pass 0 for "no timeout" (c10d's kNoTimeout).
+        if timeout is not None and to_seconds(timeout) > 0 and not self._fut.done():
+            finished = threading.Event()
+            self._fut.add_done_callback(lambda _f: finished.set())
+            if not Deadline.after(timeout).wait_event(finished):
+                error = TimeoutError(
+                    f"allreduce did not complete within {to_seconds(timeout):g}s "
+                    "(the timeout given to wait())"
+                )
+                if self._on_timeout is not None:
+                    self._on_timeout(error)
+                return False
         self._fut.wait()
         return True
 
@@ -1082,10 +1102,22 @@ class Manager:
 
     @span("torchft::manager::wait_quorum")
     def wait_quorum(self) -> None:
-        """Waits for the quorum started by :meth:`start_quorum` (raises its failure), and for
-        a heal this replica receives (applied at :meth:`should_commit` in async mode)."""
+        """Waits for the quorum started by :meth:`start_quorum` (raises its failure).
+
+        With a sync quorum that includes a heal this replica receives. With an async one it
+        does not: the heal is applied at :meth:`should_commit`, and its source sends the state
+        only at its own should_commit, after the step's collectives, which this replica must
+        join first (a wait for the heal here would hold both until the heal timed out)."""
         if self._quorum_future is None:
             raise RuntimeError("start_quorum() must be called before wait_quorum()")
+        if self._use_async_quorum:
+            self._wait_decided()
+            return
+        self._wait_quorum_done()
+
+    def _wait_quorum_done(self) -> None:
+        """Waits for the whole quorum of this step, a heal this replica receives included
+        (raises its failure)."""
         try:
             self._quorum_future.result()
         except Exception as e:  # noqa: BLE001 - raised again, or as what it amounts to
@@ -1337,6 +1369,11 @@ class Manager:
             self._healer.announce(quorum)
         try:
             configured = self._decide(quorum, t0, allow_heal)
+            if configured and defer:
+                # Due before the step is decided: a training thread that wait_quorum() lets
+                # go on sends it at its next send_pending_heal (an optimizer-in-backward hook
+                # sends it before its first update).
+                self._heal_send_due = quorum
         finally:
             self._decided.set()
         if not configured:
@@ -1484,20 +1521,18 @@ class Manager:
         """Sends and receives the heals the quorum asks for (docs/design.md, "Heal")."""
         try:
             # Assigned receivers, or a donor of a striped heal (docs/design.md, "Striped heal").
-            if self._healer.serves(quorum):
-                if defer_send:
-                    # The training thread reads and sends the state (send_pending_heal):
-                    # reading it here would race the forward pass.
-                    self._heal_send_due = quorum
-                else:
-                    # Sync mode (the training thread waits in start_quorum meanwhile), or a
-                    # transport that cannot tell when its receivers have the state.
-                    self._send_heal(quorum)
-                    if self._healer.confirms_delivery():
-                        # The training thread changes the state as soon as start_quorum
-                        # returns (a DiLoCo inner step changes the model it registered):
-                        # the receivers must have it first.
-                        self._wait_heal_delivered(quorum)
+            # With defer_send the training thread reads and sends the state instead
+            # (send_pending_heal; _async_quorum made it due): reading it here would race the
+            # forward pass.
+            if self._healer.serves(quorum) and not defer_send:
+                # Sync mode (the training thread waits in start_quorum meanwhile), or a
+                # transport that cannot tell when its receivers have the state.
+                self._send_heal(quorum)
+                if self._healer.confirms_delivery():
+                    # The training thread changes the state as soon as start_quorum returns
+                    # (a DiLoCo inner step changes the model it registered): the receivers
+                    # must have it first.
+                    self._wait_heal_delivered(quorum)
             if quorum.heal:
                 t2 = time.monotonic()
                 self._watch.phase(
@@ -1605,7 +1640,10 @@ class Manager:
                     cur.wait_stream(stream)
             return tensor
 
-        return _ManagedWork(fut.then(callback))
+        return _ManagedWork(
+            fut.then(callback),
+            on_timeout=lambda e: self._report_error(e, abort=True, phase="allreduce"),
+        )
 
     # ---------------------------------------------------------------- commit
 
@@ -1620,7 +1658,9 @@ class Manager:
                 error, the phase and the count).
         """
         if self._quorum_future is not None:
-            self.wait_quorum()
+            # Here a healing replica waits for its state (its source sends it at its own
+            # should_commit, after the step's collectives).
+            self._wait_quorum_done()
         # This step's state, still unchanged, for the replicas healing from this one: read
         # here, on the training thread, before the vote that lets anyone change it.
         self.send_pending_heal()

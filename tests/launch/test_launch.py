@@ -397,6 +397,17 @@ def test_train_ddp_survives_kills():
     _check_real_run(rc, out, s, ranks=3)
 
 
+def test_train_ddp_async_quorum_survives_kills():
+    """The same with async quorums: a restarted group joins the step's collectives while its
+    heal arrives (its source sends at its own should_commit), heals, and ends identical."""
+    rc, out, s = run_launch(
+        "--replicas 2 --chaos kill --every 3 --seed 1 --max-steps 250",
+        [EXAMPLE, "--async-quorum", "--step-sleep", "0.02", "--final-wait", "60"],
+        170,
+    )
+    _check_real_run(rc, out, s, ranks=2)
+
+
 def test_train_ddp_two_ranks_per_group():
     """2 groups x 2 ranks: a kill takes the whole group down; it heals and ends identical."""
     rc, out, s = run_launch(
