@@ -152,14 +152,18 @@ class PGTransport(CheckpointTransport[T]):
                 raise CheckpointTransferError(f"{what}: timed out")
 
     def send_checkpoint(
-        self, dst_ranks: List[int], step: int, state_dict: T, timeout: timedelta
+        self,
+        dst_ranks: List[int],
+        step: int,
+        state_dict: T,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         """Sends ``state_dict`` to every rank in ``dst_ranks``; returns when all is sent.
 
         Raises TypeError (naming the key path) for values that cannot be sent safely, and
         CheckpointTransferError when a destination fails or the timeout passes.
         """
-        deadline = Deadline.after(timeout)
+        deadline = Deadline.after(self._timeout if timeout is None else timeout)
         tree, specs, tensors = ser.flatten(state_dict)
         tensors = [t if t.device == self._device else t.to(self._device) for t in tensors]
         algos = [_algo(t) for t in tensors]
@@ -220,7 +224,9 @@ class PGTransport(CheckpointTransport[T]):
             "sent checkpoint step=%d bytes=%d to %s", step, sum(s.nbytes for s in specs), dst_ranks
         )
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+    def recv_checkpoint(
+        self, src_rank: int, metadata: str, step: int, timeout: Optional[timedelta] = None
+    ) -> T:
         """Receives the checkpoint for ``step`` from ``src_rank``; verifies every tensor.
 
         Raises:
@@ -228,7 +234,7 @@ class PGTransport(CheckpointTransport[T]):
             CheckpointNotAvailableError: the sender sent another step.
             CheckpointTransferError: the peer failed or vanished, or the timeout passed.
         """
-        deadline = Deadline.after(timeout)
+        deadline = Deadline.after(self._timeout if timeout is None else timeout)
         where = f"receiving checkpoint step {step} from rank {src_rank}"
 
         def recv(t: torch.Tensor) -> Any:

@@ -238,6 +238,27 @@ def test_recv_without_sender_times_out(pair: Dict[int, Any]) -> None:
     assert time.monotonic() - t0 < 3
 
 
+def test_timeout_defaults_to_the_transports_own(pair: Dict[int, Any]) -> None:
+    # As in torchft-nightly: send/recv_checkpoint take the constructor's timeout when given
+    # none. A transfer then completes, and a receive with no sender ends at that timeout.
+    state = {"w": torch.randn(3, 2), "step": 2}
+    send = PGTransport(pair[0], TO, CPU)
+    recv = PGTransport(pair[1], TO, CPU)
+    outs = in_threads(
+        [
+            lambda: send.send_checkpoint([1], 2, state),
+            lambda: recv.recv_checkpoint(0, "<n/a>", 2),
+        ]
+    )
+    assert "error" not in outs[0] and "error" not in outs[1], outs
+    assert_same(state, outs[1]["value"])
+    short = PGTransport(pair[1], timedelta(seconds=0.5), CPU)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTransferError):
+        short.recv_checkpoint(0, "<n/a>", 3)
+    assert time.monotonic() - t0 < 3  # the constructor's 0.5 s, not a default of its own
+
+
 def test_unsupported_leaf_raises_type_error(pair: Dict[int, Any]) -> None:
     send = PGTransport(pair[0], TO, CPU)
     with pytest.raises(TypeError, match=r"\['x'\]\['f'\].*function"):
