@@ -107,6 +107,9 @@ from ft.checkpointing import serialization as ser
 from ft.optim.functional import _FunctionalOptimizer
 from ft.optim.partition import Partition, partition_params
 
+# The module of torch's DDP hooks that step torch's ZeRO (see _overlap_with_ddp).
+_TORCH_ZERO_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook"
+
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
@@ -395,7 +398,7 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
-        if self.zero._overlap_with_ddp:
+        if self.zero._overlaps_ddp:
             # Nothing to shadow here: with overlap the steps and broadcasts live in the DDP
             # comm hook, which DDP's own join hook runs on the joined rank.
             return
@@ -443,7 +446,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         self._initialized = False
         self._local: Any = None
-        self._overlap_with_ddp = overlap_with_ddp
+        self._overlaps_ddp = overlap_with_ddp
         super().__init__(params, defaults)  # fills self.param_groups via add_param_group
         Joinable.__init__(self)
 
@@ -477,6 +480,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._trainable_mask = self._get_trainable_mask()
         self._build_comm_plan()
         self._initialized = True
+
+    # torch's ddp_comm_hooks.ddp_zero_hook functions read this attribute first, then reach
+    # into torch's own ZeroRedundancyOptimizer internals from inside backward, which ft's
+    # does not have: they are refused here, when the hook is made, naming ft's equivalents.
+    @property
+    def _overlap_with_ddp(self) -> bool:
+        if sys._getframe(1).f_globals.get("__name__") == _TORCH_ZERO_HOOKS:
+            raise TypeError(
+                "torch's ddp_zero_hook functions need torch's ZeroRedundancyOptimizer; with "
+                "ft.optim.ZeroRedundancyOptimizer use ft.optim.zero_hooks.hook_with_zero_step "
+                "or hook_with_zero_step_interleaved (the same arguments): "
+                "ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))"
+            )
+        return self._overlaps_ddp
 
     # ----------------------------------------------------------------------------- hooks
     # The sharding dimension and its group, in one place (a subclass may shard elsewhere).
@@ -723,7 +740,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _step(
         self, closure: Optional[Callable[[], float]], kwargs: Dict[str, Any], notify_join: bool
     ) -> Optional[float]:
-        if self._overlap_with_ddp:
+        if self._overlaps_ddp:
             warnings.warn(
                 "ZeroRedundancyOptimizer.step() does nothing with overlap_with_ddp=True: the "
                 "DDP hook (ft.optim.zero_hooks) updates the parameters during backward(); "
@@ -814,7 +831,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._trainable_mask = self._get_trainable_mask()
 
     def _check_overlap_initialized(self) -> None:
-        if self._overlap_with_ddp and self._overlap_info.status != _OverlapStatus.INITIALIZED:
+        if self._overlaps_ddp and self._overlap_info.status != _OverlapStatus.INITIALIZED:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(overlap_with_ddp=True) is not initialized yet: the "
                 "shards follow DDP's gradient buckets, which are assigned during the first "
@@ -1039,7 +1056,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        if self._overlap_with_ddp:
+        if self._overlaps_ddp:
             raise RuntimeError(
                 "ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single parameter "
                 "group (its functional optimizer has one, and the DDP buckets fix the shards)"
@@ -1255,19 +1272,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _push_hyper(self) -> None:
         """Exposed ``param_groups`` hyperparameters -> the local optimizer."""
-        if self._overlap_with_ddp:
+        if self._overlaps_ddp:
             _hyper_to_functional(self.param_groups[0], self.optim)
         else:
             _copy_hyper(self.param_groups, self.optim.param_groups)
 
     def _local_params(self) -> List[torch.Tensor]:
-        if self._overlap_with_ddp:
+        if self._overlaps_ddp:
             return list(self._overlap_info.params_per_rank[self.rank])
         return [p for g in self.optim.param_groups for p in g["params"]]
 
     def _local_state_dict(self) -> Dict[str, Any]:
         """The local optimizer's state dict (local indices, as ``Optimizer.state_dict``)."""
-        if not self._overlap_with_ddp:
+        if not self._overlaps_ddp:
             return self.optim.state_dict()
         params = self._local_params()
         state = {
@@ -1277,7 +1294,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return {"state": state, "param_groups": [group]}
 
     def _load_local_state(self, local: Dict[str, Any]) -> None:
-        if not self._overlap_with_ddp:
+        if not self._overlaps_ddp:
             self.optim.load_state_dict(local)
             return
         # As Optimizer.load_state_dict: copies, floating state cast to the parameter's dtype

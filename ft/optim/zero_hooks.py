@@ -71,7 +71,7 @@ def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
             "zero must be an ft.optim.ZeroRedundancyOptimizer, got "
             f"{type(zero).__module__}.{type(zero).__qualname__}"
         )
-    if not zero._overlap_with_ddp:
+    if not zero._overlaps_ddp:
         raise ValueError(
             "ZeroRedundancyOptimizer must be constructed with "
             "overlap_with_ddp=True to be stepped by a DDP hook"

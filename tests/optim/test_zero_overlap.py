@@ -230,3 +230,20 @@ def test_one_rank_functional_class_given(pg1, which):
                 zb.step()
     assert isinstance(za.optim, cls)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_torch_overlap_hooks_given_ft_zero_are_refused_when_made(ft_skip):
+    """torch's documented way (``hook_with_zero_step(allreduce_hook, ddp, zero)`` from
+    ``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook``) with ft's ZeRO: refused
+    when the hook is made, naming ft.optim.zero_hooks, never inside backward; ft's own hook
+    then trains the same model."""
+    if reason := ft_skip():
+        pytest.skip(reason)
+    from tests.procs import Workers
+
+    with Workers("tests.optim._torch_hook_worker:torch_hooks_refused", WORLD) as w:
+        results = w.join(timeout=120)
+    for r in results:
+        for name in ("step", "interleaved"):
+            assert "ft.optim.zero_hooks.hook_with_zero_step" in r[name], r
+        assert r["trained"], r
