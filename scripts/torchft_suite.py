@@ -218,10 +218,6 @@ KNOWN_FAILURES: Dict[str, str] = {
         "seed and the model's init gives the replicas different weights (parameter sums "
         "2.513 and 1.245 in a failing run), and with init_sync=False nothing equalizes them"
     ),
-    "manager_integ_test.py::ManagerIntegTest::test_quorum_timeout": (
-        "matches the text of torchft's Rust gRPC status ('status: Cancelled ... Timeout "
-        "expired'); ft raises TimeoutError 'Quorum: deadline exceeded ...'"
-    ),
     "checkpointing/http_transport_test.py::TestHTTPTransport::test_checkpoint_server": _DTENSOR,
     "checkpointing/http_transport_test.py::TestHTTPTransport::test_multi_http_transport_cpu": (
         _DTENSOR
