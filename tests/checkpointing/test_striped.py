@@ -126,9 +126,7 @@ def test_sources_count_only_their_own_receiver_and_wait_for_helpers():
         # Every byte came from one of the two (which one served how much is up to timing: a
         # loaded machine may let one source take every range before the other answers).
         nbytes = state["user"]["w"].numel() * 4
-        assert rx.last_served[a.metadata()] + rx.last_served[b.metadata()] == nbytes, (
-            rx.last_served
-        )
+        assert rx.last_served[a.metadata()] + rx.last_served[b.metadata()] == nbytes, rx.last_served
         assert a.wait_delivered(STEP, 1, timedelta(seconds=5))
         assert not b.wait_delivered(STEP, 1, timedelta(seconds=0.2))
         # once a source's receivers have it (it may change the tensors from then on), no new
