@@ -106,7 +106,6 @@ DEFAULT_RELEASE = RELEASES["0.2.0"]
 VERSION = DEFAULT_RELEASE.version
 SDIST = DEFAULT_RELEASE.archive
 SDIST_SHA256 = DEFAULT_RELEASE.sha256
-DEFAULT_INDEX = "https://pypi.org/simple"
 DEFAULT_CACHE = Path(os.environ.get("FT_TORCHFT_SUITE_CACHE", "/tmp/ft-torchft-suite"))
 SUITE_PKG = "tft_suite"
 _RUN_SECRET = secrets.token_hex(32)
@@ -254,7 +253,12 @@ def _index_url() -> str:
             url = out.stdout.strip() if out.returncode == 0 else ""
         except (OSError, subprocess.TimeoutExpired):
             url = ""
-    return (url or DEFAULT_INDEX).rstrip("/")
+    if not url:
+        # pip's own default index: the one `pip install` here uses when none is configured.
+        from pip._internal.models.index import PyPI
+
+        url = PyPI.simple_url
+    return url.rstrip("/")
 
 
 def _sha256(path: Path) -> str:
