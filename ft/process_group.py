@@ -44,31 +44,13 @@ from ft.backend.process_group import (  # noqa: F401
 from ft.device_mesh import ManagedDeviceMesh, extend_device_mesh, ft_init_device_mesh  # noqa: F401
 from ft.managed_process_group import ManagedProcessGroup  # noqa: F401
 
+# The backend face's names, and those that stand above the Manager.
 __all__ = [
-    "ProcessGroup",
-    "ProcessGroupFt",
-    "ProcessGroupGloo",
-    "ProcessGroupNCCL",
-    "ProcessGroupXCCL",
-    "ProcessGroupWrapper",
-    "ProcessGroupDummy",
-    "ErrorSwallowingProcessGroupWrapper",
-    "FakeProcessGroupWrapper",
+    *_backend_face.__all__,
     "ManagedProcessGroup",
     "ManagedDeviceMesh",
-    "ProcessGroupBaby",
-    "ProcessGroupBabyGloo",
-    "ProcessGroupBabyNCCL",
-    "ProcessGroupBabyXCCL",
-    "connect_store_client",
-    "create_store_client",
     "extend_device_mesh",
     "ft_init_device_mesh",
-    "trigger_nccl_fr_trace_through_pipe",
-    "lane",
-    "parse_store_addr",
-    "ReconfigureOptions",
-    "reconfigure_with_store",
 ]
 
 
