@@ -623,8 +623,6 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
       ": this build of ft has no transport for ",
       device.type(),
       " tensors");
-  const std::vector<at::Tensor> written =
-      outputs; // for host staging's copy back
   auto work = c10::make_intrusive<FtWork>(
       generation->rank,
       op.type,
@@ -646,6 +644,8 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
   watchdog_->poke(work->deadline());
   c10::intrusive_ptr<c10d::Work> inner;
   std::shared_ptr<HostStaging> staging;
+  std::vector<at::Tensor>
+      written; // what a staged op copies back (only then filled)
   try {
     blockingRegion()([&] {
       // A CUDA op on a lane NCCL cannot carry (ranks share a GPU) runs on the
@@ -662,6 +662,7 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
       transport = cpu; // its failedBy() judges what run() throws now
       staging =
           std::make_shared<HostStaging>(/*forceCpuCopies=*/device.is_cpu());
+      written = work->result();
       inner = cpu->run(laneIndex, call.staged(*staging), work->deadline());
       hostStagedOps_.fetch_add(1);
     });
@@ -688,7 +689,9 @@ c10::intrusive_ptr<c10d::Work> FtBackend::submit(
   if (staging) {
     // The result lands in the caller's tensors on success only, and before
     // the op's own finalize (an average divides what was copied back).
-    finalize = [staging, written, then = std::move(finalize)](int size) {
+    finalize = [staging,
+                written = std::move(written),
+                then = std::move(finalize)](int size) {
       staging->copyBack(written);
       if (then) {
         then(size);

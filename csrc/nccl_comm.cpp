@@ -1628,6 +1628,10 @@ class NcclTransport final : public Transport {
       const c10::Device& device,
       Clock::time_point deadline) override {
     const auto& ncclLane = lanes_.at(lane);
+    if (ncclLane->connected()) {
+      return false; // every op after the first: no lock here; run() checks the
+                    // device
+    }
     ncclLane->connect(device.has_index() ? device.index() : 0, deadline);
     return ncclLane->hostStaged();
   }
