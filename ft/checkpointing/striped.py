@@ -240,7 +240,9 @@ class StripedFetch:
         for _ in range(self._per_source - 1):
             self._spawn(self._worker, s)
         if len(self._sources) > 1:
-            self._fetch_digest(s)
+            # on its own connection: a source that has not prepared its range checksums yet
+            # computes them for this answer, and its data connections must not wait for that
+            self._spawn(self._fetch_digest, s)
         self._worker(s)
 
     def _meta(self, s: _Source) -> None:
