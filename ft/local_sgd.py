@@ -11,10 +11,13 @@ is `streaming_schedule` / `fragment_for_step` below (tested as a table), and the
 pure rule for whose progress counts in a sync is `contributions_after`.
 
 The join round runs before the first inner step (at the first forward of a
-wrapped module, once the context is entered): the group takes part in a sync (waiting for the other groups' next one, and healing from
-them if it is behind) and only then trains. It contributes nothing to that sync:
-every sync sums the groups' tensors together with a weight per group (1: its
-progress counts, 0: it sends zeros) and divides by the total weight.
+wrapped module, once the context is entered): a quorum, which waits for the other groups'
+next one and heals this group if it is behind. If another group is at its sync (a late
+joiner), the group takes part in that sync and only then trains, contributing nothing to it:
+every sync sums the groups' tensors together with a weight per group (1: its progress counts,
+0: it sends zeros) and divides by the total weight. If every group of the quorum is joining (a
+job whose groups start together), nobody syncs or commits: DiLoCo's syncs then fall on the
+same inner steps and manager steps as torchft's (`join_starts`, a table).
 
 DiLoCo, per fragment f (of n):
   * keeps a backup of the fragment's global parameters (on `backup_device`,
@@ -66,6 +69,7 @@ __all__ = [
     "streaming_plan",
     "streaming_schedule",
     "fragment_for_step",
+    "join_starts",
 ]
 
 # torchft's default: with bucketization on, one bucket holds up to 1 GiB.
@@ -126,6 +130,27 @@ def streaming_schedule(local_step: int, plan: StreamingPlan) -> Tuple[bool, bool
 def fragment_for_step(manager_step: int, n_fragments: int) -> int:
     """The fragment every replica syncs at this manager step."""
     return manager_step % n_fragments
+
+
+def join_starts(quorum_changed: bool, groups_syncing: Optional[float]) -> bool:
+    """Whether a DiLoCo join round ends at its quorum (True: every group of the quorum is
+    joining, so nobody syncs or commits and training starts) or takes part in the sync the
+    other groups are at (False: a late joiner, which contributes nothing to it).
+
+    ``quorum_changed``: the quorum's id differs from this group's previous quorum's (always
+    true for a group's first quorum). Quorum ids change with membership (every start of a
+    group is a new replica id), so an unchanged id means the same groups took part in this
+    group's previous round, and running the same code they are all joining too (a loop that
+    ran quorums of its own before its first inner step). A changed quorum may hold groups at
+    their sync: then every member (joining or syncing) exchanges one number first, the count
+    of groups at their sync, ``groups_syncing`` (None: that exchange failed, so the step
+    fails too; the joiner takes the sync path, as the others do).
+    """
+    if not quorum_changed:
+        return True
+    if groups_syncing is None:
+        return False
+    return groups_syncing == 0
 
 
 # --------------------------------------------------------------------------
@@ -245,8 +270,6 @@ def contributions_after(
     contributes: Sequence[bool],
     event: str,
     fragment: Optional[int] = None,
-    *,
-    first_commit: bool = False,
 ) -> Tuple[bool, ...]:
     """Whether each fragment's local progress counts at its next sync, after ``event``.
 
@@ -260,17 +283,18 @@ def contributions_after(
       each fragment has been through one sync with the others.
     * ``"sync"`` of ``fragment``: every group, this one included, starts the fragment's next
       interval from the same global state (the new backup on commit, the old one restored
-      otherwise), so the fragment counts from now on. With ``first_commit`` (the join round
-      committed the job's first step: every group starts every fragment from the initial
-      state together) every fragment counts.
+      otherwise), so the fragment counts from now on.
+    * ``"start"``: a join round in which every group was joining (``join_starts``): every
+      group starts every fragment from the same state together (healed ones included), so
+      every fragment counts.
     """
     flags = tuple(bool(c) for c in contributes)
     if event == "heal":
         return (False,) * len(flags)
-    if event != "sync":
-        raise ValueError(f"unknown event {event!r} (expected 'heal' or 'sync')")
-    if first_commit:
+    if event == "start":
         return (True,) * len(flags)
+    if event != "sync":
+        raise ValueError(f"unknown event {event!r} (expected 'heal', 'sync' or 'start')")
     if fragment is None or not 0 <= fragment < len(flags):
         raise ValueError(f"sync of fragment {fragment!r} outside 0..{len(flags) - 1}")
     return flags[:fragment] + (True,) + flags[fragment + 1 :]
@@ -604,11 +628,14 @@ class DiLoCo(_OnOptimizerStep):
     Joining: the *join round* runs before the first inner step (at the first forward of a
     fragment once the context is entered; see ``_OnOptimizerStep``), as if
     this group had just taken the P - tau inner steps that precede a sync: the quorum (which
-    waits for the other groups' next sync and heals this group from them if it is behind),
-    then that sync's allreduce, with tau = 0 also the commit. A healed group restarts every
-    fragment from the healed backups (the global state), not from the healing peer's local
-    parameters, so its first inner step starts from the global state, and its inner-step
-    count is the others' (the next sync happens at the same step on every group).
+    waits for the other groups' next one and heals this group from them if it is behind).
+    If every group of that quorum is joining (``join_starts``: a job whose groups start
+    together), the round ends there: no allreduce, no commit, and the syncs that follow fall
+    on torchft's inner steps and manager steps. Otherwise (a late joiner) it takes part in
+    the sync the others are at: its allreduce, with tau = 0 also the commit. A healed group
+    restarts every fragment from the healed backups (the global state), not from the healing
+    peer's local parameters, so its first inner step starts from the global state, and its
+    inner-step count is the others' (the next sync happens at the same step on every group).
 
     Contributions: each group sends its pseudo-gradient with a weight, 1 or 0, and the
     average divides the sum by the total weight. A fragment's progress counts (weight 1) only
@@ -622,8 +649,8 @@ class DiLoCo(_OnOptimizerStep):
     groups would compute by themselves: a zero adds nothing to a sum), makes no assumption
     that progress is proportional to inner steps, and needs no step counts on the wire; a
     joiner loses at most one partial interval per fragment. A sync that nobody contributes
-    to (the first sync of a fresh job) commits without an outer step. On the fault-free path
-    every weight is 1 and the result is the plain average (the same sum over the same count).
+    to commits without an outer step. On the fault-free path every weight is 1 and the
+    result is the plain average (the same sum over the same count).
     """
 
     def __init__(
@@ -680,8 +707,8 @@ class DiLoCo(_OnOptimizerStep):
             for i, m in enumerate(model_fragments)
         ]
         self._local_step = 0
-        # (fragment, pseudo-gradients, allreduce, manager step, is the join round)
-        self._pending: Optional[Tuple[int, List[torch.Tensor], _WeightedSum, int, bool]] = None
+        # (fragment, pseudo-gradients, allreduce)
+        self._pending: Optional[Tuple[int, List[torch.Tensor], _WeightedSum]] = None
         self._contributes: Tuple[bool, ...] = (False,) * n
         self._healed = False  # set by a fragment's load fn during a heal
         # Total weight of the last completed sync: how many groups' pseudo-gradients it averaged.
@@ -743,7 +770,9 @@ class DiLoCo(_OnOptimizerStep):
     def _join(self) -> None:
         # Where the other groups are when they start a quorum: inner step P - tau of a period.
         self._local_step = self._plan.prepare_at
-        self._prepare_sync(joining=True)
+        if not self._prepare_sync(joining=True):
+            self._local_step = 0  # every group was joining: training starts here, together
+            return
         if self._local_step == self._plan.period:  # tau = 0: the sync completes here too
             self._local_step = 0
             self._perform_sync()
@@ -754,10 +783,32 @@ class DiLoCo(_OnOptimizerStep):
         """The process-group lane fragment ``fragment``'s sync runs on."""
         return fragment % self._num_lanes
 
+    def _quorum_id(self) -> Optional[int]:
+        # An ft Manager's; None for a manager without it (every quorum then counts as changed).
+        fn = getattr(self._manager, "quorum_id", None)
+        return fn() if callable(fn) else None
+
+    def _count_syncing(self, f: int, syncing: bool) -> Optional[float]:
+        """The number of groups of this quorum at their sync (this one: ``syncing``), summed
+        on fragment ``f``'s lane ahead of its sync; None if the exchange failed."""
+        device = _local(self._fragments[f].params[0][1].detach()).device
+        count = torch.tensor([1.0 if syncing else 0.0], dtype=torch.float32, device=device)
+        with lane(self.lane_for(f)):
+            work = self._manager.allreduce(count, should_quantize=False, reduce_op=ReduceOp.SUM)
+        work.wait()
+        if self._manager.errored() is not None:
+            return None
+        return float(count.item())
+
     @span("torchft::local_sgd::prepare_sync")
-    def _prepare_sync(self, joining: bool = False) -> None:
+    def _prepare_sync(self, joining: bool = False) -> bool:
+        """Starts the quorum and sends the sync's allreduce; False (only when ``joining``):
+        every group of the quorum was joining, so no sync was started (``join_starts``)."""
         self._healed = False
+        before = self._quorum_id()
         self._manager.start_quorum()
+        after = self._quorum_id()
+        changed = before is None or after != before
         if self._healed:
             # The healing peer's parameters hold its own local progress, which it contributes
             # itself: restart every fragment from the healed global state instead.
@@ -766,6 +817,12 @@ class DiLoCo(_OnOptimizerStep):
             self._contributes = contributions_after(self._contributes, "heal")
         step = self._manager.current_step()
         f = fragment_for_step(step, self._plan.n_fragments)
+        # A changed quorum may mix joining groups with groups at their sync: all of them
+        # exchange the count of the latter, so that all decide alike (``join_starts``).
+        syncing = self._count_syncing(f, not joining) if changed else None
+        if joining and join_starts(changed, syncing):
+            self._contributes = contributions_after(self._contributes, "start")
+            return False
         frag = self._fragments[f]
         contribute = self._contributes[f]
         pseudo = frag.pseudo_gradients() if contribute else frag.zeros()
@@ -778,12 +835,13 @@ class DiLoCo(_OnOptimizerStep):
                 self._bucket_cap,
                 self._use_bucketization,
             )
-        self._pending = (f, handle.tensors, handle, step, joining)
+        self._pending = (f, handle.tensors, handle)
+        return True
 
     @span("torchft::local_sgd::perform_sync")
     def _perform_sync(self) -> None:
         assert self._pending is not None, "perform_sync without prepare_sync"
-        f, pseudo, handle, step, joining = self._pending
+        f, pseudo, handle = self._pending
         self._pending = None
         frag = self._fragments[f]
         t0 = time.perf_counter()
@@ -801,10 +859,8 @@ class DiLoCo(_OnOptimizerStep):
         committed = self._manager.should_commit()
         self.contributors = total
         # Whether it commits or not, every group starts this fragment's next interval from
-        # the same global state; a committed join round at step 0 starts every fragment.
-        self._contributes = contributions_after(
-            self._contributes, "sync", f, first_commit=joining and committed and step == 0
-        )
+        # the same global state.
+        self._contributes = contributions_after(self._contributes, "sync", f)
         if not committed:
             # Drop this fragment's local progress: params stay = backup.
             self.failed_commits += 1

@@ -161,6 +161,8 @@ class CheckpointServer:
         self._abandoned: Optional[Tuple[int, str]] = None
         # A step the source announced it will stage (expect): requests for it wait for it.
         self._expected: Optional[int] = None
+        # The step wait_delivered released last, until another staging (see _servable).
+        self._released: Optional[int] = None
         self._closed = False
         # data bytes this server sent over HTTP, every staging together (ranges that completed)
         self.served_bytes = 0
@@ -216,12 +218,13 @@ class CheckpointServer:
         TypeError (naming the key path) for values that cannot be sent safely, before anything
         is withdrawn."""
         staging = Staging(step, state_dict, self._pace)
-        self.withdraw()
+        self.withdraw(restaging=True)
         with self.cond:
             if self._closed:
                 raise CheckpointError("HTTPTransport is shut down")
             self._staging = staging
             self._last_step = step
+            self._released = None
             self._abandoned = None
             self._expected = None
             self.cond.notify_all()
@@ -255,6 +258,7 @@ class CheckpointServer:
                 return False
             # The caller changes the tensors from now on: nobody new may start reading them.
             st.released = True
+            self._released = step
             return True
 
     def wait_asked(self, step: int, receivers: int, deadline: Deadline) -> bool:
@@ -297,13 +301,17 @@ class CheckpointServer:
                 self._expected = None
             self.cond.notify_all()
 
-    def withdraw(self) -> None:
+    def withdraw(self, restaging: bool = False) -> None:
         """Withdraws the staged checkpoint: new requests get 410 at once, and so do receivers
         that got the metadata but have not started reading data (their leases are dropped, not
         waited for). Transfers that already started, and the other ranges of their receivers
         (asked for at the same moment), get up to ``timeout`` to finish; then they are cut off.
+        ``restaging`` (``stage`` withdraws the previous one): receivers waiting for a released
+        step to be staged again keep waiting.
         """
         with self.cond:
+            if not restaging:
+                self._released = None
             st = self._staging
             if st is None:
                 return
@@ -344,21 +352,33 @@ class CheckpointServer:
         chunks = min(max(1, chunks), wire.MAX_CHUNKS)
         wait_s = min(max(0.0, wait_s), self.timeout_s)
         deadline = Deadline.after(wait_s)
-        with self.cond:
-            deadline.wait(self.cond, lambda: self._servable(step) is not None)
+
+        def servable() -> Optional[Staging]:
             st = self._servable(step)
+            if st is None and stripe is False and self._released == step:
+                # a striped helper is told at once that it is no source
+                raise Refused(410, f"checkpoint for step {step} is no longer served")
+            return st
+
+        with self.cond:
+            deadline.wait(self.cond, lambda: servable() is not None)
+            st = servable()
             if st is None:
                 last = self._last_step
                 raise Refused(
                     404,
                     f"step {step} is not available "
-                    + ("(nothing staged)" if last is None else f"(last staged step {last})"),
+                    + (
+                        "(nothing staged)"
+                        if last is None
+                        else f"(step {step} was delivered and released, and not staged again)"
+                        if self._released == step
+                        else f"(last staged step {last})"
+                    ),
                 )
             lease = uuid.uuid4().hex
             n = len(wire.plan_chunks(st.total, chunks))
             if stripe is not None:
-                if st.released:
-                    raise Refused(410, f"checkpoint for step {step} is no longer served")
                 st.lease(lease, n, self.timeout_s, explicit=True, counted=stripe)
             elif n:
                 st.lease(lease, n, self.timeout_s)
@@ -374,12 +394,17 @@ class CheckpointServer:
         if self._closed:
             raise Refused(503, "checkpoint server is shutting down")
         st = self._staging
-        if st is not None and st.step == step and not st.closing:
+        if st is not None and st.step == step and not st.closing and not st.released:
             return st
         if self._expected == step:
             return None  # announced: it comes
         if self._abandoned is not None and self._abandoned[0] == step:
             raise Refused(409, f"the source failed to produce step {step}: {self._abandoned[1]}")
+        if self._released == step:
+            # Its receivers have it and the source changes its tensors from now on: nobody
+            # new reads them. One asking for the same step again (a second heal at an
+            # unchanged step) waits for the source to stage it afresh.
+            return None
         last = self._last_step
         if last is not None and step <= last:
             if step == last:

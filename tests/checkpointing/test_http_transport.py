@@ -223,13 +223,35 @@ def test_wait_delivered_counts_receivers_that_read_everything() -> None:
         src.send_checkpoint([1, 2], 7, state, TO)
         assert src.wait_delivered(7, 1, timedelta(seconds=0.2)) is False  # nobody read yet
         assert_same(state, a.recv_checkpoint(0, src.metadata(), 7, TO))
-        assert src.wait_delivered(7, 1, timedelta(seconds=5)) is True
-        assert src.wait_delivered(7, 2, timedelta(seconds=0.2)) is False
+        assert src.wait_delivered(7, 2, timedelta(seconds=0.2)) is False  # one of two
         assert_same(state, b.recv_checkpoint(0, src.metadata(), 7, TO))
         assert src.wait_delivered(7, 2, timedelta(seconds=5)) is True
         assert src.wait_delivered(8, 1, timedelta(seconds=0.2)) is False  # not staged
         src.disallow_checkpoint()
         assert src.wait_delivered(7, 2, timedelta(seconds=0.2)) is False  # withdrawn
+
+
+def test_a_released_checkpoint_serves_nobody_new_until_staged_again() -> None:
+    """Once wait_delivered released a step (its receivers have it; the caller trains on and
+    changes its tensors), a receiver asking for the same step again (a second heal at an
+    unchanged step) is not served the changing tensors: it waits for the step to be staged
+    afresh and gets the new state; if it is not staged again, it is told so."""
+    old, new = {"w": torch.full((1 << 16,), 1.0)}, {"w": torch.full((1 << 16,), 2.0)}
+    with transport() as src, transport() as a, transport() as b:
+        src.send_checkpoint([1], 0, old, TO)
+        assert_same(old, a.recv_checkpoint(0, src.metadata(), 0, TO))
+        assert src.wait_delivered(0, 1, TO) is True
+        run = run_in_thread(lambda: b.recv_checkpoint(0, src.metadata(), 0, TO))
+        time.sleep(0.3)
+        assert "value" not in run and "error" not in run, run  # waiting, not served
+        src.send_checkpoint([1], 0, new, TO)
+        run["thread"].join(10)
+        assert "error" not in run, run
+        assert_same(new, run.get("value"))
+
+        assert src.wait_delivered(0, 1, TO) is True
+        with pytest.raises(CheckpointNotAvailableError, match="delivered and released"):
+            b.recv_checkpoint(0, src.metadata(), 0, timedelta(seconds=1))
 
 
 def test_disallow_waits_for_transfers_in_flight() -> None:

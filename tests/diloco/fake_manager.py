@@ -22,6 +22,8 @@ class FakeGroup:
         self.timeout = timeout
         self.cond = threading.Condition()
         self.deposits: Dict[Any, Dict[int, Any]] = {}
+        # The id every quorum gets; a test changes it to model a membership change.
+        self.quorum_id = 1
 
     def exchange(self, key: Any, rank: int, value: Any) -> List[Any]:
         with self.cond:
@@ -70,6 +72,7 @@ class FakeManager:
         self.state_fns: Dict[str, Any] = {}
         self._use_async_quorum = use_async_quorum
         self._num_lanes = num_lanes
+        self._quorum_id = -1
         self.lanes: List[int] = []
 
     @property
@@ -99,11 +102,16 @@ class FakeManager:
         self, allow_heal: bool = True, shrink_only: bool = False, timeout=None
     ) -> None:
         self.quorums += 1
+        self._quorum_id = self.group.quorum_id
         self.error = None
         self.aborted = False
 
     def current_step(self) -> int:
         return self.step
+
+    def quorum_id(self) -> int:
+        """As ft.Manager's: -1 before the first quorum."""
+        return self._quorum_id
 
     def num_participants(self) -> int:
         return self.group.n

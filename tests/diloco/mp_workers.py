@@ -163,6 +163,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     commits: Dict[int, str] = {}
     backups: Dict[int, str] = {}  # the global parameters (DiLoCo's backups) at each step
     contributors: Dict[int, Any] = {}
+    inner_at: Dict[int, int] = {}  # inner steps taken when each step committed
     first_inner: Dict[str, Any] = {}
     failures = 0
     stop_at = cfg["stop_at"]
@@ -171,7 +172,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     test_store.set(f"{cfg.get('tag', 'r')}ready/{rank}", "1")
     if cfg.get("wait_ready"):
         # "go": the test sets it once the lighthouse sees every group's heartbeat, so that the
-        # first quorum (the join round) holds all of them.
+        # first quorum (the join round: all groups joining, so no sync) holds all of them.
         test_store.wait(
             [f"{cfg.get('tag', 'r')}ready/{i}" for i in range(cfg["wait_ready"])] + ["go"],
             timedelta(seconds=60),
@@ -180,12 +181,14 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     def record_commit(now: int) -> None:
         commits[now] = digest(state_fn())
         contributors[now] = getattr(algo, "contributors", None)
+        inner_at[now] = local
         if cfg["algo"] == "diloco":
             backups[now] = digest(backups_by_fragment())
 
     with algo:
-        # The join round runs at the first forward (below): it commits there, or with tau > 0
-        # at the first inner step.
+        # The join round runs at the first forward (below). A late joiner's commits there
+        # (LocalSGD's always), or with tau > 0 at the first inner step; DiLoCo's, when every
+        # group of its quorum is joining, syncs nothing.
         last = manager.current_step()
         test_store.set(key, str(last))
         for _ in range(cfg.get("max_inner", 400)):
@@ -198,8 +201,9 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
             x, y = _task(manager.current_step(), local, rank)
             inner.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()  # the first forward joins
-            # The join round committed in that forward (LocalSGD; DiLoCo with tau = 0). With
-            # tau > 0 only its heal may have moved the step: it commits at the inner step.
+            # A join round that synced committed in that forward (LocalSGD; DiLoCo with
+            # tau = 0). With tau > 0 only its heal may have moved the step: it commits at the
+            # inner step.
             sync_done = syncs_before is None or algo.syncs != syncs_before
             if sync_done and manager.current_step() != step_before:
                 record_commit(manager.current_step())
@@ -234,6 +238,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
         "lanes": sorted(lanes),
         "backups": backups,
         "contributors": contributors,
+        "inner_at": inner_at,
         "first_inner": first_inner,
         "inner_before_quorum": inner_before_quorum[0] if inner_before_quorum else None,
         "model": digest({n: p.detach() for n, p in model.named_parameters()}),

@@ -182,7 +182,8 @@ def test_kill9_rejoiner_heals_before_training_and_contributes_nothing(replicas):
     step, heals from a survivor in the survivors' next sync, contributes nothing to that sync
     (its average is the 2 survivors'), and its first inner step starts from the global state
     every group holds at that step. From the next sync on it contributes, and every group ends
-    with a bitwise identical model and outer-optimizer state."""
+    with a bitwise identical model and outer-optimizer state. The three start together: their
+    join round syncs nothing, and the first sync is torchft's."""
     H = 6
     cfg = dict(
         algo="diloco",
@@ -225,8 +226,14 @@ def test_kill9_rejoiner_heals_before_training_and_contributes_nothing(replicas):
         for s in set(g["commits"]) & set(g0["commits"]):
             assert g["commits"][s] == g0["commits"][s], f"global state differs at step {s}"
 
-    # The first sync of the job: all three joined it before training, nothing to average.
-    assert g0["contributors"][1] == g2["contributors"][1] == 0.0, g0["contributors"]
+    # All three started together: their join round was a quorum only, so the job's first
+    # sync is torchft's (manager step 0 -> 1 after H inner steps). Its quorum, at step 0,
+    # heals the two groups that are not the primary (torchft's init sync, which replaces
+    # their models), so it averages the primary's pseudo-gradient alone; the next, all three.
+    assert g0["inner_at"][1] == g2["inner_at"][1] == H, g0["inner_at"]
+    assert g0["inner_at"][2] == g2["inner_at"][2] == 2 * H
+    assert g0["contributors"][1] == g2["contributors"][1] == 1.0, g0["contributors"]
+    assert g0["contributors"][2] == g2["contributors"][2] == 3.0, g0["contributors"]
 
     # The restarted group: a quorum before its first inner step, healed in the join round
     # (which committed on entry, at step j), no inner step before it.

@@ -15,6 +15,7 @@ from ft.local_sgd import (
     _WeightedSum,
     contributions_after,
     fragment_for_step,
+    join_starts,
     streaming_plan,
     streaming_schedule,
 )
@@ -149,12 +150,12 @@ def test_streaming_alpha_merge_by_hand():
     1), loss 0.5 a^2 + 0.5 b^2, inner SGD lr 0.5 (x <- 0.5 x), sync_every 2
     (P = 1, tau = 0), one shared outer plain SGD lr 0.5, alpha = 0.5.
 
-    join (on entry, manager step 0): fragment 0's sync, nobody has trained: no outer step.
-    step 1: local a, b = 0.5, 0.5; fragment 1 syncs: pseudo 1 - 0.5 = 0.5,
-      global b = 1 - 0.5 * 0.5 = 0.75, merged b = 0.5 * 0.75 + 0.5 * 0.5 = 0.625;
-      a untouched (0.5).
-    step 2: local a, b = 0.25, 0.3125; fragment 0 syncs: pseudo 1 - 0.25 = 0.75,
-      global a = 1 - 0.5 * 0.75 = 0.625, merged a = 0.5 * 0.625 + 0.5 * 0.25 = 0.4375.
+    join (first forward): a quorum only (the only group is joining): no sync, no commit.
+    step 1: local a, b = 0.5, 0.5; fragment 0 syncs (manager step 0, as in torchft):
+      pseudo 1 - 0.5 = 0.5, global a = 1 - 0.5 * 0.5 = 0.75,
+      merged a = 0.5 * 0.75 + 0.5 * 0.5 = 0.625; b untouched (0.5).
+    step 2: local a, b = 0.3125, 0.25; fragment 1 syncs: pseudo 1 - 0.25 = 0.75,
+      global b = 1 - 0.5 * 0.75 = 0.625, merged b = 0.5 * 0.625 + 0.5 * 0.25 = 0.4375.
     """
 
     def body(rank, group):
@@ -173,11 +174,12 @@ def test_streaming_alpha_merge_by_hand():
         return out
 
     (out,) = run_replicas(1, body)
-    assert out == [(0.5, 0.625), (0.4375, 0.3125)]  # exact in binary
+    assert out == [(0.625, 0.5), (0.3125, 0.4375)]  # exact in binary
 
 
 def test_failed_commit_drops_fragment_progress_and_counts_once():
-    # One allreduce per sync (the weight rides in the scalar's tensor); call 0 is the join.
+    # One allreduce per sync (the weight rides in the scalar's tensor); call 0 is the join's
+    # count of groups at their sync (none: both start), call 1 the first sync's.
     def body(rank, group):
         m = FakeManager(group, rank, fail_calls={1} if rank == 0 else set())
         a, b = Scalar(1.0), Scalar(1.0)
@@ -194,12 +196,12 @@ def test_failed_commit_drops_fragment_progress_and_counts_once():
         return seen, m.commit_failures, m.step, d.failed_commits, m.lanes
 
     for seen, failures, step, dfail, lanes in run_replicas(2, body):
-        # join: frag 0, nothing to average (step 1). step 1: frag 1's sync fails -> b back
-        # to its backup 1.0 (a = 0.5 local). step 2: frag 1 again (step did not advance):
-        # b 1 -> 0.5 -> pseudo 0.5 -> b = 0.5. step 3: frag 0: a 1 -> 0.125 -> a = 0.125.
-        assert seen == [(0.5, 1.0), (0.25, 0.5), (0.125, 0.25)]
-        assert (failures, dfail, step) == (1, 1, 3)
-        assert lanes == [0, 1, 1, 0]  # each fragment on its own lane
+        # join: no sync. step 1: frag 0's sync fails -> a back to its backup 1.0 (b = 0.5
+        # local). step 2: frag 0 again (the step did not advance): a 1 -> 0.5 -> pseudo 0.5
+        # -> a = 0.5 (step 1). step 3: frag 1: b 1 -> 0.125 -> pseudo 0.875 -> b = 0.125.
+        assert seen == [(1.0, 0.5), (0.5, 0.25), (0.25, 0.125)]
+        assert (failures, dfail, step) == (1, 1, 2)
+        assert lanes == [0, 0, 0, 1]  # the count on fragment 0's lane; each fragment its own
 
 
 @pytest.mark.parametrize("tau", [0, 1])
@@ -230,7 +232,7 @@ def test_comm_wait_seconds_counts_only_the_unhidden_wait(tau):
             (0.5 * a() ** 2 + 0.5 * b() ** 2).sum().backward()
             _time.sleep(0.1)  # the inner step's compute
             inner.step()
-    assert d.syncs == (3 if tau == 0 else 2)  # with tau = 0 the join completes at the first forward
+    assert d.syncs == 2  # the join round (the only group, joining) syncs nothing
     if tau == 0:
         assert d.comm_wait_seconds >= 2 * 0.045, d.comm_wait_seconds
     else:
@@ -311,20 +313,40 @@ F, T = False, True
 
 
 @pytest.mark.parametrize(
-    "before,event,fragment,first_commit,after",
+    "before,event,fragment,after",
     [
-        ((F, F), "sync", 0, True, (T, T)),  # a fresh job's join round: every fragment counts
-        ((F, F), "sync", 0, False, (T, F)),  # a mid-run join at fragment 0: 1 still partial
-        ((F, F), "sync", 1, False, (F, T)),
-        ((T, F), "sync", 1, False, (T, T)),  # ... until fragment 1 has synced once
-        ((T, T), "sync", 1, False, (T, T)),  # the fault-free path
-        ((T, T), "heal", None, False, (F, F)),  # a heal restarts every fragment mid-interval
-        ((T,), "heal", None, False, (F,)),
-        ((F,), "sync", 0, False, (T,)),
+        ((F, F), "start", None, (T, T)),  # every group was joining: every fragment counts
+        ((F, F), "sync", 0, (T, F)),  # a late joiner's join round at fragment 0: 1 partial
+        ((F, F), "sync", 1, (F, T)),
+        ((T, F), "sync", 1, (T, T)),  # ... until fragment 1 has synced once
+        ((T, T), "sync", 1, (T, T)),  # the fault-free path
+        ((T, T), "heal", None, (F, F)),  # a heal restarts every fragment mid-interval
+        ((T,), "heal", None, (F,)),
+        ((F,), "sync", 0, (T,)),
     ],
 )
-def test_contributions_table(before, event, fragment, first_commit, after):
-    assert contributions_after(before, event, fragment, first_commit=first_commit) == after
+def test_contributions_table(before, event, fragment, after):
+    assert contributions_after(before, event, fragment) == after
+
+
+@pytest.mark.parametrize(
+    "quorum_changed,groups_syncing,starts",
+    [
+        # Everyone starts at step 0: the job's first quorum (new to every group), nobody at a
+        # sync: no allreduce, no commit; the first sync is torchft's (manager step 0).
+        (T, 0.0, T),
+        # The join quorum repeats the group's previous one (a loop that ran its own quorum
+        # first): the same groups, all joining; nothing is exchanged.
+        (F, None, T),
+        # A late joiner: the others are at their sync; it takes part, contributing nothing.
+        (T, 1.0, F),
+        (T, 3.0, F),
+        # The count could not be exchanged (the step fails): the sync path, as the others.
+        (T, None, F),
+    ],
+)
+def test_join_starts_table(quorum_changed, groups_syncing, starts):
+    assert join_starts(quorum_changed, groups_syncing) is starts
 
 
 @pytest.mark.parametrize("args", [((T, T), "sync", None), ((T, T), "sync", 2), ((T,), "join", 0)])
@@ -386,7 +408,7 @@ def test_diloco_healed_group_restarts_from_backups_and_sends_nothing():
     """w0 = 1, loss 0.5 (w - t)^2 (t = 0 on replica 0, 4 on replica 1), inner SGD lr 0.5,
     sync_every 1, outer SGD lr 1 with momentum 0.5 (buf <- 0.5 buf + g; w <- w - buf).
 
-    join: nobody has trained: no outer step (the outer optimizer holds no state yet).
+    join: both groups are joining: a quorum only, no sync (the outer optimizer holds no state).
     sync 1: local 0.5 and 2.5, pseudo 0.5 and -1.5, g = -0.5: buf = -0.5, w = 1.5.
     sync 2: replica 1 heals in its quorum: its parameter goes back to the backup 1.5 and it
       sends zeros with weight 0; replica 0: local 0.75, pseudo 0.75, g = 0.75 / 1:
@@ -413,7 +435,7 @@ def test_diloco_healed_group_restarts_from_backups_and_sends_nothing():
 
     for traj, counts, outer_state in run_replicas(2, body):
         assert outer_state == 0
-        assert counts == [0.0, 2.0, 1.0, 2.0]
+        assert counts == [None, 2.0, 1.0, 2.0]
         assert traj == [1.5, 1.0, 1.25]  # exact in binary
 
 
