@@ -29,7 +29,7 @@ _LAZY: Dict[str, str] = {
     "lane": "ft.backend.process_group",
     "Manager": "ft.manager",
     "WorldSizeMode": "ft.manager",
-    "PersistentStepFailure": "ft.step_failures",  # torch-free
+    "PersistentStepFailure": "ft.manager_parts.step_failures",  # torch-free
     "Optimizer": "ft.optim.wrapper",
     "OptimizerWrapper": "ft.optim.wrapper",
     "DistributedDataParallel": "ft.ddp",
@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the eager imports
     from ft.manager import Manager, WorldSizeMode  # noqa: F401
     from ft.optim.wrapper import Optimizer, OptimizerWrapper  # noqa: F401
     from ft.otel import setup_logger  # noqa: F401
-    from ft.step_failures import PersistentStepFailure  # noqa: F401
+    from ft.manager_parts.step_failures import PersistentStepFailure  # noqa: F401
     from ft.backend.process_group import (  # noqa: F401
         ProcessGroup,
         ProcessGroupBabyNCCL,

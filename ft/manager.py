@@ -27,12 +27,12 @@ Errors
     Quorum failures (e.g. a missing local rank, :class:`TimeoutError`) are raised by
     :meth:`start_quorum` (sync) or :meth:`wait_quorum` (async), as in torchft.
 
-Persistent failures (docs/design.md, "Persistent failures"; the rule: :mod:`ft.step_failures`)
+Persistent failures (docs/design.md, "Persistent failures"; the rule: :mod:`ft.manager_parts.step_failures`)
     Consecutive steps that fail with the same error (type, normalized message, phase) while
     the quorum's members stay the same are a persistent fault, not a storm to retry at full
     speed: from the third such failure the Manager backs off before each next quorum (logged
     at ERROR), and at ``max_consecutive_failures`` :meth:`should_commit` raises
-    :class:`~ft.step_failures.PersistentStepFailure`. A committed step or a membership change
+    :class:`~ft.manager_parts.step_failures.PersistentStepFailure`. A committed step or a membership change
     ends the streak.
 
 Proactive abort (docs/design.md, "Failure notifications")
@@ -53,11 +53,8 @@ import dataclasses
 import inspect
 import logging
 import os
-import pickle
 import threading
 import time
-import traceback
-import uuid
 import warnings
 from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -67,10 +64,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp, TCPStore
+from torch.distributed import ReduceOp
 
 from ft.collectives import allreduce_quantized
-from ft.checkpointing import CheckpointTransport, HTTPTransport, RWLock
+from ft.checkpointing import CheckpointTransport, RWLock
 from ft.checkpointing.dtensor_codec import restore_dtensors
 from ft.coordination import (
     FailureNotification,
@@ -79,26 +76,31 @@ from ft.coordination import (
     ManagerServer,
     QuorumResult,
 )
-from ft.coordination.manager_server import LocalManagerClient
-from ft.coordination._rpc import join_hostport, split_hostport
 from ft.coordination.quorum import Participation, participation
 from ft.backend.process_group import ProcessGroup as _FtProcessGroup
-from ft.backend.process_group import ReconfigureOptions, connect_store_client
-from ft.progress_watch import ProgressWatch
+from ft.backend.process_group import ReconfigureOptions
+from ft.manager_parts.progress_watch import ProgressWatch
+from ft.manager_parts.state_dicts import RegisteredState
+from ft.manager_parts.step_errors import ExceptionWithTraceback, StepErrors
+from ft.manager_parts.wiring import (  # noqa: F401 (the store keys: torchft's names, re-exported)
+    LIGHTHOUSE_ADDR_KEY,
+    MANAGER_ADDR_KEY,
+    MANAGER_PORT_ENV,
+    REPLICA_ID_KEY,
+    GroupWiring,
+)
 from ft.work import _DummyWork
-from ft.utils import net
 from ft.observability import records
-from ft.heal import Healer
+from ft.manager_parts.heal import Healer
 from ft.protocols import GroupServerClient
 from ft.observability.spans import span, span_block
-from ft.step_failures import (
+from ft.manager_parts.step_failures import (
     FailureStreak,
     PersistentStepFailure,
     StepFailure,
     StepFailurePolicy,
     next_streak,
 )
-from ft.utils.auth import StoreValues, resolve_secret
 from ft.utils.deadline import Deadline, to_seconds, to_timedelta
 from ft.utils.retry import backoff_delays
 
@@ -112,14 +114,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-MANAGER_ADDR_KEY = "manager_addr"
-REPLICA_ID_KEY = "replica_id"
-# Group rank 0 publishes the lighthouse address here, so that the other ranks of the group need
-# no TORCHFT_LIGHTHOUSE (as in torchft, where only rank 0 reads it).
-LIGHTHOUSE_ADDR_KEY = "lighthouse_addr"
-
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
 TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
@@ -157,104 +152,6 @@ def get_timeout(timeout_sec_env: Optional[str], default_timeout_sec: timedelta) 
         return timedelta(seconds=float(timeout_sec_env))
     except ValueError:
         raise ValueError(f"a timeout in seconds was expected, got {timeout_sec_env!r}") from None
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class ExceptionWithTraceback(Exception):
-    """What :meth:`Manager.errored` returns: the reported exception with its traceback as text.
-
-    ``original_exception`` is the exception reported; ``stack_trace`` its formatted
-    traceback (captured when it was reported, so it survives the frames it names);
-    ``str()`` is ``f"{original}\\n{stack_trace}"``, as in torchft.
-
-    ft addition: the object is also an instance of the original exception's type (it is built
-    as a subclass of both, named ``ExceptionWithTraceback[<type>]``), so code that tests
-    ``isinstance(manager.errored(), TimeoutError)`` keeps working; the original's instance
-    attributes are copied onto it. Where such a subclass cannot exist (a type that cannot be
-    subclassed, or whose memory layout clashes) it is a plain ExceptionWithTraceback. It
-    pickles as the original exception plus the trace (an original that cannot be
-    unpickled travels as a RuntimeError naming its type and message).
-    """
-
-    def __new__(cls, e: BaseException, *args: Any, **kwargs: Any) -> "ExceptionWithTraceback":
-        if cls is ExceptionWithTraceback and isinstance(e, BaseException):
-            made = _traceback_type_for(type(e))
-            if made is not ExceptionWithTraceback:
-                # With several built-in bases (RuntimeError and OSError, as the checkpoint
-                # errors have) only the base that owns the instance layout may allocate it,
-                # and it is not always the first: try each in order.
-                for base in made.__mro__[2:]:
-                    if "__new__" in vars(base):
-                        try:
-                            return base.__new__(made)
-                        except TypeError:
-                            continue
-                with _traceback_types_lock:  # no base can: plain from now on, for this type
-                    _traceback_types[type(e)] = ExceptionWithTraceback
-        return super().__new__(cls)
-
-    def __init__(self, e: BaseException) -> None:
-        self.original_exception = e
-        if e.__traceback__ is not None:
-            lines = traceback.format_exception(type(e), e, e.__traceback__)
-        else:  # never raised: no frames, just the type and message
-            lines = traceback.format_exception_only(type(e), e)
-        self.stack_trace: str = "".join(lines)
-        # Instance attributes of the original (an HTTP error's ``code``, say), for handlers
-        # that read them; the two set above keep their values.
-        for key, value in getattr(e, "__dict__", {}).items():
-            self.__dict__.setdefault(key, value)
-        # BaseException's own __init__: the original type's may require other arguments.
-        BaseException.__init__(self, f"{e}\n{self.stack_trace}")
-
-    def __str__(self) -> str:
-        # The original type's __str__ may read fields this object never set.
-        return str(self.args[0]) if self.args else ""
-
-    def __repr__(self) -> str:
-        return f"ExceptionWithTraceback({self.original_exception!r})"
-
-    def __reduce__(self) -> Any:
-        original = self.original_exception
-        try:
-            # Some exception types pickle but cannot be unpickled (urllib's HTTPError): find
-            # out now, while the sender can still substitute something that loads.
-            pickle.loads(pickle.dumps(original))
-        except Exception:  # noqa: BLE001
-            original = RuntimeError(f"{type(original).__name__}: {original}")
-        return (_rebuild_exception_with_traceback, (original, self.stack_trace))
-
-
-_traceback_types: Dict[type, type] = {}
-_traceback_types_lock = threading.Lock()
-
-
-def _traceback_type_for(original: type) -> type:
-    """ExceptionWithTraceback's subclass that is also a subclass of ``original`` (cached)."""
-    if issubclass(original, ExceptionWithTraceback):
-        return ExceptionWithTraceback
-    with _traceback_types_lock:
-        made = _traceback_types.get(original)
-        if made is None:
-            try:
-                made = type(
-                    f"ExceptionWithTraceback[{original.__qualname__}]",
-                    (ExceptionWithTraceback, original),
-                    {"__module__": __name__},
-                )
-            except TypeError:  # final type or layout conflict
-                made = ExceptionWithTraceback
-            _traceback_types[original] = made
-        return made
-
-
-def _rebuild_exception_with_traceback(original: BaseException, stack_trace: str) -> Any:
-    out = ExceptionWithTraceback(original)
-    out.stack_trace = stack_trace
-    out.args = (f"{original}\n{stack_trace}",)
-    return out
 
 
 # ------------------------------------------------------------------------------- works
@@ -489,7 +386,7 @@ class Manager:
             retried until ``quorum_timeout``, so a lighthouse outage or a partition shorter
             than that ends no process.
         max_consecutive_failures: an ft extension: ``should_commit`` raises
-            :class:`~ft.step_failures.PersistentStepFailure` once this many consecutive steps
+            :class:`~ft.manager_parts.step_failures.PersistentStepFailure` once this many consecutive steps
             failed with the same error (type, normalized message, phase) while the quorum's
             members stayed the same; from the third such failure the Manager backs off
             before each next quorum. None: env ``FT_MAX_CONSECUTIVE_FAILURES``, else 20; 0:
@@ -575,11 +472,13 @@ class Manager:
         self._quorum_id = -1
         self._quorum_replica_ids: frozenset = frozenset()
         self._quorum_lock = threading.Lock()
-        self._errored: Optional[ExceptionWithTraceback] = None
-        # Where in the step _errored arose (ft.step_failures.PHASES).
-        self._errored_phase = "user"
-        # Consecutive identical failed steps (ft.step_failures), the backoff delays of the
-        # current streak, the wait owed before the next quorum, and the outcome of this step
+        # This step's first error, where it arose, whether it aborted the process group.
+        self._errors = StepErrors(
+            abort_group=lambda: self._pg.abort(),
+            on_first=lambda e: self._log.error("error", f"{type(e).__name__}: {e}"),
+        )
+        # Consecutive identical failed steps (ft.manager_parts.step_failures), the backoff
+        # delays of the current streak, the wait owed before the next quorum, and the outcome of this step
         # once it is settled (a failed quorum is settled where it is raised, a vote in
         # should_commit): None until then, else the exception to raise again, or False.
         self._failure_streak = FailureStreak()
@@ -591,8 +490,6 @@ class Manager:
         self._last_step_error: Optional[str] = None
         # Set at shutdown: ends a backoff wait at once.
         self._closing = threading.Event()
-        # This step's error aborted the process group: its later allreduces are no-ops.
-        self._step_aborted = False
         self._healing = False
         self._pending_state_dict: Optional[Dict[str, Any]] = None
         # The step counters before a heal set them, put back should the healed state not load.
@@ -607,17 +504,16 @@ class Manager:
         # Async quorum: the quorum whose heal this replica, as a source, sends from the
         # training thread (send_pending_heal, at should_commit at the latest).
         self._heal_send_due: Optional[QuorumResult] = None
-        self._user_state_dicts: Dict[str, Callable[[], Any]] = {}
-        self._load_state_dict_fns: Dict[str, Callable[[Any], None]] = {}
-        self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
-        self._is_state_dict_read_allowed = True
+        self._state = RegisteredState(lock_timeout_s=self._timeout.total_seconds())
         self._replica_id = replica_id or ""
         self._log = _Log(self)
         self._closed = False
+        # The group's links (ft.manager_parts.wiring), made below; read through the
+        # attributes _adopt sets.
+        self._wiring: Optional[GroupWiring] = None
         self._manager: Optional[ManagerServer] = None
-        self._subscription = None
         self._lighthouse_client: Optional[LighthouseClient] = None
-        self._healer: Optional[Healer] = None  # made with the transport, in _setup_group
+        self._healer: Optional[Healer] = None
         self._watch = ProgressWatch(
             self._quorum_timeout.total_seconds(),
             lambda: (
@@ -635,14 +531,29 @@ class Manager:
         # Other group ranks may take it from rank 0 (_setup_group).
         self._lighthouse_addr: Optional[str] = lighthouse_addr or None
 
-        # The default transport is made once the advertised host is known (_setup_group), so
-        # that it listens on that interface only.
-        self._transport: Optional[CheckpointTransport[Dict[str, Any]]] = checkpoint_transport
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-async-quorum")
-
         try:
-            self._setup_group(
-                store_addr, store_port, port, hostname, heartbeat_interval, quorum_retries
+            # The default checkpoint transport is made once the advertised host is known, so
+            # that it listens on that interface only.
+            self._adopt(
+                GroupWiring(
+                    rank=self._rank,
+                    world_size=self._world_size,
+                    replica_name=self._replica_id,
+                    lighthouse_addr=self._lighthouse_addr,
+                    store_addr=store_addr,
+                    store_port=store_port,
+                    port=port,
+                    hostname=hostname,
+                    heartbeat_interval=heartbeat_interval,
+                    quorum_retries=quorum_retries,
+                    timeout=self._timeout,
+                    connect_timeout=self._connect_timeout,
+                    transport=checkpoint_transport,
+                    # this module's name, looked up now: torchft's tests substitute it
+                    client_factory=ManagerClient,
+                    on_failure=self._on_failure_notification,
+                )
             )
         except BaseException:
             self._teardown(wait=False)
@@ -665,18 +576,50 @@ class Manager:
 
     # ---------------------------------------------------------------- setup / teardown
 
+    def _adopt(self, wiring: GroupWiring) -> None:
+        """Takes the group's links (they do not change until shutdown closes them)."""
+        self._wiring = wiring
+        self._replica_id = wiring.replica_id
+        self._lighthouse_addr = wiring.lighthouse_addr
+        self._advertise_host = wiring.advertise_host
+        self._store = wiring.store
+        self._store_addr = wiring.store_addr
+        self._store_port = wiring.store_port
+        self._manager = wiring.server
+        self._client: GroupServerClient = cast(GroupServerClient, wiring.client)
+        self._lighthouse_client = wiring.lighthouse_client
+        self._healer = wiring.healer
+
     @property
     def _checkpoint_transport(self) -> Optional[CheckpointTransport[Dict[str, Any]]]:
         """The checkpoint transport heals go through. Assigning one (torchft's tests replace
-        it after construction) hands it to the Healer as well, so the next heal uses it."""
-        return self._transport
+        it after construction) hands it to the Healer as well, so the next heal uses it, and
+        shutdown ends it."""
+        return self._wiring.transport if self._wiring is not None else None
 
     @_checkpoint_transport.setter
     def _checkpoint_transport(self, transport: CheckpointTransport[Dict[str, Any]]) -> None:
-        self._transport = transport
-        healer = getattr(self, "_healer", None)
-        if healer is not None:
-            healer.transport = transport
+        assert self._wiring is not None and self._healer is not None
+        self._wiring.transport = transport
+        self._healer.transport = transport
+
+    # torchft's private names its tests read (and replace, the lock): ft keeps these in the
+    # Manager's parts (ft.manager_parts).
+    @property
+    def _errored(self) -> Optional[ExceptionWithTraceback]:
+        return self._errors.first
+
+    @property
+    def _state_dict_lock(self) -> RWLock:
+        return self._state.lock
+
+    @_state_dict_lock.setter
+    def _state_dict_lock(self, lock: RWLock) -> None:
+        self._state.lock = lock
+
+    @property
+    def _is_state_dict_read_allowed(self) -> bool:
+        return self._state.reads_allowed
 
     # torchft's names for this step's participation (its tests set them directly); ft keeps
     # the three numbers in one Participation, which these read and replace.
@@ -698,176 +641,10 @@ class Manager:
             self._participation, contributors=size, commit_size=size
         )
 
-    def _setup_group(
-        self,
-        store_addr: Optional[str],
-        store_port: Optional[int],
-        port: Optional[int],
-        hostname: Optional[str],
-        heartbeat_interval: timedelta,
-        quorum_retries: Optional[int],
-    ) -> None:
-        store_addr = store_addr or os.environ.get("MASTER_ADDR") or "localhost"
-        # The host peers are reached through: the lighthouse's, or (a group rank other than 0
-        # given no lighthouse address) the group's store's.
-        if self._lighthouse_addr:
-            peer_host, _ = split_hostport(self._lighthouse_addr)
-        else:
-            peer_host = store_addr
-        if hostname is None:
-            hostname = net.advertise_host(toward=peer_host)
-        net.check_reachable_advertisement(hostname, peer_host, f"replica {self._replica_id!r}")
-        if not os.environ.get(net.ADVERTISE_ENV):
-            # The checkpoint transport, the store address and Gloo advertise the same host.
-            net.set_process_advertise_host(hostname)
-        self._advertise_host = hostname
-        if self._checkpoint_transport is None:
-            self._checkpoint_transport = HTTPTransport(
-                timeout=self._timeout,
-                num_chunks=0,
-                advertise_host=hostname,
-                bind_host=net.bind_host_for(hostname).strip("[]"),
-            )
-        # The heal source's client comes from this module's ManagerClient too, as in torchft:
-        # one name to substitute for every ManagerServer the Manager talks to.
-        self._healer = Healer(
-            self._checkpoint_transport, self._connect_timeout, client_factory=ManagerClient
-        )
-        if store_port is None:
-            env_port = os.environ.get("MASTER_PORT")
-            if env_port is None and self._world_size > 1:
-                raise ValueError("store_port is required (or set MASTER_PORT)")
-            store_port = int(env_port) if env_port is not None else 0
-        connect_s = self._connect_timeout.total_seconds()
-        store_timeout = timedelta(seconds=max(connect_s, 1.0))
-        use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store: Optional[TCPStore] = None
-        host_error: Optional[Exception] = None
-        if self._rank == 0 and not use_agent_store:
-            try:
-                store = TCPStore(
-                    store_addr,
-                    store_port,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=store_timeout,
-                )
-            except Exception as e:
-                if store_port == 0:
-                    raise
-                # Another process may host it (a launcher's agent); if what listens there is
-                # not a store, the bounded connect below says so instead of waiting on it.
-                host_error = e
-                logger.warning(
-                    "could not host the store on port %d (%s); connecting to it", store_port, e
-                )
-        if store is None:
-            try:
-                store = connect_store_client(store_addr, store_port, store_timeout)
-            except dist.DistStoreError as e:
-                if host_error is None:
-                    raise
-                raise dist.DistStoreError(
-                    f"rank 0 could not host the group's store on {store_addr}:{store_port} "
-                    f"({host_error}), and what listens there is not a store that answers ({e}): "
-                    "another program holds the port; give the group a free MASTER_PORT"
-                ) from e
-        self._store = store
-        self._store_addr = store_addr
-        self._store_port = store.port
-        # First attempt: torchft's keys at the store's root. A torchelastic restart reuses the
-        # agent's store, so each later attempt has its own prefix and never reads the keys of
-        # the attempt before it.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-        prefixed = (
-            store if restart == "0" else dist.PrefixStore(f"torchft/manager/{restart}", store)
-        )
-        # With a job secret, what ft writes here is signed for this store and attempt, and
-        # checked on read (the store authenticates no one; ft.utils.auth.StoreValues).
-        sealed = StoreValues(
-            resolve_secret(), f"{join_hostport(store_addr, self._store_port)}/{restart}"
-        )
-
-        if self._rank == 0:
-            name = self._replica_id or os.environ.get("REPLICA_GROUP_ID") or "replica"
-            self._replica_id = f"{name}:{uuid.uuid4()}"
-            if port is None:
-                port = int(os.environ.get(MANAGER_PORT_ENV, "0"))
-            self._manager = ManagerServer(
-                replica_id=self._replica_id,
-                lighthouse_addr=self._lighthouse_addr,
-                hostname=hostname,
-                bind=f"{net.bind_host_for(hostname)}:{port}",
-                # Other groups dial the primary's store: a loopback MASTER_ADDR is advertised
-                # as this replica's host (the store server listens on every interface).
-                store_addr=join_hostport(
-                    hostname if net.is_loopback(store_addr) else store_addr, self._store_port
-                ),
-                world_size=self._world_size,
-                heartbeat_interval=heartbeat_interval,
-                connect_timeout=self._connect_timeout,
-                quorum_retries=quorum_retries,
-            )
-            assert self._lighthouse_addr is not None
-            for key, value in (
-                (LIGHTHOUSE_ADDR_KEY, self._lighthouse_addr),  # before the address
-                (MANAGER_ADDR_KEY, self._manager.address()),
-                (REPLICA_ID_KEY, self._replica_id),
-            ):
-                prefixed.set(key, sealed.seal(key, value))
-            addr = self._manager.address()
-        else:
-            addr = sealed.open(MANAGER_ADDR_KEY, prefixed.get(MANAGER_ADDR_KEY)).decode()
-            self._replica_id = sealed.open(REPLICA_ID_KEY, prefixed.get(REPLICA_ID_KEY)).decode()
-            if not self._lighthouse_addr and prefixed.check([LIGHTHOUSE_ADDR_KEY]):
-                self._lighthouse_addr = sealed.open(
-                    LIGHTHOUSE_ADDR_KEY, prefixed.get(LIGHTHOUSE_ADDR_KEY)
-                ).decode()
-        # Rank 0 hosts the ManagerServer and calls it directly (no loopback gRPC per step).
-        self._client: GroupServerClient = (
-            LocalManagerClient(self._manager)
-            if self._rank == 0
-            # Signs only for the server that proves it serves this replica (docs/security.md).
-            else ManagerClient(
-                addr, connect_timeout=self._connect_timeout, replica_id=self._replica_id
-            )
-        )
-
-        if not self._lighthouse_addr:
-            # Without a lighthouse address (a group rank other than 0, given none, whose rank
-            # 0 published none) this rank learns of failures from its own ops' errors only.
-            return
-        self._lighthouse_client = LighthouseClient(
-            self._lighthouse_addr, connect_timeout=self._connect_timeout
-        )
-        self._subscription = self._lighthouse_client.subscribe_failures(
-            self._on_failure_notification, subscriber=f"{self._replica_id}/{self._rank}"
-        )
-
     def _teardown(self, wait: bool) -> None:
         self._watch.close()
-        if self._manager is not None:
-            # Before the subscription ends: a dropped subscription reads as this replica's death.
-            self._manager.leave()
-        if self._subscription is not None:
-            self._subscription.close(timeout=2.0 if wait else 0.5)
-            self._subscription = None
-        if self._lighthouse_client is not None:
-            self._lighthouse_client.close()
-            self._lighthouse_client = None
-        try:
-            if self._checkpoint_transport is not None:
-                self._checkpoint_transport.shutdown(wait=wait)
-        except Exception:  # noqa: BLE001
-            logger.exception("checkpoint transport shutdown failed")
-        if self._manager is not None:
-            self._manager.shutdown()
-            self._manager = None
-        client = getattr(self, "_client", None)
-        if client is not None:
-            client.close()
-        if self._healer is not None:
-            self._healer.close()
+        if self._wiring is not None:
+            self._wiring.close(wait)
         self._executor.shutdown(wait=wait, cancel_futures=True)
 
     def shutdown(self, wait: bool = True) -> None:
@@ -886,10 +663,7 @@ class Manager:
         self, key: str, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
     ) -> None:
         """Registers state to send to (and load on) healing replicas under ``key``."""
-        if key in self._load_state_dict_fns:
-            raise ValueError(f"a state dict is already registered under {key!r}")
-        self._load_state_dict_fns[key] = cast(Callable[[Any], None], load_state_dict)
-        self._user_state_dicts[key] = state_dict
+        self._state.register(key, cast(Callable[[Any], None], load_state_dict), state_dict)
 
     def set_state_dict_fns(
         self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
@@ -905,22 +679,14 @@ class Manager:
 
     def allow_state_dict_read(self) -> None:
         """Lets checkpoint transfers read the registered state again."""
-        if self._is_state_dict_read_allowed:
-            return
-        self._is_state_dict_read_allowed = True
-        self._state_dict_lock.w_release()
+        self._state.allow_reads()
 
     def disallow_state_dict_read(self) -> None:
         """Blocks reads of the registered state (while the caller mutates it)."""
-        if not self._is_state_dict_read_allowed:
-            return
-        self._state_dict_lock.w_acquire()
-        self._is_state_dict_read_allowed = False
+        self._state.disallow_reads()
 
     def _manager_state_dict(self) -> Dict[str, Any]:
-        with self._state_dict_lock.r_lock():
-            user = {key: fn() for key, fn in self._user_state_dicts.items()}
-        return {"user": user, "torchft": self.state_dict()}
+        return {"user": self._state.read(), "torchft": self.state_dict()}
 
     def state_dict(self) -> Dict[str, int]:
         """The Manager's own state: ``{"step", "batches_committed"}``."""
@@ -949,9 +715,7 @@ class Manager:
             self._log.error("heal", f"recovery failed: {type(e).__name__}: {e}")
             self._report_error(e, abort=True, phase="heal")
             return
-        with self._state_dict_lock.w_lock():
-            for key, fn in self._load_state_dict_fns.items():
-                fn(user[key])
+        self._state.load(user)
         self._log.info("heal_applied", "applied the healed state")
 
     # ---------------------------------------------------------------- errors
@@ -981,30 +745,13 @@ class Manager:
         (:meth:`report_error`, a failed Work), collectives still run, and an algorithm that
         issues its own (ZeRO's parameter exchange) must issue them too, or the other groups
         wait for them until their op timeout."""
-        return self._step_aborted
+        return self._errors.aborted
 
     def _report_error(self, e: Exception, abort: bool, phase: str = "user") -> None:
-        """``phase``: where in the step ``e`` arose (ft.step_failures.PHASES); "user" for an
-        error the training code reports."""
+        """``phase``: where in the step ``e`` arose (ft.manager_parts.step_failures.PHASES);
+        "user" for an error the training code reports."""
         self._watch.error(e)
-        if self._errored is None:
-            self._errored_phase = phase
-            # Keep the first error: later ones (e.g. collectives refused after the abort it
-            # caused) are consequences, and the first names the root cause.
-            # torchft's type, which also keeps the original's type (see ExceptionWithTraceback)
-            try:
-                self._errored = (
-                    e if isinstance(e, ExceptionWithTraceback) else ExceptionWithTraceback(e)
-                )
-            except Exception:  # noqa: BLE001  (reporting an error must never raise)
-                self._errored = ExceptionWithTraceback(RuntimeError(f"{type(e).__name__}: {e}"))
-            self._log.error("error", f"{type(e).__name__}: {e}")
-        if abort:
-            self._step_aborted = True
-            try:
-                self._pg.abort()
-            except Exception:  # noqa: BLE001
-                logger.debug("pg.abort() after an error failed", exc_info=True)
+        self._errors.report(e, abort, phase)
 
     def errored(self) -> Optional[ExceptionWithTraceback]:
         """The first error reported during this step, or None.
@@ -1013,7 +760,7 @@ class Manager:
         reported exception's type, so ``isinstance(m.errored(), TimeoutError)`` holds for a
         reported TimeoutError; the reported exception is its ``original_exception``.
         """
-        return self._errored
+        return self._errors.first
 
     def wrap_future(
         self, fut: torch.futures.Future, default: T, timeout: Optional[timedelta] = None
@@ -1077,10 +824,8 @@ class Manager:
         # receivers learn now instead of at their timeout.
         self._abandon_pending_heal("the source began its next step without sending it")
         self._back_off()
-        self._errored = None
-        self._errored_phase = "user"
+        self._errors.clear()
         self._step_settled = None
-        self._step_aborted = False
         self._healing = False
         self._pending_state_dict = None
         self._decided.clear()
@@ -1178,8 +923,8 @@ class Manager:
     def _step_failure(self, enough_replicas: bool) -> Optional[StepFailure]:
         """Why this step did not commit, as the streak counts it; None when the only reason
         is too few replicas (waiting for one to come back is no fault)."""
-        if self._errored is not None:
-            return StepFailure.from_exception(self._errored, self._errored_phase)
+        if self._errors.first is not None:
+            return StepFailure.from_exception(self._errors.first, self._errors.phase)
         if not enough_replicas:
             return None
         # This rank's vote was yes: another rank of the group (or a vote for another step)
@@ -1193,7 +938,7 @@ class Manager:
     def _settle_step(
         self, committed: bool, failure: Optional[StepFailure]
     ) -> Optional[PersistentStepFailure]:
-        """Feeds this step's outcome to the failure streak (ft.step_failures.next_streak):
+        """Feeds this step's outcome to the failure streak (ft.manager_parts.step_failures.next_streak):
         sets the wait owed before the next quorum and logs it at ERROR; returns the exception
         to raise when the streak reached ``max_consecutive_failures``."""
         policy = self._failure_policy
@@ -1271,7 +1016,9 @@ class Manager:
         if self._step_failed():
             # Often because a receiver died; either way the receivers will not commit this
             # step: they fail their heal now and retry at the next quorum.
-            why = self._errored if self._errored is not None else "its process group failed"
+            why = (
+                self._errors.first if self._errors.first is not None else "its process group failed"
+            )
             self._healer.abandon(quorum, f"the source's step failed: {why}")
             return
         try:
@@ -1309,7 +1056,7 @@ class Manager:
     def _step_failed(self) -> bool:
         """This step can no longer commit: an error was reported, or the process group
         failed (a collective, or an abort after a peer's death)."""
-        if self._errored is not None:
+        if self._errors.first is not None:
             return True
         return _group_error(self._pg) is not None
 
@@ -1545,7 +1292,7 @@ class Manager:
                         quorum,
                         self._rank,
                         self._timeout,
-                        self._load_state_dict_fns,
+                        self._state.load_fns,
                         donors=quorum.heal_donors,
                     )
                 # DTensors arrive as their pieces and become DTensors again when the state is
@@ -1592,7 +1339,7 @@ class Manager:
         # leaves the group usable, every group still issues the same collectives in the same
         # order; skipping here, where the error is seen at a different moment on each group
         # (a Work's failure arrives on a callback), would leave a peer waiting for this one.
-        if self._step_aborted:
+        if self._errors.aborted:
             return _DummyWork(tensor)
         self._wait_decided()
         num_participants = self.num_participants()
@@ -1680,7 +1427,7 @@ class Manager:
             # A collective issued straight on the group (FSDP's), or one aborted under it.
             self._report_error(pg_error, abort=False, phase="allreduce")
         enough_replicas = self._participation.enough(self._min_replica_size)
-        local_should_commit = enough_replicas and self._errored is None
+        local_should_commit = enough_replicas and self._errors.first is None
         t = to_timedelta(timeout) if timeout is not None else self._timeout
         should_commit = self._client.should_commit(
             self._rank, self._step, local_should_commit, timeout=t
@@ -1709,7 +1456,7 @@ class Manager:
             self._log.warning(
                 "commit",
                 f"not committed (local vote={local_should_commit}, enough_replicas="
-                f"{enough_replicas}, errored={self._errored!r})",
+                f"{enough_replicas}, errored={self._errors.first!r})",
                 commit_failures=self._commit_failures,
             )
             give_up = self._settle_step(False, self._step_failure(enough_replicas))
@@ -1745,6 +1492,12 @@ class Manager:
     def batches_committed(self) -> int:
         """The total number of batches committed across all replicas."""
         return self._batches_committed
+
+    def last_step_error(self) -> Optional[str]:
+        """Why the last step that ended did not commit, in one line ("phase: Type: message",
+        docs/design.md, "Persistent failures"), or None after a commit (an ft extension;
+        ft-launch's progress record shows it)."""
+        return self._last_step_error
 
     def participating_rank(self) -> Optional[int]:
         """This replica's rank among the participants of this step, or None."""

@@ -98,7 +98,7 @@ def test_the_backends_face_imports_nothing_above_it():
             "ft.local_sgd",
             "ft.optim",
             "ft.ddp",
-            "ft.heal",
+            "ft.manager_parts",
             "ft.checkpointing",
             "ft.coordination",
             "ft.launch",

@@ -112,25 +112,6 @@ def grpc_target(addr: str) -> str:
     return addr.rstrip("/")
 
 
-def split_hostport(addr: str) -> Tuple[str, int]:
-    """'[::1]:80' -> ('::1', 80); 'host:80' -> ('host', 80)."""
-    addr = grpc_target(addr)
-    if addr.startswith("["):
-        host, _, rest = addr[1:].partition("]")
-        port = rest.lstrip(":")
-    else:
-        host, _, port = addr.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"address {addr!r} has no port")
-    return host, int(port)
-
-
-def join_hostport(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
 def advertised_host(bind_host: str, hostname: Optional[str] = None) -> str:
     """The host peers should dial for a server bound to ``bind_host``."""
     if hostname:

@@ -33,7 +33,6 @@ import tempfile
 import threading
 from typing import IO, Any, Optional, Sequence
 
-from . import _rpc
 from .lighthouse import (
     DEFAULT_DEAD_GRACE_MS,
     DEFAULT_HEARTBEAT_TIMEOUT_MS,
@@ -164,15 +163,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.bind is None:
-        args.bind = _rpc.join_hostport(
+        args.bind = net.join_hostport(
             net.bind_host_for(net.advertise_host()).strip("[]"), DEFAULT_PORT
         )
     if args.secret_file:
         os.environ[SECRET_FILE_ENV] = args.secret_file  # read by LighthouseServer, never logged
     http_bind = args.http_bind
     if http_bind is None:
-        host, port = _rpc.split_hostport(args.bind)
-        http_bind = _rpc.join_hostport(host or "::", port + 1 if port else 0)
+        host, port = net.split_hostport(args.bind)
+        http_bind = net.join_hostport(host or "::", port + 1 if port else 0)
 
     stop = threading.Event()
 

@@ -71,6 +71,7 @@ from .dashboard.server import (  # noqa: F401  (CSRF_HEADER: re-exported)
     DASHBOARD_MAX_CONNECTIONS,
     DashboardServer,
 )
+from ..utils import net
 from ..utils.deadline import Deadline
 from .quorum import (
     LighthouseOptions,
@@ -859,7 +860,7 @@ class LighthouseServer:
         self._auth_token = auth_token
         self._secret = resolve_secret(secret)
         self._tls = tls = resolve_tls(tls)
-        bind_host, _ = _rpc.split_hostport(bind)
+        bind_host, _ = net.split_hostport(bind)
         check_exposure(bind_host, self._secret, insecure, "the lighthouse")
         warn_cleartext(self._secret, tls, "the lighthouse")
         opts = LighthouseOptions(
@@ -904,10 +905,10 @@ class LighthouseServer:
         self._http: Optional[DashboardServer] = None
         self._http_thread: Optional[threading.Thread] = None
         if http_bind is None:
-            http_bind = _rpc.join_hostport(bind_host or "::", 0)
+            http_bind = net.join_hostport(bind_host or "::", 0)
         if http_bind:
             check_exposure(
-                _rpc.split_hostport(http_bind)[0],
+                net.split_hostport(http_bind)[0],
                 self._secret,
                 insecure,
                 "the lighthouse dashboard",
@@ -937,7 +938,7 @@ class LighthouseServer:
         )
 
     def _start_http(self, http_bind: str, idle_timeout_s: float, max_connections: int) -> None:
-        host, port = _rpc.split_hostport(http_bind)
+        host, port = net.split_hostport(http_bind)
         host = host.strip("[]")
         if host in ("", "*"):
             host = "::"
@@ -1028,7 +1029,7 @@ class LighthouseServer:
 
     def address(self) -> str:
         """``http://host:port`` of the gRPC service (what managers and clients dial)."""
-        return f"http://{_rpc.join_hostport(self._host, self._port)}"
+        return f"http://{net.join_hostport(self._host, self._port)}"
 
     def dashboard_address(self) -> Optional[str]:
         """``http://host:port`` of the dashboard (``https://`` with TLS), or None when
@@ -1036,7 +1037,7 @@ class LighthouseServer:
         if self._http is None:
             return None
         port = self._http.server_address[1]
-        return f"{self._http.scheme}://{_rpc.join_hostport(self._host, port)}"
+        return f"{self._http.scheme}://{net.join_hostport(self._host, port)}"
 
     @property
     def transport(self) -> str:

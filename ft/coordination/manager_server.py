@@ -44,6 +44,7 @@ from ..utils.auth import (
     new_server_id,
     resolve_secret,
 )
+from ..utils import net
 from ..utils.deadline import Deadline, to_seconds
 from ..utils.tls import TLSConfig, resolve_tls, warn_cleartext
 from .quorum import (
@@ -252,7 +253,7 @@ class ManagerServer:
         secret = resolve_secret(secret)
         tls = resolve_tls(tls)
         check_exposure(
-            _rpc.split_hostport(bind)[0],
+            net.split_hostport(bind)[0],
             secret,
             insecure,
             f"the manager server of replica {replica_id}",
@@ -293,7 +294,7 @@ class ManagerServer:
             self._pool.shutdown(wait=False)
             raise OSError(f"manager server could not bind {bind!r}: {e}") from None
         self._port = self._server.port
-        bind_host, _ = _rpc.split_hostport(bind)
+        bind_host, _ = net.split_hostport(bind)
         self._host = _rpc.advertised_host(bind_host, hostname)
 
         self._stop = threading.Event()
@@ -556,7 +557,7 @@ class ManagerServer:
 
     def address(self) -> str:
         """``http://host:port`` of this server."""
-        return f"http://{_rpc.join_hostport(self._host, self._port)}"
+        return f"http://{net.join_hostport(self._host, self._port)}"
 
     def leave(self, timeout: float = 1.0) -> None:
         """Stops heartbeating and tells the lighthouse that this replica leaves cleanly, so

@@ -79,9 +79,11 @@ def emit(event: str, **fields: Any) -> None:
 def step_error(manager: Any) -> Optional[str]:
     """Why the step ``manager`` has just ended did not commit, in one line of at most
     ``ERROR_CHARS`` characters, or None. An ``ft.Manager`` keeps that line from its vote
-    (phase, error type, message: docs/design.md, "Persistent failures"); for another
-    Manager-like object it is the first line of ``errored()``."""
-    line = getattr(manager, "_last_step_error", None)
+    (phase, error type, message: docs/design.md, "Persistent failures"), its
+    ``last_step_error()``; for another Manager-like object it is the first line of
+    ``errored()``."""
+    last = getattr(manager, "last_step_error", None)
+    line = last() if callable(last) else None
     if not isinstance(line, str):
         errored = getattr(manager, "errored", None)
         err = errored() if callable(errored) else None

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -165,3 +165,28 @@ def bind_host_for(host: str) -> str:
             return "[::]"
         ip = ipaddress.ip_address(chosen.split("%")[0])
     return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+def split_hostport(addr: str) -> Tuple[str, int]:
+    """'[::1]:80' -> ('::1', 80); 'host:80' -> ('host', 80); a leading 'http://',
+    'https://' or 'grpc://' and a trailing '/' are ignored. Raises ValueError without a port."""
+    for scheme in ("http://", "https://", "grpc://"):
+        if addr.startswith(scheme):
+            addr = addr[len(scheme) :]
+            break
+    addr = addr.rstrip("/")
+    if addr.startswith("["):
+        host, _, rest = addr[1:].partition("]")
+        port = rest.lstrip(":")
+    else:
+        host, _, port = addr.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"address {addr!r} has no port")
+    return host, int(port)
+
+
+def join_hostport(host: str, port: int) -> str:
+    """('::1', 80) -> '[::1]:80'; ('host', 80) -> 'host:80'."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -1,4 +1,4 @@
-"""ft.heal: what a received checkpoint must hold before anything loads it, and what the Healer
+"""ft.manager_parts.heal: what a received checkpoint must hold before anything loads it, and what the Healer
 does when a send fails or a quorum names no source (table tests; the transfers themselves are
 covered by the heal tests with real processes)."""
 
@@ -10,7 +10,7 @@ from typing import Any, List
 import pytest
 
 from ft.coordination.quorum import QuorumResult
-from ft.heal import Healer, check_checkpoint
+from ft.manager_parts.heal import Healer, check_checkpoint
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Table tests of the persistent-failure rule, ft.step_failures (docs/design.md, "Persistent
+"""Table tests of the persistent-failure rule, ft.manager_parts.step_failures (docs/design.md, "Persistent
 failures"), and of the pieces around it: settings, normalization, the exception, the step
 record's error, and a quorum that keeps failing (a real lighthouse, in process)."""
 
@@ -14,7 +14,7 @@ import pytest
 import ft
 from ft.launch.worker import emit_step, parse_progress, step_error
 from ft.manager import ExceptionWithTraceback
-from ft.step_failures import (
+from ft.manager_parts.step_failures import (
     FailureStreak,
     PersistentStepFailure,
     StepFailure,
@@ -177,6 +177,9 @@ class _Manager:
     def errored(self):
         return self._errored
 
+    def last_step_error(self):
+        return self._last_step_error
+
 
 def test_a_step_record_carries_the_error_only_when_the_step_did_not_commit(capsys) -> None:
     emit_step(_Manager("allreduce: ValueError: bad\ttensor"), loss=1.0, committed=False)
@@ -218,7 +221,7 @@ def test_a_quorum_that_keeps_failing_raises_persistent_step_failure() -> None:
         assert isinstance(last, PersistentStepFailure), repr(last)
         assert last.phase == "quorum" and last.count == 3
         assert type(last.__cause__).__name__ == type(raised[0]).__name__
-        assert manager._last_step_error.startswith("quorum: ")
+        assert manager.last_step_error().startswith("quorum: ")
         # Settled once per step: asking again in the same step raises the same exception.
         with pytest.raises(PersistentStepFailure) as again:
             manager.wait_quorum()
@@ -231,8 +234,8 @@ def test_a_quorum_that_keeps_failing_raises_persistent_step_failure() -> None:
 def test_a_worker_that_gives_up_reports_the_cause_first_and_exits_78(procs) -> None:
     code = (
         "from ft.launch import worker\n"
-        "from ft.step_failures import FailureStreak, StepFailure, StepFailurePolicy\n"
-        "from ft.step_failures import PersistentStepFailure\n"
+        "from ft.manager_parts.step_failures import FailureStreak, StepFailure, StepFailurePolicy\n"
+        "from ft.manager_parts.step_failures import PersistentStepFailure\n"
         "f = StepFailure('allreduce', 'ValueError', 'tensors must be contiguous ' + 'x' * 300)\n"
         "s = FailureStreak(count=20, failure=f, members=frozenset({'a', 'b'}))\n"
         "e = PersistentStepFailure.of(s, StepFailurePolicy(), step=4)\n"

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ft.coordination._rpc import join_hostport
+from ft.utils.net import join_hostport
 from ft.manager import LIGHTHOUSE_ADDR_KEY, MANAGER_ADDR_KEY, REPLICA_ID_KEY
 from ft.utils.auth import AuthError, JobSecret, StoreValues
 from tests.coordination._helpers import free_port
