@@ -113,9 +113,11 @@ EOF
 # The backend's own suite (every collective, reconfigure, failures, lanes, bad
 # input): ft._C is what a CUDA build changes. Of coordination (which imports
 # neither torch nor ft._C), the native gRPC module this lane also builds: its
-# server and client tests. The whole suite runs on the CPU build in the main
-# lane; FT_CUDA_LANE_TESTS=tests runs it all here too.
-TESTS=${FT_CUDA_LANE_TESTS:-tests/backend tests/coordination/test_rpc_server.py tests/coordination/test_client_transports.py}
+# server and client tests. Of the Manager, its reconfigure tests: this lane's
+# torch (2.14) is the one with torch's own reconfigurable groups. The whole suite
+# runs on the CPU build in the main lane; FT_CUDA_LANE_TESTS=tests runs it all
+# here too.
+TESTS=${FT_CUDA_LANE_TESTS:-tests/backend tests/coordination/test_rpc_server.py tests/coordination/test_client_transports.py tests/manager/test_reconfigure_pg.py}
 stamp "running $TESTS against the CUDA build"
 set +e
 # shellcheck disable=SC2086

@@ -524,7 +524,24 @@ class ProcessGroupFt(ProcessGroup):
         ``global_ranks`` (torchft's): the job-wide ranks of this group's members, in rank
         order; kept as :attr:`global_ranks` and named in the abort log.
         """
-        deadline = Deadline.after(self._timeout)
+        self._configure_by(
+            Deadline.after(self._timeout), store_addr, replica_id, rank, world_size,
+            quorum_id, group_rank, group_world_size, global_ranks,
+        )  # fmt: skip
+
+    def _configure_by(
+        self,
+        deadline: Deadline,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: Optional[int],
+        group_rank: Optional[int],
+        group_world_size: Optional[int],
+        global_ranks: Optional[List[int]],
+    ) -> None:
+        """:meth:`configure`, with reaching the store and the peers bounded by ``deadline``."""
         if global_ranks is not None and len(global_ranks) != world_size:
             raise ValueError(
                 f"global_ranks has {len(global_ranks)} entries for world_size {world_size}"
@@ -552,20 +569,18 @@ class ProcessGroupFt(ProcessGroup):
         """Rebuilds the group in place from ordered handles (see
         :meth:`ProcessGroup.reconfigure`): a new generation on the first handle's store, under
         ``torchft/<uuid>``, with the members' global ranks where the handles carry them. The
-        same object, backend and registration before and after. Connecting is bounded by the
-        group's timeout (:meth:`set_timeout`)."""
+        same object, backend and registration before and after. Connecting is bounded by
+        ``opts.timeout`` where it is set, and never longer than the group's timeout
+        (:meth:`set_timeout`)."""
         rdv = _rendezvous(opts, self._handle_id())
         replica_id, group_rank, group_world_size, _ = self._rank_info_or_default()
-        self.configure(
-            rdv.store_addr,
-            replica_id or "0",
-            rdv.rank,
-            rdv.world_size,
-            quorum_id=rdv.uuid,
-            group_rank=group_rank,
-            group_world_size=group_world_size,
-            global_ranks=rdv.global_ranks,
-        )
+        deadline = Deadline.after(self._timeout)
+        if getattr(opts, "timeout", None):
+            deadline = deadline.sooner(opts.timeout)
+        self._configure_by(
+            deadline, rdv.store_addr, replica_id or "0", rdv.rank, rdv.world_size, rdv.uuid,
+            group_rank, group_world_size, rdv.global_ranks,
+        )  # fmt: skip
         return _DummyWork(None)
 
     def _client_store(self, host: str, port: int, deadline: Deadline) -> TCPStore:

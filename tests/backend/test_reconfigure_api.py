@@ -76,6 +76,26 @@ def test_handles_identify_the_group_and_order_the_ranks():
         b.shutdown()
 
 
+def test_reconfigure_is_bounded_by_its_options_timeout():
+    """opts.timeout bounds the rendezvous (a peer that never comes fails it then, not at the
+    group's much longer timeout), and the group stays usable afterwards."""
+    a, b = ProcessGroupGloo(timeout=timedelta(seconds=60)), ProcessGroupGloo()
+    try:
+        opts = _opts(3, [a.get_reconfigure_handle(), b.get_reconfigure_handle()])
+        opts.timeout = timedelta(milliseconds=500)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="(?i)timeout|timed out|within|connect"):
+            a.reconfigure(opts).wait()  # b never takes part
+        assert time.monotonic() - t0 < 15
+        a.reconfigure(_opts(4, [a.get_reconfigure_handle()])).wait()
+        t = torch.ones(2)
+        a.allreduce([t]).wait()
+        assert a.size() == 1 and torch.equal(t, torch.ones(2))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_reconfigure_with_store_fails_fast_for_a_missing_peer():
     store = make_store()
     pg = ProcessGroupDummy(0, 1)

@@ -58,3 +58,38 @@ def reconfigure_only_replica(
         return {"sums": sums, "reconfigures": pg.reconfigures, "size": pg.size()}
     finally:
         manager.shutdown(wait=False)
+
+
+def torch_group_replica(
+    rank: int, world_size: int, store_port: int, *, lh_addr: str, steps: int = 3
+) -> Dict[str, Any]:
+    """Replica group ``rank`` (one process) with torch's own Gloo group, made with
+    ``enable_reconfigure=True`` (torch 2.14 and later) on a store of its own: the Manager
+    rebuilds it across the replicas from the handles (``get_reconfigure_handle``) that its
+    ManagerServer and the lighthouse carry. Returns the allreduce results and the group's
+    size after the last step."""
+    import torch.distributed as dist
+
+    from tests.manager.inproc import make_manager
+
+    test_store = connect_store(store_port)
+    own = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=own, rank=0, world_size=1, enable_reconfigure=True)
+    pg = dist.group.WORLD
+    manager = make_manager(lh_addr, f"t{rank}", pg=pg, use_async_quorum=False, init_sync=False)
+    test_store.set(f"ready/{rank}", "1")
+    test_store.wait([f"ready/{g}" for g in range(world_size)], timedelta(seconds=60))
+    sums = []
+    try:
+        for _ in range(steps * 4):
+            if manager.current_step() >= steps:
+                break
+            manager.start_quorum()
+            t = torch.full((2,), float(rank + 1))
+            manager.allreduce(t, should_quantize=False).wait()
+            if manager.should_commit():
+                sums.append(t.tolist())
+        return {"sums": sums, "size": pg.size(), "errored": repr(manager.errored())}
+    finally:
+        manager.shutdown(wait=False)
+        dist.destroy_process_group()

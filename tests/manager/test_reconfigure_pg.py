@@ -31,6 +31,25 @@ def test_a_reconfigure_only_group_is_rebuilt_from_handles_across_replicas(replic
     assert a["uuid"] == b["uuid"] and {a["rank"], b["rank"]} == {0, 1}
 
 
+@pytest.mark.skipif(
+    not hasattr(dist.ProcessGroup, "reconfigure"),
+    reason="torch's own reconfigurable groups need torch 2.14 (the CUDA build lane has it)",
+)
+def test_a_torch_group_made_reconfigurable_is_rebuilt_across_replicas(replicas) -> None:
+    """torch 2.14's Gloo group, made with enable_reconfigure=True, in place of ft's: the
+    Manager rebuilds it at each new quorum from the members' handles, and both replicas'
+    allreduces average across the two groups."""
+    w = replicas(
+        "tests.manager.reconfigure_workers:torch_group_replica",
+        2,
+        lighthouse=dict(min_replicas=2, join_timeout_ms=200),
+        steps=3,
+    )
+    for res in w.join(90):
+        assert res["sums"] == [[1.5, 1.5]] * 3, res
+        assert res["size"] == 2, res
+
+
 def test_a_group_that_cannot_be_rebuilt_is_refused() -> None:
     # A plain torch group: no configure(), and on torch < 2.14 no reconfigure either (on 2.14
     # only one made with enable_reconfigure=True supports it).
