@@ -60,7 +60,7 @@ from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar, Union, cast
+from typing import Any, Callable, Dict, List, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -78,10 +78,11 @@ from ft.coordination import (
 )
 from ft.coordination.quorum import Participation, participation
 from ft.backend.process_group import ProcessGroup as _FtProcessGroup
-from ft.backend.process_group import ReconfigureOptions
+from ft.backend.process_group import ReconfigureOptions, can_reconfigure
 from ft.manager_parts.progress_watch import ProgressWatch
 from ft.manager_parts.state_dicts import RegisteredState
 from ft.manager_parts.step_errors import ExceptionWithTraceback, StepErrors
+from ft.manager_parts.step_outcomes import StepOutcomes
 from ft.manager_parts.wiring import (  # noqa: F401 (the store keys: torchft's names, re-exported)
     LIGHTHOUSE_ADDR_KEY,
     MANAGER_ADDR_KEY,
@@ -95,14 +96,11 @@ from ft.manager_parts.heal import Healer
 from ft.protocols import GroupServerClient
 from ft.observability.spans import span, span_block
 from ft.manager_parts.step_failures import (
-    FailureStreak,
     PersistentStepFailure,
     StepFailure,
     StepFailurePolicy,
-    next_streak,
 )
 from ft.utils.deadline import Deadline, to_seconds, to_timedelta
-from ft.utils.retry import backoff_delays
 
 __all__ = [
     "Manager",
@@ -297,7 +295,7 @@ def _group_error(pg: Any) -> Optional[Exception]:
 
 
 def _can_rebuild(pg: Any) -> bool:
-    return _configures(pg) or bool(getattr(pg, "supports_reconfigure", False))
+    return _configures(pg) or can_reconfigure(pg)
 
 
 def _keyword_parameters(fn: Callable[..., Any]) -> Any:
@@ -441,7 +439,6 @@ class Manager:
         self._world_size_mode = world_size_mode
         self._init_sync = init_sync
         self._max_retries = max_retries
-        self._failure_policy = StepFailurePolicy.from_settings(max_consecutive_failures, os.environ)
         self._timeout = _env_timeout(TIMEOUT_SEC_ENV, to_timedelta(timeout))
         # Manager(timeout=) bounds every collective, as in torchft, through the one deadline
         # the backend already enforces per op: the tighter of the two wins.
@@ -477,17 +474,6 @@ class Manager:
             abort_group=lambda: self._pg.abort(),
             on_first=lambda e: self._log.error("error", f"{type(e).__name__}: {e}"),
         )
-        # Consecutive identical failed steps (ft.manager_parts.step_failures), the backoff
-        # delays of the current streak, the wait owed before the next quorum, and the outcome of this step
-        # once it is settled (a failed quorum is settled where it is raised, a vote in
-        # should_commit): None until then, else the exception to raise again, or False.
-        self._failure_streak = FailureStreak()
-        self._backoff_delays: Optional[Iterator[float]] = None
-        self._backoff_s = 0.0
-        self._step_settled: Optional[Union[bool, BaseException]] = None
-        # "phase: Type: message" of the last step that did not commit, None after a commit:
-        # what ft-launch's progress record shows (ft.launch.worker.emit_step).
-        self._last_step_error: Optional[str] = None
         # Set at shutdown: ends a backoff wait at once.
         self._closing = threading.Event()
         self._healing = False
@@ -507,6 +493,10 @@ class Manager:
         self._state = RegisteredState(lock_timeout_s=self._timeout.total_seconds())
         self._replica_id = replica_id or ""
         self._log = _Log(self)
+        # The failure streak across steps, the wait it owes, the last step's error.
+        self._outcomes = StepOutcomes(
+            StepFailurePolicy.from_settings(max_consecutive_failures, os.environ), self._log
+        )
         self._closed = False
         # The group's links (ft.manager_parts.wiring), made below; read through the
         # attributes _adopt sets.
@@ -825,7 +815,7 @@ class Manager:
         self._abandon_pending_heal("the source began its next step without sending it")
         self._back_off()
         self._errors.clear()
-        self._step_settled = None
+        self._outcomes.new_step()
         self._healing = False
         self._pending_state_dict = None
         self._decided.clear()
@@ -900,10 +890,10 @@ class Manager:
     def _back_off(self) -> None:
         """Waits the backoff the last failed step owes before the next quorum, if any
         (docs/design.md, "Persistent failures"). Bounded by the delay; shutdown ends it."""
-        delay, self._backoff_s = self._backoff_s, 0.0
+        delay = self._outcomes.take_backoff()
         if delay <= 0:
             return
-        self._watch.phase("backoff", f"{delay:.2f}s after {self._failure_streak.count} failures")
+        self._watch.phase("backoff", f"{delay:.2f}s after {self._outcomes.streak.count} failures")
         Deadline.after(delay).wait_event(self._closing)
         if self._closed:
             raise RuntimeError("Manager is shut down")
@@ -911,14 +901,17 @@ class Manager:
     def _quorum_failed(self, e: Exception) -> Exception:
         """What to raise for this step's failed quorum ``e``: ``e`` itself or, once as many
         identical failures as ``max_consecutive_failures`` have happened, a
-        PersistentStepFailure caused by it. The step is settled once, however many calls
-        surface its failure."""
-        if self._step_settled is None:
-            give_up = self._settle_step(False, StepFailure.from_exception(e, "quorum"))
-            self._step_settled = give_up if give_up is not None else False
-        if isinstance(self._step_settled, Exception):
-            return self._step_settled
-        return e
+        PersistentStepFailure caused by it (ft.manager_parts.step_outcomes)."""
+        return self._outcomes.quorum_failed(
+            e, self._quorum_replica_ids, self._step, self._short_of_replicas()
+        )
+
+    def _short_of_replicas(self) -> str:
+        """Why a step that nobody failed did not commit, in one line."""
+        return (
+            f"commit: {self._participation.commit_size} replica(s) would hold the step, "
+            f"min_replica_size={self._min_replica_size}"
+        )
 
     def _step_failure(self, enough_replicas: bool) -> Optional[StepFailure]:
         """Why this step did not commit, as the streak counts it; None when the only reason
@@ -934,71 +927,6 @@ class Manager:
             error_type="",
             message="another rank of this replica group voted not to commit",
         )
-
-    def _settle_step(
-        self, committed: bool, failure: Optional[StepFailure]
-    ) -> Optional[PersistentStepFailure]:
-        """Feeds this step's outcome to the failure streak (ft.manager_parts.step_failures.next_streak):
-        sets the wait owed before the next quorum and logs it at ERROR; returns the exception
-        to raise when the streak reached ``max_consecutive_failures``."""
-        policy = self._failure_policy
-        decision = next_streak(
-            policy,
-            self._failure_streak,
-            committed=committed,
-            failure=failure,
-            members=self._quorum_replica_ids,
-        )
-        streak = self._failure_streak = decision.streak
-        if committed:
-            self._last_step_error = None
-        elif failure is not None:
-            self._last_step_error = failure.one_line()
-        else:
-            self._last_step_error = (
-                f"commit: {self._participation.commit_size} replica(s) would hold the step, "
-                f"min_replica_size={self._min_replica_size}"
-            )
-        if decision.backoff_attempt is None:
-            self._backoff_delays = None
-            self._backoff_s = 0.0
-        else:
-            # One jittered exponential sequence per streak, from the project's one helper.
-            if decision.backoff_attempt == 0 or self._backoff_delays is None:
-                self._backoff_delays = backoff_delays(
-                    policy.initial_backoff_s, policy.max_backoff_s
-                )
-            self._backoff_s = next(self._backoff_delays)
-        if streak.failure is None:
-            return None
-        fields = {
-            "phase": streak.failure.phase,
-            "consecutive_failures": streak.count,
-            "members": len(streak.members),
-        }
-        if decision.give_up:
-            exc = PersistentStepFailure.of(streak, policy, self._step)
-            self._log.error("persistent_failure", str(exc), **fields)
-            return exc
-        if decision.backoff_attempt is not None:
-            bound = policy.max_consecutive_failures
-            self._log.error(
-                "step_failure_backoff",
-                f"step {self._step} failed {streak.count} times in a row in phase "
-                f"{streak.failure.phase} with the same error while the quorum's "
-                f"{len(streak.members)} members stayed the same: {streak.failure.one_line()}; "
-                f"waiting {self._backoff_s:.2f}s before the next quorum, then retrying step "
-                f"{self._step} (quorum, configure, collectives, vote); "
-                + (
-                    f"should_commit raises PersistentStepFailure at {bound} "
-                    "(max_consecutive_failures)"
-                    if bound
-                    else "never giving up (max_consecutive_failures=0)"
-                ),
-                backoff_s=round(self._backoff_s, 3),
-                **fields,
-            )
-        return None
 
     def send_pending_heal(self) -> None:
         """Sends this replica's state to the replicas that the step's quorum heals from it,
@@ -1449,8 +1377,7 @@ class Manager:
             self._batches_committed += self.num_participants()
             self._commit_failures = 0
             self._log.info("commit", "committed", participants=self.num_participants())
-            self._settle_step(True, None)
-            self._step_settled = False
+            self._outcomes.settle(True, None, self._quorum_replica_ids, self._step, "")
         else:
             self._commit_failures += 1
             self._log.warning(
@@ -1459,8 +1386,13 @@ class Manager:
                 f"{enough_replicas}, errored={self._errors.first!r})",
                 commit_failures=self._commit_failures,
             )
-            give_up = self._settle_step(False, self._step_failure(enough_replicas))
-            self._step_settled = give_up if give_up is not None else False
+            give_up = self._outcomes.settle(
+                False,
+                self._step_failure(enough_replicas),
+                self._quorum_replica_ids,
+                self._step,
+                self._short_of_replicas(),
+            )
             if self._max_retries is not None and self._commit_failures > self._max_retries:
                 msg = (
                     f"should_commit failed {self._commit_failures} times in a row, "
@@ -1497,7 +1429,7 @@ class Manager:
         """Why the last step that ended did not commit, in one line ("phase: Type: message",
         docs/design.md, "Persistent failures"), or None after a commit (an ft extension;
         ft-launch's progress record shows it)."""
-        return self._last_step_error
+        return self._outcomes.last_error
 
     def participating_rank(self) -> Optional[int]:
         """This replica's rank among the participants of this step, or None."""

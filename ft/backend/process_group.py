@@ -953,6 +953,16 @@ class _Rendezvous:
     global_ranks: Optional[List[int]]
 
 
+def can_reconfigure(pg: Any) -> bool:
+    """Whether ``pg`` has the reconfigure API and supports it. torch 2.14's plain
+    ``ProcessGroup`` with no backend raises on ``supports_reconfigure`` ("Could not find the
+    default backend type"): that group cannot be reconfigured either."""
+    try:
+        return bool(getattr(pg, "supports_reconfigure", False))
+    except RuntimeError:
+        return False
+
+
 def _rendezvous(opts: Any, handle_id: str) -> _Rendezvous:
     """Reads ordered handles (ft's and torchft's JSON handles): the rank is the index of the
     handle whose id is ``handle_id``; every member meets on the first handle's store under
@@ -1113,9 +1123,7 @@ class ProcessGroupWrapper(ProcessGroup):
         """Whether reconfiguring goes to the wrapped group itself (one it was given that has
         the reconfigure API: ft's, or torch's made with ``enable_reconfigure=True``)."""
         pg = self._pg
-        return not self._owns_pg and (
-            isinstance(pg, ProcessGroup) or bool(getattr(pg, "supports_reconfigure", False))
-        )
+        return not self._owns_pg and (isinstance(pg, ProcessGroup) or can_reconfigure(pg))
 
     def set_rank_info(
         self,

@@ -10,7 +10,8 @@ the rest to these:
 * ``step_errors``: the step's first error, where it arose, whether it aborted the group
   (and ExceptionWithTraceback, torchft's type for it).
 * ``heal``: the Healer, the Manager's use of the checkpoint transport.
-* ``step_failures``: the persistent-failure rule (pure) and its streak.
+* ``step_failures``: the persistent-failure rule (pure); ``step_outcomes``: its state from
+  step to step (the streak, the backoff owed, the last step's error).
 * ``progress_watch``: a stalled replica says why.
 
 None of these imports the Manager; each is tested on its own (tests/manager).

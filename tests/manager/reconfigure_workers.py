@@ -64,17 +64,22 @@ def torch_group_replica(
     rank: int, world_size: int, store_port: int, *, lh_addr: str, steps: int = 3
 ) -> Dict[str, Any]:
     """Replica group ``rank`` (one process) with torch's own Gloo group, made with
-    ``enable_reconfigure=True`` (torch 2.14 and later) on a store of its own: the Manager
-    rebuilds it across the replicas from the handles (``get_reconfigure_handle``) that its
-    ManagerServer and the lighthouse carry. Returns the allreduce results and the group's
-    size after the last step."""
+    ``enable_reconfigure=True`` (torch 2.14 and later): the Manager rebuilds it across the
+    replicas from the handles (``get_reconfigure_handle``) that its ManagerServer and the
+    lighthouse carry. torch's groups meet on the store they were made with, and a handle
+    names the rank a group was made with, so every replica makes its group on one store the
+    job shares (here the test's), with its replica index as the rank (the group connects
+    nothing until the first reconfigure). Returns the allreduce results and the group's size
+    after the last step."""
     import torch.distributed as dist
 
     from tests.manager.inproc import make_manager
 
     test_store = connect_store(store_port)
-    own = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=own, rank=0, world_size=1, enable_reconfigure=True)
+    shared = dist.PrefixStore("torch_groups", connect_store(store_port))
+    dist.init_process_group(
+        "gloo", store=shared, rank=rank, world_size=world_size, enable_reconfigure=True
+    )
     pg = dist.group.WORLD
     manager = make_manager(lh_addr, f"t{rank}", pg=pg, use_async_quorum=False, init_sync=False)
     test_store.set(f"ready/{rank}", "1")

@@ -76,3 +76,50 @@ def test_reporting_survives_a_group_whose_abort_raises():
     errors = StepErrors(abort_group=broken, on_first=lambda e: None)
     errors.report(ValueError("bad step"), abort=True)
     assert errors.aborted and isinstance(errors.first, ValueError)
+
+
+class _RecordingLog:
+    def __init__(self):
+        self.errors = []
+
+    def error(self, event, message, **fields):
+        self.errors.append((event, fields))
+
+
+def test_identical_failures_back_off_then_give_up_and_a_commit_clears_the_streak():
+    from ft.manager_parts.step_failures import (
+        PersistentStepFailure,
+        StepFailure,
+        StepFailurePolicy,
+    )
+    from ft.manager_parts.step_outcomes import StepOutcomes
+
+    log = _RecordingLog()
+    policy = StepFailurePolicy(backoff_after=2, max_consecutive_failures=4)
+    out = StepOutcomes(policy, log)
+    members = frozenset({"a", "b"})
+    fail = StepFailure(phase="allreduce", error_type="RuntimeError", message="mismatch")
+    raised = []
+    for step in range(4):
+        out.new_step()
+        raised.append(out.settle(False, fail, members, 7, "short"))
+        if step == 0:
+            assert out.take_backoff() == 0.0  # a first failure is retried at once
+    assert raised[:3] == [None, None, None]
+    assert isinstance(raised[3], PersistentStepFailure) and raised[3].count == 4
+    assert [e for e, _ in log.errors].count("step_failure_backoff") >= 1
+    assert log.errors[-1][0] == "persistent_failure"
+    assert out.last_error.startswith("allreduce: RuntimeError")
+    # the quorum's failure surfaces again within the step: the same exception, settled once
+    out.new_step()
+    e = TimeoutError("quorum timed out")
+    first = out.quorum_failed(e, members, 7, "short")
+    assert out.quorum_failed(e, members, 7, "short") is first
+    # a commit ends the streak and owes nothing
+    out.new_step()
+    assert out.settle(True, None, members, 8, "") is None
+    assert (out.streak.count, out.last_error, out.take_backoff()) == (0, None, 0.0)
+    # too few replicas is no fault: not counted, and said as given
+    out.new_step()
+    assert out.settle(False, None, members, 8, "commit: 1 replica(s)") is None
+    assert out.last_error == "commit: 1 replica(s)" and out.streak.count == 0
