@@ -1,11 +1,11 @@
-"""The source side of HTTP checkpoint transfers: stages a checkpoint, hands out leases, and
-answers the metadata and data requests of http_protocol.py.
+"""The source side of HTTP checkpoint transfers: answers the metadata, data, digest and done
+requests of http_protocol.py for the checkpoint a ServedCheckpoint (served.py) holds.
 
-The server keeps references to the tensors (no serialization at staging) and reads them only
-while answering requests; the CRC is computed over exactly the bytes it writes, so corruption
-anywhere on the way is detected by the receiver. :meth:`CheckpointServer.withdraw` waits
-(bounded by the timeout) until transfers that already started have finished, so that after it
-returns the caller may mutate the tensors again.
+The tensors are referenced, not serialized, at staging and read only while answering
+requests; the CRC is computed over exactly the bytes written, so corruption anywhere on the
+way is detected by the receiver. ``ServedCheckpoint.withdraw`` waits (bounded by the timeout)
+until transfers that already started have finished, so that after it returns the caller may
+mutate the tensors again.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import os
 import socket
 import ssl
 import threading
-import time
-import uuid
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 from ft.checkpointing import http_protocol as wire
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.http_protocol import Refused
-from ft.checkpointing.staging import Abort, Staging, join_preparer
-from ft.checkpointing.transport import CheckpointError
+from ft.checkpointing.served import ServedCheckpoint
+from ft.checkpointing.staging import Abort
 from ft.utils import net
 from ft.utils.auth import (
     CHECKPOINT_CONTENT_PURPOSE,
@@ -61,12 +59,6 @@ DEFAULT_IDLE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 256
 # serve_forever's poll: how soon shutdown() is noticed, and the resolution of the idle bound.
 _POLL_S = 0.05
-# While withdrawing, how often the server looks for leases gone idle (they idle by the clock,
-# see staging.LEASE_GRACE_S, not by a notification).
-_WITHDRAW_POLL_S = 0.05
-# Transfers cut off at withdrawal see their socket shut down and end within one write; this
-# bounds the wait for them to say so on a badly loaded host.
-_CUTOFF_GRACE_S = 5.0
 
 
 def default_advertise_host(bind_host: Optional[str] = None) -> str:
@@ -113,28 +105,25 @@ class _HTTPServer(BoundedHTTPServer):
 
 
 class CheckpointServer:
-    """Serves at most one staged checkpoint over HTTP, and keeps its leases.
+    """Serves ``served``'s checkpoint over HTTP.
 
     Contract:
       - It listens on the advertised interface only (unless told otherwise) and refuses to
         listen beyond loopback without a job secret unless ``insecure`` (ft.utils.auth).
       - With a secret, a request is answered only if signed for this address and not replayed
         (else 403), and every answer is signed for the request it answers.
-      - A step is served only under the step it was staged for; requests get 404/409/410/503
-        as http_protocol.py says. A metadata request waits (bounded by ``timeout``) for a step
-        ahead of what is staged.
-      - After :meth:`withdraw` returns, no thread of this server reads the tensors.
-
-    ``cond`` guards the staging and its bookkeeping; :meth:`claim` and :meth:`release` bracket
-    every read of the tensors, by this server or by the same-host source.
+      - What is served, and what a request is refused with, is ``served``'s to say
+        (ServedCheckpoint); every read of the tensors here is claimed and released there.
+      - After :meth:`stop`, nothing is served and every connection is cut.
 
     The arguments are HTTPTransport's (see there), resolved: ``secret`` is the job secret or
     None; ``tls`` is resolved here (``self.tls``, which receivers of the same transport use
-    too); ``pace`` is called once per 1 MiB slice served, on either path.
+    too).
     """
 
     def __init__(
         self,
+        served: ServedCheckpoint,
         timeout: Timeout,
         *,
         secret: Optional[JobSecret],
@@ -145,27 +134,14 @@ class CheckpointServer:
         port: int,
         idle_timeout_s: float,
         max_connections: int,
-        pace: Callable[[], None],
     ) -> None:
         timeout_s = to_seconds(timeout)
         if timeout_s is None:
             raise TypeError("the checkpoint server needs a timeout (a timedelta or seconds)")
         self.timeout_s = timeout_s
-        self._pace = pace
+        self.served = served
         self._verifier = Verifier(secret, CHECKPOINT_REQUEST_PURPOSE) if secret else None
         self.content_signer = Signer(secret, CHECKPOINT_CONTENT_PURPOSE) if secret else None
-        self.cond = threading.Condition()
-        self._staging: Optional[Staging] = None
-        self._last_step: Optional[int] = None
-        # (step, reason) of the last step this source failed to stage (abandon_checkpoint).
-        self._abandoned: Optional[Tuple[int, str]] = None
-        # A step the source announced it will stage (expect): requests for it wait for it.
-        self._expected: Optional[int] = None
-        # The step wait_delivered released last, until another staging (see _servable).
-        self._released: Optional[int] = None
-        self._closed = False
-        # data bytes this server sent over HTTP, every staging together (ranges that completed)
-        self.served_bytes = 0
 
         if bind_host is None:
             # The advertised interface only: nothing on the machine's other networks can reach
@@ -201,279 +177,10 @@ class CheckpointServer:
         )
         self._thread.start()
 
-    @property
-    def staging(self) -> Optional[Staging]:
-        """The checkpoint staged now (None if none)."""
-        return self._staging
-
     def url(self) -> str:
         """``http(s)://host:port`` as receivers should dial it."""
         host = self._advertise or default_advertise_host()
         return f"{self._scheme}://{wire.bracket(host)}:{self.port}"
-
-    # ------------------------------------------------------------------ staging
-
-    def stage(self, step: int, state_dict: Any) -> Staging:
-        """Withdraws the staged checkpoint, then serves ``state_dict`` as ``step``. Raises
-        TypeError (naming the key path) for values that cannot be sent safely, before anything
-        is withdrawn."""
-        staging = Staging(step, state_dict, self._pace)
-        self.withdraw(restaging=True)
-        with self.cond:
-            if self._closed:
-                raise CheckpointError("HTTPTransport is shut down")
-            self._staging = staging
-            self._last_step = step
-            self._released = None
-            self._abandoned = None
-            self._expected = None
-            self.cond.notify_all()
-        return staging
-
-    def expect(self, step: int) -> None:
-        """The source will stage ``step`` (again): requests for it wait for it instead of being
-        told it was withdrawn or abandoned, until it is staged or abandoned."""
-        with self.cond:
-            self._expected = step
-            if self._abandoned is not None and self._abandoned[0] == step:
-                self._abandoned = None
-
-    def wait_delivered(self, step: int, receivers: int, deadline: Deadline) -> bool:
-        """Waits until ``receivers`` receivers have read all of the staged checkpoint of
-        ``step``; False at the deadline, or once it is no longer staged."""
-        with self.cond:
-
-            def settled() -> bool:
-                st = self._staging
-                return (
-                    st is None
-                    or st.step != step
-                    or st.closing
-                    or (st.delivered >= receivers and not st.striped_readers())
-                )
-
-            deadline.wait(self.cond, settled)
-            st = self._staging
-            if st is None or st.step != step or st.delivered < receivers or st.striped_readers():
-                return False
-            # The caller changes the tensors from now on: nobody new may start reading them.
-            st.released = True
-            self._released = step
-            return True
-
-    def wait_asked(self, step: int, receivers: int, deadline: Deadline) -> bool:
-        """Waits until ``receivers`` receivers have been given the metadata of the staged
-        checkpoint of ``step`` (each may still be reading it), or until nobody new can be (it
-        is no longer staged, or released): True; False at the deadline."""
-        with self.cond:
-
-            def settled() -> bool:
-                st = self._staging
-                return (
-                    st is None
-                    or st.step != step
-                    or st.closing
-                    or st.released
-                    or st.asked >= receivers
-                )
-
-            return deadline.wait(self.cond, settled)
-
-    def check_staged(self, step: int) -> None:
-        """Returns if ``step`` is being served; raises CheckpointError otherwise."""
-        with self.cond:
-            st = self._staging
-            if st is not None and not st.closing and st.step == step:
-                return
-            staged = None if st is None or st.closing else st.step
-        raise CheckpointError(
-            f"allow_checkpoint({step}): no checkpoint of step {step} is staged "
-            f"(staged: {staged}); send_checkpoint(dst_ranks, {step}, state_dict, timeout) "
-            f"stages and serves one"
-        )
-
-    def abandon(self, step: int, reason: str) -> None:
-        """Receivers waiting for ``step`` get 409 naming ``reason`` at once."""
-        self.withdraw()
-        with self.cond:
-            self._abandoned = (step, reason)
-            if self._expected == step:
-                self._expected = None
-            self.cond.notify_all()
-
-    def withdraw(self, restaging: bool = False) -> None:
-        """Withdraws the staged checkpoint: new requests get 410 at once, and so do receivers
-        that got the metadata but have not started reading data (their leases are dropped, not
-        waited for). Transfers that already started, and the other ranges of their receivers
-        (asked for at the same moment), get up to ``timeout`` to finish; then they are cut off.
-        ``restaging`` (``stage`` withdraws the previous one): receivers waiting for a released
-        step to be staged again keep waiting.
-        """
-        with self.cond:
-            if not restaging:
-                self._released = None
-            st = self._staging
-            if st is None:
-                return
-            st.closing = True
-            deadline = Deadline.after(self.timeout_s)
-            while True:
-                st.prune()
-                st.drop_idle_leases(time.monotonic())
-                if (not st.leases and st.active == 0) or deadline.expired:
-                    break
-                self.cond.wait(min(deadline.remaining(), _WITHDRAW_POLL_S))
-            st.withdrawn = True
-            conns = set(st.conns)
-            if st.active:
-                logger.warning("cutting off %d checkpoint transfer(s) still running", st.active)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed
-        with self.cond:
-            Deadline.after(_CUTOFF_GRACE_S).wait(self.cond, lambda: st.active == 0)
-            if self._staging is st:
-                self._staging = None
-            self.cond.notify_all()
-        join_preparer(st)
-
-    # ------------------------------------------------------------------ leases
-
-    def meta(
-        self, step: int, wait_s: float, chunks: int, stripe: Optional[bool] = None
-    ) -> Tuple[Staging, bytes, str]:
-        """Waits up to ``wait_s`` for ``step`` to be staged; returns the staging, its metadata
-        body (header + CRC-32) and a lease for ``chunks`` data ranges. Raises Refused
-        otherwise. ``stripe`` (a striped receiver): the lease lasts until its ``done``
-        request, and counts as a delivery only if ``stripe`` is True (this is the receiver's
-        assigned source, not a helper)."""
-        chunks = min(max(1, chunks), wire.MAX_CHUNKS)
-        wait_s = min(max(0.0, wait_s), self.timeout_s)
-        deadline = Deadline.after(wait_s)
-
-        def servable() -> Optional[Staging]:
-            st = self._servable(step)
-            if st is None and stripe is False and self._released == step:
-                # a striped helper is told at once that it is no source
-                raise Refused(410, f"checkpoint for step {step} is no longer served")
-            return st
-
-        with self.cond:
-            deadline.wait(self.cond, lambda: servable() is not None)
-            st = servable()
-            if st is None:
-                last = self._last_step
-                raise Refused(
-                    404,
-                    f"step {step} is not available "
-                    + (
-                        "(nothing staged)"
-                        if last is None
-                        else f"(step {step} was delivered and released, and not staged again)"
-                        if self._released == step
-                        else f"(last staged step {last})"
-                    ),
-                )
-            lease = uuid.uuid4().hex
-            n = len(wire.plan_chunks(st.total, chunks))
-            if stripe is not None:
-                st.lease(lease, n, self.timeout_s, explicit=True, counted=stripe)
-            elif n:
-                st.lease(lease, n, self.timeout_s)
-            else:
-                st.delivered += 1  # no data: the metadata is all of it
-            st.asked += 1
-            self.cond.notify_all()
-            return st, st.header + wire.TRAILER.pack(ser.crc32(st.header)), lease
-
-    def _servable(self, step: int) -> Optional[Staging]:
-        """The staging that serves ``step``, None if it may still come; raises Refused if it
-        will not. Caller holds ``cond``."""
-        if self._closed:
-            raise Refused(503, "checkpoint server is shutting down")
-        st = self._staging
-        if st is not None and st.step == step and not st.closing and not st.released:
-            return st
-        if self._expected == step:
-            return None  # announced: it comes
-        if self._abandoned is not None and self._abandoned[0] == step:
-            raise Refused(409, f"the source failed to produce step {step}: {self._abandoned[1]}")
-        if self._released == step:
-            # Its receivers have it and the source changes its tensors from now on: nobody
-            # new reads them. One asking for the same step again (a second heal at an
-            # unchanged step) waits for the source to stage it afresh.
-            return None
-        last = self._last_step
-        if last is not None and step <= last:
-            if step == last:
-                raise Refused(410, f"checkpoint for step {step} was withdrawn")
-            raise Refused(404, f"step {step} is not available (last staged step is {last})")
-        return None
-
-    def claim(self, step: int, staging_id: str, lease_id: str, conn: socket.socket) -> Staging:
-        """Registers a transfer of the staged checkpoint (``withdraw`` waits for it, then cuts
-        ``conn``). Raises Refused if it is not served."""
-        with self.cond:
-            st = self._staging
-            if self._closed:
-                raise Refused(503, "checkpoint server is shutting down")
-            if st is None or st.step != step or st.id != staging_id or st.withdrawn:
-                raise Refused(410, f"checkpoint for step {step} is no longer served")
-            lease = st.leases.get(lease_id)
-            if (st.closing or st.released) and lease is None:
-                raise Refused(410, f"checkpoint for step {step} was withdrawn")
-            if lease is not None:
-                lease.active += 1
-                lease.touched = time.monotonic()
-            st.active += 1
-            st.conns.add(conn)
-            return st
-
-    def release(self, st: Staging, lease_id: str, conn: socket.socket, used: Optional[int]) -> None:
-        """Ends a transfer registered by ``claim``. ``used``: how many of the lease's ranges
-        it delivered (None: it failed, and the lease is dropped so nothing waits for it)."""
-        with self.cond:
-            st.active -= 1
-            st.conns.discard(conn)
-            lease = st.leases.get(lease_id)
-            if lease is not None and lease.explicit:
-                # a striped receiver's lease ends with its done request only
-                lease.active = max(0, lease.active - 1)
-                lease.touched = time.monotonic()
-            elif lease is not None:
-                lease.active = max(0, lease.active - 1)
-                lease.touched = time.monotonic()
-                lease.remaining -= used or 0
-                if lease.remaining <= 0 or used is None:
-                    del st.leases[lease_id]
-                    if used is not None:
-                        st.delivered += 1
-            self.cond.notify_all()
-
-    def finish_lease(self, step: int, staging_id: str, lease_id: str, ok: bool) -> None:
-        """A striped receiver is done with this source: its lease ends, and counts as a
-        delivery if ``ok`` and this was its assigned source."""
-        with self.cond:
-            st = self._staging
-            if st is None or st.step != step or st.id != staging_id:
-                return
-            lease = st.leases.get(lease_id)
-            if lease is None or not lease.explicit:
-                return
-            del st.leases[lease_id]
-            if ok and lease.counted:
-                st.delivered += 1
-            self.cond.notify_all()
-
-    def drop_lease(self, lease_id: str) -> None:
-        """A lease whose receiver will not use it: nothing waits for it."""
-        with self.cond:
-            st = self._staging
-            if st is not None:
-                st.leases.pop(lease_id, None)
-            self.cond.notify_all()
 
     # ------------------------------------------------------------------ HTTP
 
@@ -545,7 +252,9 @@ class CheckpointServer:
         elif parts[1] == "digest":
             self._serve_digest(h, step, q, signature)
         elif parts[1] == "done":
-            self.finish_lease(step, q.get("staging", ""), q.get("lease", ""), q.get("ok") == "1")
+            self.served.finish_lease(
+                step, q.get("staging", ""), q.get("lease", ""), q.get("ok") == "1"
+            )
             self._send_small(h, b"ok\n", "text/plain; charset=utf-8")
         else:
             raise Refused(404, f"unknown path {url.path[:100]!r}")
@@ -567,7 +276,7 @@ class CheckpointServer:
         stripe = {"primary": True, "helper": False}.get(q.get("stripe", ""))
         if "stripe" in q and stripe is None:
             raise Refused(400, f"bad parameter stripe={q['stripe'][:40]!r}")
-        _, body, lease = self.meta(
+        _, body, lease = self.served.meta(
             step, self._num(q, "wait", float, 0.0), self._num(q, "chunks", int, 1), stripe
         )
         h.send_response(200)
@@ -602,13 +311,13 @@ class CheckpointServer:
         striped receiver checks that all its sources hold the same bytes. Claimed like a data
         transfer, so that a withdrawal waits for it or cuts it off."""
         lease_id = q.get("lease", "")
-        st = self.claim(step, q.get("staging", ""), lease_id, h.connection)
+        st = self.served.claim(step, q.get("staging", ""), lease_id, h.connection)
         try:
             body = wire.encode_digest(st.digest())
         except Abort:
             raise Refused(410, f"checkpoint for step {step} was withdrawn") from None
         finally:
-            self.release(st, lease_id, h.connection, 0)
+            self.served.release(st, lease_id, h.connection, 0)
         mac = self.content_signer.mac(b"digest", signature, body) if self.content_signer else None
         self._send_small(h, body, "application/json", mac)
 
@@ -618,10 +327,10 @@ class CheckpointServer:
         lease_id = q.get("lease", "")
         start = self._num(q, "start", int)
         end = self._num(q, "end", int)
-        with self.cond:
-            st = self.claim(step, q.get("staging", ""), lease_id, h.connection)
+        with self.served.cond:
+            st = self.served.claim(step, q.get("staging", ""), lease_id, h.connection)
             if not 0 <= start <= end <= st.total:
-                self.release(st, lease_id, h.connection, None)
+                self.served.release(st, lease_id, h.connection, None)
                 raise Refused(400, f"bad range [{start}, {end}) of {st.total} bytes")
         used: Optional[int] = None
         try:
@@ -643,30 +352,23 @@ class CheckpointServer:
                 trailer += signer.mac(b"data", signature, wire.range_bytes(start, end), trailer)
             h.wfile.write(trailer)
             used = 1
-            with self.cond:
+            with self.served.cond:
                 st.served_bytes += end - start
-                self.served_bytes += end - start
+                self.served.served_bytes += end - start
         except Abort:
             logger.debug("checkpoint transfer cut off (withdrawn)")
         except OSError as e:
             logger.debug("checkpoint transfer to %s failed: %s", h.client_address, e)
         finally:
-            self.release(st, lease_id, h.connection, used)
+            self.served.release(st, lease_id, h.connection, used)
 
     # ------------------------------------------------------------------ shutdown
 
     def stop(self) -> bool:
         """Withdraws everything at once (no waiting), stops listening and cuts every open
         connection. False if it was stopped before."""
-        with self.cond:
-            if self._closed:
-                return False
-            self._closed = True
-            st = self._staging
-            if st is not None:
-                st.closing = True
-                st.withdrawn = True
-            self.cond.notify_all()
+        if not self.served.close():
+            return False
         self.httpd.shutdown()  # serve_forever polls every _POLL_S
         self.httpd.server_close()
         self.httpd.kill_connections()
@@ -679,10 +381,3 @@ class CheckpointServer:
             threads = list(self.httpd.threads)
         for t in threads:
             t.join(deadline.remaining())
-
-    def forget(self) -> None:
-        """Drops a stopped server's staging once its background preparation has ended."""
-        with self.cond:
-            st, self._staging = self._staging, None
-        if st is not None:
-            join_preparer(st)

@@ -37,12 +37,13 @@ from ft.checkpointing.fetcher import CheckpointFetcher
 from ft.checkpointing.http_protocol import MAX_CHUNKS as _MAX_CHUNKS  # noqa: F401 - re-export
 from ft.checkpointing.http_protocol import plan_chunks
 from ft.checkpointing.same_host_source import SameHostSource
+from ft.checkpointing.served import ServedCheckpoint
 from ft.checkpointing.staging import Staging
 from ft.checkpointing.striped import StripeOptions
 from ft.checkpointing.transport import CheckpointTransport
 from ft.utils import net
 from ft.utils.auth import JobSecret, SecretLike, resolve_secret
-from ft.utils.deadline import Deadline
+from ft.utils.deadline import Deadline, to_seconds
 from ft.utils.tls import TLSConfig
 
 T = TypeVar("T")
@@ -150,7 +151,13 @@ class HTTPTransport(CheckpointTransport[T]):
             resolved = JobSecret(os.environ[TOKEN_ENV], source=TOKEN_ENV)
         device = torch.device("cpu") if device is None else torch.device(device)
 
+        timeout_s = to_seconds(timeout)
+        if timeout_s is None:
+            raise TypeError("HTTPTransport needs a timeout (a timedelta or seconds)")
+        # the checkpoint this source serves (both paths read it), and its HTTP server
+        self._served = ServedCheckpoint(timeout_s, self._pace)
         self._checkpoints = CheckpointServer(
+            self._served,
             timeout,
             secret=resolved,
             insecure=insecure,
@@ -160,7 +167,6 @@ class HTTPTransport(CheckpointTransport[T]):
             port=port,
             idle_timeout_s=idle_timeout_s,
             max_connections=max_connections,
-            pace=self._pace,
         )
         # the listening HTTP server (its bounds and connections are what tests inspect)
         self._server = self._checkpoints.httpd
@@ -179,9 +185,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._same_host_source: Optional[SameHostSource] = None
         if use_same_host:
             try:
-                self._same_host_source = SameHostSource(
-                    self._checkpoints, resolved, self._checkpoints.timeout_s
-                )
+                self._same_host_source = SameHostSource(self._served, resolved, timeout_s)
             except OSError as e:
                 logger.warning("same-host checkpoint endpoint unavailable (%s); HTTP only", e)
         # the endpoint same-host receivers connect to (None: HTTP only)
@@ -213,7 +217,7 @@ class HTTPTransport(CheckpointTransport[T]):
         Raises TypeError (naming the key path) for values that cannot be sent safely. A
         previously staged checkpoint is withdrawn first.
         """
-        staging = self._checkpoints.stage(step, state_dict)
+        staging = self._served.stage(step, state_dict)
         if self._same_host_source is not None:
             self._same_host_source.prepare(staging)
         logger.debug(
@@ -233,21 +237,21 @@ class HTTPTransport(CheckpointTransport[T]):
         (torchft would serve the previous state dict under the new step; ft never serves a
         state dict under a step it was not staged for).
         """
-        self._checkpoints.check_staged(step)
+        self._served.check_staged(step)
 
     def abandon_checkpoint(self, step: int, reason: str) -> None:
         """Receivers waiting for ``step`` get HTTP 409 naming ``reason`` at once."""
-        self._checkpoints.abandon(step, reason)
+        self._served.abandon(step, reason)
 
     def expect_checkpoint(self, step: int) -> None:
         """Receivers asking for ``step`` wait for it until it is staged or abandoned, even if
         it was withdrawn or abandoned before (a retry of the same step)."""
-        self._checkpoints.expect(step)
+        self._served.expect(step)
 
     def wait_delivered(self, step: int, receivers: int, timeout: timedelta) -> bool:
         """Waits until ``receivers`` receivers have read all of the checkpoint of ``step``
         (over HTTP or the same-host path); False at ``timeout`` or once it is withdrawn."""
-        return self._checkpoints.wait_delivered(step, receivers, Deadline.after(timeout))
+        return self._served.wait_delivered(step, receivers, Deadline.after(timeout))
 
     def wait_asked(self, step: int, receivers: int, timeout: timedelta) -> bool:
         """Waits until ``receivers`` receivers have asked for the checkpoint of ``step`` (a
@@ -255,7 +259,7 @@ class HTTPTransport(CheckpointTransport[T]):
         nobody new can (it is not staged, or :meth:`wait_delivered` released it): True; False
         at ``timeout``. A donor of a striped heal waits for this before :meth:`wait_delivered`,
         which does not wait for receivers that have not come yet."""
-        return self._checkpoints.wait_asked(step, receivers, Deadline.after(timeout))
+        return self._served.wait_asked(step, receivers, Deadline.after(timeout))
 
     def disallow_checkpoint(self) -> None:
         """Withdraws the staged checkpoint.
@@ -266,7 +270,7 @@ class HTTPTransport(CheckpointTransport[T]):
         up to ``timeout`` to finish; then they are cut off. When this returns, no server thread
         reads the tensors.
         """
-        self._checkpoints.withdraw()
+        self._served.withdraw()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetches the checkpoint for ``step`` from the server at ``metadata`` (its URL).
@@ -301,17 +305,17 @@ class HTTPTransport(CheckpointTransport[T]):
     @property
     def served_bytes(self) -> int:
         """Data bytes this source has sent over HTTP (completed ranges, all steps)."""
-        return self._checkpoints.served_bytes
+        return self._served.served_bytes
 
     def shutdown(self, wait: bool = True) -> None:
         if not self._checkpoints.stop():
             return
-        join_s = min(_SHUTDOWN_JOIN_S, self._checkpoints.timeout_s)
+        join_s = min(_SHUTDOWN_JOIN_S, self._served.timeout_s)
         if self._same_host_source is not None:
             self._same_host_source.close(join_s if wait else 0.0)
         if wait:
             self._checkpoints.join(Deadline.after(join_s))
-        self._checkpoints.forget()
+        self._served.forget()
 
     def __enter__(self) -> "HTTPTransport[T]":
         return self
@@ -328,7 +332,7 @@ class HTTPTransport(CheckpointTransport[T]):
     @property
     def _staging(self) -> Optional[Staging]:
         """The checkpoint staged now (tests inspect its leases and transfers)."""
-        return self._checkpoints.staging
+        return self._served.staging
 
     @property
     def _open(self) -> Callable[..., Any]:

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 from ft import _C
 from ft.checkpointing import same_host
 from ft.checkpointing import http_protocol as wire
-from ft.checkpointing.checkpoint_server import CheckpointServer
+from ft.checkpointing.served import ServedCheckpoint
 from ft.checkpointing.http_protocol import Refused
 from ft.checkpointing.staging import Abort, Staging
 from ft.utils.auth import SAME_HOST_PURPOSE, AuthError, JobSecret, Verifier
@@ -56,13 +56,13 @@ def host_copy_budget() -> int:
 
 
 class SameHostSource:
-    """Answers same-host fetches for the checkpoint ``server`` stages.
+    """Answers same-host fetches for the checkpoint ``served`` holds.
 
     Contract:
       - Only connections of this process's uid are read (same_host.LocalEndpoint), and with
         a job secret only requests signed with it for this endpoint, never replayed (else 403);
         nothing is granted before that check.
-      - A request is validated and refused exactly like its HTTP twin (the server's ``meta``
+      - A request is validated and refused exactly like its HTTP twin (``served``'s ``meta``
         and ``claim``), and the refusal carries the same status.
       - A receiver is named this process's ptracer (Yama ptrace_scope 1) only for its own
         transfer, one receiver at a time, and the grant is revoked when the transfer ends.
@@ -73,8 +73,10 @@ class SameHostSource:
     Raises OSError when the endpoint cannot be opened (the caller serves HTTP only).
     """
 
-    def __init__(self, server: CheckpointServer, secret: Optional[JobSecret], timeout_s: float):
-        self._server = server
+    def __init__(
+        self, served: ServedCheckpoint, secret: Optional[JobSecret], timeout_s: float
+    ) -> None:
+        self._served = served
         self._timeout_s = timeout_s
         self._verifier = Verifier(secret, SAME_HOST_PURPOSE) if secret else None
         self._ptracer_lock = threading.Lock()
@@ -141,12 +143,12 @@ class SameHostSource:
             step, wait_s, chunks = req.get("step"), req.get("wait"), req.get("chunks")
             if type(step) is not int or type(wait_s) not in (int, float) or type(chunks) is not int:
                 raise Refused(400, "bad step, wait or chunks")
-            st, body, lease = self._server.meta(step, wait_s, chunks)
-            self._server.claim(step, st.id, lease, conn)
+            st, body, lease = self._served.meta(step, wait_s, chunks)
+            self._served.claim(step, st.id, lease, conn)
         except (Refused, ValueError) as e:
             code, msg = (e.code, e.msg) if isinstance(e, Refused) else (400, str(e))
             if lease:
-                self._server.drop_lease(lease)
+                self._served.drop_lease(lease)
             same_host.send_frame(conn, {"ok": False, "code": code, "error": msg})
             return
         self._serve_data(conn, st, lease, body, deadline)
@@ -217,7 +219,7 @@ class SameHostSource:
             if granted:
                 _C.allow_process_to_read(0)
                 self._ptracer_lock.release()
-            self._server.release(st, lease_id, conn, used)
+            self._served.release(st, lease_id, conn, used)
 
     def _grant_read_access(self, conn: socket.socket, deadline: Deadline) -> bool:
         """Under Yama ptrace_scope 1, names the receiver as this process's ptracer for the

@@ -112,7 +112,7 @@ class Staging:
         self.active = 0  # data responses currently reading tensors
         self.delivered = 0  # receivers that have read all of it (their leases used up)
         # metadata answers given (receivers that came for it, striped or not): a source that
-        # helps a striped heal waits for its receivers to come (CheckpointServer.wait_asked)
+        # helps a striped heal waits for its receivers to come (ServedCheckpoint.wait_asked)
         self.asked = 0
         self.conns: Set[socket.socket] = set()  # their connections, to cut them off
         self.leases: Dict[str, Lease] = {}

@@ -29,7 +29,7 @@ from ft.checkpointing import (  # noqa: E402
 )
 from ft.checkpointing import http_protocol, same_host_source  # noqa: E402
 from ft.checkpointing import serialization as ser  # noqa: E402
-from ft.checkpointing.checkpoint_server import CheckpointServer  # noqa: E402
+from ft.checkpointing.served import ServedCheckpoint  # noqa: E402
 from ft.checkpointing.same_host_source import SameHostSource  # noqa: E402
 from ft.checkpointing.staging import Staging  # noqa: E402
 from ft.utils.auth import SAME_HOST_PURPOSE, JobSecret, Signer  # noqa: E402
@@ -233,13 +233,13 @@ def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
         def _pace(self) -> None:
             time.sleep(0.05)
 
-    real_release = CheckpointServer.release
+    real_release = ServedCheckpoint.release
 
     def recording_release(server: Any, st: Any, lease_id: str, conn: Any, used: Any) -> None:
         Paced.releases.append((type(conn).__name__, used))
         real_release(server, st, lease_id, conn, used)
 
-    monkeypatch.setattr(CheckpointServer, "release", recording_release)
+    monkeypatch.setattr(ServedCheckpoint, "release", recording_release)
 
     state = {"w": torch.randn(1 << 21), "b": torch.ones(3, dtype=torch.bool)}  # 8 MiB
     src = Paced(TO, 4, advertise_host="127.0.0.1")
