@@ -41,7 +41,6 @@ import logging
 import os
 import collections
 import socket
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from google.protobuf.message import DecodeError
 
 from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
+from .lighthouse_status import QuorumIdFile, status_document
 from .metrics import render_metrics
 from .rpc_server import Call, CallAborted, Method, RpcServer
 from ..utils.auth import (
@@ -79,6 +79,7 @@ from .quorum import (
     QuorumMember,
     next_quorum_id,
     quorum_compute,
+    subscriber_replica,
 )
 
 logger = logging.getLogger("ft.lighthouse")
@@ -140,6 +141,36 @@ class _Stats:
     latencies: List[float] = field(default_factory=list)  # last 1000
 
 
+class FailureSubscribers:
+    """The open failure-notification streams. Callers hold the lighthouse's lock."""
+
+    def __init__(self) -> None:
+        self._calls: Set[Call] = set()
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def add(self, call: Call) -> None:
+        self._calls.add(call)
+
+    def discard(self, call: Call) -> None:
+        self._calls.discard(call)
+
+    def broadcast(self, data: bytes) -> None:
+        """Writes ``data`` to every stream; one that is over, or so far behind that gRPC
+        stopped queueing, is dropped (its client re-subscribes, and its stream end is handled
+        like any other)."""
+        for call in list(self._calls):
+            if not call.write_serialized(data):
+                self._calls.discard(call)
+                call.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, "failure stream fell behind")
+
+    def finish_all(self) -> None:
+        for call in self._calls:
+            call.finish()
+        self._calls.clear()
+
+
 class _LighthouseState:
     """All lighthouse state, guarded by one lock; the gRPC and HTTP faces call into it.
 
@@ -160,7 +191,7 @@ class _LighthouseState:
         self.opts = opts
         self.tick_s = tick_s
         self.dead_grace_s = dead_grace_s
-        self.quorum_id_file = quorum_id_file
+        self.quorum_ids = QuorumIdFile(quorum_id_file)
         self.lock = threading.Lock()
         self.participants: Dict[str, Tuple[float, QuorumMember]] = {}
         self.heartbeats: Dict[str, float] = {}
@@ -181,10 +212,10 @@ class _LighthouseState:
         # drained under it (see quorum()).
         self._arrivals: "collections.deque" = collections.deque()
         self.prev_issued_mono = 0.0
-        self.quorum_id = self._initial_quorum_id()
+        self.quorum_id = self.quorum_ids.initial()
         self.reason = "no participants"
         self.notified: Set[Tuple[int, str]] = set()
-        self.subscribers: Set[Call] = set()
+        self.subscribers = FailureSubscribers()
         self.last_keepalive = time.monotonic()
         self.stats = _Stats()
         self.closed = False
@@ -200,28 +231,6 @@ class _LighthouseState:
         self.steady = _NoSteadyRound()
         self.steady_armed = False  # since the last arm, maybe disarmed since by the server
         self.identities: Dict[str, bytes] = {}
-
-    # --- quorum ids -------------------------------------------------------------------
-    def _initial_quorum_id(self) -> int:
-        seed = time.time_ns() // 1000
-        if self.quorum_id_file and os.path.exists(self.quorum_id_file):
-            try:
-                with open(self.quorum_id_file) as f:
-                    seed = max(seed, int(f.read().strip()))
-            except (OSError, ValueError) as e:
-                logger.warning("ignoring unreadable quorum_id_file %s: %s", self.quorum_id_file, e)
-        return seed
-
-    def _persist_quorum_id(self) -> None:
-        if not self.quorum_id_file:
-            return
-        tmp = f"{self.quorum_id_file}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                f.write(str(self.quorum_id))
-            os.replace(tmp, self.quorum_id_file)
-        except OSError as e:
-            logger.warning("could not persist quorum id to %s: %s", self.quorum_id_file, e)
 
     # --- quorum -----------------------------------------------------------------------
     def _apply_fast_heartbeats_locked(self) -> None:
@@ -380,12 +389,10 @@ class _LighthouseState:
         """A subscriber named ``"{replica_id}/{rank}"`` (as ft.Manager subscribes) ties the
         stream to its replica's liveness: if the stream ends before its deadline and not by a
         server shutdown, the client went away (killed, or shut down)."""
-        replica_id, sep, rank = subscriber.rpartition("/")
-        if not sep or not replica_id or not rank.isdigit() or self.closed:
-            return
-        if remaining < 0.5:
-            return  # the stream's deadline: the client re-subscribes
-        self._connection_lost_locked(replica_id, now)
+        replica_id = subscriber_replica(subscriber)
+        # less than 0.5 s left: the stream's deadline, and the client re-subscribes
+        if replica_id is not None and not self.closed and remaining >= 0.5:
+            self._connection_lost_locked(replica_id, now)
 
     def _connection_lost_locked(self, replica_id: str, now: float) -> None:
         """``replica_id``'s process dropped its failure subscription (it died, or shut down):
@@ -460,7 +467,7 @@ class _LighthouseState:
                 self._tick_locked(now)
                 if now - self.last_keepalive >= KEEPALIVE_S:
                     self.last_keepalive = now
-                    self._broadcast_locked(_KEEPALIVE)
+                    self.subscribers.broadcast(_KEEPALIVE)
 
     def _tick_locked(self, now: float) -> None:
         self._register_arrivals_locked(now)
@@ -498,7 +505,7 @@ class _LighthouseState:
         changed = new_id != self.quorum_id
         self.quorum_id = new_id
         if changed:
-            self._persist_quorum_id()
+            self.quorum_ids.save(self.quorum_id)
         quorum = Quorum(quorum_id=new_id, participants=tuple(members))
         self.prev = quorum
         self.prev_issued_mono = now
@@ -562,7 +569,7 @@ class _LighthouseState:
             msg.detected.GetCurrentTime()
             self.stats.failure_notifications += 1
             logger.warning("%s", msg.error_message)
-            self._broadcast_locked(msg.SerializeToString())
+            self.subscribers.broadcast(msg.SerializeToString())
         # Forget notifications of old quorums.
         self.notified = {k for k in self.notified if k[0] == self.prev.quorum_id}
 
@@ -595,14 +602,6 @@ class _LighthouseState:
             if call.write_serialized(_KEEPALIVE):
                 self.subscribers.add(call)
 
-    def _broadcast_locked(self, data: bytes) -> None:
-        for call in list(self.subscribers):
-            if not call.write_serialized(data):
-                # Over, or so far behind that gRPC stopped queueing: drop it (the client
-                # re-subscribes, and its stream end is handled like any other).
-                self.subscribers.discard(call)
-                call.finish(grpc.StatusCode.RESOURCE_EXHAUSTED, "failure stream fell behind")
-
     def close(self) -> None:
         self.ticker_wakeup.set()
         with self.lock:
@@ -612,92 +611,16 @@ class _LighthouseState:
             for w in self.waiters:
                 w.call.finish(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
             self.waiters.clear()
-            for call in self.subscribers:
-                call.finish()
-            self.subscribers.clear()
+            self.subscribers.finish_all()
 
     # --- observation ------------------------------------------------------------------
     def status(self) -> dict:
+        """The status document (lighthouse_status.status_document): what the dashboard,
+        its JSON and the metrics show."""
         with self.lock:
             self._apply_fast_heartbeats_locked()
             self._sync_steady_rounds_locked()
-            now = time.monotonic()
-            wall = time.time()
-            timeout = self.opts.heartbeat_timeout_s
-
-            def age(rid: str) -> Optional[float]:
-                t = self.heartbeats.get(rid)
-                return None if t is None else round(now - t, 3)
-
-            def alive(rid: str) -> bool:
-                a = age(rid)
-                return a is not None and a < timeout
-
-            quorum = None
-            in_quorum: Set[str] = set()
-            if self.prev is not None:
-                max_step = max(m.step for m in self.prev.participants)
-                in_quorum = {m.replica_id for m in self.prev.participants}
-                quorum = {
-                    "quorum_id": self.prev.quorum_id,
-                    "created": self.prev.created.timestamp(),
-                    "age_s": round(now - self.prev_issued_mono, 3),
-                    "max_step": max_step,
-                    "members": [
-                        {
-                            "replica_id": m.replica_id,
-                            "address": m.address,
-                            "store_address": m.store_address,
-                            "step": m.step,
-                            "world_size": m.world_size,
-                            "recovering": m.step != max_step,
-                            "shrink_only": m.shrink_only,
-                            "commit_failures": m.commit_failures,
-                            "heartbeat_age_s": age(m.replica_id),
-                            "alive": alive(m.replica_id),
-                        }
-                        for m in self.prev.participants
-                    ],
-                }
-            known = sorted(set(self.heartbeats) | in_quorum)
-            replicas = [
-                {
-                    "replica_id": rid,
-                    "heartbeat_age_s": age(rid),
-                    "alive": alive(rid),
-                    "participating": rid in self.participants,
-                    "in_quorum": rid in in_quorum,
-                    "address": self.last_member[rid].address if rid in self.last_member else "",
-                    "step": self.last_member[rid].step if rid in self.last_member else None,
-                }
-                for rid in known
-            ]
-            lat = self.stats.latencies
-            return {
-                "now": wall,
-                "quorum": quorum,
-                "next_quorum": {
-                    "reason": self.reason,
-                    "participants": sorted(self.participants),
-                },
-                "replicas": replicas,
-                "config": {
-                    "min_replicas": self.opts.min_replicas,
-                    "join_timeout_ms": int(self.opts.join_timeout_s * 1000),
-                    "heartbeat_timeout_ms": int(self.opts.heartbeat_timeout_s * 1000),
-                    "quorum_tick_ms": int(self.tick_s * 1000),
-                    "dead_grace_ms": int(self.dead_grace_s * 1000),
-                },
-                "stats": {
-                    "quorums_issued": self.stats.quorums_issued,
-                    "native_rounds": self.stats.native_rounds,
-                    "quorum_changes": self.stats.quorum_changes,
-                    "failure_notifications": self.stats.failure_notifications,
-                    "last_quorum_latency_s": self.stats.last_latency_s,
-                    "median_quorum_latency_s": statistics.median(lat) if lat else 0.0,
-                    "subscribers": len(self.subscribers),
-                },
-            }
+            return status_document(self, time.monotonic(), time.time())
 
 
 _SERVICE = "/torchft.LighthouseService/"

@@ -38,6 +38,7 @@ __all__ = [
     "merge_group_requests",
     "Participation",
     "participation",
+    "subscriber_replica",
 ]
 
 
@@ -445,3 +446,10 @@ def merge_group_requests(
         any(r.init_sync for r in reqs),
         max(r.commit_failures for r in reqs),
     )
+
+
+def subscriber_replica(subscriber: str) -> Optional[str]:
+    """The replica id of a failure subscriber named ``"{replica_id}/{rank}"`` (as ft.Manager
+    subscribes), whose stream's end says its process went away; None for any other name."""
+    replica_id, sep, rank = subscriber.rpartition("/")
+    return replica_id if sep and replica_id and rank.isdigit() else None

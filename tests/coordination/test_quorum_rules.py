@@ -12,6 +12,7 @@ from ft.coordination.quorum import (
     next_quorum_id,
     participation,
     quorum_compute,
+    subscriber_replica,
 )
 
 OPTS = LighthouseOptions(min_replicas=2, join_timeout_s=10.0, heartbeat_timeout_s=5.0)
@@ -530,3 +531,18 @@ def test_participation_step0_commits_when_quorum_is_large_enough(groups, async_q
         p = participation(r, use_async_quorum=async_q, allow_heal=True, init_sync=init_sync)
         assert p.enough(groups) and not p.enough(groups + 1)
         assert p.contributors >= 1
+
+
+@pytest.mark.parametrize(
+    "subscriber,replica",
+    [
+        ("g0:uuid-1/0", "g0:uuid-1"),  # as ft.Manager subscribes
+        ("a/b:c/12", "a/b:c"),  # the last "/" splits
+        ("g0:uuid-1", None),  # no rank
+        ("/3", None),  # no replica
+        ("g0/x", None),  # a rank that is not a number
+        ("", None),
+    ],
+)
+def test_which_subscribers_stand_for_a_replica(subscriber, replica):
+    assert subscriber_replica(subscriber) == replica
