@@ -58,7 +58,10 @@ def test_a_persistent_fault_raises_in_every_group_after_a_bounded_number_of_quor
         assert len(quorums) <= bound + 2, sorted(quorums)
         first_failure = [a["committed"] for a in attempts].index(False)
         assert not any(a["committed"] for a in attempts[first_failure:]), attempts
-        assert len(attempts) - first_failure == bound, attempts
+        # The streak is `bound` failures in one membership; a failure in a first quorum that
+        # missed the other group (the culprit fails even alone) precedes it, and the other's
+        # joining starts the streak afresh.
+        assert bound <= len(attempts) - first_failure <= bound + 1, attempts
         # From the streak's backoff_after-th failure on, a wait before every next quorum,
         # logged at ERROR with the error, the phase and what is retried.
         log = child.output()
