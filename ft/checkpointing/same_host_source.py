@@ -127,7 +127,6 @@ class SameHostSource:
         the metadata and the tensors' addresses, then each range's CRC-32C, and holds the
         checkpoint until the receiver says it verified everything (or falls back to HTTP)."""
         deadline = Deadline.after(self._timeout_s)
-        lease = ""
         try:
             try:
                 # a receiver sends its request as it connects: an idle socket is not kept
@@ -143,12 +142,9 @@ class SameHostSource:
             step, wait_s, chunks = req.get("step"), req.get("wait"), req.get("chunks")
             if type(step) is not int or type(wait_s) not in (int, float) or type(chunks) is not int:
                 raise Refused(400, "bad step, wait or chunks")
-            st, body, lease = self._served.meta(step, wait_s, chunks)
-            self._served.claim(step, st.id, lease, conn)
+            st, body, lease = self._served.meta(step, wait_s, chunks, claim_on=conn)
         except (Refused, ValueError) as e:
             code, msg = (e.code, e.msg) if isinstance(e, Refused) else (400, str(e))
-            if lease:
-                self._served.drop_lease(lease)
             same_host.send_frame(conn, {"ok": False, "code": code, "error": msg})
             return
         self._serve_data(conn, st, lease, body, deadline)

@@ -202,13 +202,22 @@ class ServedCheckpoint:
     # ------------------------------------------------------------------ leases
 
     def meta(
-        self, step: int, wait_s: float, chunks: int, stripe: Optional[bool] = None
+        self,
+        step: int,
+        wait_s: float,
+        chunks: int,
+        stripe: Optional[bool] = None,
+        claim_on: Optional[socket.socket] = None,
     ) -> Tuple[Staging, bytes, str]:
         """Waits up to ``wait_s`` for ``step`` to be staged; returns the staging, its metadata
         body (header + CRC-32) and a lease for ``chunks`` data ranges. Raises Refused
         otherwise. ``stripe`` (a striped receiver): the lease lasts until its ``done``
         request, and counts as a delivery only if ``stripe`` is True (this is the receiver's
-        assigned source, not a helper)."""
+        assigned source, not a helper). ``claim_on`` (the same-host path, which reads at once
+        over that connection): the transfer is claimed with the answer, under one hold of
+        ``cond``, and counts as a delivery when it is released, even for a checkpoint without
+        data; otherwise ``wait_delivered`` could count it at the answer and release the staging
+        before the claim."""
         chunks = min(max(1, chunks), wire.MAX_CHUNKS)
         wait_s = min(max(0.0, wait_s), self.timeout_s)
         deadline = Deadline.after(wait_s)
@@ -240,11 +249,13 @@ class ServedCheckpoint:
             n = len(wire.plan_chunks(st.total, chunks))
             if stripe is not None:
                 st.lease(lease, n, self.timeout_s, explicit=True, counted=stripe)
-            elif n:
+            elif n or claim_on is not None:
                 st.lease(lease, n, self.timeout_s)
             else:
                 st.delivered += 1  # no data: the metadata is all of it
             st.asked += 1
+            if claim_on is not None:
+                self._claim_locked(st, lease, claim_on)
             self.cond.notify_all()
             return st, st.header + wire.TRAILER.pack(ser.crc32(st.header)), lease
 
@@ -281,15 +292,19 @@ class ServedCheckpoint:
                 raise Refused(503, "checkpoint server is shutting down")
             if st is None or st.step != step or st.id != staging_id or st.withdrawn:
                 raise Refused(410, f"checkpoint for step {step} is no longer served")
-            lease = st.leases.get(lease_id)
-            if (st.closing or st.released) and lease is None:
+            if (st.closing or st.released) and lease_id not in st.leases:
                 raise Refused(410, f"checkpoint for step {step} was withdrawn")
-            if lease is not None:
-                lease.active += 1
-                lease.touched = time.monotonic()
-            st.active += 1
-            st.conns.add(conn)
-            return st
+            return self._claim_locked(st, lease_id, conn)
+
+    @staticmethod
+    def _claim_locked(st: Staging, lease_id: str, conn: socket.socket) -> Staging:
+        lease = st.leases.get(lease_id)
+        if lease is not None:
+            lease.active += 1
+            lease.touched = time.monotonic()
+        st.active += 1
+        st.conns.add(conn)
+        return st
 
     def release(self, st: Staging, lease_id: str, conn: socket.socket, used: Optional[int]) -> None:
         """Ends a transfer registered by ``claim``. ``used``: how many of the lease's ranges
@@ -325,14 +340,6 @@ class ServedCheckpoint:
             del st.leases[lease_id]
             if ok and lease.counted:
                 st.delivered += 1
-            self.cond.notify_all()
-
-    def drop_lease(self, lease_id: str) -> None:
-        """A lease whose receiver will not use it: nothing waits for it."""
-        with self.cond:
-            st = self._staging
-            if st is not None:
-                st.leases.pop(lease_id, None)
             self.cond.notify_all()
 
     def forget(self) -> None:

@@ -9,6 +9,7 @@ import errno
 import os
 import socket
 import struct
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -543,3 +544,40 @@ def test_connections_beyond_the_cap_are_refused_and_the_endpoint_keeps_serving(
         got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
         assert dst.last_recv_path == "same-host"
         assert_same(state, got)
+
+
+def test_a_checkpoint_without_data_is_delivered_to_a_same_host_receiver_only_once_it_has_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkpoint with no tensor bytes (a state dict of plain values) is, over HTTP, all in
+    its metadata answer; on the same-host path the receiver still reads its answer over the
+    source's socket. The source may count that receiver, and release the checkpoint, only once
+    its transfer ended: counted at the answer, the release could come before the transfer
+    claimed the checkpoint, and the receiver was told it was withdrawn."""
+    in_transfer = threading.Event()
+    go_on = threading.Event()
+    real_serve_data = same_host_source.SameHostSource._serve_data
+
+    def held_serve_data(self: Any, *args: Any) -> None:
+        in_transfer.set()
+        go_on.wait(10)
+        real_serve_data(self, *args)
+
+    monkeypatch.setattr(same_host_source.SameHostSource, "_serve_data", held_serve_data)
+    state = {"step": 3, "name": "no tensors here"}
+    src = transport()
+    try:
+        with transport() as dst:
+            src.send_checkpoint([1], 3, state, TO)
+            run = run_in_thread(lambda: dst.recv_checkpoint(0, src.metadata(), 3, TO))
+            assert in_transfer.wait(10)
+            assert not src.wait_delivered(3, 1, timedelta(seconds=0.2))
+            go_on.set()
+            assert src.wait_delivered(3, 1, TO)
+            run["thread"].join(10)
+            assert "error" not in run, run
+            assert dst.last_recv_path == "same-host"
+            assert run["value"] == state
+    finally:
+        go_on.set()
+        src.shutdown()
