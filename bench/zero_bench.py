@@ -244,7 +244,7 @@ def overlap_worker(rank: int, world: int, port: int, args) -> None:
         report = {
             "world": world,
             "params": sum(p.numel() for p in base.parameters()),
-            "buckets": len(runs["ft_overlap"][2]._overlap_info.params_per_bucket),
+            "buckets": len(runs["ft_overlap"][2].overlap.info.params_per_bucket),
             "ft_vs_torch_overlap_bitwise": bool(same_t.item()),
             "configs": {},
         }

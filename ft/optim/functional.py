@@ -37,7 +37,7 @@ an error naming the list instead of being silently truncated by ``zip``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -55,6 +55,9 @@ from torch.optim.sgd import sgd as _sgd
 __all__ = [
     "as_functional_optim",
     "register_functional_optim",
+    "registered_functional_optim",
+    "registered_functional_classes",
+    "FunctionalOptimizer",
     "functional_adam",
     "functional_adamw",
     "functional_sgd",
@@ -498,7 +501,7 @@ def _zeros(param: Tensor) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-class _FunctionalOptimizer:
+class FunctionalOptimizer:
     """One param group, state keyed by parameter, stepped with explicit gradients."""
 
     defaults: Dict[str, Any]
@@ -534,6 +537,7 @@ class _FunctionalOptimizer:
     ) -> None:
         # Every parameter's state has the same keys: the options that decide them are fixed.
         lists = [[s[k] for s in states] if k in states[0] else [] for k in self._state_lists]
+        # Through the class: ``_functional`` is a staticmethod declared by each subclass.
         type(self)._functional(params, grads, *lists, **self._options())
 
     def _states(self, params: List[Tensor], grads: List[Tensor]) -> List[Dict[str, Tensor]]:
@@ -545,11 +549,17 @@ class _FunctionalOptimizer:
             out.append(st)
         return out
 
+    def step_params(self, params: List[Tensor], grads: List[Tensor]) -> None:
+        """Updates ``params`` (any of this optimizer's parameters) with ``grads``, creating
+        their state on first use. The cost is that of ``params`` alone: ZeRO's overlapped step
+        updates one DDP bucket's share at a time with it."""
+        self._update(params, grads, self._states(params, grads))
+
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Updates ``param`` alone with ``grad`` (no-op for None)."""
         if grad is None:
             return
-        self._update([param], [grad], self._states([param], [grad]))
+        self.step_params([param], [grad])
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Updates ``param_group["params"]``; ``gradients[i]`` (or None) belongs to params[i]."""
@@ -563,15 +573,13 @@ class _FunctionalOptimizer:
         with_grad = [(p, g) for p, g in zip(params, gradients) if g is not None]
         if not with_grad:
             return
-        ps = [p for p, _ in with_grad]
-        gs = [g for _, g in with_grad]
-        self._update(ps, gs, self._states(ps, gs))
+        self.step_params([p for p, _ in with_grad], [g for _, g in with_grad])
 
     def __repr__(self) -> str:
         return f"ft.optim.{type(self).__name__}({self.defaults})"
 
 
-class _AdamBase(_FunctionalOptimizer):
+class _AdamBase(FunctionalOptimizer):
     _state_lists = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
     _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
     _options_from_attributes = ("amsgrad", "maximize", "foreach", "fused")
@@ -678,7 +686,7 @@ class FunctionalAdamW(_AdamBase):
         )
 
 
-class FunctionalSGD(_FunctionalOptimizer):
+class FunctionalSGD(FunctionalOptimizer):
     """Functional ``torch.optim.SGD`` (torch's ``_FunctionalSGD`` arguments).
 
     ``state[p]`` is empty until a step with ``momentum > 0`` creates ``momentum_buffer``.
@@ -739,7 +747,7 @@ class FunctionalSGD(_FunctionalOptimizer):
                 s["momentum_buffer"] = b
 
 
-class FunctionalRMSprop(_FunctionalOptimizer):
+class FunctionalRMSprop(FunctionalOptimizer):
     """Functional ``torch.optim.RMSprop`` (torch's ``_FunctionalRMSprop`` arguments)."""
 
     _functional = staticmethod(functional_rmsprop)
@@ -786,7 +794,7 @@ class FunctionalRMSprop(_FunctionalOptimizer):
         return st
 
 
-class FunctionalAdagrad(_FunctionalOptimizer):
+class FunctionalAdagrad(FunctionalOptimizer):
     """Functional ``torch.optim.Adagrad`` (torch's ``_FunctionalAdagrad`` arguments).
 
     As in torch, the parameters given to the constructor get their state at once;
@@ -851,7 +859,7 @@ class FunctionalAdagrad(_FunctionalOptimizer):
         }
 
 
-class FunctionalAdadelta(_FunctionalOptimizer):
+class FunctionalAdadelta(FunctionalOptimizer):
     """Functional ``torch.optim.Adadelta`` (torch's ``_FunctionalAdadelta`` arguments)."""
 
     _functional = staticmethod(functional_adadelta)
@@ -886,7 +894,7 @@ class FunctionalAdadelta(_FunctionalOptimizer):
         }
 
 
-class FunctionalAdamax(_FunctionalOptimizer):
+class FunctionalAdamax(FunctionalOptimizer):
     """Functional ``torch.optim.Adamax`` (torch's ``_FunctionalAdamax`` arguments; note its
     default ``lr`` is 1e-3, where ``torch.optim.Adamax``'s is 2e-3)."""
 
@@ -925,7 +933,7 @@ class FunctionalAdamax(_FunctionalOptimizer):
         }
 
 
-class FunctionalRprop(_FunctionalOptimizer):
+class FunctionalRprop(FunctionalOptimizer):
     """Functional ``torch.optim.Rprop`` (torch's ``_FunctionalRprop`` arguments)."""
 
     _functional = staticmethod(functional_rprop)
@@ -991,6 +999,17 @@ def register_functional_optim(key: Any, optim: type) -> None:
     """Maps ``key`` (usually an optimizer class) to a functional optimizer class for
     :func:`as_functional_optim`; an existing mapping is kept, as in torch."""
     _FUNCTIONAL_OPTIMS.setdefault(key, optim)
+
+
+def registered_functional_optim(key: Any) -> Optional[type]:
+    """The functional optimizer class registered for ``key`` (see
+    :func:`register_functional_optim`), or None; ``TypeError`` for an unhashable ``key``."""
+    return _FUNCTIONAL_OPTIMS.get(key)
+
+
+def registered_functional_classes() -> Set[type]:
+    """Every functional optimizer class registered here."""
+    return {c for c in _FUNCTIONAL_OPTIMS.values() if isinstance(c, type)}
 
 
 def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:

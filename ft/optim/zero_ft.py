@@ -143,7 +143,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from ft.optim.partition import Partition, buddy_rank, partition_params
-from ft.optim.zero import check_optimizer_class
+from ft.optim.zero_local import check_optimizer_class
 from ft.protocols import ManagerLike
 from ft.utils.tensors import clone_state
 
@@ -730,7 +730,7 @@ class FaultTolerantZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _ov_stage(self, index: int) -> None:
         """Step the owned and standby parameters of bucket ``index`` into staging (waiting for
         its averaged gradient), then start the exchange of its owned parameters."""
-        from ft.optim.zero import _bucket_gradients
+        from ft.optim.zero_overlap import bucket_gradients as _bucket_gradients
 
         b, bucket, fut = self._ov_pending.pop(index)
         self._ov_done.append(index)

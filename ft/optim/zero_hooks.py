@@ -71,7 +71,7 @@ def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
             "zero must be an ft.optim.ZeroRedundancyOptimizer, got "
             f"{type(zero).__module__}.{type(zero).__qualname__}"
         )
-    if not zero._overlaps_ddp:
+    if zero.overlap is None:
         raise ValueError(
             "ZeroRedundancyOptimizer must be constructed with "
             "overlap_with_ddp=True to be stepped by a DDP hook"
@@ -100,13 +100,7 @@ def _check(hook: Any, ddp: Any, zero: Any, shard_buckets: bool) -> None:
             f"DDP reduces over {ddp_size} rank(s) but the ZeroRedundancyOptimizer shards over "
             f"{zero.world_size}: both must use the same ranks"
         )
-    info = zero._overlap_info
-    if info.status != 0 and bool(shard_buckets) != info.shard_buckets:
-        raise ValueError(
-            "the buckets of this ZeroRedundancyOptimizer are already assigned with "
-            f"shard_buckets={info.shard_buckets}"
-        )
-    info.shard_buckets = bool(shard_buckets)
+    zero.overlap.use_shard_buckets(bool(shard_buckets))
 
 
 def hook_with_zero_step(
@@ -124,19 +118,20 @@ def hook_with_zero_step(
     """
     _check(hook, ddp, zero, shard_buckets)
     ddp_ref = weakref.ref(ddp)
+    overlap = zero.overlap
 
     def hook_with_zero_fn(
         state: Any, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         fut = hook(state, bucket)
-        if not zero._overlap_prepare(ddp_ref(), bucket):
+        if not overlap.prepare(ddp_ref(), bucket):
             return fut
-        zero._overlap_record(bucket, fut)
+        overlap.record(bucket, fut)
         if not bucket.is_last():
             return fut
         for index in range(bucket.index() + 1):
-            zero._overlap_step_bucket(index)
-        zero._overlap_finish_iteration()
+            overlap.step_bucket(index)
+        overlap.finish_iteration()
         return fut
 
     return hook_with_zero_fn
@@ -157,20 +152,21 @@ def hook_with_zero_step_interleaved(
     """
     _check(hook, ddp, zero, shard_buckets)
     ddp_ref = weakref.ref(ddp)
+    overlap = zero.overlap
 
     def hook_with_zero_interleaved_fn(
         state: Any, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         fut = hook(state, bucket)
-        if not zero._overlap_prepare(ddp_ref(), bucket):
+        if not overlap.prepare(ddp_ref(), bucket):
             return fut
-        zero._overlap_record(bucket, fut)
+        overlap.record(bucket, fut)
         index = bucket.index()
         if index > 0:
-            zero._overlap_step_bucket(index - 1)
+            overlap.step_bucket(index - 1)
         if bucket.is_last():
-            zero._overlap_step_bucket(index)
-            zero._overlap_finish_iteration()
+            overlap.step_bucket(index)
+            overlap.finish_iteration()
         return fut
 
     return hook_with_zero_interleaved_fn

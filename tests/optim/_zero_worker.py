@@ -305,10 +305,10 @@ def scenario_overlap(rank: int, world: int, out: Path, backend: str) -> dict:
                     lr_change_at=3,
                 )
                 r = compare(m, ref)
-                r["status"] = int(z._overlap_info.status)
-                r["assignments"] = z._overlap_info.num_bucket_assignments
-                r["buckets"] = len(z._overlap_info.params_per_bucket)
-                r["local_numel"] = sum(p.numel() for p in z._overlap_info.params_per_rank[rank])
+                r["status"] = int(z.overlap.info.status)
+                r["assignments"] = z.overlap.info.num_bucket_assignments
+                r["buckets"] = len(z.overlap.info.params_per_bucket)
+                r["local_numel"] = sum(p.numel() for p in z.overlap.info.params_per_rank[rank])
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     r["step_returns"] = z.step()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ft.optim import ZeroRedundancyOptimizer
-from ft.optim.zero import _assign_buckets
+from ft.optim.zero_overlap import assign_buckets
 
 WORLD = 2
 
@@ -194,7 +194,7 @@ def test_one_rank_overlap_follows_lr_and_trainability(pg1, interleaved):
     ],
 )
 def test_assign_buckets(numels, world, shard, want):
-    assert _assign_buckets(numels, world, shard) == want
+    assert assign_buckets(numels, world, shard) == want
 
 
 @pytest.mark.parametrize("which", ["ft", "torch"])
