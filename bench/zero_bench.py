@@ -522,13 +522,17 @@ def ft_iteration_times(world: int, iters: int, args) -> None:
             m, ddp, opt = runs[c]
             out[(c, r)] = m.current_step()
             if c == "overlap_interleaved":
-                ov = sum(b.xbuf.numel() * b.xbuf.element_size() for b in opt._ov_buckets.values())
+                ov = sum(
+                    b.xbuf.numel() * b.xbuf.element_size() for b in opt.overlap.buckets.values()
+                )
                 ov += sum(
-                    t.numel() * t.element_size() for bo in opt._ov_opts.values() for t in bo.sb_t
+                    t.numel() * t.element_size()
+                    for bo in opt.overlap.opts.values()
+                    for t in bo.sb_t
                 )
                 out[("extra", r)] = ov
                 out[("held", r)] = opt.state_bytes()
-                out[("buckets", r)] = len(opt._ov_buckets)
+                out[("buckets", r)] = len(opt.overlap.buckets)
             m.shutdown(wait=False)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]

@@ -160,6 +160,8 @@ class _LocalOptimizer:
                     else:
                         state.pop(p, None)
                 self._set_hyper(old_hyper)
+            # torch's in-place version counter (no public equivalent): commit() uses it to
+            # see whether a parameter was written after this prepare.
             self._pending = _Prepared(
                 token, new_values, new_state, new_hyper, [p._version for p in self.params]
             )
@@ -173,7 +175,7 @@ class _LocalOptimizer:
                     f"another prepare, or never arrived)"
                 )
             self._pending = None
-            moved = [
+            moved = [  # torch's version counter, as in prepare()
                 i for i, (p, v) in enumerate(zip(self.params, pending.versions)) if p._version != v
             ]
             if moved:

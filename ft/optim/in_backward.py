@@ -170,6 +170,7 @@ _get_in_backward_optimizers = get_in_backward_optimizers
 
 
 def _optimizers(param: torch.Tensor) -> List[torch.optim.Optimizer]:
+    # torch's attribute name (set above), which torch's own helpers read too.
     return param._in_backward_optimizers  # type: ignore[attr-defined,no-any-return]
 
 

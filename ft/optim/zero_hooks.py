@@ -203,7 +203,12 @@ class FaultTolerantZeroDDP(FtDDP):
             )
         if zero.manager is not manager:
             raise ValueError("zero must use the same Manager as the DDP")
-        zero._ov_attach(self)
+        if zero.overlap is None:
+            raise ValueError(
+                "FaultTolerantZeroRedundancyOptimizer must be constructed with "
+                "overlap_with_ddp=True to be stepped by FaultTolerantZeroDDP"
+            )
+        zero.overlap.attach(self)
         super().__init__(manager, module, **kwargs)
         self._ft_zero = zero
         self._ft_interleaved = bool(interleaved)
@@ -213,6 +218,7 @@ class FaultTolerantZeroDDP(FtDDP):
     def _comm_hook(  # type: ignore[override]
         self, state: Any, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
+        # The overridden hook itself: ft.ddp registers only its own ``_comm_hook``.
         fut = FtDDP._comm_hook(state, bucket)
-        self._ft_zero._overlap_bucket_ready(bucket, fut, self._ft_interleaved)
+        self._ft_zero.overlap.bucket_ready(bucket, fut, self._ft_interleaved)
         return fut

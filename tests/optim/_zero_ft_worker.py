@@ -110,7 +110,7 @@ def train(
         step = manager.current_step()
         x, y = batch(step)
         torch.nn.functional.mse_loss(ddp(x), y).backward()
-        staged = len(opt._ov_done)  # buckets staged during backward (overlap)
+        staged = len(opt.overlap.done) if overlap else 0  # buckets staged during backward
         if step_sleep:
             time.sleep(step_sleep)
         opt.step()

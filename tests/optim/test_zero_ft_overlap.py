@@ -73,7 +73,7 @@ def run_pair(
             # alone in the last bucket) is being computed: the overlap with backward itself.
             mid: List[int] = []
             if overlap:
-                model[0].weight.register_hook(lambda g: mid.append(len(opt._ov_done)))
+                model[0].weight.register_hook(lambda g: mid.append(len(opt.overlap.done)))
             for it in range(STEPS):
                 opt.zero_grad()
                 x, y = batch(m.current_step(), r)
@@ -81,7 +81,7 @@ def run_pair(
                 if it == local_error_at and r == 0:
                     m.report_error(RuntimeError("injected: a NaN loss seen by this group only"))
                 loss.backward()
-                staged_in_backward.append(len(opt._ov_done) if overlap else 0)
+                staged_in_backward.append(len(opt.overlap.done) if overlap else 0)
                 real = m.should_commit
                 if it == fail_at:
 
