@@ -34,13 +34,15 @@ class ManagedProcessGroup(ProcessGroupWrapper):
     """The Manager's replica group as a process group: ``allreduce`` goes through
     :meth:`ft.Manager.allreduce` (so failures are reported to the Manager, never raised, and
     AVG divides by the participants), ``size()`` is the number of participants. Other ops go
-    straight to the Manager's group (``manager._pg``).
+    straight to the Manager's group, its ``parent``.
 
     ft addition: ``allreduce`` of several tensors (one Manager allreduce each); torchft takes
     exactly one.
     """
 
     def __init__(self, manager: "Manager") -> None:
+        # ``_pg``: torchft's name for the Manager's group, which ft's Manager keeps (torchft's
+        # tests set it on a live Manager); there is no public one in torchft's API.
         super().__init__(pg=manager._pg)
         self._manager = manager
 
@@ -56,4 +58,4 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         return self._manager.num_participants()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return self._manager._pg.getBackendName()
+        return self.parent.getBackendName()

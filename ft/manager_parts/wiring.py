@@ -82,8 +82,8 @@ class GroupWiring:
         self._connect_timeout = connect_timeout
         self.replica_id = replica_name
         self.lighthouse_addr = lighthouse_addr
-        self.transport = transport
         self.healer: Optional[Healer] = None
+        self.transport = transport
         self.store: Optional[dist.Store] = None
         self.store_addr = ""
         self.store_port = 0
@@ -117,6 +117,18 @@ class GroupWiring:
         except BaseException:
             self.close(wait=False)
             raise
+
+    @property
+    def transport(self) -> Optional[CheckpointTransport[Dict[str, Any]]]:
+        """The checkpoint transport heals go through; one assigned later (torchft's tests
+        replace it) goes to the Healer too, so the next heal uses it and ``close`` ends it."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, transport: Optional[CheckpointTransport[Dict[str, Any]]]) -> None:
+        self._transport = transport
+        if self.healer is not None and transport is not None:
+            self.healer.transport = transport
 
     def _connect_clients(
         self,

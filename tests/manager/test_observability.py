@@ -125,7 +125,7 @@ def test_a_torchft_style_process_group_gets_only_the_four_arguments() -> None:
     lh = lighthouse(min_replicas=1)
     m = make_manager(lh.address(), "g0", use_async_quorum=False)
     m._pg = FourArgs()
-    from ft.manager import _keyword_parameters
+    from ft.manager_parts.group_rebuild import keyword_parameters as _keyword_parameters
 
     m._pg_configure_takes = _keyword_parameters(m._pg.configure)
     try:

@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 import ft
 from ft.backend.process_group import ProcessGroupDummy, can_reconfigure
-from ft.manager import Manager, _configures, _group_error
+from ft.manager import Manager
+from ft.manager_parts.group_rebuild import configures as _configures
+from ft.manager_parts.group_rebuild import group_error as _group_error
 
 TARGET = "tests.manager.reconfigure_workers:reconfigure_only_replica"
 
