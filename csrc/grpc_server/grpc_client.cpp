@@ -1123,6 +1123,235 @@ class ClientChannel {
   std::shared_ptr<grpc::GenericStub> stub_;
 };
 
+// What a load run counts (LoadGenerator's contract below).
+struct LoadResult {
+  uint64_t sent = 0;
+  uint64_t ok = 0;
+  uint64_t failed = 0;
+  uint64_t streamsFailed = 0;
+  double sendS = 0;
+  std::string firstError;
+};
+
+// The heartbeat-stream load of one LoadGenerator::run_streams (its contract
+// below): one client-streaming call per connection, opened before the clock
+// starts, the messages written on schedule (one due while its stream still
+// writes the previous one goes out right after it), every stream closed after
+// the last one and collected before the queue goes. One thread, GIL released.
+class StreamedLoad {
+ public:
+  StreamedLoad(
+      const std::vector<std::unique_ptr<grpc::GenericStub>>& stubs,
+      const std::string& method,
+      const std::vector<grpc::ByteBuffer>& requests)
+      : stubs_(stubs), method_(method), requests_(requests) {}
+
+ private:
+  // One heartbeat stream and its operations' tags (each op's tag is its own
+  // address; the op knows its stream).
+  struct Stream;
+  struct StreamOp {
+    Stream* stream;
+    enum Kind { kStart, kRead, kWrite, kWritesDone, kFinish } kind;
+  };
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
+    grpc::ByteBuffer response;
+    grpc::Status status;
+    StreamOp start{this, StreamOp::kStart};
+    StreamOp read{this, StreamOp::kRead};
+    StreamOp write{this, StreamOp::kWrite};
+    StreamOp writesDone{this, StreamOp::kWritesDone};
+    StreamOp finish{this, StreamOp::kFinish};
+    bool started = false;
+    bool broken = false;
+    bool writing = false;
+    bool closing = false;
+    bool finished = false;
+    bool finishIssued = false;
+    // The answer (or the stream's end) was read; gRPC wants that before
+    // Finish. Posted at start, so that a stream the server ends early is seen.
+    bool readDone = false;
+    uint64_t backlog = 0; // messages due while writing
+    size_t next = 0;      // which request goes next
+  };
+
+ public:
+  LoadResult run(double rate, double durationS, double timeoutS) {
+    const std::vector<grpc::ByteBuffer>& requests = requests_;
+    LoadResult r;
+    grpc::CompletionQueue cq;
+    std::vector<std::unique_ptr<Stream>> streams;
+    size_t openOps = 0; // operations started and not yet completed
+    auto startWrite = [&](Stream* s) {
+      s->writing = true;
+      ++openOps;
+      s->rw->Write(requests[s->next++ % requests.size()], &s->write);
+    };
+    auto issueFinish = [&](Stream* s) {
+      s->finishIssued = true;
+      ++openOps;
+      s->rw->Finish(&s->status, &s->finish);
+    };
+    auto closeStream = [&](Stream* s) {
+      s->closing = true;
+      if (!s->broken) {
+        ++openOps;
+        s->rw->WritesDone(&s->writesDone);
+      }
+      if (s->readDone)
+        issueFinish(s);
+    };
+    bool allSent = false;
+    auto handle = [&](void* tag, bool ok) {
+      --openOps;
+      auto* op = static_cast<StreamOp*>(tag);
+      Stream* s = op->stream;
+      switch (op->kind) {
+        case StreamOp::kStart:
+          s->started = ok;
+          s->broken = !ok;
+          if (ok) {
+            ++openOps;
+            s->rw->Read(&s->response, &s->read);
+          } else {
+            s->readDone = true;
+          }
+          break;
+        case StreamOp::kRead:
+          s->readDone = true;
+          if (s->closing && !s->finishIssued)
+            issueFinish(s);
+          break;
+        case StreamOp::kWrite:
+          s->writing = false;
+          if (ok) {
+            ++r.ok;
+          } else {
+            ++r.failed;
+            s->broken = true;
+          }
+          if (s->backlog > 0 && !s->broken) {
+            --s->backlog;
+            startWrite(s);
+          } else if (s->broken) {
+            r.failed += s->backlog;
+            s->backlog = 0;
+          }
+          if (allSent && !s->writing && !s->closing)
+            closeStream(s);
+          break;
+        case StreamOp::kWritesDone:
+          break;
+        case StreamOp::kFinish:
+          s->finished = true;
+          if (!s->status.ok() && r.streamsFailed++ == 0)
+            r.firstError = std::to_string(s->status.error_code()) + ": " +
+                s->status.error_message();
+          break;
+      }
+    };
+    // Takes the completions until `until` (sleeps when none can come).
+    auto reap = [&](Clock::time_point until) {
+      void* tag = nullptr;
+      bool ok = false;
+      while (Clock::now() < until) {
+        if (openOps == 0) {
+          std::this_thread::sleep_until(until);
+          return;
+        }
+        if (cq.AsyncNext(&tag, &ok, until) != grpc::CompletionQueue::GOT_EVENT)
+          return;
+        handle(tag, ok);
+      }
+    };
+    const auto connectBy = deadlineAfter(timeoutS);
+    for (auto& stub : stubs_) {
+      auto s = std::make_unique<Stream>();
+      s->rw = stub->PrepareCall(&s->ctx, method_, &cq);
+      ++openOps;
+      s->rw->StartCall(&s->start);
+      streams.push_back(std::move(s));
+    }
+    size_t started = 0;
+    while (started < streams.size() && Clock::now() < connectBy) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, connectBy) !=
+          grpc::CompletionQueue::GOT_EVENT)
+        break;
+      if (static_cast<StreamOp*>(tag)->kind == StreamOp::kStart)
+        ++started;
+      handle(tag, ok);
+    }
+    const uint64_t total = static_cast<uint64_t>(rate * durationS);
+    const auto start = Clock::now();
+    const auto interval = std::chrono::duration<double>(1.0 / rate);
+    for (uint64_t i = 0; i < total; ++i) {
+      const auto due = start +
+          std::chrono::duration_cast<Clock::duration>(
+                           interval * static_cast<double>(i));
+      if (Clock::now() < due)
+        reap(due);
+      Stream* s = streams[i % streams.size()].get();
+      ++r.sent;
+      if (!s->started || s->broken) {
+        ++r.failed;
+      } else if (s->writing) {
+        ++s->backlog;
+      } else {
+        startWrite(s);
+      }
+    }
+    r.sendS = std::chrono::duration<double>(Clock::now() - start).count();
+    allSent = true;
+    for (auto& s : streams) {
+      if (!s->writing && !s->closing && s->started)
+        closeStream(s.get());
+    }
+    const auto giveUp = deadlineAfter(timeoutS) + kPastDeadlineGrace;
+    while (openOps > 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, giveUp) != grpc::CompletionQueue::GOT_EVENT)
+        break;
+      handle(tag, ok);
+    }
+    // Whatever gRPC did not end by now: cancel, then collect everything
+    // before the queue and the streams go.
+    for (auto& s : streams) {
+      if (!s->finished)
+        s->ctx.TryCancel();
+      if (s->started && !s->closing)
+        closeStream(s.get());
+    }
+    while (openOps > 0) {
+      void* tag = nullptr;
+      bool ok = false;
+      if (cq.AsyncNext(&tag, &ok, Clock::now() + kCancelGrace) !=
+          grpc::CompletionQueue::GOT_EVENT)
+        break;
+      handle(tag, ok);
+    }
+    for (auto& s : streams) {
+      if (!s->finished && r.streamsFailed++ == 0)
+        r.firstError = "stream did not end";
+    }
+    cq.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq.Next(&tag, &ok)) {
+    }
+    return r;
+  }
+
+ private:
+  const std::vector<std::unique_ptr<grpc::GenericStub>>& stubs_;
+  const std::string& method_;
+  const std::vector<grpc::ByteBuffer>& requests_;
+};
+
 // Open-loop load for benchmarks (bench/quorum_vs_torchft.py): the heartbeats of
 // a thousand replica groups, 10,240 a second, which Python threads cannot send
 // from one machine.
@@ -1226,15 +1455,7 @@ class LoadGenerator {
     return out;
   }
 
-  struct Result {
-    uint64_t sent = 0;
-    uint64_t ok = 0;
-    uint64_t failed = 0;
-    uint64_t streamsFailed = 0;
-    double sendS = 0;
-    std::string firstError;
-  };
-
+  using Result = LoadResult;
   using Sender = Result (LoadGenerator::*)(
       const std::string&,
       const std::vector<grpc::ByteBuffer>&,
@@ -1271,206 +1492,14 @@ class LoadGenerator {
     return out;
   }
 
-  // One heartbeat stream and its operations' tags (each op's tag is its own
-  // address; the op knows its stream).
-  struct Stream;
-  struct StreamOp {
-    Stream* stream;
-    enum Kind { kStart, kRead, kWrite, kWritesDone, kFinish } kind;
-  };
-  struct Stream {
-    grpc::ClientContext ctx;
-    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
-    grpc::ByteBuffer response;
-    grpc::Status status;
-    StreamOp start{this, StreamOp::kStart};
-    StreamOp read{this, StreamOp::kRead};
-    StreamOp write{this, StreamOp::kWrite};
-    StreamOp writesDone{this, StreamOp::kWritesDone};
-    StreamOp finish{this, StreamOp::kFinish};
-    bool started = false;
-    bool broken = false;
-    bool writing = false;
-    bool closing = false;
-    bool finished = false;
-    bool finishIssued = false;
-    // The answer (or the stream's end) was read; gRPC wants that before
-    // Finish. Posted at start, so that a stream the server ends early is seen.
-    bool readDone = false;
-    uint64_t backlog = 0; // messages due while writing
-    size_t next = 0;      // which request goes next
-  };
-
   Result sendOnStreams(
       const std::string& method,
       const std::vector<grpc::ByteBuffer>& requests,
       double rate,
       double durationS,
       double timeoutS) {
-    Result r;
-    grpc::CompletionQueue cq;
-    std::vector<std::unique_ptr<Stream>> streams;
-    size_t openOps = 0; // operations started and not yet completed
-    auto startWrite = [&](Stream* s) {
-      s->writing = true;
-      ++openOps;
-      s->rw->Write(requests[s->next++ % requests.size()], &s->write);
-    };
-    auto issueFinish = [&](Stream* s) {
-      s->finishIssued = true;
-      ++openOps;
-      s->rw->Finish(&s->status, &s->finish);
-    };
-    auto closeStream = [&](Stream* s) {
-      s->closing = true;
-      if (!s->broken) {
-        ++openOps;
-        s->rw->WritesDone(&s->writesDone);
-      }
-      if (s->readDone)
-        issueFinish(s);
-    };
-    bool allSent = false;
-    auto handle = [&](void* tag, bool ok) {
-      --openOps;
-      auto* op = static_cast<StreamOp*>(tag);
-      Stream* s = op->stream;
-      switch (op->kind) {
-        case StreamOp::kStart:
-          s->started = ok;
-          s->broken = !ok;
-          if (ok) {
-            ++openOps;
-            s->rw->Read(&s->response, &s->read);
-          } else {
-            s->readDone = true;
-          }
-          break;
-        case StreamOp::kRead:
-          s->readDone = true;
-          if (s->closing && !s->finishIssued)
-            issueFinish(s);
-          break;
-        case StreamOp::kWrite:
-          s->writing = false;
-          if (ok) {
-            ++r.ok;
-          } else {
-            ++r.failed;
-            s->broken = true;
-          }
-          if (s->backlog > 0 && !s->broken) {
-            --s->backlog;
-            startWrite(s);
-          } else if (s->broken) {
-            r.failed += s->backlog;
-            s->backlog = 0;
-          }
-          if (allSent && !s->writing && !s->closing)
-            closeStream(s);
-          break;
-        case StreamOp::kWritesDone:
-          break;
-        case StreamOp::kFinish:
-          s->finished = true;
-          if (!s->status.ok() && r.streamsFailed++ == 0)
-            r.firstError = std::to_string(s->status.error_code()) + ": " +
-                s->status.error_message();
-          break;
-      }
-    };
-    // Takes the completions until `until` (sleeps when none can come).
-    auto reap = [&](Clock::time_point until) {
-      void* tag = nullptr;
-      bool ok = false;
-      while (Clock::now() < until) {
-        if (openOps == 0) {
-          std::this_thread::sleep_until(until);
-          return;
-        }
-        if (cq.AsyncNext(&tag, &ok, until) != grpc::CompletionQueue::GOT_EVENT)
-          return;
-        handle(tag, ok);
-      }
-    };
-    const auto connectBy = deadlineAfter(timeoutS);
-    for (auto& stub : stubs_) {
-      auto s = std::make_unique<Stream>();
-      s->rw = stub->PrepareCall(&s->ctx, method, &cq);
-      ++openOps;
-      s->rw->StartCall(&s->start);
-      streams.push_back(std::move(s));
-    }
-    size_t started = 0;
-    while (started < streams.size() && Clock::now() < connectBy) {
-      void* tag = nullptr;
-      bool ok = false;
-      if (cq.AsyncNext(&tag, &ok, connectBy) !=
-          grpc::CompletionQueue::GOT_EVENT)
-        break;
-      if (static_cast<StreamOp*>(tag)->kind == StreamOp::kStart)
-        ++started;
-      handle(tag, ok);
-    }
-    const uint64_t total = static_cast<uint64_t>(rate * durationS);
-    const auto start = Clock::now();
-    const auto interval = std::chrono::duration<double>(1.0 / rate);
-    for (uint64_t i = 0; i < total; ++i) {
-      const auto due = start +
-          std::chrono::duration_cast<Clock::duration>(
-                           interval * static_cast<double>(i));
-      if (Clock::now() < due)
-        reap(due);
-      Stream* s = streams[i % streams.size()].get();
-      ++r.sent;
-      if (!s->started || s->broken) {
-        ++r.failed;
-      } else if (s->writing) {
-        ++s->backlog;
-      } else {
-        startWrite(s);
-      }
-    }
-    r.sendS = std::chrono::duration<double>(Clock::now() - start).count();
-    allSent = true;
-    for (auto& s : streams) {
-      if (!s->writing && !s->closing && s->started)
-        closeStream(s.get());
-    }
-    const auto giveUp = deadlineAfter(timeoutS) + kPastDeadlineGrace;
-    while (openOps > 0) {
-      void* tag = nullptr;
-      bool ok = false;
-      if (cq.AsyncNext(&tag, &ok, giveUp) != grpc::CompletionQueue::GOT_EVENT)
-        break;
-      handle(tag, ok);
-    }
-    // Whatever gRPC did not end by now: cancel, then collect everything
-    // before the queue and the streams go.
-    for (auto& s : streams) {
-      if (!s->finished)
-        s->ctx.TryCancel();
-      if (s->started && !s->closing)
-        closeStream(s.get());
-    }
-    while (openOps > 0) {
-      void* tag = nullptr;
-      bool ok = false;
-      if (cq.AsyncNext(&tag, &ok, Clock::now() + kCancelGrace) !=
-          grpc::CompletionQueue::GOT_EVENT)
-        break;
-      handle(tag, ok);
-    }
-    for (auto& s : streams) {
-      if (!s->finished && r.streamsFailed++ == 0)
-        r.firstError = "stream did not end";
-    }
-    cq.Shutdown();
-    void* tag = nullptr;
-    bool ok = false;
-    while (cq.Next(&tag, &ok)) {
-    }
-    return r;
+    return StreamedLoad(stubs_, method, requests)
+        .run(rate, durationS, timeoutS);
   }
 
   struct Pending {
