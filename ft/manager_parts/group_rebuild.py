@@ -72,6 +72,7 @@ def group_error(pg: Any) -> Optional[Exception]:
             continue
         get_error = getattr(backend, "get_error", None)
         error = get_error() if get_error is not None else None
+        # torch exports the backend error type only from its C module
         if error is not None and error != torch._C._distributed_c10d.ErrorType.SUCCESS:
             return dist.DistBackendError(f"the process group's {device} backend reports {error}")
     return None

@@ -206,6 +206,7 @@ class Healer:
         ]
         if striped is None or not helpers:
             peer = self._peer_client(quorum.recover_src_manager_address)
+            # torchft's name for the ManagerClient call (a stand-in written for it works here)
             metadata = peer._checkpoint_metadata(group_rank, timeout=timeout)
             metadata_s = time.monotonic() - t0
             state = self.transport.recv_checkpoint(
@@ -233,6 +234,7 @@ class Healer:
 
         def ask(i: int) -> None:
             try:
+                # torchft's name for the ManagerClient call, as above
                 answers[i] = clients[i]._checkpoint_metadata(group_rank, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - judged below
                 errors[i] = e

@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 
 from ft.collectives import allreduce_quantized
 from ft.utils.deadline import Deadline, to_seconds
-from ft.work import _DummyWork
+from ft.work import _DummyWork  # torchft's name for a Work that already succeeded
 
 __all__ = [
     "ManagedWork",

@@ -162,9 +162,8 @@ class _LocalOptimizer:
                 self._set_hyper(old_hyper)
             # torch's in-place version counter (no public equivalent): commit() uses it to
             # see whether a parameter was written after this prepare.
-            self._pending = _Prepared(
-                token, new_values, new_state, new_hyper, [p._version for p in self.params]
-            )
+            versions = [p._version for p in self.params]  # torch's counter, as said above
+            self._pending = _Prepared(token, new_values, new_state, new_hyper, versions)
 
     def commit(self, token: str) -> None:
         with self._lock:
@@ -175,9 +174,9 @@ class _LocalOptimizer:
                     f"another prepare, or never arrived)"
                 )
             self._pending = None
-            moved = [  # torch's version counter, as in prepare()
-                i for i, (p, v) in enumerate(zip(self.params, pending.versions)) if p._version != v
-            ]
+            # torch's version counter, as in prepare()
+            now = [p._version for p in self.params]
+            moved = [i for i, (v, w) in enumerate(zip(now, pending.versions)) if v != w]
             if moved:
                 raise RuntimeError(
                     f"parameters {moved} of this owner were written between prepare and commit "
