@@ -11,74 +11,41 @@ from __future__ import annotations
 
 import socket
 import struct
-import threading
 from typing import Callable, Dict, List, Tuple
+
+from tests.corrupting_proxy import Forward, LoopbackProxy
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _DATA = 0x0
 _PADDED = 0x8
 
 
-class RecordingProxy:
+class RecordingProxy(LoopbackProxy):
     """Listens on 127.0.0.1 (``port``) and forwards each connection to 127.0.0.1:``target``,
     keeping every byte a client sent and every byte the server answered (per connection, in
     order). ``close()`` ends it all."""
 
     def __init__(self, target_port: int) -> None:
-        self.target = target_port
-        self._lock = threading.Lock()
         self._sent: List[bytearray] = []
         self._received: List[bytearray] = []  # what the server answered, per connection
-        self._threads: List[threading.Thread] = []
-        self._socks: List[socket.socket] = []
-        self._srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self._srv.getsockname()[1]
-        self.address = f"127.0.0.1:{self.port}"
-        self._start(self._accept)
+        super().__init__(target_port)
 
-    def _start(self, target, *args) -> None:  # type: ignore[no-untyped-def]
-        t = threading.Thread(target=target, args=args, daemon=True)
-        t.start()
-        self._threads.append(t)
+    def _connected(self, client: socket.socket, server: socket.socket) -> Tuple[Forward, Forward]:
+        server.settimeout(None)
+        record, reply = bytearray(), bytearray()
+        with self._lock:
+            self._sent.append(record)
+            self._received.append(reply)
+            self._socks += [client, server]
+        return self._keeper(record), self._keeper(reply)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._srv.accept()
-            except OSError:
-                return  # closed
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target), timeout=10)
-            except OSError:
-                client.close()
-                continue
-            server.settimeout(None)
-            record, reply = bytearray(), bytearray()
+    def _keeper(self, into: bytearray) -> Forward:
+        def keep(data: bytes) -> bytes:
             with self._lock:
-                self._sent.append(record)
-                self._received.append(reply)
-                self._socks += [client, server]
-            self._start(self._pump, client, server, record)
-            self._start(self._pump, server, client, reply)
+                into.extend(data)
+            return data
 
-    def _pump(self, src: socket.socket, dst: socket.socket, record) -> None:  # type: ignore[no-untyped-def]
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if record is not None:
-                    with self._lock:
-                        record += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        return keep
 
     def transcript(self) -> bytes:
         """Every byte that crossed the proxy, both ways, connection by connection."""
@@ -93,23 +60,6 @@ class RecordingProxy:
         for data in sent:
             out += grpc_messages(data)
         return out
-
-    def close(self) -> None:
-        try:
-            self._srv.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
-        except OSError:
-            pass
-        self._srv.close()
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        for t in list(self._threads):
-            t.join(5)
 
 
 def grpc_messages(data: bytes) -> List[bytes]:

@@ -28,37 +28,11 @@ def make_test_pki(directory: str) -> dict:
     ext = os.path.join(directory, "san.ext")
     with open(ext, "w") as f:
         f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=ft test CA",
-    )
-    run(
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "host.key",
-        "-out",
-        "host.csr",
-        "-subj",
-        "/CN=localhost",
-    )
+    # a new P-256 key (unencrypted) with its request: "-x509" self-signs it (the CA)
+    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    ca = ("-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ft test CA")
+    run("req", "-x509", *new_key, *ca)
+    run("req", *new_key, "-keyout", "host.key", "-out", "host.csr", "-subj", "/CN=localhost")
     run(
         "x509",
         "-req",

@@ -182,6 +182,18 @@ def test_the_job_secret_itself_is_refused_by_the_dashboard(clean_env):
         assert kills == []
 
 
+def _dashboard_login(base: str, env: Dict[str, str]) -> subprocess.CompletedProcess:
+    """The operator's command that prints a login link for the dashboard at ``base``."""
+    return subprocess.run(
+        [sys.executable, "-m", "ft.utils.dashboard_login", base],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 def test_a_login_link_signs_in_once_and_sets_a_strict_httponly_session_cookie(clean_env, tmp_path):
     secret_file = tmp_path / "job-secret"
     secret_file.write_text(SECRET.export())
@@ -193,14 +205,7 @@ def test_a_login_link_signs_in_once_and_sets_a_strict_httponly_session_cookie(cl
         # The operator's command prints a login link; the secret stays on its host.
         env = {**child_env(), "FT_JOB_SECRET_FILE": str(secret_file)}
         env.pop("FT_JOB_SECRET", None)
-        out = subprocess.run(
-            [sys.executable, "-m", "ft.utils.dashboard_login", base],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        out = _dashboard_login(base, env)
         assert out.returncode == 0, out.stderr
         link = out.stdout.strip()
         assert link.startswith(base + "/#login=v1."), link
@@ -209,14 +214,7 @@ def test_a_login_link_signs_in_once_and_sets_a_strict_httponly_session_cookie(cl
 
         # Without a secret the command says what to set.
         env.pop("FT_JOB_SECRET_FILE")
-        out = subprocess.run(
-            [sys.executable, "-m", "ft.utils.dashboard_login", base],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        out = _dashboard_login(base, env)
         assert out.returncode == 2 and "FT_JOB_SECRET_FILE" in out.stderr, out
 
         # Signing in is an action: a cross-site page cannot do it for the browser.

@@ -120,6 +120,23 @@ def _with_token(token: str, body: bytes) -> bytes:
     return _AUTH_TAG + _varint(len(token)) + token.encode() + body
 
 
+def _assert_replays_refused_by_group(group, replica_id: str, replays, transport: str) -> None:
+    """Each captured (method, request, call stream) in ``replays`` is refused by the group's
+    ManagerServer, as a call and (native) on its call stream; the group lives on and still
+    serves its own signed calls."""
+    addr = group.address()
+    for method, data, stream in replays:
+        assert_refused(unary(addr, MS + method, data))
+        if transport == "native" and stream is not None:
+            assert_refused_on_stream(on_call_stream(addr, MS + stream, data))
+    time.sleep(0.2)
+    assert group.poll() is None, group.output()
+    with ManagerClient(
+        addr, 5.0, secret=SECRET, transport=transport, replica_id=replica_id
+    ) as rank0:
+        assert rank0.should_commit(0, 1, True, timeout=5.0)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_captured_kill_vote_and_quorum_are_refused_by_another_group_and_after_a_restart(
     children, transport
@@ -146,7 +163,6 @@ def test_a_captured_kill_vote_and_quorum_are_refused_by_another_group_and_after_
                 pass  # A may exit before it answers
         assert group_a.wait(10) != 0
         group_b = children("manager", "B", lh.address(), "1", "0.05", transport, env=env)
-        addr_b = group_b.address()
         captured = proxy_a.messages()
         kill, _ = find_signed(captured, _request(pb.KillRequest, msg="operator kill of A"))
         vote, vote_on = find_signed(captured, _request(pb.ShouldCommitRequest, step=1))
@@ -162,16 +178,7 @@ def test_a_captured_kill_vote_and_quorum_are_refused_by_another_group_and_after_
         ]
 
         # 1. To another group's ManagerServer: refused, as calls and on its call streams.
-        for method, data, stream in replays:
-            assert_refused(unary(addr_b, MS + method, data))
-            if transport == "native" and stream is not None:
-                assert_refused_on_stream(on_call_stream(addr_b, MS + stream, data))
-        time.sleep(0.2)
-        assert group_b.poll() is None, group_b.output()
-        with ManagerClient(
-            addr_b, 5.0, secret=SECRET, transport=transport, replica_id="B"
-        ) as b_rank0:
-            assert b_rank0.should_commit(0, 1, True, timeout=5.0)  # B still serves its job
+        _assert_replays_refused_by_group(group_b, "B", replays, transport)  # B still serves
 
         # 2. To the lighthouse: the native server checks every signature first (another
         # server's), grpcio finds no such method; the lighthouse's own methods refuse them too
@@ -189,17 +196,7 @@ def test_a_captured_kill_vote_and_quorum_are_refused_by_another_group_and_after_
 
         # 3. To group A restarted (same replica id, a new server life): refused.
         group_a2 = children("manager", "A", lh.address(), "1", "0.05", transport, env=env)
-        addr_a2 = group_a2.address()
-        for method, data, stream in replays:
-            assert_refused(unary(addr_a2, MS + method, data))
-            if transport == "native" and stream is not None:
-                assert_refused_on_stream(on_call_stream(addr_a2, MS + stream, data))
-        time.sleep(0.2)
-        assert group_a2.poll() is None, group_a2.output()
-        with ManagerClient(
-            addr_a2, 5.0, secret=SECRET, transport=transport, replica_id="A"
-        ) as a2_rank0:
-            assert a2_rank0.should_commit(0, 1, True, timeout=5.0)
+        _assert_replays_refused_by_group(group_a2, "A", replays, transport)
     finally:
         if proxy_a is not None:
             proxy_a.close()
