@@ -231,6 +231,7 @@ def _unpack(buf: torch.Tensor, rows: int, chunk: int, block_size: int, dtype: to
 
 def work_from_future(fut: torch.futures.Future) -> "dist.Work":
     """A torch Work that completes with `fut`."""
+    # torch has no public call that wraps a Future in a Work
     return torch._C._distributed_c10d._create_work_from_future(fut)
 
 
@@ -316,7 +317,7 @@ def _quantized_allreduce_blocking(
     q2, scale2 = quantize_blockwise(mine, block_size, dtype)
     piece = _pack(q2, scale2, 1).view(-1)
     gathered = torch.empty(world * piece.numel(), dtype=torch.uint8, device=device)
-    pg._allgather_base(gathered, piece).wait()
+    pg._allgather_base(gathered, piece).wait()  # torch's flat all-gather (one buffer)
     gq, gscale = _unpack(gathered, world, chunk, block_size, dtype)
     result = dequantize_blockwise(gq, gscale, block_size)
 

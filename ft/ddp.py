@@ -36,11 +36,13 @@ def _local_process_group() -> Tuple[ProcessGroup, Any]:
     """A size-1 process group whose ops do nothing (soaks up DDP's constructor collectives)."""
     from torch._C._distributed_c10d import FakeProcessGroup
 
+    # torch has no public way to build a group without a store: its private calls do it
     backend = FakeProcessGroup._create_internal(0, 1)
     pg = ProcessGroup(0, 1)
     for device in ("cpu", "cuda"):
+        # torch's private call (see above)
         pg._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
-    pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)  # torch's private call
     return pg, backend
 
 
@@ -71,7 +73,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         # Rebuilding here, from _build_params_for_reducer's order (see there), gives every
         # replica the same layout from step 0.
         self.reducer._push_all_rebuilt_params()
-        self.reducer._rebuild_buckets()
+        self.reducer._rebuild_buckets()  # torch's reducer: the only way to rebuild them now
         self._ft_pg = pg
         self._ft_local_backend = backend
         self._ft_manager = manager
@@ -121,6 +123,7 @@ class PureDistributedDataParallel(torch.nn.Module):
             # Runs once the whole backward pass is done: the last gradient's allreduce is
             # issued by then, and nothing reads the gradients before it returns.
             self._ft_wait_queued = True
+            # torch's only hook for "after this backward" (torch's own DDP uses it too)
             torch.autograd.Variable._execution_engine.queue_callback(self._ft_wait_all)
 
     def _ft_wait_all(self) -> None:

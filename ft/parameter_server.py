@@ -103,7 +103,7 @@ class ParameterServer(ABC):
                     self._reply(404, "text/plain; charset=utf-8", body.encode())
                     return
                 session_id = str(uuid.uuid4())
-                store_addr = f"{_bracket(ps._advertise)}:{ps.store.port}/session/{session_id}"
+                store_addr = f"{_bracket(advertise)}:{ps.store.port}/session/{session_id}"
                 body = json.dumps({"session_id": session_id, "store_addr": store_addr})
                 self._reply(200, "application/json", (body + "\n").encode())
                 self.close_connection = True

@@ -61,12 +61,12 @@ from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed import ProcessGroup as _TorchProcessGroup
 from torch.distributed.distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
-from ft import _C
+from ft import _C  # ft's compiled extension (torch's _C naming)
 from ft.utils import net
 from ft.observability import records
 from ft.utils.deadline import Deadline, to_timedelta
 from ft.utils.retry import retry_until
-from ft.work import _DummyWork
+from ft.work import _DummyWork  # torchft's name for a completed Work
 
 __all__ = [
     "ProcessGroup",
@@ -349,6 +349,21 @@ class ProcessGroup(_TorchProcessGroup):
             hid = self._reconfigure_id = _uuid.uuid4().hex
         return hid
 
+    def _hosted_store_addr(self) -> str:
+        """``host:port`` of the rendezvous store this group hosts, started on the first call."""
+        with _hosting_lock:
+            store = getattr(self, "_rendezvous_store", None)
+            if store is None:
+                store = TCPStore(
+                    host_name=net.advertise_host(),
+                    port=0,
+                    is_master=True,
+                    wait_for_workers=False,
+                )
+                self._rendezvous_store = store
+        host = net.advertise_host()
+        return f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
+
     def get_reconfigure_handle(self) -> str:
         """An opaque string naming this group to its peers (JSON: its id, the address of a
         rendezvous store this group hosts, its global rank). Exchanged out of band (the
@@ -358,7 +373,7 @@ class ProcessGroup(_TorchProcessGroup):
         return json.dumps(
             {
                 "id": self._handle_id(),
-                "store": _hosted_store_addr(self),
+                "store": self._hosted_store_addr(),
                 "global_rank": self._rank_info_or_default()[3],
             }
         )
@@ -430,7 +445,7 @@ class ProcessGroup(_TorchProcessGroup):
     def _set_group_name(self, name: str) -> None:
         self._ft_group_name = name
         try:
-            super()._set_group_name(name)
+            super()._set_group_name(name)  # torch's ProcessGroup method
         except RuntimeError:
             pass  # no backend to hold it (a wrapper): the Python copy is the name
 
@@ -716,7 +731,7 @@ class ProcessGroupNCCL(ProcessGroupFt):
         return self._backend.last_reconfigure_timings()
 
 
-def _create_backend(store, rank: int, world_size: int, timeout: timedelta):
+def create_backend(store, rank: int, world_size: int, timeout: timedelta):
     """Creator for `init_process_group("ft")`: one generation, never reconfigured."""
     backend = _C.FtBackend(rank, world_size, timeout, DEFAULT_NUM_LANES)
     backend.check_agreement = _check_agreement_default(None)
@@ -732,7 +747,7 @@ def _register() -> None:
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     dist.Backend.register_backend(
-        BACKEND_NAME, _create_backend, extended_api=False, devices=["cpu", "cuda"]
+        BACKEND_NAME, create_backend, extended_api=False, devices=["cpu", "cuda"]
     )
 
 
@@ -746,7 +761,7 @@ def _release_before_interpreter_exit() -> None:
     # every generation down while the interpreter is whole, then drop the
     # references ops still hold, here, with the GIL.
     _C._shutdown_all(timedelta(seconds=5))
-    _C._drain_releaser(True)
+    _C._drain_releaser(True)  # ft's compiled extension: drop what finished ops still hold
 
 
 def _new_gloo(
@@ -773,9 +788,11 @@ def _new_gloo(
         if left <= 0:
             raise TimeoutError("configure()'s deadline passed before this lane could connect")
         connect_timeout = min(timeout, timedelta(seconds=left))
+    # torch's Python constructor takes no devices and one timeout for both the connect and
+    # the ops: its Options (private names) are the only way to set them
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = connect_timeout
-    opts._devices = devices
+    opts._timeout = connect_timeout  # the connect's bound (torch's private Options field)
+    opts._devices = devices  # Gloo's devices (torch's private Options field)
     opts._threads = 2 * len(devices)  # as torch's own constructor sets it
     pg = dist.ProcessGroupGloo(store, rank, size, opts)
     if connect_timeout != timeout:
@@ -996,22 +1013,6 @@ def _rendezvous(opts: Any, handle_id: str) -> _Rendezvous:
 _hosting_lock = threading.Lock()
 
 
-def _hosted_store_addr(pg: Any) -> str:
-    """``host:port`` of the rendezvous store ``pg`` hosts, started on the first call."""
-    with _hosting_lock:
-        store = getattr(pg, "_rendezvous_store", None)
-        if store is None:
-            store = TCPStore(
-                host_name=net.advertise_host(),
-                port=0,
-                is_master=True,
-                wait_for_workers=False,
-            )
-            pg._rendezvous_store = store
-    host = net.advertise_host()
-    return f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
-
-
 RECONFIGURE_TIMEOUT = timedelta(seconds=60)
 
 
@@ -1138,8 +1139,8 @@ class ProcessGroupWrapper(ProcessGroup):
 
     def _handle_id(self) -> str:
         if not self._owns_pg and isinstance(self._pg, ProcessGroup):
-            return self._pg._handle_id()
-        return super()._handle_id()
+            return self._pg._handle_id()  # torchft-nightly's name (its tests call it)
+        return super()._handle_id()  # torchft-nightly's name (its tests call it)
 
     def get_reconfigure_handle(self) -> str:
         if self._delegates_reconfigure():
@@ -1322,6 +1323,7 @@ class ProcessGroupWrapper(ProcessGroup):
         opts: Optional[Any] = None,
     ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else AllgatherOptions())
+        # torch's name for the flat all-gather, on the wrapped group
         return self._dispatch(lambda pg: pg._allgather_base(output, input, opts), [output], opts)
 
     def _reduce_scatter_base(
@@ -1332,7 +1334,10 @@ class ProcessGroupWrapper(ProcessGroup):
     ) -> dist.Work:
         opts = self._opts_hook(opts if opts is not None else ReduceScatterOptions())
         return self._dispatch(
-            lambda pg: pg._reduce_scatter_base(output, input, opts), [output], opts
+            # torch's name for the flat reduce-scatter, on the wrapped group
+            lambda pg: pg._reduce_scatter_base(output, input, opts),
+            [output],
+            opts,
         )
 
     # torch 2.13's front end (all_gather_into_tensor, reduce_scatter_tensor,
@@ -1461,7 +1466,7 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         if self._error is not None:
             return _DummyWork(result)
         try:
-            work = super()._dispatch(call, result, opts)
+            work = super()._dispatch(call, result, opts)  # the wrapper's hook this overrides
         except Exception as e:  # noqa: BLE001 - swallowed by design
             self.report_error(e)
             return _DummyWork(result)
@@ -1537,7 +1542,7 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     def _dispatch(
         self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any, opts: Any
     ) -> dist.Work:
-        work = super()._dispatch(call, result, opts)
+        work = super()._dispatch(call, result, opts)  # the wrapper's hook this overrides
         error, self._future_error = self._future_error, None
         if error is None:
             return work
@@ -1699,11 +1704,14 @@ class ProcessGroupXCCL(ProcessGroupWrapper):
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _TorchProcessGroup:
         from torch.distributed import ProcessGroupXCCL as _TorchXCCL  # only in XCCL builds
 
+        # A ProcessGroup over one XCCL backend, assembled as torch's _new_process_group_helper
+        # does, with torch's private calls: torch has no public one for it.
         pg = _TorchProcessGroup(store, rank, world_size)
-        pg._set_default_backend(_TorchProcessGroup.BackendType.XCCL)
+        pg._set_default_backend(_TorchProcessGroup.BackendType.XCCL)  # torch's, see above
         backend = _TorchXCCL(store, rank, world_size, _TorchXCCL.Options())
-        backend._set_sequence_number_for_group()
+        backend._set_sequence_number_for_group()  # torch's, see above
         backend.eager_connect_single_device(torch.device("xpu", torch.xpu.current_device()))
+        # torch's, see above
         pg._register_backend(torch.device("xpu"), _TorchProcessGroup.BackendType.XCCL, backend)
         return pg
 

@@ -42,7 +42,7 @@ def _an_ft_module_is_initialising() -> bool:
 
 
 def _create_backend(store, rank: int, world_size: int, timeout):
-    from ft.backend.process_group import _create_backend as create
+    from ft.backend.process_group import create_backend as create
 
     return create(store, rank, world_size, timeout)
 

@@ -198,7 +198,7 @@ class CheckpointServer:
             def do_GET(self) -> None:  # noqa: N802
                 self.close_connection = True
                 try:
-                    server._serve(self)
+                    server.serve_request(self)
                 except Refused as e:
                     body = (e.msg + "\n").encode("utf-8", "replace")
                     self.send_response(e.code)
@@ -232,7 +232,8 @@ class CheckpointServer:
             raise Refused(403, f"refused: {e}; this source requires the job secret") from None
         return token.strip().encode()
 
-    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+    def serve_request(self, h: BaseHTTPRequestHandler) -> None:
+        """Answers one GET (metadata, data range or digest); raises Refused to refuse it."""
         signature = self._verify_request(h)
         url = urlsplit(h.path)
         if not url.path.startswith(wire.PREFIX):

@@ -127,7 +127,7 @@ class CheckpointFetcher:
     ) -> None:
         self._num_chunks = num_chunks
         self._request_signer = Signer(secret, CHECKPOINT_REQUEST_PURPOSE) if secret else None
-        self._content_signer = Signer(secret, CHECKPOINT_CONTENT_PURPOSE) if secret else None
+        self.content_signer = Signer(secret, CHECKPOINT_CONTENT_PURPOSE) if secret else None
         # same-host requests are signed (never the secret itself): see same_host.py
         self._local_signer = Signer(secret, SAME_HOST_PURPOSE) if secret else None
         self._tls = tls
@@ -178,10 +178,10 @@ class CheckpointFetcher:
                 body, lease, reply = fetched
             else:
                 path = f"{wire.PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
-                body, lease = self._get_small(host, port, path, deadline, where, secure=secure)
+                body, lease = self.get_metadata(host, port, path, deadline, where, secure=secure)
             if deadline.expired:
                 raise CheckpointTransferError(f"{where}: timed out before parsing the metadata")
-            tree, specs, staging, lease = self._parse_meta(body, lease, step, where)
+            tree, specs, staging, lease = self.parse_metadata(body, lease, step, where)
             if deadline.expired:
                 raise CheckpointTransferError(f"{where}: timed out parsing the metadata")
             tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
@@ -280,7 +280,7 @@ class CheckpointFetcher:
         try:
             futs = [
                 pool.submit(
-                    self._fetch_range,
+                    self.fetch_range,
                     host,
                     port,
                     f"{data_path}&start={a}&end={b}",
@@ -312,7 +312,7 @@ class CheckpointFetcher:
             pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
-    def _parse_meta(
+    def parse_metadata(
         body: bytes, lease: str, step: int, where: str
     ) -> Tuple[Any, List[ser.TensorSpec], str, str]:
         """Checks a metadata body (header + CRC-32); returns (tree, specs, staging, lease)."""
@@ -408,7 +408,7 @@ class CheckpointFetcher:
             cutoff.cancel()
         return conn, resp, sock, signature
 
-    def _get_small(
+    def get_metadata(
         self,
         host: str,
         port: int,
@@ -458,7 +458,7 @@ class CheckpointFetcher:
             resp.close()
             conn.close()
 
-    def _fetch_range(
+    def fetch_range(
         self,
         host: str,
         port: int,
@@ -482,7 +482,7 @@ class CheckpointFetcher:
                 host, port, path, deadline, where, secure, stall_s=stall_s
             )
         got = 0
-        mac_size = wire.MAC_SIZE if self._content_signer is not None else 0
+        mac_size = wire.MAC_SIZE if self.content_signer is not None else 0
         try:
             length = resp.getheader("Content-Length")
             if length is None or int(length) != end - start + wire.TRAILER.size + mac_size:
@@ -498,7 +498,7 @@ class CheckpointFetcher:
                     got += len(dst)
             trailer = bytearray(wire.TRAILER.size + mac_size)
             read_exact(sock, resp.readinto, memoryview(trailer), deadline, stall_s)
-            if mac_size and not self._content_signer.check(
+            if mac_size and not self.content_signer.check(
                 bytes(trailer[wire.TRAILER.size :]),
                 b"data",
                 signature,
@@ -531,13 +531,13 @@ class CheckpointFetcher:
 
     def _check_content_mac(self, mac_hex: str, signature: bytes, body: bytes, where: str) -> None:
         """Refuses a metadata answer that a job member did not sign for this very request."""
-        if self._content_signer is None:
+        if self.content_signer is None:
             return
         try:
             mac = bytes.fromhex(mac_hex)
         except ValueError:
             mac = b""
-        if not self._content_signer.check(mac, b"meta", signature, body):
+        if not self.content_signer.check(mac, b"meta", signature, body):
             raise CheckpointAuthError(
                 f"{where}: the metadata is not signed with the job secret "
                 f"({'no signature' if not mac_hex else 'wrong signature'}): the source is not a "

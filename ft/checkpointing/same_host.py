@@ -64,7 +64,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
-from ft import _C
+from ft import _C  # ft's compiled extension (torch's _C naming)
 from ft.checkpointing.deadline_io import read_exact
 from ft.checkpointing.transport import (
     CheckpointCorruptError,

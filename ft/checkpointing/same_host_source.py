@@ -15,7 +15,7 @@ import socket
 import threading
 from typing import Any, Dict, Optional
 
-from ft import _C
+from ft import _C  # ft's compiled extension (torch's _C naming)
 from ft.checkpointing import same_host
 from ft.checkpointing import http_protocol as wire
 from ft.checkpointing.served import ServedCheckpoint

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ft import _C
+from ft import _C  # ft's compiled extension (torch's _C naming)
 
 from ft.checkpointing.transport import CheckpointFormatError
 

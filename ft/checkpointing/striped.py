@@ -253,10 +253,10 @@ class StripedFetch:
             f"{wire.PREFIX}{self._step}/meta?chunks={self._per_source}&wait={wait_s:.3f}"
             f"&stripe={'primary' if s.primary else 'helper'}"
         )
-        body, lease = self._f._get_small(
+        body, lease = self._f.get_metadata(
             s.host, s.port, path, self._deadline, s.where, secure=s.secure
         )
-        tree, specs, staging, lease = self._f._parse_meta(body, lease, self._step, s.where)
+        tree, specs, staging, lease = self._f.parse_metadata(body, lease, self._step, s.where)
         key = (repr(tree), [(sp.dtype, tuple(sp.shape), sp.nbytes) for sp in specs])
         with self._cond:
             s.staging, s.lease = staging, lease
@@ -314,7 +314,7 @@ class StripedFetch:
                     f"&start={a}&end={b}"
                 )
                 try:
-                    crc = self._f._fetch_range(
+                    crc = self._f.fetch_range(
                         s.host,
                         s.port,
                         path,
@@ -361,12 +361,12 @@ class StripedFetch:
             finally:
                 resp.close()
                 conn.close()
-            if self._f._content_signer is not None:
+            if self._f.content_signer is not None:
                 try:
                     raw = bytes.fromhex(mac)
                 except ValueError:
                     raw = b""
-                if not self._f._content_signer.check(raw, b"digest", signature, body):
+                if not self._f.content_signer.check(raw, b"digest", signature, body):
                     raise CheckpointAuthError(
                         f"{s.where}: the digest is not signed with the job secret; the source "
                         "is not a member of this job"

@@ -154,7 +154,7 @@ class _Client:
         transport: str = "auto",
     ) -> Self:
         self = super().__new__(cls)
-        self._addr = addr
+        self.addr = addr
         self._connect_timeout = _rpc.required_seconds(connect_timeout, "connect_timeout")
         secret = resolve_secret(secret)
         self._signer = Signer(secret, GRPC_PURPOSE) if secret is not None else None
@@ -240,7 +240,7 @@ class _Client:
                 )
             except AuthError as e:
                 raise CoordinationError(
-                    grpc.StatusCode.UNAUTHENTICATED, f"{self._addr}: {e}", method
+                    grpc.StatusCode.UNAUTHENTICATED, f"{self.addr}: {e}", method
                 ) from None
         if self._native is not None:
             self._native.set_server_id(sid)
@@ -257,13 +257,13 @@ class _Client:
             )
         return self._signer.sign_request(path, data, sid)
 
-    def _note_refusal(self, code: grpc.StatusCode, details: str) -> None:
+    def note_refusal(self, code: grpc.StatusCode, details: str) -> None:
         """After a stream's refusal: a signature for another server id means the server
         restarted; the next call asks for its new id."""
         if code == grpc.StatusCode.UNAUTHENTICATED and OTHER_SERVER in details:
             self._server_id = None
 
-    def _invoke(self, method: str, request, **kwargs):
+    def invoke(self, method: str, request, **kwargs):
         """Sends ``request`` through grpcio (signed when there is a secret); returns what the
         stub returns."""
         return self._invoke_serialized(method, request.SerializeToString(), **kwargs)
@@ -315,9 +315,9 @@ class _Client:
                 connect = min(self._connect_timeout, remaining)
                 try:
                     if native is not None:
-                        _rpc.wait_ready_native(native, self._addr, connect)
+                        _rpc.wait_ready_native(native, self.addr, connect)
                     else:
-                        _rpc.wait_ready(self._channel, self._addr, connect)
+                        _rpc.wait_ready(self._channel, self.addr, connect)
                 except TimeoutError as e:
                     raise TimeoutError(f"{method}: {e}") from None
             if self._signer is not None and self._server_id is None:
@@ -396,7 +396,7 @@ class FailureSubscription:
         delays = backoff_delays(0.05, 1.0)
         while not self._closed.is_set():
             try:
-                call = self._client._invoke(
+                call = self._client.invoke(
                     "SubscribeFailures",
                     pb.SubscribeFailuresRequest(subscriber=self._subscriber),
                     timeout=self._stream_timeout,
@@ -418,23 +418,23 @@ class FailureSubscription:
             except (CoordinationError, TimeoutError) as e:
                 # Asking the server for its id failed (ft.utils.auth): try again after a pause.
                 self._subscribed.clear()
-                logger.debug("failure subscription to %s: %s", self._client._addr, e)
+                logger.debug("failure subscription to %s: %s", self._client.addr, e)
                 self._closed.wait(next(delays))
                 continue
             except grpc.RpcError as e:
                 self._subscribed.clear()
                 if self._closed.is_set():
                     break
-                self._client._note_refusal(e.code(), e.details() or "")
+                self._client.note_refusal(e.code(), e.details() or "")
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    logger.debug("failure subscription to %s: %s", self._client._addr, e.code())
+                    logger.debug("failure subscription to %s: %s", self._client.addr, e.code())
                     self._closed.wait(next(delays))
                 continue
             except ValueError:
                 # grpcio refuses calls on a closed channel: the client was closed under this
                 # subscription (LighthouseClient.close() closes it first), which ends here.
                 self._subscribed.clear()
-                logger.debug("failure subscription to %s: client closed", self._client._addr)
+                logger.debug("failure subscription to %s: client closed", self._client.addr)
                 break
             self._subscribed.clear()
             if not self._closed.is_set():
@@ -679,7 +679,7 @@ class LighthouseClient(_Client):
 
     def failures(self, timeout: Timeout, subscriber: str = "") -> Iterator[FailureNotification]:
         """Yields failure notifications from one stream until ``timeout`` (then returns)."""
-        call = self._invoke(
+        call = self.invoke(
             "SubscribeFailures",
             pb.SubscribeFailuresRequest(subscriber=subscriber),
             timeout=_rpc.required_seconds(timeout, "failures"),
@@ -690,7 +690,7 @@ class LighthouseClient(_Client):
                 if not msg.keepalive:
                     yield wire.notification_from_pb(msg)
         except grpc.RpcError as e:
-            self._note_refusal(e.code(), e.details() or "")
+            self.note_refusal(e.code(), e.details() or "")
             if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
                 raise _rpc.translate(e, "SubscribeFailures") from None
         finally:

@@ -175,8 +175,8 @@ def _methods(
 
     def kill(request: pb.KillRequest, call: Call) -> None:
         _rpc.server_deadline(call, "Kill")
-        logger.error("replica %s: killed by request: %s", server._replica_id, request.msg[:1000])
-        t = threading.Timer(0.2, server._exit, args=(1,))
+        logger.error("replica %s: killed by request: %s", server.replica_id, request.msg[:1000])
+        t = threading.Timer(0.2, server.exit_process, args=(1,))
         t.daemon = True
         t.start()
         call.reply(pb.KillResponse())
@@ -235,13 +235,14 @@ class ManagerServer:
             raise ValueError(f"world_size must be in [1, {_rpc.MAX_RANK}], got {world_size}")
         if quorum_retries is not None and quorum_retries < 0:
             raise ValueError(f"quorum_retries must be >= 0, got {quorum_retries}")
-        self._replica_id = replica_id
+        self.replica_id = replica_id
         self._lighthouse_addr = lighthouse_addr
         self._store_addr = store_addr
         self._world_size = world_size
         self._heartbeat_interval = to_seconds(heartbeat_interval) or 0.1
         self._quorum_retries = quorum_retries
-        self._exit = os._exit  # replaced in tests
+        # Kill ends the process at once, without interpreter teardown; tests replace it.
+        self.exit_process = os._exit
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._closed = False
@@ -327,14 +328,14 @@ class ManagerServer:
                     return
                 continue
             try:
-                self._lighthouse.heartbeat(self._replica_id, timeout=timeout, wait_for_ready=False)
+                self._lighthouse.heartbeat(self.replica_id, timeout=timeout, wait_for_ready=False)
             except (TimeoutError, CoordinationError) as e:
                 now = time.monotonic()
                 if now - last_log > 10:
                     last_log = now
                     logger.warning(
                         "replica %s: heartbeat to %s failed: %s",
-                        self._replica_id,
+                        self.replica_id,
                         self._lighthouse_addr,
                         e,
                     )
@@ -365,7 +366,7 @@ class ManagerServer:
         if deadline.expired:  # never join (or lead) a round for a caller gone
             raise _fail(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"replica {self._replica_id}: Quorum arrived after its deadline",
+                f"replica {self.replica_id}: Quorum arrived after its deadline",
             )
         with self._cond:
             if self._closed:
@@ -391,12 +392,12 @@ class ManagerServer:
                     missing = sorted(set(range(self._world_size)) - rnd.arrived)
                     raise _fail(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"replica {self._replica_id}: timed out waiting for group ranks "
+                        f"replica {self.replica_id}: timed out waiting for group ranks "
                         f"{missing} to request the quorum",
                     )
                 raise _fail(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"replica {self._replica_id}: timed out waiting for the lighthouse quorum",
+                    f"replica {self.replica_id}: timed out waiting for the lighthouse quorum",
                 )
         if rnd.error is not None:
             raise _fail(*rnd.error)
@@ -405,7 +406,7 @@ class ManagerServer:
             return compute_quorum_result(
                 rnd.quorum.quorum_id,
                 rnd.quorum.participants,
-                self._replica_id,
+                self.replica_id,
                 rank,
                 rnd.init_sync,
             )
@@ -422,7 +423,7 @@ class ManagerServer:
         if md is None:
             raise _fail(
                 grpc.StatusCode.NOT_FOUND,
-                f"replica {self._replica_id}: rank {rank} has not sent checkpoint metadata yet",
+                f"replica {self.replica_id}: rank {rank} has not sent checkpoint metadata yet",
             )
         return md
 
@@ -438,7 +439,7 @@ class ManagerServer:
         if deadline.expired:  # a stale vote must not decide a later round
             raise _fail(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"replica {self._replica_id}: ShouldCommit arrived after its deadline",
+                f"replica {self.replica_id}: ShouldCommit arrived after its deadline",
             )
         with self._cond:
             rnd = self._commit
@@ -458,7 +459,7 @@ class ManagerServer:
                 if not rnd.decision:
                     logger.info(
                         "replica %s: group voted not to commit step %s",
-                        self._replica_id,
+                        self.replica_id,
                         rnd.step(),
                     )
             deadline.wait(self._cond, lambda: rnd.decision is not None or self._closed)
@@ -469,7 +470,7 @@ class ManagerServer:
                 missing = sorted(set(range(self._world_size)) - rnd.voted)
                 raise _fail(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"replica {self._replica_id}: timed out waiting for group ranks "
+                    f"replica {self.replica_id}: timed out waiting for group ranks "
                     f"{missing} to vote on step {step}",
                 )
         if mismatch:
@@ -493,7 +494,7 @@ class ManagerServer:
             logger.warning(
                 "replica %s: lighthouse quorum attempt %d failed (%s); retrying in "
                 "%.2fs (until the quorum deadline, %.1fs from now)",
-                self._replica_id,
+                self.replica_id,
                 i + 1,
                 exc,
                 delay,
@@ -507,7 +508,7 @@ class ManagerServer:
             if deadline.expired:
                 raise TimeoutError("the quorum deadline passed before the lighthouse was asked")
             quorum = self._lighthouse.quorum(
-                self._replica_id,
+                self.replica_id,
                 timeout=deadline.remaining(),
                 address=self.address(),
                 store_address=self._store_addr,
@@ -527,7 +528,7 @@ class ManagerServer:
         except TimeoutError as e:
             error = (
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"replica {self._replica_id}: lighthouse quorum timed out after "
+                f"replica {self.replica_id}: lighthouse quorum timed out after "
                 f"{attempts[0]} attempt(s): {e}",
             )
         except CoordinationError as e:
@@ -535,7 +536,7 @@ class ManagerServer:
             # transient code would make every rank's client retry the whole round again.
             error = (
                 grpc.StatusCode.ABORTED,
-                f"replica {self._replica_id}: lighthouse quorum failed after "
+                f"replica {self.replica_id}: lighthouse quorum failed after "
                 f"{attempts[0]} attempt(s): {e}",
             )
         except Exception as e:  # pragma: no cover - defensive
@@ -571,11 +572,11 @@ class ManagerServer:
         self._heartbeater.join(timeout=5)
         try:
             self._lighthouse.heartbeat(
-                self._replica_id, timeout=timeout, wait_for_ready=False, leaving=True
+                self.replica_id, timeout=timeout, wait_for_ready=False, leaving=True
             )
         except (TimeoutError, CoordinationError) as e:
             logger.info(
-                "replica %s: could not tell the lighthouse it leaves: %s", self._replica_id, e
+                "replica %s: could not tell the lighthouse it leaves: %s", self.replica_id, e
             )
 
     def shutdown(self, grace: float = 0.5) -> None:

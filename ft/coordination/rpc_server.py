@@ -414,8 +414,12 @@ class RpcServer:
             self._server.start()
 
     # --- dispatch (both transports) ---------------------------------------------------
+    def method(self, name: str) -> Optional[Method]:
+        """The method served under the full gRPC method name ``name``, or None."""
+        return self._methods.get(name)
+
     def dispatch(self, call: Call, data: bytes) -> None:
-        method = self._methods.get(call.method)
+        method = self.method(call.method)
         if method is None:
             call.finish(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {call.method}")
             return
@@ -523,7 +527,7 @@ class _GrpcioHandler(grpc.GenericRpcHandler):
 
     def service(self, handler_call_details):
         name = handler_call_details.method
-        method = self._server._methods.get(name)
+        method = self._server.method(name)
         if method is None:
             return None  # grpcio answers UNIMPLEMENTED
         if method.streaming:

@@ -143,7 +143,7 @@ def exit_for_persistent_failure(who: str, error: BaseException) -> NoReturn:
     traceback.print_exception(error)
     print(f"{who}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(PERSISTENT_FAILURE_EXIT)
+    os._exit(PERSISTENT_FAILURE_EXIT)  # at once: no interpreter teardown (see above)
 
 
 def exit_for_restart(who: str, error: BaseException) -> NoReturn:
@@ -154,7 +154,7 @@ def exit_for_restart(who: str, error: BaseException) -> NoReturn:
     traceback.print_exception(error)
     print(f"{who}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(1)
+    os._exit(1)  # at once: no interpreter teardown (see above)
 
 
 def parse_progress(line: str) -> Optional[Dict[str, Any]]:

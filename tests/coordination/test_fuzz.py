@@ -127,7 +127,7 @@ def servers():
         "fz-manager", lh.address(), "127.0.0.1", "127.0.0.1:0", "store", 2, 0.05, 5.0
     )
     kills = []
-    ms._exit = kills.append
+    ms.exit_process = kills.append
     lch = grpc.insecure_channel(lh.address()[len("http://") :])
     mch = grpc.insecure_channel(ms.address()[len("http://") :])
     try:
