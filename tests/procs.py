@@ -521,16 +521,13 @@ class Replicas(Workers):
 
     def __init__(
         self,
-        target: str,
-        world_size: int,
-        store: Optional[Any] = None,
-        ranks: Optional[List[int]] = None,
-        env: Optional[Dict[str, str]] = None,
+        *args: Any,
         lighthouse: Optional[Dict[str, Any]] = None,
         lh_addr_kwarg: Optional[str] = "lh_addr",
         **kwargs: Any,
     ) -> None:
-        super().__init__(target, world_size, store, ranks, env, **kwargs)
+        # args and kwargs: Workers' (target, world_size, store, ranks, env, the target's kwargs)
+        super().__init__(*args, **kwargs)
         self._lighthouse_kw = dict(lighthouse or {})
         self._lh_addr_kwarg = lh_addr_kwarg
         self.lh: Any = None
