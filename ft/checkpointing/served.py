@@ -103,18 +103,13 @@ class ServedCheckpoint:
         ``step``; False at the deadline, or once it is no longer staged."""
         with self.cond:
 
-            def settled() -> bool:
+            def delivered() -> bool:
                 st = self._staging
-                return (
-                    st is None
-                    or st.step != step
-                    or st.closing
-                    or (st.delivered >= receivers and not st.striped_readers())
-                )
+                return st.delivered >= receivers and not st.striped_readers()
 
-            deadline.wait(self.cond, settled)
+            deadline.wait(self.cond, lambda: self._gone(step) or delivered())
             st = self._staging
-            if st is None or st.step != step or st.delivered < receivers or st.striped_readers():
+            if st is None or st.step != step or not delivered():
                 return False
             # The caller changes the tensors from now on: nobody new may start reading them.
             st.released = True
@@ -126,18 +121,17 @@ class ServedCheckpoint:
         checkpoint of ``step`` (each may still be reading it), or until nobody new can be (it
         is no longer staged, or released): True; False at the deadline."""
         with self.cond:
+            return deadline.wait(
+                self.cond,
+                lambda: (
+                    self._gone(step) or self._staging.released or self._staging.asked >= receivers
+                ),
+            )
 
-            def settled() -> bool:
-                st = self._staging
-                return (
-                    st is None
-                    or st.step != step
-                    or st.closing
-                    or st.released
-                    or st.asked >= receivers
-                )
-
-            return deadline.wait(self.cond, settled)
+    def _gone(self, step: int) -> bool:
+        """``step`` is no longer staged (or is being withdrawn). Caller holds ``cond``."""
+        st = self._staging
+        return st is None or st.step != step or st.closing
 
     def check_staged(self, step: int) -> None:
         """Returns if ``step`` is being served; raises CheckpointError otherwise."""

@@ -33,6 +33,25 @@ class ReconfigureOnly(ProcessGroupGloo):
         return _DummyWork(None)
 
 
+def _committed_sums(
+    manager: Any, test_store: Any, rank: int, world_size: int, steps: int
+) -> List[Any]:
+    """Once every replica is ready, steps ``manager`` until it committed ``steps`` steps (at
+    most four tries a step): each step allreduces ``rank + 1``; returns the committed sums."""
+    test_store.set(f"ready/{rank}", "1")
+    test_store.wait([f"ready/{g}" for g in range(world_size)], timedelta(seconds=60))
+    sums = []
+    for _ in range(steps * 4):
+        if manager.current_step() >= steps:
+            break
+        manager.start_quorum()
+        t = torch.full((2,), float(rank + 1))
+        manager.allreduce(t, should_quantize=False).wait()
+        if manager.should_commit():
+            sums.append(t.tolist())
+    return sums
+
+
 def reconfigure_only_replica(
     rank: int, world_size: int, store_port: int, *, lh_addr: str, steps: int = 3
 ) -> Dict[str, Any]:
@@ -43,18 +62,8 @@ def reconfigure_only_replica(
     test_store = connect_store(store_port)
     pg = ReconfigureOnly()
     manager = make_manager(lh_addr, f"g{rank}", pg=pg, use_async_quorum=False, init_sync=False)
-    test_store.set(f"ready/{rank}", "1")
-    test_store.wait([f"ready/{g}" for g in range(world_size)], timedelta(seconds=60))
-    sums = []
     try:
-        for _ in range(steps * 4):
-            if manager.current_step() >= steps:
-                break
-            manager.start_quorum()
-            t = torch.full((2,), float(rank + 1))
-            manager.allreduce(t, should_quantize=False).wait()
-            if manager.should_commit():
-                sums.append(t.tolist())
+        sums = _committed_sums(manager, test_store, rank, world_size, steps)
         return {"sums": sums, "reconfigures": pg.reconfigures, "size": pg.size()}
     finally:
         manager.shutdown(wait=False)
@@ -82,18 +91,8 @@ def torch_group_replica(
     )
     pg = dist.group.WORLD
     manager = make_manager(lh_addr, f"t{rank}", pg=pg, use_async_quorum=False, init_sync=False)
-    test_store.set(f"ready/{rank}", "1")
-    test_store.wait([f"ready/{g}" for g in range(world_size)], timedelta(seconds=60))
-    sums = []
     try:
-        for _ in range(steps * 4):
-            if manager.current_step() >= steps:
-                break
-            manager.start_quorum()
-            t = torch.full((2,), float(rank + 1))
-            manager.allreduce(t, should_quantize=False).wait()
-            if manager.should_commit():
-                sums.append(t.tolist())
+        sums = _committed_sums(manager, test_store, rank, world_size, steps)
         return {"sums": sums, "size": pg.size(), "errored": repr(manager.errored())}
     finally:
         manager.shutdown(wait=False)
