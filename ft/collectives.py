@@ -31,7 +31,7 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -214,6 +214,23 @@ def dequantize_blockwise(
     return (q.view(-1, block_size).float() * scale[:, None]).view(-1)
 
 
+def _reduce_scatter_quantized(
+    pg: Any, flat: torch.Tensor, world: int, chunk: int, block_size: int, dtype: Any, op: Any
+) -> torch.Tensor:
+    """This rank's chunk of ``flat`` (``world`` chunks of ``chunk`` fp32 values) summed over
+    the group, each rank's chunks crossing the wire quantized to ``dtype`` (one all-to-all);
+    averaged for AVG."""
+    q, scale = quantize_blockwise(flat, block_size, dtype)
+    send = _pack(q, scale, world)
+    recv = torch.empty_like(send)
+    pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
+    rq, rscale = _unpack(recv, world, chunk, block_size, dtype)
+    mine = dequantize_blockwise(rq, rscale, block_size).view(world, chunk).sum(dim=0)
+    if op == ReduceOp.AVG:
+        mine.div_(world)
+    return mine
+
+
 def _pack(q: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows, scale bytes | int8 bytes] as one uint8 buffer."""
     s = scale.contiguous().view(torch.uint8).view(rows, -1)
@@ -304,14 +321,7 @@ def _quantized_allreduce_blocking(
         off += t.numel()
 
     # Phase 1 (reduce-scatter): rank r receives everyone's quantized chunk r.
-    q, scale = quantize_blockwise(flat, block_size, dtype)
-    send = _pack(q, scale, world)
-    recv = torch.empty_like(send)
-    pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
-    rq, rscale = _unpack(recv, world, chunk, block_size, dtype)
-    mine = dequantize_blockwise(rq, rscale, block_size).view(world, chunk).sum(dim=0)
-    if op == ReduceOp.AVG:
-        mine.div_(world)
+    mine = _reduce_scatter_quantized(pg, flat, world, chunk, block_size, dtype, op)
 
     # Phase 2 (all-gather) of the re-quantized reduced chunks.
     q2, scale2 = quantize_blockwise(mine, block_size, dtype)
@@ -452,14 +462,7 @@ def _quantized_reduce_scatter_blocking(
         flat[:, off : off + share].copy_(rows.view(world, share))
         off += share
 
-    q, scale = quantize_blockwise(flat.view(-1), block_size, dtype)
-    send = _pack(q, scale, world)
-    recv = torch.empty_like(send)
-    pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
-    rq, rscale = _unpack(recv, world, chunk, block_size, dtype)
-    mine = dequantize_blockwise(rq, rscale, block_size).view(world, chunk).sum(dim=0)
-    if op == ReduceOp.AVG:
-        mine.div_(world)
+    mine = _reduce_scatter_quantized(pg, flat.view(-1), world, chunk, block_size, dtype, op)
     output.view(-1).copy_(mine[:total])
 
 
