@@ -169,8 +169,26 @@ def _full(ps: List[torch.Tensor], v: float) -> List[torch.Tensor]:
     return [torch.full_like(p, v) for p in ps]
 
 
-# (name, ft function, torch class, class kwargs, function kwargs, initial state lists,
-#  {state list name: torch state key})
+def _nones(ps: List[torch.Tensor]) -> List[Any]:
+    return [None] * len(ps)
+
+
+def _empty(ps: List[torch.Tensor]) -> List[Any]:
+    return []
+
+
+def _accumulators(v: float) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
+    return lambda ps: _full(ps, v)
+
+
+def _torch_key(state_list: str) -> str:
+    """The torch state key a function's state list holds (exp_avgs: exp_avg)."""
+    other = dict(state_steps="step", state_sums="sum", momentum_buffer_list="momentum_buffer")
+    return other.get(state_list, state_list[:-1])
+
+
+# (name, ft function, torch class, class kwargs, function kwargs (None: the class kwargs),
+#  {state list name: its initial value from the parameters; an empty list: torch keeps none})
 FN_CASES: List[Any] = [
     (
         "adam",
@@ -180,18 +198,7 @@ FN_CASES: List[Any] = [
         dict(
             lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=True
         ),
-        lambda ps: dict(
-            exp_avgs=_zeros(ps),
-            exp_avg_sqs=_zeros(ps),
-            max_exp_avg_sqs=_zeros(ps),
-            state_steps=_steps(ps),
-        ),
-        dict(
-            exp_avgs="exp_avg",
-            exp_avg_sqs="exp_avg_sq",
-            max_exp_avg_sqs="max_exp_avg_sq",
-            state_steps="step",
-        ),
+        dict(exp_avgs=_zeros, exp_avg_sqs=_zeros, max_exp_avg_sqs=_zeros, state_steps=_steps),
     ),
     (
         "adamw",
@@ -199,47 +206,31 @@ FN_CASES: List[Any] = [
         torch.optim.AdamW,
         dict(lr=0.1, weight_decay=0.3),
         dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.3),
-        lambda ps: dict(
-            exp_avgs=_zeros(ps), exp_avg_sqs=_zeros(ps), max_exp_avg_sqs=[], state_steps=_steps(ps)
-        ),
-        dict(exp_avgs="exp_avg", exp_avg_sqs="exp_avg_sq", state_steps="step"),
+        dict(exp_avgs=_zeros, exp_avg_sqs=_zeros, max_exp_avg_sqs=_empty, state_steps=_steps),
     ),
     (
         "sgd",
         F.functional_sgd,
         torch.optim.SGD,
         dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-        dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-        lambda ps: dict(momentum_buffer_list=[None] * len(ps)),
-        dict(momentum_buffer_list="momentum_buffer"),
+        None,
+        dict(momentum_buffer_list=_nones),
     ),
     (
         "sgd-no-momentum",
         F.functional_sgd,
         torch.optim.SGD,
         dict(lr=0.1, maximize=True),
-        dict(lr=0.1, maximize=True),
-        lambda ps: dict(momentum_buffer_list=[]),
-        {},
+        None,
+        dict(momentum_buffer_list=_empty),
     ),
     (
         "rmsprop",
         F.functional_rmsprop,
         torch.optim.RMSprop,
         dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1, maximize=True),
-        dict(lr=0.01, momentum=0.5, centered=True, weight_decay=0.1, maximize=True),
-        lambda ps: dict(
-            square_avgs=_zeros(ps),
-            grad_avgs=_zeros(ps),
-            momentum_buffer_list=_zeros(ps),
-            state_steps=_steps(ps),
-        ),
-        dict(
-            square_avgs="square_avg",
-            grad_avgs="grad_avg",
-            momentum_buffer_list="momentum_buffer",
-            state_steps="step",
-        ),
+        None,
+        dict(square_avgs=_zeros, grad_avgs=_zeros, momentum_buffer_list=_zeros, state_steps=_steps),
     ),
     (
         "adagrad",
@@ -247,26 +238,23 @@ FN_CASES: List[Any] = [
         torch.optim.Adagrad,
         dict(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.25),
         dict(lr=0.1, lr_decay=0.01),
-        lambda ps: dict(state_sums=_full(ps, 0.25), state_steps=_steps(ps)),
-        dict(state_sums="sum", state_steps="step"),
+        dict(state_sums=_accumulators(0.25), state_steps=_steps),
     ),
     (
         "adadelta",
         F.functional_adadelta,
         torch.optim.Adadelta,
         dict(lr=0.5, weight_decay=0.1),
-        dict(lr=0.5, weight_decay=0.1),
-        lambda ps: dict(square_avgs=_zeros(ps), acc_deltas=_zeros(ps), state_steps=_steps(ps)),
-        dict(square_avgs="square_avg", acc_deltas="acc_delta", state_steps="step"),
+        None,
+        dict(square_avgs=_zeros, acc_deltas=_zeros, state_steps=_steps),
     ),
     (
         "adamax",
         F.functional_adamax,
         torch.optim.Adamax,
         dict(lr=0.01, maximize=True),
-        dict(lr=0.01, maximize=True),
-        lambda ps: dict(exp_avgs=_zeros(ps), exp_infs=_zeros(ps), state_steps=_steps(ps)),
-        dict(exp_avgs="exp_avg", exp_infs="exp_inf", state_steps="step"),
+        None,
+        dict(exp_avgs=_zeros, exp_infs=_zeros, state_steps=_steps),
     ),
     (
         "rprop",
@@ -274,8 +262,7 @@ FN_CASES: List[Any] = [
         torch.optim.Rprop,
         dict(lr=0.01, etas=(0.4, 1.3)),
         dict(etaminus=0.4, etaplus=1.3),
-        lambda ps: dict(prevs=_zeros(ps), step_sizes=_full(ps, 0.01), state_steps=_steps(ps)),
-        dict(prevs="prev", step_sizes="step_size", state_steps="step"),
+        dict(prevs=_zeros, step_sizes=_accumulators(0.01), state_steps=_steps),
     ),
 ]
 
@@ -283,15 +270,15 @@ FN_CASES: List[Any] = [
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("case", FN_CASES, ids=[c[0] for c in FN_CASES])
 def test_function_matches_torch(case: Any, foreach: bool) -> None:
-    _, fn, torch_cls, cls_kw, fn_kw, make_state, keys = case
+    _, fn, torch_cls, cls_kw, fn_kw, initial = case
     ref_params, ref_state = _run_torch(torch_cls, dict(cls_kw, foreach=foreach), False)
 
     params = _params()
-    lists = make_state(params)
+    lists = {name: make(params) for name, make in initial.items()}
     for s in range(STEPS):
-        fn(params, _grads(s, with_gaps=False), **lists, **fn_kw, foreach=foreach)
+        fn(params, _grads(s, with_gaps=False), **lists, **(fn_kw or cls_kw), foreach=foreach)
     state = {
-        p: {keys[name]: values[i] for name, values in lists.items() if name in keys}
+        p: {_torch_key(name): values[i] for name, values in lists.items() if values}
         for i, p in enumerate(params)
     }
     _assert_same(ref_params, params, ref_state, state)
