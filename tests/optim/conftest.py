@@ -8,6 +8,7 @@ is bounded and every child is reaped.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import List, Sequence
 
@@ -85,3 +86,18 @@ def ranks():
 def ft_skip():
     """The :func:`ft_backend_skip_reason` helper."""
     return ft_backend_skip_reason
+
+
+@pytest.fixture
+def pg1():
+    """A one-rank Gloo default group in this process (bad-input checks need no peers)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

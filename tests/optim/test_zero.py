@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -23,19 +22,6 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------- single process
-
-
-@pytest.fixture
-def pg1():
-    """A one-rank Gloo default group in this process (bad-input checks need no peers)."""
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_needs_a_process_group():

@@ -8,11 +8,9 @@ assignment rule.
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ft.optim import ZeroRedundancyOptimizer
@@ -89,20 +87,15 @@ def test_join_uneven_inputs_matches_torch(overlap_results):
 # --------------------------------------------------------------------------- single process
 
 
-@pytest.fixture
-def pg1():
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def _ddp(model):
     return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+
+
+def _two_ddp_copies():
+    """Two DDP models (tiny buckets) of the same seeded small network."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return _ddp(copy.deepcopy(base)), _ddp(copy.deepcopy(base))
 
 
 def test_hook_argument_checks(pg1):
@@ -148,9 +141,7 @@ def test_one_rank_overlap_follows_lr_and_trainability(pg1, interleaved):
 
     from ft.optim.zero_hooks import hook_with_zero_step, hook_with_zero_step_interleaved
 
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    a, b = _ddp(copy.deepcopy(base)), _ddp(copy.deepcopy(base))
+    a, b = _two_ddp_copies()
     za = ZeroRedundancyOptimizer(a.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
     zb = ZeroRedundancyOptimizer(b.parameters(), torch.optim.Adam, lr=0.01)
     hook = hook_with_zero_step_interleaved if interleaved else hook_with_zero_step
@@ -212,9 +203,7 @@ def test_one_rank_functional_class_given(pg1, which):
         from torch.distributed.optim.functional_sgd import _FunctionalSGD
 
         cls = ft.optim.FunctionalSGD if which == "ft" else _FunctionalSGD
-        torch.manual_seed(0)
-        base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-        a, b = _ddp(copy.deepcopy(base)), _ddp(copy.deepcopy(base))
+        a, b = _two_ddp_copies()
         za = ZeroRedundancyOptimizer(
             a.parameters(), cls, overlap_with_ddp=True, lr=0.1, momentum=0.9
         )
