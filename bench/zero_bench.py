@@ -60,6 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests.optim._zero_worker import state_bytes  # one count of optimizer state bytes
+
 
 def make_model(blocks: int = 6, d: int = 512, ffn: int = 1536) -> nn.Module:
     torch.manual_seed(0)
@@ -69,13 +71,15 @@ def make_model(blocks: int = 6, d: int = 512, ffn: int = 1536) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size()
-        for st in opt.state.values()
-        for v in st.values()
-        if torch.is_tensor(v)
-    )
+def in_threads(run, world: int) -> None:
+    """``run(r)`` for each replica r in a thread of its own; returns when all have ended."""
+    import threading
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def fill_grads(model: nn.Module) -> None:
@@ -419,7 +423,6 @@ def ft_mode(world: int, iters: int) -> int:
     Adam, and the bytes each step puts on the wire: the parameter exchange (which replaces the
     plain mode's broadcast) and the buddy copy's share of it (state migrated; 0 outside
     quorum changes)."""
-    import threading
 
     torch.set_num_threads(1)
     lh = ft_lighthouse(world)
@@ -443,11 +446,7 @@ def ft_mode(world: int, iters: int) -> int:
         out[f"committed{r}"] = m.current_step()
         m.shutdown(wait=False)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(run, world)
     lh.shutdown()
     plain = make_model()
     popt = torch.optim.Adam(plain.parameters(), lr=1e-4)
@@ -535,11 +534,7 @@ def ft_iteration_times(world: int, iters: int, args) -> None:
                 out[("buckets", r)] = len(opt.overlap.buckets)
             m.shutdown(wait=False)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(run, world)
     for lh in lhs.values():
         lh.shutdown()
     n_params = sum(p.numel() for p in base.parameters())
