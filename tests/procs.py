@@ -481,6 +481,26 @@ def wait_progress(store: Any, keys: List[str], at_least: int, timeout: float, w:
     raise AssertionError(f"no progress to {at_least} on {keys} within {timeout}s\n{logs}")
 
 
+def kill_at_counter(
+    store: Any, child: Proc, key: str, ready: Callable[[int], bool], timeout: float
+) -> Optional[int]:
+    """SIGKILLs ``child`` once the counter it keeps at ``key`` in the test store satisfies
+    ``ready``. The child is frozen (SIGSTOP) while the counter is read again, so the check
+    cannot race with its next step. Returns that counter; None if ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if store.check([key]) and ready(int(store.get(key))):
+            child.stop(timeout=2.0)
+            count = int(store.get(key))
+            if ready(count):
+                child.signal(signal.SIGKILL)
+                child.proc.wait(10)
+                return count
+            child.signal(signal.SIGCONT)
+        time.sleep(0.002)
+    return None
+
+
 def max_step(store: Any, keys: List[str]) -> int:
     """The largest step any of ``keys`` holds in the test store (0 if none is set)."""
     return max(int(store.get(k)) if store.check([k]) else 0 for k in keys)

@@ -280,11 +280,10 @@ def train_sharded_groups(
     two ranks form a 2-rank CPU DeviceMesh (local gloo) and every parameter is Shard(0) on
     it, so each rank holds half of each tensor; DiLoCo on each rank averages its shard with
     the same rank of the other replica group (the ft process group pairs group ranks)."""
-    import ft
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ft.checkpointing import HTTPTransport
     from ft.local_sgd import DiLoCo
+    from tests.manager import inproc
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -300,29 +299,22 @@ def train_sharded_groups(
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     save, load = healing_fns(model, inner)
 
-    to = timedelta(seconds=10)
     if group_rank == 0:
         port = 0
     else:
         store.wait([f"group{replica}-port"])
         port = int(store.get(f"group{replica}-port"))
-    manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=to),
+    manager = inproc.make_manager(  # 10 s timeouts
+        lh_addr,
+        f"shard{replica}",
+        rank=group_rank,
+        world_size=2,
+        store_port=port,
         load_state_dict=load,
         state_dict=save,
         min_replica_size=2,
         use_async_quorum=False,
-        timeout=to,
         quorum_timeout=timedelta(seconds=30),
-        connect_timeout=to,
-        rank=group_rank,
-        world_size=2,
-        store_addr="127.0.0.1",
-        store_port=port,
-        lighthouse_addr=lh_addr,
-        replica_id=f"shard{replica}",
-        hostname="127.0.0.1",
-        checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
     )
     if group_rank == 0:
         store.set(f"group{replica}-port", str(manager._store_port))

@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.procs import Workers, max_step, wait_progress
+from tests.procs import Workers, kill_at_counter, max_step, wait_progress
 
 TARGET = "tests.diloco.mp_workers:train"
 
@@ -147,26 +147,14 @@ def test_kill_restart_and_late_joiner_heal_global_state(scenario, replicas):
 
 def _kill_mid_interval(store, w: Workers, rank: int, sync_every: int, timeout: float) -> int:
     """SIGKILLs child ``rank`` in the middle of an interval: at least two inner steps taken
-    since its last sync and at least two to go. The child is frozen (SIGSTOP) while its
-    count is read, so the check cannot race with its next step; returns that count."""
-    deadline = time.monotonic() + timeout
-    key = f"c0-local/{rank}"
-    child = w.by_rank(rank)
+    since its last sync and at least two to go (``kill_at_counter``); returns its count."""
 
     def mid(local: int) -> bool:
         return 2 <= local <= sync_every - 2
 
-    while time.monotonic() < deadline:
-        if store.check([key]) and mid(int(store.get(key))):
-            child.stop(timeout=2.0)
-            local = int(store.get(key))
-            if mid(local):
-                child.signal(signal.SIGKILL)
-                child.proc.wait(10)
-                return local
-            child.signal(signal.SIGCONT)
-        time.sleep(0.002)
-    raise AssertionError(f"group {rank} never reached the middle of an interval in {timeout}s")
+    local = kill_at_counter(store, w.by_rank(rank), f"c0-local/{rank}", mid, timeout)
+    assert local is not None, f"group {rank} never reached the middle of an interval in {timeout}s"
+    return local
 
 
 def _wait_heartbeating(lh, n: int, timeout: float) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from tests.manager.inproc import make_manager
 from tests.procs import connect_store
 
 
@@ -58,32 +59,18 @@ def train(
     backward_sleep: float = 0.0,
 ) -> Dict[str, Any]:
     import ft
-    from ft.checkpointing import HTTPTransport
     from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     store = connect_store(store_port)
     model = make_model()
-    to = timedelta(seconds=10)
-    pg = ft.ProcessGroupGloo(timeout=to)
-    manager = ft.Manager(
-        pg=pg,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        use_async_quorum=False,
-        timeout=to,
-        quorum_timeout=timedelta(seconds=15),
-        connect_timeout=to,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
+    manager = make_manager(  # on Gloo, 10 s timeouts
+        lh_addr,
+        f"r{rank}",
         store_port=port,
-        lighthouse_addr=lh_addr,
-        replica_id=f"r{rank}",
-        hostname="127.0.0.1",
-        checkpoint_transport=HTTPTransport(timeout=to, num_chunks=0, advertise_host="127.0.0.1"),
+        use_async_quorum=False,
+        quorum_timeout=timedelta(seconds=15),
     )
     manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
     if exact_grads:

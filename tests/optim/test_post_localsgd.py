@@ -4,8 +4,6 @@ lighthouse and Managers for kill -9 + restart). Every wait is bounded, every chi
 
 from __future__ import annotations
 
-import signal
-import time
 from typing import Any, Dict, List
 
 import pytest
@@ -20,7 +18,7 @@ from ft.optim.post_localsgd import (
 )
 from tests.diloco.fake_manager import FakeGroup, FakeManager, run_replicas
 from ft.utils.deadline import Deadline
-from tests.procs import Workers, max_step, wait_progress
+from tests.procs import Workers, kill_at_counter, max_step, wait_progress
 
 WORKER = "tests.optim._post_localsgd_worker"
 
@@ -267,26 +265,14 @@ def test_equivalence_with_torch_on_ft_backend():
 
 def _kill_mid_period(store, w: Workers, rank: int, period: int, warmup: int, timeout: float) -> int:
     """SIGKILLs child ``rank`` between two rounds: at least one local step done since the last
-    round and the call in progress not a round. The child is frozen (SIGSTOP) while its counter
-    is read, so the check cannot race with its next step; returns that counter."""
-    deadline = time.monotonic() + timeout
-    key = f"count/{rank}"
-    child = w.by_rank(rank)
+    round and the call in progress not a round (``kill_at_counter``); returns its counter."""
 
     def mid(c: int) -> bool:  # c = the counter after the last completed call
         return c > warmup and (c - warmup) % period >= 2
 
-    while time.monotonic() < deadline:
-        if store.check([key]) and mid(int(store.get(key))):
-            child.stop(timeout=2.0)
-            c = int(store.get(key))
-            if mid(c):
-                child.signal(signal.SIGKILL)
-                child.proc.wait(10)
-                return c
-            child.signal(signal.SIGCONT)
-        time.sleep(0.002)
-    raise AssertionError(f"group {rank} never reached the middle of a period within {timeout}s")
+    c = kill_at_counter(store, w.by_rank(rank), f"count/{rank}", mid, timeout)
+    assert c is not None, f"group {rank} never reached the middle of a period within {timeout}s"
+    return c
 
 
 def _committed(res: Dict[str, Any]) -> Dict[int, Dict[str, Any]]:
