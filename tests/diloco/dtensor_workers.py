@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.diloco.mp_workers import _task, digest, make_manager
+from tests.diloco.mp_workers import _task, digest, make_algo, make_manager
 from tests.procs import connect_store
 
 
@@ -115,8 +115,6 @@ def healing_fns(model: nn.Module, inner: torch.optim.Optimizer):
 
 
 def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict[str, Any]:
-    from ft.local_sgd import DiLoCo, LocalSGD
-
     torch.manual_seed(7 + 31 * rank)  # different initial weights: init_sync must fix them
     model = build_model(cfg.get("placement"))
     dparams = [p for p in model.parameters() if is_dtensor(p)]
@@ -130,21 +128,11 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], store=None) -> Dict
     manager = make_manager(rank, lh_addr, 2, load, save, cfg["tag"])
     if cfg.get("late") and rank == 1:
         store.set("r1-ready", "1")
+    algo, _ = make_algo(manager, model, inner, cfg)
     if cfg["algo"] == "localsgd":
-        algo = LocalSGD(manager, model, inner, sync_every=cfg["sync_every"], keep_backup=True)
         state_fn = lambda: {"params": dict(model.named_parameters()), **algo._state_dict()}  # noqa: E731
     else:
         n_frag = cfg.get("n_frag", 1)
-        frags = [model[0], model[2]] if n_frag == 2 else [model]
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        algo = DiLoCo(
-            manager,
-            frags,
-            inner,
-            outer,
-            sync_every=cfg["sync_every"],
-            fragment_sync_delay=cfg.get("tau", 0),
-        )
 
         # with one fragment the parameters equal the global state after a sync;
         # with two, the other fragment's parameters carry local progress.

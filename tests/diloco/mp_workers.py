@@ -72,9 +72,40 @@ def _task(step: int, local: int, rank: int, n: int = 16):
     return x, y
 
 
-def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict[str, Any]:
+def make_algo(manager, model: nn.Sequential, inner, cfg: Dict[str, Any]):
+    """The run's algorithm over the 3-layer ``model`` and its fragments: LocalSGD with a
+    backup when ``cfg["algo"]`` is "localsgd" (``warmup`` steps), else DiLoCo with a Nesterov
+    SGD outer optimizer over ``n_frag`` fragments (1: the model; 2: its two linear layers),
+    ``tau`` (fragment_sync_delay), ``alpha``, ``bucket`` and ``bucket_cap_mb``."""
     from ft.local_sgd import DiLoCo, LocalSGD
 
+    if cfg["algo"] == "localsgd":
+        algo = LocalSGD(
+            manager,
+            model,
+            inner,
+            sync_every=cfg["sync_every"],
+            warmup_steps=cfg.get("warmup", 0),
+            keep_backup=True,
+        )
+        return algo, [model]
+    frags = [model[0], model[2]] if cfg.get("n_frag", 1) == 2 else [model]
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    algo = DiLoCo(
+        manager,
+        frags,
+        inner,
+        outer,
+        sync_every=cfg["sync_every"],
+        fragment_sync_delay=cfg.get("tau", 0),
+        fragment_update_alpha=cfg.get("alpha", 0.0),
+        use_bucketization=cfg.get("bucket", False),
+        bucket_cap_mb=cfg.get("bucket_cap_mb"),
+    )
+    return algo, frags
+
+
+def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict[str, Any]:
     # different initial weights (and for a restarted group): init_sync or the heal must fix them
     torch.manual_seed(7 + 31 * rank + 1000 * cfg.get("seed", 0))
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -91,31 +122,10 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
     manager = make_manager(
         rank, lh_addr, max(2, n_frag), load, save, cfg.get("tag", "r"), cfg.get("pg_timeout", 10.0)
     )
-    frags = [model]
+    algo, frags = make_algo(manager, model, inner, cfg)
     if cfg["algo"] == "localsgd":
-        algo = LocalSGD(
-            manager,
-            model,
-            inner,
-            sync_every=cfg["sync_every"],
-            warmup_steps=cfg.get("warmup", 0),
-            keep_backup=True,
-        )
         state_fn = lambda: {"params": dict(model.named_parameters()), **algo._state_dict()}  # noqa: E731
     else:
-        frags = [model[0], model[2]] if n_frag == 2 else [model]
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        algo = DiLoCo(
-            manager,
-            frags,
-            inner,
-            outer,
-            sync_every=cfg["sync_every"],
-            fragment_sync_delay=cfg.get("tau", 0),
-            fragment_update_alpha=cfg.get("alpha", 0.0),
-            use_bucketization=cfg.get("bucket", False),
-            bucket_cap_mb=cfg.get("bucket_cap_mb"),
-        )
         state_fn = algo.global_state
 
     # Fault injection: at manager step `fail_at`, replica `fail_rank` reports an
