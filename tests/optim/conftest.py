@@ -88,6 +88,21 @@ def ft_skip():
     return ft_backend_skip_reason
 
 
+@pytest.fixture(scope="session")
+def backend_ranks(tmp_path_factory):
+    """``run(scenario, world, backend, name, timeout)``: :func:`run_ranks` on ``backend`` into
+    a new temporary folder ``name``; returns (that folder, the per-rank result files). Skips
+    the test on "ft" where that backend cannot be used."""
+
+    def run(scenario: str, world: int, backend: str, name: str, timeout: float):
+        if backend == "ft" and (reason := ft_backend_skip_reason()):
+            pytest.skip(reason)
+        out = tmp_path_factory.mktemp(name)
+        return out, run_ranks(scenario, world, out, backend=backend, timeout=timeout)
+
+    return run
+
+
 @pytest.fixture
 def pg1():
     """A one-rank Gloo default group in this process (bad-input checks need no peers)."""

@@ -281,13 +281,10 @@ def test_stale_state_dict_warns(pg1):
 
 
 @pytest.fixture(scope="module", params=["gloo", "ft"])
-def trained(request, tmp_path_factory, ranks, ft_skip):
+def trained(request, backend_ranks):
     """One 3-rank run per backend: the equivalence runs, then the consolidate/save run."""
     backend = request.param
-    if backend == "ft" and (reason := ft_skip()):
-        pytest.skip(reason)
-    out = tmp_path_factory.mktemp(f"zero-{backend}")
-    files = ranks("train", WORLD, out, backend=backend, timeout=180)
+    out, files = backend_ranks("train", WORLD, backend, f"zero-{backend}", timeout=180)
     results = [torch.load(f, weights_only=True) for f in files]
     for f in files:
         f.unlink()

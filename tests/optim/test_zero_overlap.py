@@ -22,12 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 
 
 @pytest.fixture(scope="module", params=["ft", "gloo"])
-def overlap_results(request, tmp_path_factory, ranks, ft_skip):
+def overlap_results(request, backend_ranks):
     backend = request.param
-    if backend == "ft" and (reason := ft_skip()):
-        pytest.skip(reason)
-    out = tmp_path_factory.mktemp(f"zero-overlap-{backend}")
-    files = ranks("overlap", WORLD, out, backend=backend, timeout=150)
+    _, files = backend_ranks("overlap", WORLD, backend, f"zero-overlap-{backend}", timeout=150)
     return backend, [torch.load(f, weights_only=True) for f in files]
 
 
@@ -98,6 +95,19 @@ def _two_ddp_copies():
     return _ddp(copy.deepcopy(base)), _ddp(copy.deepcopy(base))
 
 
+def _iteration(i, a, za, b, zb):
+    """Iteration ``i`` on one random batch: ``a`` overlapped (``za`` steps inside backward,
+    nothing in the first two iterations) and, from the third, ``b`` with ``zb`` stepped after
+    backward."""
+    x = torch.randn(3, 4)
+    za.zero_grad()
+    a(x).pow(2).sum().backward()
+    if i >= 2:
+        zb.zero_grad()
+        b(x).pow(2).sum().backward()
+        zb.step()
+
+
 def test_hook_argument_checks(pg1):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -148,16 +158,11 @@ def test_one_rank_overlap_follows_lr_and_trainability(pg1, interleaved):
     a.register_comm_hook(None, hook(allreduce_hook, a, za))
     sched_a = None
     for i in range(7):
-        x = torch.randn(3, 4)
         if i == 2:  # the first update: from here on both must agree
             sched_a = torch.optim.lr_scheduler.StepLR(za, step_size=1, gamma=0.5)
             sched_b = torch.optim.lr_scheduler.StepLR(zb, step_size=1, gamma=0.5)
-        za.zero_grad()
-        a(x).pow(2).sum().backward()
+        _iteration(i, a, za, b, zb)
         if i >= 2:
-            zb.zero_grad()
-            b(x).pow(2).sum().backward()
-            zb.step()
             sched_a.step()
             sched_b.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -210,13 +215,7 @@ def test_one_rank_functional_class_given(pg1, which):
         zb = ZeroRedundancyOptimizer(b.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
         a.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, a, za))
         for i in range(6):
-            x = torch.randn(3, 4)
-            za.zero_grad()
-            a(x).pow(2).sum().backward()
-            if i >= 2:
-                zb.zero_grad()
-                b(x).pow(2).sum().backward()
-                zb.step()
+            _iteration(i, a, za, b, zb)
     assert isinstance(za.optim, cls)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
