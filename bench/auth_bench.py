@@ -105,7 +105,6 @@ def bench_step(trials: int, steps: int) -> None:
     import argparse as _argparse
 
     from bench import manager_bench
-    from ft.coordination import LighthouseServer
 
     args = _argparse.Namespace(groups=2, steps=steps, warmup=5, trials=1, hb_ms=1000)
     tmp = tempfile.mkdtemp(prefix="ft-auth-bench-")
@@ -113,14 +112,7 @@ def bench_step(trials: int, steps: int) -> None:
 
     def measure() -> Dict[str, float]:
         counter[0] += 1
-        lh = LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=args.groups,
-            http_bind="",
-            join_timeout_ms=5000,
-            quorum_tick_ms=100,
-            heartbeat_timeout_ms=1000,
-        )
+        lh = manager_bench.bench_lighthouse(args.groups, args.hb_ms)
         names = [f"ft{counter[0]}-{g}" for g in range(args.groups)]
         procs = [
             manager_bench.spawn(

@@ -24,6 +24,7 @@ Results: docs/benchmarks.md, "Manager".
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -158,6 +159,21 @@ def child(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ parent
 
 
+def bench_lighthouse(groups: int, hb_ms: int, join_timeout_ms: int = 5000) -> Any:
+    """A lighthouse in this process on loopback (no dashboard) for ``groups`` replica groups,
+    quorum ticks of 100 ms, heartbeats timing out after ``hb_ms``."""
+    from ft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=groups,
+        http_bind="",
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=hb_ms,
+    )
+
+
 def child_argv(
     args: argparse.Namespace,
     tmp: str,
@@ -202,20 +218,11 @@ def child_env() -> Dict[str, str]:
     )
 
 
-def spawn(
-    args: argparse.Namespace,
-    tmp: str,
-    group: int,
-    mode: str,
-    port: int,
-    steps: int,
-    name: str,
-    lighthouse: str = "",
-    extra: List[str] = (),
-) -> subprocess.Popen:
-    cmd = [sys.executable] + child_argv(
-        args, tmp, group, mode, port, steps, name, lighthouse, extra
-    )
+def spawn(args: argparse.Namespace, tmp: str, *child: Any, **kw: Any) -> subprocess.Popen:
+    """Starts the child of ``child_argv(args, tmp, *child, **kw)``, its output in
+    ``<tmp>/<name>.log``."""
+    cmd = [sys.executable] + child_argv(args, tmp, *child, **kw)
+    name = inspect.signature(child_argv).bind(args, tmp, *child, **kw).arguments["name"]
     log = open(os.path.join(tmp, f"{name}.log"), "w")
     return subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
 
@@ -320,7 +327,6 @@ def median_phases(tmp: str, names: List[str], warmup: int) -> List[float]:
 
 
 def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
-    from ft.coordination import LighthouseServer
 
     res = {}
     phases: Dict[str, List[float]] = {}
@@ -335,14 +341,7 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
             wait_all(procs, 300)
         finally:
             reap(procs)
-        lh = LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=args.groups,
-            http_bind="",
-            join_timeout_ms=5000,
-            quorum_tick_ms=100,
-            heartbeat_timeout_ms=args.hb_ms,
-        )
+        lh = bench_lighthouse(args.groups, args.hb_ms)
         procs = [
             spawn(args, tmp, g, "ft", free_port(), args.steps, f"ft{trial}-{g}", lh.address())
             for g in range(args.groups)
@@ -387,16 +386,7 @@ def bench_overhead(args: argparse.Namespace, tmp: str) -> None:
 def bench_failures(args: argparse.Namespace, tmp: str) -> None:
     import torch
 
-    from ft.coordination import LighthouseServer
-
-    lh = LighthouseServer(
-        bind="127.0.0.1:0",
-        min_replicas=1,
-        http_bind="",
-        join_timeout_ms=1000,
-        quorum_tick_ms=100,
-        heartbeat_timeout_ms=args.hb_ms,
-    )
+    lh = bench_lighthouse(1, args.hb_ms, join_timeout_ms=1000)
     long_steps = 100000
     names = [f"f-{g}" for g in range(args.groups)]
     procs = [

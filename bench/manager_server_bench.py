@@ -25,8 +25,28 @@ import time
 from datetime import timedelta
 
 TIMEOUT = timedelta(seconds=30)
+WARMUP = 10  # untimed rounds first
 # The server's transport, and for the native one whether rank 1 uses call streams.
 CONFIGS = ("native", "native-calls", "grpcio")
+
+
+def own_cpu_s() -> float:
+    """This process's CPU time so far (user + system, all its threads), seconds."""
+    t = os.times()
+    return t.user + t.system
+
+
+def timed_steps(client, rank: int, rounds: int, barrier, clock) -> list:  # type: ignore[no-untyped-def]
+    """``rounds`` steps of Quorum + ShouldCommit as ``rank``, each after ``barrier``, after
+    WARMUP untimed ones; what each took by ``clock`` (seconds)."""
+    costs = []
+    for step in range(WARMUP + rounds):
+        barrier.wait(timeout=60)
+        c0 = clock()
+        client._quorum(rank, step, "", False, TIMEOUT)
+        client.should_commit(rank, step, True, TIMEOUT)
+        costs.append(clock() - c0)
+    return costs[WARMUP:]
 
 
 def rank1(addr: str, rounds: int, barrier, out, streams: bool) -> None:  # type: ignore[no-untyped-def]
@@ -36,15 +56,8 @@ def rank1(addr: str, rounds: int, barrier, out, streams: bool) -> None:  # type:
     if not streams:
         os.environ[_rpc.CALL_STREAMS_ENV] = "0"
     client = ManagerClient(addr, timedelta(seconds=10))
-    times = []
     try:
-        for step in range(rounds + 10):
-            barrier.wait(timeout=60)
-            t0 = time.perf_counter()
-            client._quorum(1, step, "", False, TIMEOUT)
-            client.should_commit(1, step, True, TIMEOUT)
-            times.append(time.perf_counter() - t0)
-        out.put(times[10:])
+        out.put(timed_steps(client, 1, rounds, barrier, time.perf_counter))
     except BaseException as e:  # noqa: BLE001
         out.put(repr(e))
         barrier.abort()
@@ -78,16 +91,8 @@ def run(config: str, lighthouse_addr: str, rounds: int) -> tuple:
         daemon=True,
     )
     proc.start()
-    cpu = []
     try:
-        for step in range(rounds + 10):
-            barrier.wait(timeout=60)
-            c0 = os.times()
-            local._quorum(0, step, "", False, TIMEOUT)
-            local.should_commit(0, step, True, TIMEOUT)
-            c1 = os.times()
-            if step >= 10:
-                cpu.append((c1.user + c1.system) - (c0.user + c0.system))
+        cpu = timed_steps(local, 0, rounds, barrier, own_cpu_s)
         times = out.get(timeout=60)
         if isinstance(times, str):
             raise RuntimeError(f"rank 1 failed: {times}")
