@@ -387,22 +387,13 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
     import torch
 
     lh = bench_lighthouse(1, args.hb_ms, join_timeout_ms=1000)
-    long_steps = 100000
+
+    def long_child(group: int, name: str) -> List[Any]:
+        """child_argv's arguments after (args, tmp) for an ft group that trains until killed."""
+        return [group, "ft", free_port(), 100000, name, lh.address(), ["--pg-timeout", "60"]]
+
     names = [f"f-{g}" for g in range(args.groups)]
-    procs = [
-        spawn(
-            args,
-            tmp,
-            g,
-            "ft",
-            free_port(),
-            long_steps,
-            names[g],
-            lh.address(),
-            extra=["--pg-timeout", "60"],
-        )
-        for g in range(args.groups)
-    ]
+    procs = [spawn(args, tmp, *long_child(g, names[g])) for g in range(args.groups)]
     try:
         wait_until(lambda: min(progress(tmp, n) for n in names) >= 5, 300, "warm-up")
         # --- kill -9, then restart (recovery latency)
@@ -413,19 +404,7 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         s = progress(tmp, names[0])
         wait_until(lambda: progress(tmp, names[0]) >= s + 5, 120, "survivors after kill")
         restarted = "f-restart"
-        procs.append(
-            spawn(
-                args,
-                tmp,
-                victim,
-                "ft",
-                free_port(),
-                long_steps,
-                restarted,
-                lh.address(),
-                extra=["--pg-timeout", "60"],
-            )
-        )
+        procs.append(spawn(args, tmp, *long_child(victim, restarted)))
         wait_until(lambda: progress(tmp, restarted) >= 3, 300, "restarted group")
         # --- the same kill and restart, the new group being a warm standby (as ft-launch does)
         standby_proc = start_standby()
@@ -440,17 +419,7 @@ def bench_failures(args: argparse.Namespace, tmp: str) -> None:
         warm = "f-warm-restart"
         activate_standby(
             standby_proc,
-            child_argv(
-                args,
-                tmp,
-                victim,
-                "ft",
-                free_port(),
-                long_steps,
-                warm,
-                lh.address(),
-                extra=["--pg-timeout", "60"],
-            ),
+            child_argv(args, tmp, *long_child(victim, warm)),
             os.path.join(tmp, f"{warm}.log"),
         )
         wait_until(lambda: progress(tmp, warm) >= 3, 300, "group restarted from a standby")
