@@ -50,15 +50,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ft
+from bench.manager_bench import wait_until
 from ft.local_sgd import DiLoCo
-
-
-def wchar() -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("no wchar")
+from tests.diloco.workers import wchar  # bytes this process has written (Gloo's sockets)
 
 
 class _DoneWork:
@@ -227,14 +221,6 @@ def train_ddp(rank, args, steps):
         mgr.shutdown()
 
 
-def _wait_until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout}s")
-        time.sleep(0.001)
-
-
 def survive(args, store) -> dict:
     """Replica 0 of the rejoin measurement: DiLoCo without a break until the joiner is done;
     publishes its syncs and how many inner steps it has taken since the last one."""
@@ -305,8 +291,8 @@ def rejoin(args, store) -> dict:
         # As after a crash: the survivor has synced alone since the last visit (its last
         # quorum does not hold a replica that is gone), and is halfway through an interval.
         syncs = int(store.get("survivor/syncs"))
-        _wait_until(lambda: int(store.get("survivor/syncs")) >= syncs + 2, 60, "solo syncs")
-        _wait_until(lambda: int(store.get("survivor/local")) == H // 2, 60, "mid-interval")
+        wait_until(lambda: int(store.get("survivor/syncs")) >= syncs + 2, 60, "solo syncs", 0.001)
+        wait_until(lambda: int(store.get("survivor/local")) == H // 2, 60, "mid-interval", 0.001)
         took = _visit(args, mode)
         if i:
             times[mode].append(took)

@@ -289,12 +289,14 @@ def wait_all(procs: List[subprocess.Popen], timeout: float) -> None:
             raise RuntimeError("a bench child overran") from None
 
 
-def wait_until(pred, timeout: float, what: str) -> None:
+def wait_until(pred, timeout: float, what: str, poll: float = 0.02) -> None:
+    """Returns once ``pred()`` holds (checked every ``poll`` seconds); RuntimeError naming
+    ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(poll)
 
 
 def reap(procs: List[subprocess.Popen]) -> None:
