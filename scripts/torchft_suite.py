@@ -544,21 +544,27 @@ def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
             pass
 
 
+def _start_in_session(cmd: Sequence[str], cwd: Path, env: Dict[str, str], out) -> subprocess.Popen:
+    """cmd in a session of its own (``_kill_group`` ends all of it), stdin from /dev/null,
+    stdout and stderr into the open file ``out``."""
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
 def run_command(
     cmd: Sequence[str], cwd: Path, env: Dict[str, str], timeout: float, log: Path
 ) -> Tuple[Optional[int], float]:
     """Runs cmd in its own session with output to log; (returncode or None on timeout, s)."""
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        proc = _start_in_session(cmd, cwd, env, out)
         try:
             rc: Optional[int] = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -820,17 +826,7 @@ def run_example(
             )
             log = open(run_dir / f"group{group}.log", "w+b")
             logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, script],
-                    cwd=run_dir,
-                    env=genv,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            )
+            procs.append(_start_in_session([sys.executable, script], run_dir, genv, log))
         end = time.monotonic() + timeout
         for p in procs:
             try:
