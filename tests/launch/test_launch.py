@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import pytest
 
@@ -217,13 +217,18 @@ def test_usage_errors():
 # ---------------------------------------------------------------------- supervisor (fake worker)
 
 
-def test_kill_chaos_restarts_and_finishes():
-    rc, out, s = run_launch(
-        "--replicas 3 --chaos kill --every 1 --seed 3 --max-steps 100 --restart-delay 0.1",
-        [FAKE],
-        90,
-    )
+def run_fake_ok(launcher_args: str, *fake_args: str, wait_s: float = 90) -> Tuple[str, dict]:
+    """``run_launch`` of the fake worker (``fake_args``) that must exit 0; its output and
+    summary."""
+    rc, out, s = run_launch(launcher_args, [FAKE, *fake_args], wait_s)
     assert rc == 0, out
+    return out, s
+
+
+def test_kill_chaos_restarts_and_finishes():
+    out, s = run_fake_ok(
+        "--replicas 3 --chaos kill --every 1 --seed 3 --max-steps 100 --restart-delay 0.1"
+    )
     assert s["all_done"] and s["identical"], out
     assert len(s["chaos"]) >= 1 and len(s["restarts"]) >= 1, out
     assert all(c["mode"] == "kill" for c in s["chaos"])
@@ -235,12 +240,13 @@ def test_restarts_use_warm_standbys():
     """Once every group trains, the launcher keeps a standby per rank (a process that imported
     torch and ft ahead of time); a restarted group's ranks are those standbys, they get the
     rank's environment, and unused standbys are reaped at the end."""
-    rc, out, s = run_launch(
+    out, s = run_fake_ok(
         "--replicas 2 --ranks-per-group 2 --chaos kill --every 6 --seed 1 --max-steps 200 --restart-delay 0.1",
-        [FAKE, '--dump-env', '--step-s', '0.05'],
-        120,
+        "--dump-env",
+        "--step-s",
+        "0.05",
+        wait_s=120,
     )
-    assert rc == 0, out
     assert s["all_done"] and s["identical"], out
     assert s["warm_starts"] >= 2 and "from warm standbys" in out, out
     restarted = [g for g in s["groups"] if g["tries"] > 1]
@@ -254,22 +260,17 @@ def test_restarts_use_warm_standbys():
 
 
 def test_no_standby_restarts_cold():
-    rc, out, s = run_launch(
-        "--replicas 2 --chaos kill --every 1 --seed 3 --max-steps 60 --restart-delay 0.1 --no-standby",
-        [FAKE],
-        90,
+    out, s = run_fake_ok(
+        "--replicas 2 --chaos kill --every 1 --seed 3 --max-steps 60 --restart-delay 0.1 --no-standby"
     )
-    assert rc == 0, out
     assert s["restarts"] and s["warm_starts"] == 0 and not s["standby_pids"], out
 
 
 def test_whole_group_restart_and_env():
-    rc, out, s = run_launch(
+    out, s = run_fake_ok(
         "--replicas 2 --ranks-per-group 2 --chaos kill --every 1 --seed 1 --max-steps 60 --restart-delay 0.1",
-        [FAKE, '--dump-env'],
-        90,
+        "--dump-env",
     )
-    assert rc == 0, out
     restarted = [g for g in s["groups"] if g["tries"] > 1]
     assert restarted, out
     for g in restarted:
@@ -296,23 +297,17 @@ def test_whole_group_restart_and_env():
 
 
 def test_stop_chaos_resumes_without_restart():
-    rc, out, s = run_launch(
-        "--replicas 2 --chaos stop --every 1 --stop-seconds 0.5 --seed 0 --max-steps 80",
-        [FAKE],
-        90,
+    out, s = run_fake_ok(
+        "--replicas 2 --chaos stop --every 1 --stop-seconds 0.5 --seed 0 --max-steps 80"
     )
-    assert rc == 0, out
     assert s["chaos"] and not s["restarts"], out
     assert "SIGCONT" in out
 
 
 def test_stop_action_kill_restarts():
-    rc, out, s = run_launch(
-        "--replicas 2 --chaos stop --stop-action kill --every 1 --stop-seconds 0.3 --seed 0 --max-steps 80 --restart-delay 0.1",
-        [FAKE],
-        90,
+    out, s = run_fake_ok(
+        "--replicas 2 --chaos stop --stop-action kill --every 1 --stop-seconds 0.3 --seed 0 --max-steps 80 --restart-delay 0.1"
     )
-    assert rc == 0, out
     assert s["restarts"], out
 
 
@@ -331,8 +326,7 @@ def test_duration_then_sigterm_then_sigkill():
 
 
 def test_duration_graceful():
-    rc, out, s = run_launch("--replicas 2 --duration 1.5", [FAKE], 60)
-    assert rc == 0, out
+    out, s = run_fake_ok("--replicas 2 --duration 1.5", wait_s=60)
     assert s["all_done"] and s["identical"] and "--duration" in s["stop_reason"], out
 
 
@@ -389,35 +383,48 @@ def _check_real_run(rc: int, out: str, s: dict, ranks: int) -> None:
     assert all(a is not None and a > 0.6 for a in accs), accs  # chance is 1/3
 
 
+def check_example_survives(
+    example: str,
+    launcher_args: str,
+    ranks: int,
+    wait_s: float,
+    example_args: Sequence[str] = (),
+    step_sleep: float = 0.02,
+) -> None:
+    """``example`` (``example_args``, a step sleep and a final wait of 60 s) under ft-launch
+    with ``launcher_args`` passes ``_check_real_run`` with ``ranks`` ranks."""
+    worker = [example, *example_args, "--step-sleep", str(step_sleep), "--final-wait", "60"]
+    rc, out, s = run_launch(launcher_args, worker, wait_s)
+    _check_real_run(rc, out, s, ranks=ranks)
+
+
 def test_train_ddp_survives_kills():
     """3 groups x 1 rank, SIGKILLs every 3 s: training goes on, every replica ends identical."""
-    rc, out, s = run_launch(
-        "--replicas 3 --chaos kill --every 3 --seed 0 --max-steps 400",
-        [EXAMPLE, '--step-sleep', '0.02', '--final-wait', '60'],
-        170,
+    check_example_survives(
+        EXAMPLE, "--replicas 3 --chaos kill --every 3 --seed 0 --max-steps 400", 3, 170
     )
-    _check_real_run(rc, out, s, ranks=3)
 
 
 def test_train_ddp_async_quorum_survives_kills():
     """The same with async quorums: a restarted group joins the step's collectives while its
     heal arrives (its source sends at its own should_commit), heals, and ends identical."""
-    rc, out, s = run_launch(
+    check_example_survives(
+        EXAMPLE,
         "--replicas 2 --chaos kill --every 3 --seed 1 --max-steps 250",
-        [EXAMPLE, "--async-quorum", "--step-sleep", "0.02", "--final-wait", "60"],
+        2,
         170,
+        ["--async-quorum"],
     )
-    _check_real_run(rc, out, s, ranks=2)
 
 
 def test_train_ddp_two_ranks_per_group():
     """2 groups x 2 ranks: a kill takes the whole group down; it heals and ends identical."""
-    rc, out, s = run_launch(
+    check_example_survives(
+        EXAMPLE,
         "--replicas 2 --ranks-per-group 2 --chaos kill --every 3 --seed 0 --max-steps 300",
-        [EXAMPLE, '--step-sleep', '0.02', '--final-wait', '60'],
+        4,
         170,
     )
-    _check_real_run(rc, out, s, ranks=4)
 
 
 def test_group_that_gave_up_on_a_persistent_fault_is_not_restarted_and_says_why():

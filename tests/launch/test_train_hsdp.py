@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 
-from tests.launch.test_launch import ROOT, _check_real_run, run_launch
+from tests.launch.test_launch import ROOT, check_example_survives
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_hsdp.py")
 
 
 def test_train_hsdp_survives_kills():
-    rc, out, s = run_launch(
+    check_example_survives(
+        EXAMPLE,
         "--replicas 2 --ranks-per-group 2 --chaos kill --every 6 --seed 1 --max-steps 150",
-        [EXAMPLE, '--step-sleep', '0.05', '--final-wait', '60'],
+        4,
         200,
+        step_sleep=0.05,
     )
-    _check_real_run(rc, out, s, ranks=4)
