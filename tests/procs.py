@@ -461,6 +461,18 @@ class Workers:
         kill_all(self.children)
 
 
+def worker_store(store_port: int) -> Any:
+    """The start of a Workers target in its child: warnings-only logging, one torch thread,
+    and the test store."""
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    return connect_store(store_port)
+
+
 def wait_progress(store: Any, keys: List[str], at_least: int, timeout: float, w: Workers) -> int:
     """Waits until every key in the test store holds a step >= at_least; returns the max.
 

@@ -12,7 +12,6 @@ is as in tests/diloco/mp_workers.py.
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.diloco.mp_workers import _task, digest, make_algo, make_manager
-from tests.procs import connect_store
+from tests.procs import worker_store
 
 
 def is_dtensor(t: Any) -> bool:
@@ -244,9 +243,7 @@ def train(
     configs: List[Dict[str, Any]],
     check_partial: bool = False,
 ) -> List[Any]:
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    store = connect_store(store_port)
+    store = worker_store(store_port)
     results: List[Any] = []
     if check_partial:
         results.append(partial_rejected())
@@ -273,10 +270,8 @@ def train_sharded_groups(
     from ft.local_sgd import DiLoCo
     from tests.manager import inproc
 
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
     replica, group_rank = divmod(proc, 2)
-    store = connect_store(store_port)
+    store = worker_store(store_port)
     dist.init_process_group(
         "gloo", store=dist.PrefixStore(f"mesh{replica}", store), rank=group_rank, world_size=2
     )

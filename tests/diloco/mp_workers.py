@@ -6,7 +6,6 @@ group `rank` (one rank per group)."""
 from __future__ import annotations
 
 import hashlib
-import logging
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from ft.utils.tensors import clone_state
-from tests.procs import connect_store
+from tests.procs import worker_store
 
 
 def digest(obj: Any) -> str:
@@ -260,9 +259,7 @@ def run_config(rank: int, lh_addr: str, cfg: Dict[str, Any], test_store) -> Dict
 def train(
     rank: int, world_size: int, store_port: int, *, lh_addr: str, configs: List[Dict[str, Any]]
 ) -> List[Dict[str, Any]]:
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    test_store = connect_store(store_port)
+    test_store = worker_store(store_port)
     results = []
     for i, cfg in enumerate(configs):
         cfg = dict(cfg, tag=f"c{i}-")

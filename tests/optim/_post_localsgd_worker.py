@@ -12,7 +12,6 @@ and ``count/{g}`` (the averager's counter) after each iteration.
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.procs import connect_store
+from tests.procs import connect_store, worker_store
 
 # --------------------------------------------------------------------------- equivalence
 
@@ -177,9 +176,7 @@ def ft_train(
 
     from ft.optim.post_localsgd import FaultTolerantModelAverager, PostLocalSGDOptimizer
 
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    test_store = connect_store(store_port)
+    test_store = worker_store(store_port)
     # Different initial weights per group (and for a restarted group): the join must fix them.
     torch.manual_seed(7 + 31 * rank + 1000 * seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

@@ -18,7 +18,6 @@ identical gradients is exact and the run is bitwise the plain single-process Ada
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -26,7 +25,7 @@ from typing import Any, Dict, List
 import torch
 
 from tests.manager.inproc import make_manager
-from tests.procs import connect_store
+from tests.procs import worker_store
 
 
 def make_model() -> torch.nn.Module:
@@ -61,9 +60,7 @@ def train(
     import ft
     from ft.optim import FaultTolerantZeroDDP, FaultTolerantZeroRedundancyOptimizer
 
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    store = connect_store(store_port)
+    store = worker_store(store_port)
     model = make_model()
     manager = make_manager(  # on Gloo, 10 s timeouts
         lh_addr,
