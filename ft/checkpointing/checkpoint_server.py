@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import ssl
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 from urllib.parse import parse_qs, urlsplit
 
 from ft.checkpointing import http_protocol as wire
@@ -69,41 +68,6 @@ def default_advertise_host(bind_host: Optional[str] = None) -> str:
     return net.advertise_host()
 
 
-class _HTTPServer(BoundedHTTPServer):
-    """A thread per connection, capped and idle-bounded (see ft.utils.http_server), with
-    tracked threads and sockets so that shutdown is bounded; TLS when given a context."""
-
-    def __init__(
-        self,
-        addr: Tuple[str, int],
-        handler: Any,
-        family: int,
-        idle_timeout_s: float,
-        max_connections: int,
-        ssl_context: Optional[ssl.SSLContext],
-    ) -> None:
-        self._ssl_context = ssl_context
-        super().__init__(
-            addr,
-            handler,
-            family=family,
-            idle_timeout_s=idle_timeout_s,
-            max_connections=max_connections,
-            name="ft-ckpt-http",
-        )
-
-    def get_request(self) -> Tuple[socket.socket, Any]:
-        conn, addr = super().get_request()
-        if self._ssl_context is not None:
-            # No handshake here (it would block the accepting thread on a slow client): the
-            # connection's own thread does it with its first read, under the idle bound. The
-            # TLS socket is the one tracked, so idle and shutdown bounds apply to it.
-            conn = self._ssl_context.wrap_socket(
-                conn, server_side=True, do_handshake_on_connect=False
-            )
-        return conn, addr
-
-
 class CheckpointServer:
     """Serves ``served``'s checkpoint over HTTP.
 
@@ -154,14 +118,16 @@ class CheckpointServer:
         self.tls = resolve_tls(tls)
         warn_cleartext(secret, self.tls, "the checkpoint server")
         tls_server = self.tls.server_context() if self.tls and self.tls.can_serve else None
-        self._scheme = "https" if tls_server else "http"
-        self.httpd = _HTTPServer(
+        # A thread per connection, capped and idle-bounded, with tracked threads and sockets
+        # so that shutdown is bounded; TLS when given a context (ft.utils.http_server).
+        self.httpd = BoundedHTTPServer(
             (bind_host, port),
             self._handler_class(),
-            family,
-            idle_timeout_s,
-            max_connections,
-            tls_server,
+            family=family,
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
+            name="ft-ckpt-http",
+            ssl_context=tls_server,
         )
         self.port = self.httpd.server_address[1]
         # None: resolved at every url() call, so the host the Manager picks at its start (the
@@ -180,7 +146,7 @@ class CheckpointServer:
     def url(self) -> str:
         """``http(s)://host:port`` as receivers should dial it."""
         host = self._advertise or default_advertise_host()
-        return f"{self._scheme}://{wire.bracket(host)}:{self.port}"
+        return f"{self.httpd.scheme}://{wire.bracket(host)}:{self.port}"
 
     # ------------------------------------------------------------------ HTTP
 

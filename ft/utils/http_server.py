@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -67,6 +68,10 @@ class BoundedHTTPServer(HTTPServer):
         family: ``socket.AF_INET`` or ``AF_INET6`` (default: from ``addr``'s host). An IPv6
             wildcard listens on IPv4 as well where the system allows it.
         name: names the threads and the log lines.
+        ssl_context: serve HTTPS with it (the handshake happens in the connection's own
+            thread, with its first read, under the idle bound: never in the accepting thread,
+            which a slow client would block; the TLS socket is the one tracked, so the idle and
+            shutdown bounds apply to it).
     """
 
     allow_reuse_address = True
@@ -82,6 +87,7 @@ class BoundedHTTPServer(HTTPServer):
         max_connections: int,
         family: Optional[int] = None,
         name: str = "ft-http",
+        ssl_context: Optional[ssl.SSLContext] = None,
     ) -> None:
         if idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
@@ -93,6 +99,7 @@ class BoundedHTTPServer(HTTPServer):
         self.idle_timeout_s = float(idle_timeout_s)
         self.max_connections = int(max_connections)
         self.name = name
+        self.ssl_context = ssl_context
         self.track_lock = threading.Lock()
         self.threads: Set[threading.Thread] = set()
         # open connection -> monotonic deadline for its request line and headers
@@ -101,6 +108,19 @@ class BoundedHTTPServer(HTTPServer):
         self._refused = 0
         self._refusal_logged = 0.0
         super().__init__(addr, handler)
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with an SSL context, else ``http``."""
+        return "https" if self.ssl_context is not None else "http"
+
+    def get_request(self) -> Tuple[socket.socket, Any]:
+        conn, addr = super().get_request()
+        if self.ssl_context is not None:
+            conn = self.ssl_context.wrap_socket(
+                conn, server_side=True, do_handshake_on_connect=False
+            )
+        return conn, addr
 
     @property
     def sockets(self) -> Set[socket.socket]:

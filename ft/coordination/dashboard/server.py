@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import ssl
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse, urlsplit
 
 from ...utils.auth import AuthError
@@ -369,8 +368,8 @@ def _make_handler(
 
 
 class DashboardServer(BoundedHTTPServer):
-    """The dashboard's server: a thread per connection, capped and idle-bounded
-    (ft.utils.http_server); HTTPS when given an SSL context."""
+    """The dashboard's server: a thread per connection, capped and idle-bounded, HTTPS when
+    given an SSL context (ft.utils.http_server)."""
 
     def __init__(
         self,
@@ -385,7 +384,6 @@ class DashboardServer(BoundedHTTPServer):
         idle_timeout_s: float = DASHBOARD_IDLE_TIMEOUT_S,
         max_connections: int = DASHBOARD_MAX_CONNECTIONS,
     ) -> None:
-        self._ssl_context = ssl_context
         super().__init__(
             addr,
             _make_handler(status, metrics, kill, sessions, https=ssl_context is not None),
@@ -393,18 +391,5 @@ class DashboardServer(BoundedHTTPServer):
             idle_timeout_s=idle_timeout_s,
             max_connections=max_connections,
             name="ft-lighthouse-http",
+            ssl_context=ssl_context,
         )
-
-    @property
-    def scheme(self) -> str:
-        return "https" if self._ssl_context is not None else "http"
-
-    def get_request(self) -> Tuple[socket.socket, Any]:
-        conn, addr = super().get_request()
-        if self._ssl_context is not None:
-            # The handshake happens in the connection's own thread, with its first read, under
-            # the idle bound (never in the accepting thread, which a slow client would block).
-            conn = self._ssl_context.wrap_socket(
-                conn, server_side=True, do_handshake_on_connect=False
-            )
-        return conn, addr
