@@ -63,7 +63,6 @@ from torch.distributed import ReduceOp
 from ft.checkpointing import CheckpointTransport
 from ft.coordination import (
     FailureNotification,
-    LighthouseClient,
     ManagerClient,
     ManagerServer,
     QuorumResult,
@@ -276,12 +275,10 @@ class Manager(StepQueries):
         self._wiring = wiring
         self._replica_id = wiring.replica_id
         self._lighthouse_addr = wiring.lighthouse_addr
-        self._store = wiring.store
-        self._store_addr, self._store_port = wiring.store_addr, wiring.store_port
+        # the group's store and its port, which tests and test workers read
+        self._store, self._store_port = wiring.store, wiring.store_port
         self._manager: Optional[ManagerServer] = wiring.server
         self._client: GroupServerClient = cast(GroupServerClient, wiring.client)
-        self._lighthouse_client: Optional[LighthouseClient] = wiring.lighthouse_client
-        self._healer: Optional[Healer] = wiring.healer
         self._heal.healer = cast(Healer, wiring.healer)
 
     def _links(self) -> Dict[str, Any]:

@@ -14,10 +14,9 @@ Contract (CommitVote):
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
-
-import threading
 
 import torch
 

@@ -15,12 +15,11 @@ Contract (QuorumRound):
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
-
-import threading
 
 import torch
 
