@@ -240,7 +240,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self.overlap is not None
 
     # ----------------------------------------------------------------------------- hooks
-    # The sharding dimension and its group, in one place (a subclass may shard elsewhere).
+    # The sharding dimension and its group, in one place. Both are fixed at construction: the
+    # state-dict and overlap parts take the group then.
 
     def _shard_coords(self) -> Tuple[int, int]:
         """(rank, world_size) of the sharding dimension."""

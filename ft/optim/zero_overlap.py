@@ -471,7 +471,9 @@ class ZeroOverlap:
             else:
                 # Any other functional optimizer: torch's protocol, one entry per local
                 # parameter, None for "do not update".
-                gradients: List[Optional[torch.Tensor]] = [None] * len(self.local_params())
+                gradients: List[Optional[torch.Tensor]] = [None] * len(
+                    self.info.params_per_rank[self.rank]
+                )
                 gradients[start : start + n] = mine_grads
                 self.optimizer.step(gradients)
         for a in info.assignments[index]:
