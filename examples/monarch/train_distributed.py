@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -58,8 +56,16 @@ from monarch.actor import Actor, current_rank, endpoint, this_host  # noqa: E402
 
 # In a source checkout (ft not installed), the repository root holds the package: put it on
 # sys.path here and on PYTHONPATH for the processes Monarch spawns (they inherit this
-# environment).
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# environment). The same for examples/, which holds what the examples share (common.py: the
+# task, the model, the state hash, the stop rule).
+_EXAMPLES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(_EXAMPLES)
+
+
+def _put_on_path(folder: str) -> None:
+    sys.path.insert(0, folder)
+    parts = [folder] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
 
 
 def _make_ft_importable() -> None:
@@ -67,9 +73,10 @@ def _make_ft_importable() -> None:
         return
     if not os.path.isfile(os.path.join(_REPO_ROOT, "ft", "__init__.py")):
         raise SystemExit("ft is not importable: pip install ft, or run from a source checkout")
-    sys.path.insert(0, _REPO_ROOT)
-    parts = [_REPO_ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    _put_on_path(_REPO_ROOT)
+
+
+_put_on_path(_EXAMPLES)
 
 
 def log(msg: str) -> None:
@@ -106,46 +113,15 @@ class LighthouseActor(Actor):
 # the trainers
 
 
-NUM_CLASSES = 3
-
-
 def _batch(step: int, replica_id: int, rank: int, size: int):
     """A deterministic batch of three-spiral points for this step, group and rank: a group
     restarted at a later step trains on exactly what it would have had."""
     import torch
+    from common import NUM_CLASSES, spiral_points
 
     g = torch.Generator().manual_seed(1_000_003 * step + 1009 * replica_id + rank)
     y = torch.randint(0, NUM_CLASSES, (size,), generator=g)
-    t = torch.rand(size, generator=g) * 0.95 + 0.05
-    angle = 2 * math.pi * y / NUM_CLASSES + 2 * math.pi * t
-    x = torch.stack([t * torch.cos(angle), t * torch.sin(angle)], dim=1)
-    return x + 0.05 * torch.randn(x.shape, generator=g), y
-
-
-def _state_hash(model: Any, optimizer: Any) -> str:
-    """sha256 over the model's and the optimizer's tensors (raw bytes) and other values."""
-    import torch
-
-    h = hashlib.sha256()
-
-    def feed(name: str, value: Any) -> None:
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
-            for k in sorted(value, key=str):
-                feed(f"{name}.{k}", value[k])
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                feed(f"{name}[{i}]", v)
-        else:
-            h.update(repr(value).encode())
-
-    feed("model", model.state_dict())
-    feed("optim", optimizer.state_dict())
-    return h.hexdigest()
+    return spiral_points(y, g, noise=0.05), y
 
 
 class _HealLog(logging.Handler):
@@ -214,15 +190,12 @@ class TrainerActor(Actor):
         from datetime import timedelta
 
         import torch
-        import torch.distributed as dist
-        import torch.nn as nn
+        from common import init_group_pg, make_model, setup_logging
 
         import ft
 
         torch.set_num_threads(1)
-        logging.basicConfig(
-            level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        setup_logging(logging.WARNING)
         for handler in logging.getLogger().handlers:
             handler.setLevel(logging.WARNING)
         self.heal_log = _HealLog()
@@ -232,29 +205,13 @@ class TrainerActor(Actor):
 
         cfg = self.cfg
         torch.manual_seed(cfg["seed"])  # the same initial weights everywhere
-        self.net = nn.Sequential(
-            nn.Linear(2, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, NUM_CLASSES)
-        )
+        self.net = make_model(64)
         self.inner_opt = torch.optim.AdamW(self.net.parameters(), lr=cfg["lr"])
 
         # The ranks of one group also average among themselves, over a plain gloo group.
         self.group_pg = None
         if self.world_size > 1:
-            store = dist.TCPStore(
-                store_host,
-                ports[1],
-                self.world_size,
-                is_master=self.rank == 0,
-                timeout=timedelta(seconds=60),
-            )
-            dist.init_process_group(
-                "gloo",
-                store=store,
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=60),
-            )
-            self.group_pg = dist.group.WORLD
+            self.group_pg = init_group_pg(store_host, ports[1], self.rank, self.world_size, 60.0)
 
         def load_state_dict(sd: Dict[str, Any]) -> None:
             self.net.load_state_dict(sd["model"])
@@ -284,6 +241,7 @@ class TrainerActor(Actor):
         import torch
         import torch.distributed as dist
         import torch.nn.functional as F
+        from common import StopRule, average_in_group, state_hash
 
         cfg, manager = self.cfg, self.manager
         steps, groups = cfg["steps"], cfg["replica_count"]
@@ -294,7 +252,7 @@ class TrainerActor(Actor):
             and self.rank == cfg["kill_rank"]
         )
         t0 = time.monotonic()
-        final_since: Optional[float] = None
+        stop = StopRule(steps, groups, cfg["final_wait"])
         seen_heals = 0
         failed_steps = 0
         last_quorum: Optional[int] = None
@@ -315,13 +273,7 @@ class TrainerActor(Actor):
 
             # Stop once `steps` are done and every group is back (or --final-wait has passed);
             # the flags are averaged below, so every participant decides alike.
-            at_end = step >= steps
-            if at_end and final_since is None:
-                final_since = time.monotonic()
-            waited_out = (
-                final_since is not None and time.monotonic() - final_since > cfg["final_wait"]
-            )
-            want_stop = at_end and (participants >= groups or waited_out)
+            at_end, want_stop = stop(step, participants)
 
             xb, yb = _batch(step, self.replica_id, self.rank, cfg["batch_size"])
             loss = F.cross_entropy(self.model(xb), yb)
@@ -330,9 +282,8 @@ class TrainerActor(Actor):
             ctrl = torch.tensor([float(want_stop), float(at_end), loss.item()])
             manager.allreduce(ctrl).wait()
             if self.group_pg is not None:
-                for t in [ctrl] + [p.grad for p in self.net.parameters() if p.grad is not None]:
-                    dist.all_reduce(t, group=self.group_pg)
-                    t.div_(self.world_size)
+                grads = [p.grad for p in self.net.parameters() if p.grad is not None]
+                average_in_group([ctrl, *grads], self.world_size, self.group_pg)
             stop_now, end_now, mean_loss = (float(v) for v in ctrl.tolist())
 
             if stop_now > 0 or end_now > 0:
@@ -350,7 +301,7 @@ class TrainerActor(Actor):
             if cfg["step_sleep"]:
                 time.sleep(cfg["step_sleep"])
 
-        digest = _state_hash(self.net, self.inner_opt)
+        digest = state_hash(self.net, self.inner_opt)
         report = {
             "replica": self.replica_id,
             "rank": self.rank,
