@@ -12,25 +12,11 @@ corrupted state.
 from ft.checkpointing.http_transport import HTTPTransport
 from ft.checkpointing.pg_transport import PGTransport
 from ft.checkpointing.rwlock import RWLock
-from ft.checkpointing.transport import (
-    CheckpointAuthError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotAvailableError,
-    CheckpointTransferError,
-    CheckpointTransport,
-)
+from ft.checkpointing.transport import CheckpointTransport
+from ft.checkpointing import errors
 
-__all__ = [
-    "CheckpointTransport",
-    "HTTPTransport",
-    "PGTransport",
-    "RWLock",
-    "CheckpointError",
-    "CheckpointCorruptError",
-    "CheckpointNotAvailableError",
-    "CheckpointTransferError",
-    "CheckpointAuthError",
-    "CheckpointFormatError",
-]
+# The error hierarchy (CheckpointError and the kinds of failure), as errors.__all__ lists it.
+from ft.checkpointing.errors import *  # noqa: F403
+
+__all__ = ["CheckpointTransport", "HTTPTransport", "PGTransport", "RWLock"]
+__all__ += errors.__all__

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ft.checkpointing.transport import CheckpointFormatError
+from ft.checkpointing.errors import CheckpointFormatError
 
 __all__ = ["ReceivedDTensor", "encode", "parse", "restore_dtensors", "describe_placements"]
 

@@ -19,14 +19,7 @@ from ft.checkpointing import http_protocol as wire
 from ft.checkpointing import same_host
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.deadline_io import read_exact
-from ft.checkpointing.transport import (
-    CheckpointAuthError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotAvailableError,
-    CheckpointTransferError,
-)
+from ft.checkpointing import errors
 from ft.utils.auth import (
     CHECKPOINT_CONTENT_PURPOSE,
     CHECKPOINT_REQUEST_PURPOSE,
@@ -51,7 +44,11 @@ logger = logging.getLogger(__name__)
 _RANGE_ERROR_GRACE_S = 1.0
 # When several ranges fail, the error raised is the most telling: corruption, then refusal of
 # the secret, then availability, then anything else.
-_ERROR_ORDER = (CheckpointCorruptError, CheckpointAuthError, CheckpointNotAvailableError)
+_ERROR_ORDER = (
+    errors.CheckpointCorruptError,
+    errors.CheckpointAuthError,
+    errors.CheckpointNotAvailableError,
+)
 # A refusal's text is read up to this much: more than any message a source sends, and a bound
 # on what a hostile one can make the receiver read.
 _REFUSAL_TEXT_BYTES = 4096
@@ -150,11 +147,13 @@ class CheckpointFetcher:
         deadline = Deadline.after(timeout)
         url = urlsplit(metadata)
         if url.scheme not in ("http", "https") or not url.hostname or not url.port:
-            raise CheckpointError(f"bad checkpoint address {metadata!r} (want http://host:port)")
+            raise errors.CheckpointError(
+                f"bad checkpoint address {metadata!r} (want http://host:port)"
+            )
         host, port = url.hostname, url.port
         secure = url.scheme == "https"
         if secure and (self._tls is None or not self._tls.ca_file):
-            raise CheckpointError(
+            raise errors.CheckpointError(
                 f"{metadata}: the source serves TLS, and this replica has no CA to verify it "
                 f"with (set FT_TLS_CA_FILE, or pass tls=TLSConfig(ca_file=...))"
             )
@@ -180,10 +179,12 @@ class CheckpointFetcher:
                 path = f"{wire.PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
                 body, lease = self.get_metadata(host, port, path, deadline, where, secure=secure)
             if deadline.expired:
-                raise CheckpointTransferError(f"{where}: timed out before parsing the metadata")
+                raise errors.CheckpointTransferError(
+                    f"{where}: timed out before parsing the metadata"
+                )
             tree, specs, staging, lease = self.parse_metadata(body, lease, step, where)
             if deadline.expired:
-                raise CheckpointTransferError(f"{where}: timed out parsing the metadata")
+                raise errors.CheckpointTransferError(f"{where}: timed out parsing the metadata")
             tensors = [ser.allocate(s, torch.device("cpu")) for s in specs]
             offsets = [0]
             views = []
@@ -220,7 +221,7 @@ class CheckpointFetcher:
         from ft.checkpointing.striped import StripedFetch, StripeOptions
 
         if not sources:
-            raise CheckpointError("a striped fetch needs at least one source")
+            raise errors.CheckpointError("a striped fetch needs at least one source")
         rank, metadata = sources[0]
         fragment = urlsplit(metadata).fragment
         if len(sources) == 1 or (self._same_host and fragment and self._shares_host(fragment)):
@@ -300,13 +301,13 @@ class CheckpointFetcher:
                 timeout=deadline.remaining() + _RANGE_ERROR_GRACE_S,
                 return_when=FIRST_EXCEPTION,
             )
-            errors = [f.exception() for f in done if f.exception() is not None]
-            if errors or pending:
+            failures = [f.exception() for f in done if f.exception() is not None]
+            if failures or pending:
                 stop.set()
-                errors.sort(key=_severity)
-                if errors:
-                    raise errors[0]
-                raise CheckpointTransferError(f"{where}: timed out after {timeout}")
+                failures.sort(key=_severity)
+                if failures:
+                    raise failures[0]
+                raise errors.CheckpointTransferError(f"{where}: timed out after {timeout}")
         finally:
             stop.set()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -317,20 +318,20 @@ class CheckpointFetcher:
     ) -> Tuple[Any, List[ser.TensorSpec], str, str]:
         """Checks a metadata body (header + CRC-32); returns (tree, specs, staging, lease)."""
         if len(body) < wire.TRAILER.size:
-            raise CheckpointTransferError(f"{where}: truncated metadata")
+            raise errors.CheckpointTransferError(f"{where}: truncated metadata")
         header, (crc,) = body[: -wire.TRAILER.size], wire.TRAILER.unpack(body[-wire.TRAILER.size :])
         if ser.crc32(header) != crc:
-            raise CheckpointCorruptError(f"{where}: metadata checksum mismatch")
+            raise errors.CheckpointCorruptError(f"{where}: metadata checksum mismatch")
         doc, tree, specs = ser.decode_header(header)
         total = sum(s.nbytes for s in specs)
         if doc.get("step") != step or doc.get("total_bytes") != total:
-            raise CheckpointFormatError(
+            raise errors.CheckpointFormatError(
                 f"{where}: server answered step {doc.get('step')!r} with "
                 f"{doc.get('total_bytes')!r} bytes (expected step {step}, {total} bytes)"
             )
         staging = doc.get("staging")
         if type(staging) is not str or not staging.isalnum() or not staging.isascii():
-            raise CheckpointFormatError(f"{where}: bad staging id")
+            raise errors.CheckpointFormatError(f"{where}: bad staging id")
         if not (lease.isalnum() and lease.isascii()):
             lease = ""  # an unknown lease still works while the checkpoint is staged
         return tree, specs, staging, lease
@@ -361,7 +362,7 @@ class CheckpointFetcher:
         went down answers nothing)."""
         remaining = deadline.remaining()
         if remaining <= 0:
-            raise CheckpointTransferError(f"{where}: timed out")
+            raise errors.CheckpointTransferError(f"{where}: timed out")
         if stall_s is not None:
             remaining = min(remaining, stall_s)
         headers = {"Connection": "close"}
@@ -387,12 +388,12 @@ class CheckpointFetcher:
                 resp = conn.getresponse()
             except (socket.timeout, TimeoutError):
                 conn.close()
-                raise CheckpointTransferError(f"{where}: timed out") from None
+                raise errors.CheckpointTransferError(f"{where}: timed out") from None
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 if deadline.expired:
-                    raise CheckpointTransferError(f"{where}: timed out") from None
-                raise CheckpointTransferError(
+                    raise errors.CheckpointTransferError(f"{where}: timed out") from None
+                raise errors.CheckpointTransferError(
                     f"{where}: request failed ({type(e).__name__}: {e})"
                 ) from None
             if resp.status != 200:
@@ -422,13 +423,13 @@ class CheckpointFetcher:
         try:
             declared = resp.getheader("Content-Length")
             if declared is None:
-                raise CheckpointFormatError(
+                raise errors.CheckpointFormatError(
                     f"{where}: the source sent metadata without a Content-Length; refused"
                 )
             length = int(declared)
             if not 0 <= length <= wire.MAX_HEADER:
                 # refused before a byte of it is read
-                raise CheckpointFormatError(
+                raise errors.CheckpointFormatError(
                     f"{where}: the source declares {length} bytes of metadata; at most "
                     f"{wire.MAX_HEADER} are accepted "
                     "(ft.checkpointing.serialization.MAX_HEADER_BYTES)"
@@ -442,16 +443,18 @@ class CheckpointFetcher:
                 resp.getheader(wire.CONTENT_MAC_HEADER, ""), signature, body, where
             )
             return body, resp.getheader(wire.LEASE_HEADER, "")
-        except CheckpointError:
+        except errors.CheckpointError:
             raise  # already says what failed (some are OSErrors too: keep them as they are)
         except (socket.timeout, TimeoutError):
-            raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
+            raise errors.CheckpointTransferError(f"{where}: timed out reading metadata") from None
         except ValueError:
-            raise CheckpointFormatError(f"{where}: bad metadata length") from None
+            raise errors.CheckpointFormatError(f"{where}: bad metadata length") from None
         except (OSError, http.client.HTTPException, EOFError) as e:
             if deadline.expired:
-                raise CheckpointTransferError(f"{where}: timed out reading metadata") from None
-            raise CheckpointTransferError(
+                raise errors.CheckpointTransferError(
+                    f"{where}: timed out reading metadata"
+                ) from None
+            raise errors.CheckpointTransferError(
                 f"{where}: peer vanished while sending metadata ({type(e).__name__}: {e})"
             ) from None
         finally:
@@ -486,12 +489,12 @@ class CheckpointFetcher:
         try:
             length = resp.getheader("Content-Length")
             if length is None or int(length) != end - start + wire.TRAILER.size + mac_size:
-                raise CheckpointTransferError(f"{where}: bad Content-Length {length!r}")
+                raise errors.CheckpointTransferError(f"{where}: bad Content-Length {length!r}")
             crc = 0
             for i, lo, hi in same_host.segments(offsets, start, end):
                 for a in range(lo, hi, wire.SLICE):
                     if stop.is_set():
-                        raise CheckpointTransferError(f"{where}: cancelled")
+                        raise errors.CheckpointTransferError(f"{where}: cancelled")
                     dst = views[i][a : min(hi, a + wire.SLICE)]
                     read_exact(sock, resp.readinto, dst, deadline, stall_s)
                     crc = ser.crc32c(dst, crc)
@@ -505,23 +508,23 @@ class CheckpointFetcher:
                 wire.range_bytes(start, end),
                 bytes(trailer[: wire.TRAILER.size]),
             ):
-                raise CheckpointAuthError(
+                raise errors.CheckpointAuthError(
                     f"{where}: bytes [{start}, {end}) are not signed with the job secret: the "
                     f"source is not a member of this job; data discarded"
                 )
             if wire.TRAILER.unpack(trailer[: wire.TRAILER.size])[0] != crc:
-                raise CheckpointCorruptError(
+                raise errors.CheckpointCorruptError(
                     f"{where}: checksum mismatch in bytes [{start}, {end}); data discarded"
                 )
             return crc
-        except CheckpointError:
+        except errors.CheckpointError:
             raise  # already says what failed (some are OSErrors too: keep them as they are)
         except (socket.timeout, TimeoutError):
-            raise CheckpointTransferError(
+            raise errors.CheckpointTransferError(
                 f"{where}: timed out after {got} of {end - start} bytes of range [{start}, {end})"
             ) from None
         except (OSError, http.client.HTTPException, EOFError) as e:
-            raise CheckpointTransferError(
+            raise errors.CheckpointTransferError(
                 f"{where}: peer vanished after {got} of {end - start} bytes of range "
                 f"[{start}, {end}) ({type(e).__name__}: {e})"
             ) from None
@@ -538,7 +541,7 @@ class CheckpointFetcher:
         except ValueError:
             mac = b""
         if not self.content_signer.check(mac, b"meta", signature, body):
-            raise CheckpointAuthError(
+            raise errors.CheckpointAuthError(
                 f"{where}: the metadata is not signed with the job secret "
                 f"({'no signature' if not mac_hex else 'wrong signature'}): the source is not a "
                 f"member of this job; nothing was loaded"

@@ -49,7 +49,7 @@ from ft.utils.deadline import Deadline
 
 from ft.checkpointing import same_host
 from ft.checkpointing import serialization as ser
-from ft.checkpointing.transport import (
+from ft.checkpointing.errors import (
     CheckpointAuthError,
     CheckpointNotAvailableError,
     CheckpointTransferError,

@@ -35,14 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 import torch
 
 from ft.checkpointing import serialization as ser
-from ft.checkpointing.transport import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotAvailableError,
-    CheckpointTransferError,
-    CheckpointTransport,
-)
+from ft.checkpointing import errors
+from ft.checkpointing.transport import CheckpointTransport
 from ft.utils.deadline import Deadline
 
 T = TypeVar("T")
@@ -143,13 +137,13 @@ class PGTransport(CheckpointTransport[T]):
         for work, what in works:
             remaining = deadline.remaining()
             if remaining <= 0:
-                raise CheckpointTransferError(f"{what}: timed out")
+                raise errors.CheckpointTransferError(f"{what}: timed out")
             try:
                 ok = work.wait(timedelta(seconds=remaining))
             except Exception as e:  # noqa: BLE001 - backends raise RuntimeError/DistBackendError
-                raise CheckpointTransferError(f"{what}: {type(e).__name__}: {e}") from None
+                raise errors.CheckpointTransferError(f"{what}: {type(e).__name__}: {e}") from None
             if ok is False:
-                raise CheckpointTransferError(f"{what}: timed out")
+                raise errors.CheckpointTransferError(f"{what}: timed out")
 
     def send_checkpoint(
         self,
@@ -178,7 +172,7 @@ class PGTransport(CheckpointTransport[T]):
             try:
                 return op()
             except Exception as e:  # noqa: BLE001
-                raise CheckpointTransferError(f"{what}: {type(e).__name__}: {e}") from None
+                raise errors.CheckpointTransferError(f"{what}: {type(e).__name__}: {e}") from None
 
         heads: List[Tuple[Any, str]] = []
         acks: List[Tuple[int, torch.Tensor, Any, str]] = []
@@ -219,7 +213,9 @@ class PGTransport(CheckpointTransport[T]):
             works.append((post(lambda: self._pg.send([trailer], dst, _TAG), what), what))
         self._wait(works, deadline)
         if refused:
-            raise CheckpointTransferError(f"sending checkpoint step {step}: " + "; ".join(refused))
+            raise errors.CheckpointTransferError(
+                f"sending checkpoint step {step}: " + "; ".join(refused)
+            )
         logger.debug(
             "sent checkpoint step=%d bytes=%d to %s", step, sum(s.nbytes for s in specs), dst_ranks
         )
@@ -241,14 +237,14 @@ class PGTransport(CheckpointTransport[T]):
             try:
                 return self._pg.recv([t], src_rank, _TAG)
             except Exception as e:  # noqa: BLE001
-                raise CheckpointTransferError(f"{where}: {type(e).__name__}: {e}") from None
+                raise errors.CheckpointTransferError(f"{where}: {type(e).__name__}: {e}") from None
 
         def ack(status: int) -> None:
             a = torch.tensor([ACK_MAGIC, status], dtype=torch.int64, device=self._device)
             try:
                 work = self._pg.send([a], src_rank, _TAG)
             except Exception as e:  # noqa: BLE001
-                raise CheckpointTransferError(f"{where}: {type(e).__name__}: {e}") from None
+                raise errors.CheckpointTransferError(f"{where}: {type(e).__name__}: {e}") from None
             self._wait([(work, where)], deadline)
 
         pre = torch.zeros(5, dtype=torch.int64, device=self._device)
@@ -261,16 +257,18 @@ class PGTransport(CheckpointTransport[T]):
             or not 0 < hlen <= _MAX_HEADER
         ):
             ack(1)
-            raise CheckpointCorruptError(f"{where}: bad preamble (corrupt or not ft's protocol)")
+            raise errors.CheckpointCorruptError(
+                f"{where}: bad preamble (corrupt or not ft's protocol)"
+            )
         header_t = torch.empty(hlen, dtype=torch.uint8, device=self._device)
         self._wait([(recv(header_t), where)], deadline)
         if got_step != step:
             ack(2)
-            raise CheckpointNotAvailableError(f"{where}: the sender sent step {got_step}")
+            raise errors.CheckpointNotAvailableError(f"{where}: the sender sent step {got_step}")
         header = bytes(ser.memview(header_t.cpu()))
         if ser.crc32(header) != hcrc:
             ack(3)
-            raise CheckpointCorruptError(f"{where}: header checksum mismatch")
+            raise errors.CheckpointCorruptError(f"{where}: header checksum mismatch")
         try:
             doc, tree, specs = ser.decode_header(header)
             algos = doc.get("checksums")
@@ -280,13 +278,13 @@ class PGTransport(CheckpointTransport[T]):
                 or len(algos) != len(specs)
                 or not all(a in _ALGOS for a in algos)
             ):
-                raise CheckpointFormatError(f"{where}: bad header")
+                raise errors.CheckpointFormatError(f"{where}: bad header")
             targets = self._targets(tree, specs)
             tensors = [
                 targets[i] if i in targets else ser.allocate(s, self._device)
                 for i, s in enumerate(specs)
             ]
-        except CheckpointError:
+        except errors.CheckpointError:
             ack(4)
             raise
         ack(0)
@@ -302,10 +300,12 @@ class PGTransport(CheckpointTransport[T]):
         self._wait([(trailer_work, where)], deadline)
         expected = [int(x) for x in trailer.cpu().tolist()]
         if _trailer_crc(expected[:-1]) != expected[-1]:
-            raise CheckpointCorruptError(f"{where}: checksum trailer corrupt; checkpoint discarded")
+            raise errors.CheckpointCorruptError(
+                f"{where}: checksum trailer corrupt; checkpoint discarded"
+            )
         for i, (got, want) in enumerate(zip(sums, expected)):
             if got != want:
-                raise CheckpointCorruptError(
+                raise errors.CheckpointCorruptError(
                     f"{where}: checksum mismatch in tensor {i} ({specs[i].dtype}, "
                     f"{list(specs[i].shape)}); checkpoint discarded"
                 )

@@ -66,7 +66,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 from ft import _C  # ft's compiled extension (torch's _C naming)
 from ft.checkpointing.deadline_io import read_exact
-from ft.checkpointing.transport import (
+from ft.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFormatError,

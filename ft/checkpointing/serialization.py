@@ -50,7 +50,7 @@ import torch
 
 from ft import _C  # ft's compiled extension (torch's _C naming)
 
-from ft.checkpointing.transport import CheckpointFormatError
+from ft.checkpointing.errors import CheckpointFormatError
 
 __all__ = [
     "FORMAT",

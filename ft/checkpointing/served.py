@@ -28,7 +28,7 @@ from ft.checkpointing import http_protocol as wire
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.http_protocol import Refused
 from ft.checkpointing.staging import Staging, join_preparer
-from ft.checkpointing.transport import CheckpointError
+from ft.checkpointing.errors import CheckpointError
 from ft.utils.deadline import Deadline
 
 __all__ = ["ServedCheckpoint"]

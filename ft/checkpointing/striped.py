@@ -38,14 +38,7 @@ import torch
 from ft.checkpointing import http_protocol as wire
 from ft.checkpointing import serialization as ser
 from ft.checkpointing.staging import LOCAL_RANGES
-from ft.checkpointing.transport import (
-    CheckpointAuthError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointNotAvailableError,
-    CheckpointTransferError,
-)
+from ft.checkpointing import errors
 from ft.utils.deadline import Deadline, Timeout
 
 __all__ = ["StripeOptions", "StripedFetch"]
@@ -83,7 +76,9 @@ class _Source:
         self.primary = primary
         url = urlsplit(metadata)
         if url.scheme not in ("http", "https") or not url.hostname or not url.port:
-            raise CheckpointError(f"bad checkpoint address {metadata!r} (want http://host:port)")
+            raise errors.CheckpointError(
+                f"bad checkpoint address {metadata!r} (want http://host:port)"
+            )
         self.host: str = url.hostname
         self.port: int = url.port
         self.secure = url.scheme == "https"
@@ -162,7 +157,7 @@ class StripedFetch:
             self._stop.set()
             with self._cond:
                 if self._fatal is None and not ok:
-                    self._fatal = CheckpointTransferError("the striped fetch ended")
+                    self._fatal = errors.CheckpointTransferError("the striped fetch ended")
                 self._cond.notify_all()
             self._finish(ok)
 
@@ -183,25 +178,25 @@ class StripedFetch:
             s.digest is not None or s.error is not None or not s.lease for s in self._sources
         )
 
-    def _no_source_left(self) -> CheckpointError:
+    def _no_source_left(self) -> errors.CheckpointError:
         why = "; ".join(
             f"rank {s.rank} ({s.metadata}): {type(s.error).__name__}: {s.error}"
             for s in self._sources
             if s.error is not None
         )
         if self._deadline.expired:
-            return CheckpointTransferError(
+            return errors.CheckpointTransferError(
                 f"checkpoint step {self._step}: timed out after {self._timeout} with "
                 f"{len(self._crcs)} of {len(self._units)} ranges received ({why or 'no source answered'})"
             )
-        errors = [s.error for s in self._sources if s.error is not None]
-        # the most telling of a single source's errors keeps its type (a refusal of the
+        failures = [s.error for s in self._sources if s.error is not None]
+        # the most telling of a single source's failures keeps its type (a refusal of the
         # secret stays an auth error); the message names every source
-        for kind in (CheckpointAuthError, CheckpointNotAvailableError):
-            if errors and all(isinstance(e, kind) for e in errors):
+        for kind in (errors.CheckpointAuthError, errors.CheckpointNotAvailableError):
+            if failures and all(isinstance(e, kind) for e in failures):
                 err = kind(f"checkpoint step {self._step}: no source left: {why}")
                 return err
-        return CheckpointTransferError(
+        return errors.CheckpointTransferError(
             f"checkpoint step {self._step}: no source left with {len(self._units) - len(self._crcs)} "
             f"of {len(self._units)} ranges missing: {why}"
         )
@@ -228,7 +223,7 @@ class StripedFetch:
             with self._cond:
                 self._pending_meta -= 1
                 self._drop(s, e)
-                if isinstance(e, (CheckpointCorruptError, CheckpointFormatError)):
+                if isinstance(e, (errors.CheckpointCorruptError, errors.CheckpointFormatError)):
                     self._fatal = self._fatal or e
             return
         with self._cond:
@@ -263,7 +258,7 @@ class StripedFetch:
             if self._specs is None:
                 self._adopt(tree, specs, key)
             elif key != self._header_key:
-                raise CheckpointCorruptError(
+                raise errors.CheckpointCorruptError(
                     f"checkpoint step {self._step}: {s.where} describes a different state "
                     f"(tensors or structure) than {self._sources[0].metadata if self._sources[0].lease else 'the first source'}; "
                     "the sources of a striped heal must hold the same checkpoint"
@@ -328,13 +323,13 @@ class StripedFetch:
                         secure=s.secure,
                         stall_s=self._opts.stall_timeout_s,
                     )
-                except (CheckpointCorruptError, CheckpointAuthError) as e:
+                except (errors.CheckpointCorruptError, errors.CheckpointAuthError) as e:
                     with self._cond:
                         self._todo.insert(0, k)
                         self._drop(s, e)
                         self._fatal = self._fatal or e
                     return
-                except CheckpointError as e:
+                except errors.CheckpointError as e:
                     with self._cond:
                         self._todo.insert(0, k)  # another source takes it
                         self._drop(s, e)
@@ -367,28 +362,28 @@ class StripedFetch:
                 except ValueError:
                     raw = b""
                 if not self._f.content_signer.check(raw, b"digest", signature, body):
-                    raise CheckpointAuthError(
+                    raise errors.CheckpointAuthError(
                         f"{s.where}: the digest is not signed with the job secret; the source "
                         "is not a member of this job"
                     )
             try:
                 digest = wire.decode_digest(body, self._offsets[-1])
             except (ValueError, UnicodeDecodeError) as e:
-                raise CheckpointFormatError(f"{s.where}: bad digest: {e}") from None
+                raise errors.CheckpointFormatError(f"{s.where}: bad digest: {e}") from None
             if [(a, b) for a, b, _ in digest] != self._units:
-                raise CheckpointFormatError(f"{s.where}: the digest covers other ranges")
-        except CheckpointAuthError as e:
+                raise errors.CheckpointFormatError(f"{s.where}: the digest covers other ranges")
+        except errors.CheckpointAuthError as e:
             with self._cond:
                 self._drop(s, e)
                 self._fatal = self._fatal or e
             return
-        except CheckpointError as e:
+        except errors.CheckpointError as e:
             with self._cond:
                 self._drop(s, e)
             return
-        except (OSError, ValueError) as e:  # http.client's errors while reading the answer
+        except (OSError, ValueError) as e:  # http.client's failures while reading the answer
             with self._cond:
-                self._drop(s, CheckpointTransferError(f"{s.where}: digest failed: {e}"))
+                self._drop(s, errors.CheckpointTransferError(f"{s.where}: digest failed: {e}"))
             return
         with self._cond:
             s.digest = digest
@@ -407,14 +402,14 @@ class StripedFetch:
             for idx, d in digests:
                 if d[k][2] != crc:
                     a, b = self._units[k]
-                    raise CheckpointCorruptError(
+                    raise errors.CheckpointCorruptError(
                         f"checkpoint step {self._step}: the sources hold different bytes "
                         f"[{a}, {b}) (rank {self._sources[src].rank} sent what rank "
                         f"{self._sources[idx].rank}'s digest does not match); nothing loaded"
                     )
             if len(senders) > 1 and not any(idx != src for idx, _ in digests):
                 a, b = self._units[k]
-                raise CheckpointTransferError(
+                raise errors.CheckpointTransferError(
                     f"checkpoint step {self._step}: bytes [{a}, {b}) could not be checked "
                     "against a second source (no other source's digest arrived); nothing "
                     "loaded"
@@ -436,7 +431,7 @@ class StripedFetch:
                 )
                 resp.close()
                 conn.close()
-            except (CheckpointError, OSError) as e:
+            except (errors.CheckpointError, OSError) as e:
                 logger.debug("striped heal: done to %s failed: %s", s.metadata, e)
 
         # A dropped source is told too (it may only have stalled), but not waited for: its
