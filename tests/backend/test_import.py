@@ -24,42 +24,37 @@ def run(code: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("order", ["ft, torch", "torch, ft", "torch.distributed, ft"])
-def test_backend_is_registered_whatever_the_import_order(order):
-    r = run(f"""
-        import {order.split(", ")[0]}
-        import {order.split(", ")[1]}
-        import torch, torch.distributed as dist
-        assert "ft" in dist.Backend.backend_list, dist.Backend.backend_list
-        store = dist.HashStore()
-        dist.init_process_group("ft", store=store, rank=0, world_size=1)
-        t = torch.ones(3)
-        dist.all_reduce(t)
-        dist.destroy_process_group()
-        print("OK", t.tolist())
-    """)
+# What the interpreter imports before it uses the backend "ft": ``import ft`` and
+# ``import torch`` in either order, or a module of ft before torch, with RuntimeWarnings errors
+# (torch's first import then happens inside that module's own top level, while the module is
+# half-initialised: torchft's tests start with `from torchft.work import ...`).
+FIRST = {
+    "ft, torch": "import ft\nimport torch",
+    "torch, ft": "import torch\nimport ft",
+    "torch.distributed, ft": "import torch.distributed\nimport ft",
+    **{
+        m: f"import warnings\nwarnings.simplefilter('error', RuntimeWarning)\nimport {m}"
+        for m in ["ft.work", "ft.futures", "ft.process_group", "ft.manager"]
+    },
+}
+
+
+@pytest.mark.parametrize("first", list(FIRST))
+def test_backend_is_registered_whatever_is_imported_first_and_without_a_cycle(first):
+    r = run(
+        FIRST[first]
+        + """
+import torch, torch.distributed as dist
+assert "ft" in dist.Backend.backend_list, dist.Backend.backend_list
+dist.init_process_group("ft", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t)
+dist.destroy_process_group()
+print("OK", t.tolist())
+"""
+    )
     assert r.returncode == 0, r.stderr
     assert "OK [1.0, 1.0, 1.0]" in r.stdout
-
-
-@pytest.mark.parametrize("first", ["ft.work", "ft.futures", "ft.process_group", "ft.manager"])
-def test_an_ft_module_imported_before_torch_registers_the_backend_without_a_cycle(first):
-    # torch's first import then happens inside that module's own top level, while the
-    # module is half-initialised (torchft's tests start with `from torchft.work import ...`).
-    r = run(f"""
-        import warnings
-        warnings.simplefilter("error", RuntimeWarning)
-        import {first}
-        import torch, torch.distributed as dist
-        assert "ft" in dist.Backend.backend_list, dist.Backend.backend_list
-        dist.init_process_group("ft", store=dist.HashStore(), rank=0, world_size=1)
-        t = torch.ones(2)
-        dist.all_reduce(t)
-        dist.destroy_process_group()
-        print("OK", t.tolist())
-    """)
-    assert r.returncode == 0, r.stderr
-    assert "OK [1.0, 1.0]" in r.stdout
     assert "could not be registered" not in r.stderr
 
 

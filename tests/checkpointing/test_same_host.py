@@ -48,6 +48,15 @@ def transport(**kw: Any) -> HTTPTransport:
     return HTTPTransport(**kw)
 
 
+def healed(dst: HTTPTransport, src: HTTPTransport, step: int, state: Any, path: str) -> Any:
+    """Heals ``dst`` from ``src`` at ``step``: the state arrives bitwise equal to ``state``, by
+    ``path`` ("same-host" or "http"). Returns it."""
+    got = dst.recv_checkpoint(0, src.metadata(), step, TO)
+    assert dst.last_recv_path == path
+    assert_same(state, got)
+    return got
+
+
 def test_round_trip_from_another_process_is_bitwise_and_skips_the_socket(
     payload_path: str,
 ) -> None:
@@ -84,9 +93,7 @@ def test_large_tensors_are_received_into_their_own_huge_page_advised_mappings(
     state = {"big": torch.randn(3 << 20), "small": torch.arange(5)}
     with transport() as src, transport() as dst:
         src.send_checkpoint([1], 1, state, TO)
-        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
-        assert dst.last_recv_path == "same-host"
-        assert_same(state, got)
+        got = healed(dst, src, 1, state, "same-host")
         # only tensors >= 2 MiB: the receiver's, and the source's host copy (same process)
         assert 1 <= len(made) <= 2 and all(m is not None for m in made)
         assert got["big"].data_ptr() in [m.data_ptr() for m in made]
@@ -114,9 +121,7 @@ def test_source_serves_large_cpu_tensors_from_a_huge_page_copy_within_its_budget
         assert not copy.untyped_storage().resizable()  # an mmap of its own (huge-page advised)
         assert torch.equal(copy, state["big"])
         assert st.cpu(1).data_ptr() == state["small"].data_ptr()
-        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
-        assert dst.last_recv_path == "same-host"
-        assert_same(state, got)
+        healed(dst, src, 1, state, "same-host")
 
         monkeypatch.setattr(same_host_source, "host_copy_budget", lambda: 1 << 20)
         src.send_checkpoint([1], 2, state, TO)
@@ -152,9 +157,7 @@ def test_source_checksums_each_range_once_ahead_of_the_receiver(
                 time.sleep(0.005)
             assert st.prepared()
             for _ in range(2):
-                got = dst.recv_checkpoint(0, src.metadata(), 5, TO)
-                assert dst.last_recv_path == "same-host"
-                assert_same(state, got)
+                healed(dst, src, 5, state, "same-host")
             assert sorted(calls) == sorted(st.local_ranges)  # each range exactly once
     finally:
         src.shutdown()
@@ -212,9 +215,7 @@ def test_corrupted_copy_is_detected_not_returned_and_the_retry_succeeds(
         with pytest.raises(CheckpointCorruptError, match="checksum mismatch.*same-host"):
             dst.recv_checkpoint(0, src.metadata(), 2, TO)
         assert flipped
-        got = dst.recv_checkpoint(0, src.metadata(), 2, TO)  # the heal can be retried
-        assert dst.last_recv_path == "same-host"
-        assert_same(state, got)
+        healed(dst, src, 2, state, "same-host")  # the heal can be retried
 
 
 def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
@@ -248,9 +249,7 @@ def test_kernel_refusal_falls_back_to_http_with_the_same_lease(
         with transport() as dst:
             src.send_checkpoint([1], 9, state, TO)
             monkeypatch.setattr(same_host, "_copy_ranges", refusing_copy)
-            got = dst.recv_checkpoint(0, src.metadata(), 9, TO)
-            assert dst.last_recv_path == "http"
-            assert_same(state, got)
+            healed(dst, src, 9, state, "http")
             # the same-host request ended as a fallback (lease kept: used=0), not a failure
             # (None, which would drop the lease the HTTP ranges then rely on)
             assert ("socket", 0) in src.releases, src.releases
@@ -300,9 +299,7 @@ def test_unreachable_endpoint_falls_back_to_http() -> None:
         src.send_checkpoint([1], 1, state, TO)
         assert src._local is not None
         src._local.close()  # the name in the header now leads nowhere
-        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
-        assert dst.last_recv_path == "http"
-        assert_same(state, got)
+        healed(dst, src, 1, state, "http")
 
 
 def _raw_request(name: str, request: Any) -> Any:
@@ -374,9 +371,7 @@ def test_bad_requests_get_clear_errors_and_the_source_keeps_serving() -> None:
         with transport(token="wrong-wrong-wrong-wrong") as bad:
             with pytest.raises(CheckpointAuthError):
                 bad.recv_checkpoint(0, src.metadata(), 6, TO)
-        got = dst.recv_checkpoint(0, src.metadata(), 6, TO)
-        assert dst.last_recv_path == "same-host"
-        assert_same(state, got)
+        healed(dst, src, 6, state, "same-host")
         # nothing stays claimed: the source releases each request (it may still be reading
         # the receiver's final b"D" when recv_checkpoint returns)
         st = src._staging
@@ -419,9 +414,7 @@ def test_malformed_source_replies_fail_the_heal_cleanly(monkeypatch: pytest.Monk
         with pytest.raises(CheckpointFormatError, match="expected 2 regions"):
             dst.recv_checkpoint(0, src.metadata(), 4, TO)
         monkeypatch.setattr(same_host, "_parse_regions", real_regions)
-        got = dst.recv_checkpoint(0, src.metadata(), 4, TO)
-        assert dst.last_recv_path == "same-host"
-        assert_same(state, got)
+        healed(dst, src, 4, state, "same-host")
 
 
 def test_source_without_the_fetch_request_is_healed_from_over_http(
@@ -440,9 +433,7 @@ def test_source_without_the_fetch_request_is_healed_from_over_http(
     try:
         with transport() as dst:
             src.send_checkpoint([1], 2, state, TO)
-            got = dst.recv_checkpoint(0, src.metadata(), 2, TO)
-            assert dst.last_recv_path == "http"
-            assert_same(state, got)
+            healed(dst, src, 2, state, "http")
     finally:
         src.shutdown()
 
@@ -541,9 +532,7 @@ def test_connections_beyond_the_cap_are_refused_and_the_endpoint_keeps_serving(
         end = time.monotonic() + 5
         while src._local._conns and time.monotonic() < end:
             time.sleep(0.01)
-        got = dst.recv_checkpoint(0, src.metadata(), 1, TO)
-        assert dst.last_recv_path == "same-host"
-        assert_same(state, got)
+        healed(dst, src, 1, state, "same-host")
 
 
 def test_a_checkpoint_without_data_is_delivered_to_a_same_host_receiver_only_once_it_has_it(

@@ -139,24 +139,20 @@ def servers():
         lh.shutdown(0.1)
 
 
+# Each service's fuzzer: the strategy of its calls, and its channel in ``servers``.
+FUZZED = {"LighthouseService": (lighthouse_calls, 2), "ManagerService": (manager_calls, 3)}
+
+
+@pytest.mark.parametrize("service", list(FUZZED))
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(calls=st.lists(st.tuples(lighthouse_calls, deadlines), min_size=1, max_size=3))
-def test_fuzz_lighthouse(servers, calls):
-    _, _, lch, _, _ = servers
+@given(data=st.data())
+def test_fuzz(servers, service, data):
+    calls_of, channel = FUZZED[service]
+    calls = data.draw(st.lists(st.tuples(calls_of, deadlines), min_size=1, max_size=3))
     for (method, req), timeout in calls:
-        _check(lch, "LighthouseService", method, req, timeout)
-
-
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(calls=st.lists(st.tuples(manager_calls, deadlines), min_size=1, max_size=3))
-def test_fuzz_manager(servers, calls):
-    _, _, _, mch, _ = servers
-    for (method, req), timeout in calls:
-        _check(mch, "ManagerService", method, req, timeout)
+        _check(servers[channel], service, method, req, timeout)
 
 
 def test_still_correct_after_fuzz(servers):
