@@ -50,7 +50,7 @@ from . import _rpc
 from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from . import wire
-from .quorum import FailureNotification, Quorum, QuorumResult
+from .quorum import FailureNotification, GroupRequest, Quorum, QuorumResult
 from ..utils.auth import (
     GRPC_PURPOSE,
     LIGHTHOUSE_SERVER_NAME,
@@ -697,7 +697,62 @@ class LighthouseClient(_Client):
             call.cancel()
 
 
-class ManagerClient(_Client):
+class ManagerCalls:
+    """The ManagerService's calls, with torchft's names and signatures, for its two clients.
+
+    :class:`ManagerClient` carries them over gRPC and ``LocalManagerClient`` (the process that
+    hosts the ManagerServer) calls the server directly; each provides the three ``_send_*``
+    hooks, and these methods are written once for both (the shape that
+    ``ft.protocols.GroupServerClient`` names).
+    """
+
+    def quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: Timeout,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+        reconfigure_handle: str = "",
+    ) -> QuorumResult:
+        request = GroupRequest(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+            reconfigure_handle=reconfigure_handle,
+        )
+        return self._send_quorum(request, timeout)
+
+    def checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+        return self._send_checkpoint_metadata(rank, timeout)
+
+    # torchft's names for the two calls above.
+    _quorum = quorum
+    _checkpoint_metadata = checkpoint_metadata
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
+    ) -> bool:
+        return self._send_should_commit(group_rank, step, should_commit, timeout)
+
+    def _send_quorum(self, request: GroupRequest, timeout: Timeout) -> QuorumResult:
+        raise NotImplementedError
+
+    def _send_checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+        raise NotImplementedError
+
+    def _send_should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
+    ) -> bool:
+        raise NotImplementedError
+
+
+class ManagerClient(ManagerCalls, _Client):
     """Client of a replica group's ``ManagerService`` (torchft-compatible names).
 
     Args:
@@ -734,37 +789,14 @@ class ManagerClient(_Client):
 
     _call_stream_methods = {"Quorum": "QuorumStream", "ShouldCommit": "ShouldCommitStream"}
 
-    def quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: Timeout,
-        init_sync: bool = True,
-        commit_failures: int = 0,
-        reconfigure_handle: str = "",
-    ) -> QuorumResult:
-        req = pb.ManagerQuorumRequest(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-            reconfigure_handle=reconfigure_handle,
-        )
-        return wire.result_from_pb(self._call("Quorum", req, timeout))
+    def _send_quorum(self, request: GroupRequest, timeout: Timeout) -> QuorumResult:
+        return wire.result_from_pb(self._call("Quorum", wire.group_request_to_pb(request), timeout))
 
-    def checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+    def _send_checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
         resp = self._call("CheckpointMetadata", pb.CheckpointMetadataRequest(rank=rank), timeout)
         return resp.checkpoint_metadata
 
-    # torchft's names for the two calls above.
-    _quorum = quorum
-    _checkpoint_metadata = checkpoint_metadata
-
-    def should_commit(
+    def _send_should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
     ) -> bool:
         req = pb.ShouldCommitRequest(should_commit=should_commit, group_rank=group_rank, step=step)

@@ -33,7 +33,7 @@ from . import _rpc
 from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from . import wire
-from .clients import LighthouseClient
+from .clients import LighthouseClient, ManagerCalls
 from .rpc_server import Call, Method, RpcServer
 from ..utils.auth import (
     GRPC_PURPOSE,
@@ -143,15 +143,7 @@ def _methods(
 
     def quorum(request: pb.ManagerQuorumRequest, call: Call) -> None:
         deadline = _rpc.server_deadline(call, "Quorum")
-        req = GroupRequest(
-            group_rank=request.group_rank,
-            step=request.step,
-            checkpoint_metadata=request.checkpoint_metadata,
-            shrink_only=request.shrink_only,
-            init_sync=request.init_sync,
-            commit_failures=request.commit_failures,
-            reconfigure_handle=request.reconfigure_handle,
-        )
+        req = wire.group_request_from_pb(request)
         answer_later(call, lambda: wire.result_to_pb(server.quorum(req, deadline)))
 
     def checkpoint_metadata(request: pb.CheckpointMetadataRequest, call: Call) -> None:
@@ -598,7 +590,7 @@ class ManagerServer:
         self.shutdown()
 
 
-class LocalManagerClient:
+class LocalManagerClient(ManagerCalls):
     """A :class:`~ft.coordination.ManagerClient` for the process that hosts the ManagerServer.
 
     Group rank 0 runs the ManagerServer, and it asks for a quorum and votes every step. Going
@@ -623,38 +615,17 @@ class LocalManagerClient:
                 raise _rpc.deadline_exceeded(method, e.details) from None
             raise CoordinationError(e.code, e.details, method) from None
 
-    def quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: Timeout,
-        init_sync: bool = True,
-        commit_failures: int = 0,
-        reconfigure_handle: str = "",
-    ) -> QuorumResult:
-        req = GroupRequest(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-            reconfigure_handle=reconfigure_handle,
+    def _send_quorum(self, request: GroupRequest, timeout: Timeout) -> QuorumResult:
+        return self._call(
+            "Quorum", timeout, lambda deadline: self._server.quorum(request, deadline)
         )
-        return self._call("Quorum", timeout, lambda deadline: self._server.quorum(req, deadline))
 
-    def checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
+    def _send_checkpoint_metadata(self, rank: int, timeout: Timeout) -> str:
         return self._call(
             "CheckpointMetadata", timeout, lambda _: self._server.checkpoint_metadata(rank)
         )
 
-    # torchft's names for the two calls above.
-    _quorum = quorum
-    _checkpoint_metadata = checkpoint_metadata
-
-    def should_commit(
+    def _send_should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: Timeout
     ) -> bool:
         return self._call(

@@ -7,11 +7,14 @@ member's ``data`` crosses the wire as a JSON string.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
+import operator
+from typing import Any, Callable, Dict
 
 from ._proto import torchft_pb2 as pb
-from .quorum import FailureNotification, Quorum, QuorumMember, QuorumResult
+from .quorum import FailureNotification, GroupRequest, Quorum, QuorumMember, QuorumResult
 
 try:  # the native decoder (csrc/grpc_server/quorum_wire.cpp), where it is built
     from ._grpc_server import decode_quorum_response as _native_decode
@@ -21,6 +24,8 @@ except ImportError:
 __all__ = [
     "member_to_pb",
     "member_from_pb",
+    "group_request_to_pb",
+    "group_request_from_pb",
     "quorum_to_pb",
     "quorum_from_pb",
     "quorum_from_response",
@@ -46,17 +51,31 @@ def _data_from_wire(text: str) -> object:
         return text
 
 
+def _field_reader(*names: str) -> Callable[[Any], Dict[str, Any]]:
+    """Reads the fields ``names`` off a message or a dataclass into a dict: a proto message and
+    the dataclass it carries use the same field names, so one list serves both directions.
+    (``attrgetter`` reads them all in one C call: members are decoded by the hundred.)"""
+    read = operator.attrgetter(*names)
+    return lambda obj: dict(zip(names, read(obj)))
+
+
+# The fields of QuorumMember that cross the wire as they are; ``data`` is JSON on the wire and
+# ``reconfigure_handles`` a repeated field (a tuple in the dataclass).
+_member_fields = _field_reader(
+    "replica_id",
+    "address",
+    "store_address",
+    "step",
+    "world_size",
+    "shrink_only",
+    "commit_failures",
+)
+_group_request_fields = _field_reader(*(f.name for f in dataclasses.fields(GroupRequest)))
+
+
 def member_to_pb(m: QuorumMember) -> pb.QuorumMember:
     return pb.QuorumMember(
-        replica_id=m.replica_id,
-        address=m.address,
-        store_address=m.store_address,
-        step=m.step,
-        world_size=m.world_size,
-        shrink_only=m.shrink_only,
-        data=_data_to_wire(m.data),
-        commit_failures=m.commit_failures,
-        reconfigure_handles=m.reconfigure_handles,
+        data=_data_to_wire(m.data), reconfigure_handles=m.reconfigure_handles, **_member_fields(m)
     )
 
 
@@ -70,18 +89,19 @@ _new_member = object.__new__
 
 def member_from_pb(m: pb.QuorumMember) -> QuorumMember:
     member = _new_member(QuorumMember)
-    member.__dict__.update(
-        replica_id=m.replica_id,
-        address=m.address,
-        store_address=m.store_address,
-        step=m.step,
-        world_size=m.world_size,
-        shrink_only=m.shrink_only,
-        data=_data_from_wire(m.data),
-        commit_failures=m.commit_failures,
-        reconfigure_handles=tuple(m.reconfigure_handles),
-    )
+    fields = _member_fields(m)
+    fields["data"] = _data_from_wire(m.data)
+    fields["reconfigure_handles"] = tuple(m.reconfigure_handles)
+    member.__dict__.update(fields)
     return member
+
+
+def group_request_to_pb(r: GroupRequest) -> pb.ManagerQuorumRequest:
+    return pb.ManagerQuorumRequest(**_group_request_fields(r))
+
+
+def group_request_from_pb(r: pb.ManagerQuorumRequest) -> GroupRequest:
+    return GroupRequest(**_group_request_fields(r))
 
 
 def quorum_to_pb(q: Quorum) -> pb.Quorum:
