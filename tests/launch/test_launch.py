@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 from ft.launch import cli  # noqa: E402
 from ft.launch.worker import PROGRESS_PREFIX, emit_step, parse_progress  # noqa: E402
 from ft.utils.deadline import Deadline  # noqa: E402
+from tests.manager.inproc import reporting_manager  # noqa: E402
 
 FAKE = os.path.join(ROOT, "tests", "launch", "fake_worker.py")
 EXAMPLE = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -121,17 +122,8 @@ def test_parse_progress():
 
 
 def test_emit_step_reports_what_the_manager_says(capsys):
-    class Manager:  # the four calls emit_step makes on an ft.Manager
-        def current_step(self):
-            return 7
-
-        def num_participants(self):
-            return 3
-
-        def quorum_id(self):
-            return 12
-
-    emit_step(Manager(), loss=0.1234567, committed=False, injected=True)
+    manager = reporting_manager(step=7, participants=3, quorum_id=12)
+    emit_step(manager, loss=0.1234567, committed=False, injected=True)
     rec = parse_progress(capsys.readouterr().out)
     assert {k: v for k, v in rec.items() if k not in ("group", "rank", "time")} == {
         "event": "step",

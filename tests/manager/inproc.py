@@ -55,6 +55,27 @@ def make_manager(
     )
 
 
+def reporting_manager(
+    step: int = 3,
+    participants: int = 2,
+    quorum_id: int = 9,
+    last_step_error: Optional[str] = None,
+    errored: Optional[BaseException] = None,
+) -> Any:
+    """A Manager-like object with only what ``ft.launch.worker.emit_step`` reads of one: the
+    step, participants and quorum id, and why the step failed (``last_step_error``, a Manager's
+    own summary, or ``errored``)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        current_step=lambda: step,
+        num_participants=lambda: participants,
+        quorum_id=lambda: quorum_id,
+        last_step_error=lambda: last_step_error,
+        errored=lambda: errored,
+    )
+
+
 def in_threads(fns: List[Callable[[], Any]], timeout: float = 30) -> List[Dict[str, Any]]:
     """Runs each fn on its own thread; returns [{"value"| "error", "t"}] (bounded wait)."""
     import time
@@ -85,6 +106,28 @@ def values(outs: List[Dict[str, Any]]) -> List[Any]:
     return [o["value"] for o in outs]
 
 
+def on_each(managers: List[ft.Manager], fn: Callable[..., Any], *args: Any) -> List[Any]:
+    """``fn(i, m, *args)`` for every Manager ``m`` (index ``i``) of ``managers``, each on its
+    own thread (bounded wait, :func:`in_threads`); their values, or the first error raised."""
+    return values(in_threads([lambda i=i, m=m: fn(i, m, *args) for i, m in enumerate(managers)]))
+
+
+def replica_managers(
+    lh_addr: str,
+    n: int,
+    per_replica: Callable[[int], Dict[str, Any]] = lambda i: {},
+    **kw: Any,
+) -> List[ft.Manager]:
+    """The Managers of replicas ``g0``, ``g1``... ``g{n-1}`` of the lighthouse at ``lh_addr``,
+    made concurrently (so that all join the first quorum); ``kw`` goes to every
+    :func:`make_manager` call, ``per_replica(i)`` to replica i's only."""
+    return values(
+        in_threads(
+            [lambda i=i: make_manager(lh_addr, f"g{i}", **kw, **per_replica(i)) for i in range(n)]
+        )
+    )
+
+
 def tensor_managers(
     lh_addr: str,
     state: List[Any],
@@ -92,26 +135,19 @@ def tensor_managers(
     per_replica: Callable[[int], Dict[str, Any]] = lambda i: {},
     **kw: Any,
 ) -> List[ft.Manager]:
-    """One Manager per tensor of ``state``, replicas ``g0``, ``g1``..., made concurrently (so
-    that all join the first quorum). Replica i heals by copying ``{"w": ...}`` into
-    ``state[i]`` and sends ``state_dict(i)`` (default ``{"w": state[i]}``); ``kw`` goes to
-    every :func:`make_manager` call, ``per_replica(i)`` to replica i's only."""
+    """One Manager per tensor of ``state`` (:func:`replica_managers`). Replica i heals by
+    copying ``{"w": ...}`` into ``state[i]`` and sends ``state_dict(i)`` (default
+    ``{"w": state[i]}``); ``kw`` goes to every :func:`make_manager` call, ``per_replica(i)`` to
+    replica i's only."""
 
     def send(i: int) -> Any:
         return state_dict(i) if state_dict is not None else {"w": state[i]}
 
-    return values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh_addr,
-                    f"g{i}",
-                    load_state_dict=lambda sd, i=i: state[i].copy_(sd["w"]),
-                    state_dict=lambda i=i: send(i),
-                    **kw,
-                    **per_replica(i),
-                )
-                for i in range(len(state))
-            ]
+    def own(i: int) -> Dict[str, Any]:
+        return dict(
+            load_state_dict=lambda sd: state[i].copy_(sd["w"]),
+            state_dict=lambda: send(i),
+            **per_replica(i),
         )
-    )
+
+    return replica_managers(lh_addr, len(state), own, **kw)

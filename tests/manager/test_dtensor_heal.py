@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ft.checkpointing.transport import CheckpointFormatError
-from tests.manager.inproc import in_threads, lighthouse, make_manager, values
+from tests.manager.inproc import in_threads, lighthouse, replica_managers, values
 
 PLACEMENTS = (Replicate(), Shard(0))
 FULL = torch.arange(30.0).view(5, 6)
@@ -62,20 +62,10 @@ def heal_once(meshes: List[DeviceMesh], async_quorum: bool = False) -> List[Dict
         loaded[i].append(sd)
         states[i]["w"].to_local().copy_(sd["w"].to_local())
 
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    use_async_quorum=async_quorum,
-                    load_state_dict=lambda sd, i=i: load(i, sd),
-                    state_dict=lambda i=i: state_dict(i),
-                )
-                for i in range(2)
-            ]
-        )
-    )
+    def own(i: int) -> Dict[str, Any]:
+        return dict(load_state_dict=lambda sd: load(i, sd), state_dict=lambda: state_dict(i))
+
+    ms = replica_managers(lh.address(), 2, own, use_async_quorum=async_quorum)
 
     def step(i: int) -> Dict[str, Any]:
         m = ms[i]

@@ -3,10 +3,11 @@ Manager per thread (cheap), plus the wrappers (DDP, Optimizer, DistributedSample
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, Iterator, List
 
 import pytest
 import torch
@@ -14,7 +15,15 @@ import torch.distributed as dist
 
 import ft
 from ft.checkpointing import HTTPTransport
-from tests.manager.inproc import in_threads, lighthouse, make_manager, tensor_managers, values
+from tests.manager.inproc import (
+    on_each,
+    in_threads,
+    lighthouse,
+    make_manager,
+    replica_managers,
+    tensor_managers,
+    values,
+)
 
 
 @pytest.fixture
@@ -26,13 +35,24 @@ def lh():
 
 def managers(lh: Any, n: int, **kw: Any) -> List[ft.Manager]:
     # all start before the first quorum: min_replicas=n for the first one is set by the caller
-    return values(
-        in_threads([lambda i=i: make_manager(lh.address(), f"g{i}", **kw) for i in range(n)])
-    )
+    return replica_managers(lh.address(), n, **kw)
 
 
 def shutdown(ms: List[ft.Manager]) -> None:
     in_threads([lambda m=m: m.shutdown() for m in ms])
+
+
+@contextlib.contextmanager
+def two_replicas(**kw: Any) -> Iterator[List[ft.Manager]]:
+    """A lighthouse that waits for both, and the Managers of replicas g0 and g1 (``kw``: any
+    other Manager argument); all shut down on exit."""
+    lh = lighthouse(min_replicas=2)
+    ms = managers(lh, 2, **kw)
+    try:
+        yield ms
+    finally:
+        shutdown(ms)
+        lh.shutdown()
 
 
 def test_quorum_timeout_with_missing_rank_is_fast(lh: Any) -> None:
@@ -101,7 +121,7 @@ def test_fixed_with_spares_numerics() -> None:
                 m.participating_rank(),
             )
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+        out = on_each(ms, step)
         # replica ids sort as g0 < g1 < g2: g2 is the spare and contributes zeros
         for vals, n, _participating, committed, batches, _prank in out:
             assert vals == [15.0] * 4  # (10 + 20) / 2
@@ -120,20 +140,13 @@ def test_init_sync_false_seeded_identical_init_no_heal() -> None:
     for _ in range(2):
         torch.manual_seed(7)
         models.append(torch.nn.Linear(3, 2))
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    init_sync=False,
-                    use_async_quorum=False,
-                    load_state_dict=lambda sd: loads.append(1),
-                    state_dict=models[i].state_dict,
-                )
-                for i in range(2)
-            ]
-        )
+    ms = replica_managers(
+        lh.address(),
+        2,
+        lambda i: dict(state_dict=models[i].state_dict),
+        init_sync=False,
+        use_async_quorum=False,
+        load_state_dict=lambda sd: loads.append(1),
     )
     try:
 
@@ -147,7 +160,7 @@ def test_init_sync_false_seeded_identical_init_no_heal() -> None:
                 opt.step()
             return m.current_step()
 
-        assert values(in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)])) == [3, 3]
+        assert on_each(ms, run) == [3, 3]
         assert loads == []  # nobody healed at step 0
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
@@ -177,36 +190,19 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
             return t.tolist(), fut_val is t, m.is_participating(), m.should_commit()
 
         # step 0, async + init_sync: g1 heals (contributes zeros, not a participant)
-        out = values(
-            in_threads(
-                [lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False) for i, m in enumerate(ms)]
-            )
-        )
+        out = on_each(ms, step, dist.ReduceOp.AVG, False)
         assert out[0] == ([1.0, 1.0], True, True, True)
         assert out[1] == ([1.0, 1.0], True, False, True)
         assert torch.equal(state[1], state[0])  # healed state applied in should_commit
-        out = values(
-            in_threads(
-                [lambda i=i, m=m: step(i, m, dist.ReduceOp.SUM, False) for i, m in enumerate(ms)]
-            )
-        )
+        out = on_each(ms, step, dist.ReduceOp.SUM, False)
         assert [o[0] for o in out] == [[3.0, 3.0]] * 2 and all(o[3] for o in out)
         # a reported error (after the allreduce, e.g. a NaN loss): the step does not commit
-        out = values(
-            in_threads(
-                [lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, True) for i, m in enumerate(ms)],
-                timeout=30,
-            )
-        )
+        out = on_each(ms, step, dist.ReduceOp.AVG, True)
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2
         assert [o[3] for o in out] == [False, False]
         assert ms[1].errored() is not None and ms[0].errored() is not None
         # recovers on the next step
-        out = values(
-            in_threads(
-                [lambda i=i, m=m: step(i, m, dist.ReduceOp.AVG, False) for i, m in enumerate(ms)]
-            )
-        )
+        out = on_each(ms, step, dist.ReduceOp.AVG, False)
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2 and all(o[3] for o in out)
         assert [m.current_step() for m in ms] == [3, 3]
         assert [m.batches_committed() for m in ms] == [1 + 2 + 2, 1 + 2 + 2]
@@ -222,9 +218,7 @@ def test_allreduce_avg_sum_errors_and_async_heal() -> None:
 
         results = {}
         for wire in (True, torch.float8_e4m3fn):  # int8, and the fp8 extension
-            out = values(
-                in_threads([lambda i=i, m=m: quantized(i, m, wire) for i, m in enumerate(ms)])
-            )
+            out = on_each(ms, quantized, wire)
             want = (out[0][1] + out[1][1]) / 2
             assert torch.equal(out[0][0], out[1][0])  # every replica gets the same result
             rel = ((out[0][0] - want).abs().mean() / want.abs().mean()).item()
@@ -274,7 +268,7 @@ def test_async_heal_source_reads_its_state_on_the_training_thread_after_backward
             return ok, m.is_participating()
 
         for _ in range(3):
-            out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+            out = on_each(ms, step)
             assert [ok for ok, _ in out] == [True, True], out
         sources = [r for r in reads if r[0] == 0]
         assert sources, "the source never sent its state"
@@ -323,7 +317,7 @@ def test_sync_heal_source_keeps_its_state_until_the_receiver_has_it(same_host: b
             m.allreduce(torch.ones(1)).wait()
             return m.should_commit(), m.errored()
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+        out = on_each(ms, step)
         assert [o[0] for o in out] == [True, True], out
         assert torch.equal(state[1], state[0]), (state[0][:2], state[1][:2])
         assert torch.equal(state[0], torch.full((n,), 107.0))
@@ -367,15 +361,20 @@ def test_wrap_future_honours_its_timeout(lh: Any) -> None:
         m.shutdown()
 
 
+def _quorum_and_allreduce(i: int, m: ft.Manager) -> List[float]:
+    """Starts the step (its quorum) and allreduces (averages) ``[i + 1, i + 1]`` on replica
+    ``i``; returns the result."""
+    m.start_quorum()
+    t = torch.full((2,), float(i + 1))
+    m.allreduce(t).wait()
+    return t.tolist()
+
+
 def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
-    lh = lighthouse(min_replicas=2)
-    ms = managers(lh, 2, use_async_quorum=False)
-    try:
+    with two_replicas(use_async_quorum=False) as ms:
 
         def step(i: int, m: ft.Manager, err: bool) -> Any:
-            m.start_quorum()
-            t = torch.full((2,), float(i + 1))
-            m.allreduce(t).wait()
+            t = _quorum_and_allreduce(i, m)
             if err and i == 1:
                 m.report_error(RuntimeError("NaN loss"))  # skip this step
             # the process group is not aborted: a collective on it still works this step
@@ -385,11 +384,11 @@ def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
             # it too, and must not wait for g1 until its timeout
             later = torch.full((1,), float(i + 1))
             m.allreduce(later, reduce_op=dist.ReduceOp.SUM).wait()
-            return t.tolist(), (raw.item(), later.item()), m._pg.errored(), m.should_commit()
+            return t, (raw.item(), later.item()), m._pg.errored(), m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, False)
         assert all(o[3] for o in out)
-        out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, True)
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2
         assert [o[1] for o in out] == [(3.0, 3.0)] * 2
         assert [o[2] for o in out] == [None, None]
@@ -397,12 +396,9 @@ def test_report_error_fails_the_step_but_keeps_the_process_group() -> None:
         assert [o[3] for o in out] == [True, False]
         assert ms[0].errored() is None and isinstance(ms[1].errored(), RuntimeError)
         # the next step commits (g1 heals from g0 first)
-        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, False)
         assert [o[3] for o in out] == [True, True]
         assert [m.current_step() for m in ms] == [3, 3]
-    finally:
-        shutdown(ms)
-        lh.shutdown()
 
 
 def test_abort_step_fails_the_step_and_the_peers_collectives_then_recovers() -> None:
@@ -410,49 +406,33 @@ def test_abort_step_fails_the_step_and_the_peers_collectives_then_recovers() -> 
     skips its later allreduce (a no-op on g1 now); g0's matching allreduce fails with the abort
     (instead of waiting for g1 until its op timeout), so neither commits; the next step
     reconfigures the group and both commit."""
-    lh = lighthouse(min_replicas=2)
-    ms = managers(lh, 2, use_async_quorum=False)
-    try:
+    with two_replicas(use_async_quorum=False) as ms:
 
         def step(i: int, m: ft.Manager, abort: bool) -> Any:
-            m.start_quorum()
-            t = torch.full((2,), float(i + 1))
-            m.allreduce(t).wait()
+            t = _quorum_and_allreduce(i, m)
             if abort and i == 1:
                 m.abort_step(RuntimeError("cannot issue this step's exchange"))
-                skipped = torch.full((1,), 7.0)
-                m.allreduce(skipped, reduce_op=dist.ReduceOp.SUM).wait()
-                return (
-                    t.tolist(),
-                    skipped.item(),
-                    m.step_aborted(),
-                    str(m.errored()),
-                    m.should_commit(),
-                )
-            if abort:
+            skipped = None
+            if abort:  # g1 issues it after its abort, g0 as its part of the step's exchange
                 later = torch.full((1,), 7.0)
                 m.allreduce(later, reduce_op=dist.ReduceOp.SUM).wait()
-            return t.tolist(), None, m.step_aborted(), str(m.errored()), m.should_commit()
+                skipped = later.item() if i == 1 else None
+            return t, skipped, m.step_aborted(), str(m.errored()), m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, True)
         assert [o[0] for o in out] == [[1.5, 1.5]] * 2
         assert out[1][1] == 7.0  # g1's allreduce after its abort did not communicate
         assert out[1][2] is True
         assert "cannot issue this step's exchange" in out[1][3]
         assert out[0][3] != "None", "g0's allreduce did not fail with g1's abort"
         assert [o[4] for o in out] == [False, False]
-        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, False)
         assert [o[4] for o in out] == [True, True]
         assert [o[2] for o in out] == [False, False]
-    finally:
-        shutdown(ms)
-        lh.shutdown()
 
 
 def test_ddp_hook_averages_and_does_not_block() -> None:
-    lh = lighthouse(min_replicas=2)
-    ms = managers(lh, 2, use_async_quorum=False)
-    try:
+    with two_replicas(use_async_quorum=False) as ms:
 
         def run(i: int, m: ft.Manager) -> Any:
             torch.manual_seed(0)
@@ -465,22 +445,15 @@ def test_ddp_hook_averages_and_does_not_block() -> None:
             opt.step()
             return g, m.current_step()
 
-        (g0, s0), (g1, s1) = values(
-            in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)])
-        )
+        (g0, s0), (g1, s1) = on_each(ms, run)
         assert torch.equal(g0, g1) and torch.allclose(g0, torch.full((2, 4), 1.5))
         assert s0 == s1 == 1
-    finally:
-        shutdown(ms)
-        lh.shutdown()
 
 
 def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
     """ft's default gradient_as_bucket_view=True trains bit-identically to torch's copying
     buckets, across steps with zero_grad(set_to_none=True) and a multi-bucket model."""
-    lh = lighthouse(min_replicas=2)
-    ms = managers(lh, 2, use_async_quorum=False)
-    try:
+    with two_replicas(use_async_quorum=False) as ms:
 
         def make_model() -> torch.nn.Module:
             torch.manual_seed(0)  # the global RNG: build models here, not on the threads
@@ -515,9 +488,6 @@ def test_ddp_bucket_view_default_matches_copying_buckets_bitwise() -> None:
         for a, b, c in zip(out[None][0][0], out[None][1][0], out[False][0][0]):
             assert torch.equal(a, b), ("replicas differ", (a - b).abs().max())
             assert torch.equal(a, c), ("view vs copy differ", (a - c).abs().max())
-    finally:
-        shutdown(ms)
-        lh.shutdown()
 
 
 def test_ddp_reduces_buckets_during_backward_last_layer_first() -> None:
@@ -641,7 +611,7 @@ def test_heal_source_state_dict_failure_fails_the_heal_fast_and_it_is_retried(
         assert [m.quorum_id() for m in ms] == [-1, -1]
         quorum_ids: List[int] = []
         t0 = time.monotonic()
-        out = values(in_threads([lambda i=i, m=m: run(i, m, quorum_ids) for i, m in enumerate(ms)]))
+        out = on_each(ms, run, quorum_ids)
         first_quorum_id = quorum_ids[0]
         assert time.monotonic() - t0 < 8  # the heal did not wait out its 10 s timeout
         assert [o[0][0] for o in out] == [False, False]  # the failed step commits nowhere

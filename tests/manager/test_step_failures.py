@@ -22,7 +22,7 @@ from ft.manager_parts.step_failures import (
     next_streak,
     normalize_message,
 )
-from tests.manager.inproc import make_manager
+from tests.manager.inproc import make_manager, reporting_manager
 from tests.procs import lighthouse
 
 POLICY = StepFailurePolicy(backoff_after=3, max_consecutive_failures=5)
@@ -158,40 +158,23 @@ def test_the_exception_names_the_error_the_phase_the_count_and_the_setting() -> 
     )
 
 
-class _Manager:
-    """What emit_step reads of a Manager."""
-
-    def __init__(self, last_step_error=None, errored=None):
-        self._last_step_error = last_step_error
-        self._errored = errored
-
-    def current_step(self):
-        return 3
-
-    def num_participants(self):
-        return 2
-
-    def quorum_id(self):
-        return 9
-
-    def errored(self):
-        return self._errored
-
-    def last_step_error(self):
-        return self._last_step_error
-
-
 def test_a_step_record_carries_the_error_only_when_the_step_did_not_commit(capsys) -> None:
-    emit_step(_Manager("allreduce: ValueError: bad\ttensor"), loss=1.0, committed=False)
-    emit_step(_Manager("allreduce: ValueError: bad"), loss=1.0, committed=True)
+    emit_step(
+        reporting_manager(last_step_error="allreduce: ValueError: bad\ttensor"),
+        loss=1.0,
+        committed=False,
+    )
+    emit_step(
+        reporting_manager(last_step_error="allreduce: ValueError: bad"), loss=1.0, committed=True
+    )
     out = [parse_progress(line) for line in capsys.readouterr().out.splitlines()]
     assert out[0]["error"] == "allreduce: ValueError: bad tensor"
     assert "error" not in out[1]
     # A Manager-like object without ft's summary: the first line of errored().
-    assert step_error(_Manager(errored=RuntimeError("peer gone\ntraceback..."))) == (
+    assert step_error(reporting_manager(errored=RuntimeError("peer gone\ntraceback..."))) == (
         "RuntimeError: peer gone"
     )
-    assert step_error(_Manager()) is None
+    assert step_error(reporting_manager()) is None
 
 
 def test_a_quorum_that_keeps_failing_raises_persistent_step_failure() -> None:

@@ -27,7 +27,15 @@ from ft.parameter_server import ParameterServer
 from ft.process_group import FakeProcessGroupWrapper, ManagedProcessGroup
 from ft.utils.auth import InsecureServerError
 from ft.work import _DummyWork
-from tests.manager.inproc import TO, in_threads, lighthouse, make_manager, values
+from tests.manager.inproc import (
+    on_each,
+    TO,
+    in_threads,
+    lighthouse,
+    make_manager,
+    replica_managers,
+    values,
+)
 
 # ------------------------------------------------------------------ ft.futures
 
@@ -152,14 +160,7 @@ def test_get_timeout() -> None:
 
 def test_managed_group_pure_ddp_and_errored_on_two_replicas() -> None:
     lh = lighthouse(min_replicas=2)
-    ms: List[ft.Manager] = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(lh.address(), f"g{i}", use_async_quorum=False)
-                for i in range(2)
-            ]
-        )
-    )
+    ms = replica_managers(lh.address(), 2, use_async_quorum=False)
     try:
         with pytest.warns(DeprecationWarning, match="register_state_dict_fn"):
             ms[0].set_state_dict_fns(lambda sd: None, lambda: {"w": 1})
@@ -183,13 +184,13 @@ def test_managed_group_pure_ddp_and_errored_on_two_replicas() -> None:
                 m.report_error(_raised(TimeoutError("injected")))
             return grad.tolist(), t.tolist(), managed.size(), m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, False)
         assert [o[0] for o in out] == [[[1.5, 1.5]]] * 2
         assert [o[1] for o in out] == [[1.5, 1.5]] * 2
         assert [o[2] for o in out] == [2, 2]
         assert [o[3] for o in out] == [True, True]
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, True)
         assert [o[3] for o in out] == [True, False]
         err = ms[1].errored()
         assert isinstance(err, ExceptionWithTraceback) and isinstance(err, TimeoutError)
@@ -220,12 +221,12 @@ def test_manager_over_a_fake_wrapper_skips_the_injected_step() -> None:
             m.allreduce(t).wait()
             return t.tolist(), m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m, True) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, True)
         # the data moved; only the replica whose Work failed votes against its step
         assert out[0][0] == [1.5, 1.5] and [o[1] for o in out] == [True, False]
         assert isinstance(ms[1].errored(), RuntimeError)
         assert "injected allreduce error" in str(ms[1].errored())
-        out = values(in_threads([lambda i=i, m=m: step(i, m, False) for i, m in enumerate(ms)]))
+        out = on_each(ms, step, False)
         assert [o[1] for o in out] == [True, True]
     finally:
         in_threads([lambda m=m: m.shutdown() for m in ms])
@@ -393,16 +394,7 @@ def test_a_failed_collective_issued_straight_on_the_group_vetoes_the_commit() ->
     out and the group's error is set), should_commit must say no, and the next step, on a
     reconfigured group, commits."""
     lh = lighthouse(min_replicas=2)
-    ms: List[ft.Manager] = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(), f"g{i}", use_async_quorum=False, pg_timeout=timedelta(seconds=1)
-                )
-                for i in range(2)
-            ]
-        )
-    )
+    ms = replica_managers(lh.address(), 2, use_async_quorum=False, pg_timeout=timedelta(seconds=1))
     try:
 
         def failing_step(i: int, m: ft.Manager) -> Any:
@@ -421,14 +413,14 @@ def test_a_failed_collective_issued_straight_on_the_group_vetoes_the_commit() ->
             m.allreduce(t).wait()
             return t.tolist(), m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: good_step(i, m) for i, m in enumerate(ms)]))
+        out = on_each(ms, good_step)
         assert [o[1] for o in out] == [True, True]  # step 0 (and its init_sync heal)
-        out = values(in_threads([lambda i=i, m=m: failing_step(i, m) for i, m in enumerate(ms)]))
+        out = on_each(ms, failing_step)
         assert out[1] is False, "the group's own error did not veto the commit"
         assert ms[1].errored() is not None
         # The next quorum reconfigures the group (g1 reports a failed commit) and g1 heals.
         for _ in range(2):
-            out = values(in_threads([lambda i=i, m=m: good_step(i, m) for i, m in enumerate(ms)]))
+            out = on_each(ms, good_step)
         assert [o[1] for o in out] == [True, True] and out[0][0] == [1.5, 1.5]
     finally:
         in_threads([lambda m=m: m.shutdown() for m in ms])
@@ -439,19 +431,12 @@ def test_manager_timeout_bounds_its_collectives() -> None:
     """Manager(timeout=1s) over a group built with a 60 s op timeout: an allreduce whose peer
     never joins ends (reported, the step does not commit) within the Manager's timeout."""
     lh = lighthouse(min_replicas=2)
-    ms: List[ft.Manager] = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    use_async_quorum=False,
-                    pg_timeout=timedelta(seconds=60),
-                    timeout=timedelta(seconds=1),
-                )
-                for i in range(2)
-            ]
-        )
+    ms = replica_managers(
+        lh.address(),
+        2,
+        use_async_quorum=False,
+        pg_timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=1),
     )
     try:
         assert all(m._pg.timeout == timedelta(seconds=1) for m in ms)
@@ -464,7 +449,7 @@ def test_manager_timeout_bounds_its_collectives() -> None:
             took = time.monotonic() - t0
             return took, m.should_commit()
 
-        out = values(in_threads([lambda i=i, m=m: step(i, m) for i, m in enumerate(ms)]))
+        out = on_each(ms, step)
         assert out[1][0] < 5.0, f"the lone allreduce took {out[1][0]:.1f}s (Manager timeout 1s)"
         assert out[1][1] is False and isinstance(ms[1].errored(), Exception)
     finally:

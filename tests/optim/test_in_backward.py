@@ -22,7 +22,7 @@ from ft.optim.in_backward import (
     rollback_in_backward,
     step_in_backward,
 )
-from tests.manager.inproc import in_threads, lighthouse, make_manager, values
+from tests.manager.inproc import in_threads, lighthouse, make_manager, replica_managers, on_each
 
 OPTIMS = [
     (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
@@ -327,7 +327,7 @@ def _run_replicas(
             assert commit_in_backward(model, m) is True
         return participating
 
-    return values(in_threads([lambda i=i, m=m: run(i, m) for i, m in enumerate(ms)]))
+    return on_each(ms, run)
 
 
 def _averaged_reference(kw: Dict[str, Any], plan: List[List[int]]) -> torch.nn.Module:
@@ -356,19 +356,12 @@ def test_spare_replica_stages_and_applies_at_commit() -> None:
     import ft
 
     lh = lighthouse(min_replicas=2)
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(),
-                    f"g{i}",
-                    min_replica_size=1,
-                    use_async_quorum=False,
-                    world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES,
-                )
-                for i in range(2)
-            ]
-        )
+    ms = replica_managers(
+        lh.address(),
+        2,
+        min_replica_size=1,
+        use_async_quorum=False,
+        world_size_mode=ft.WorldSizeMode.FIXED_WITH_SPARES,
     )
     kw = dict(lr=0.01)
     models = [_model(), _model()]
@@ -403,16 +396,7 @@ def test_async_heal_with_in_backward_steps() -> None:
         return dict(state_dict=state_dict, load_state_dict=load_state_dict)
 
     lh = lighthouse(min_replicas=2)
-    ms = values(
-        in_threads(
-            [
-                lambda i=i: make_manager(
-                    lh.address(), f"g{i}", use_async_quorum=True, **fns(models[i])
-                )
-                for i in range(2)
-            ]
-        )
-    )
+    ms = replica_managers(lh.address(), 2, lambda i: fns(models[i]), use_async_quorum=True)
     kw = dict(lr=0.01, weight_decay=0.1)
     try:
         parts = _run_replicas(ms, models, kw, steps=3)
