@@ -34,6 +34,7 @@ from datetime import timedelta
 
 from ft.coordination import LighthouseClient
 from ft.coordination.cli import LighthouseProcess, start_lighthouse_process
+from tests.procs import in_threads, values
 
 
 def start_lighthouse(
@@ -57,7 +58,6 @@ def timed_rounds(n: int, rounds: int, ask) -> list:
     """n threads call ask(i) once per round; returns each round's duration (all asked -> last answer)."""
     starts, ends = [], [[0.0] * n for _ in range(rounds)]
     barrier = threading.Barrier(n, action=lambda: starts.append(time.perf_counter()))
-    errors = []
 
     def worker(i: int) -> None:
         try:
@@ -65,17 +65,11 @@ def timed_rounds(n: int, rounds: int, ask) -> list:
                 barrier.wait(timeout=30)
                 ask(i)
                 ends[r][i] = time.perf_counter()
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-            barrier.abort()
+        except BaseException:
+            barrier.abort()  # the others stop waiting for this one
+            raise
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
+    values(in_threads([lambda i=i: worker(i) for i in range(n)], timeout=120))
     return [max(ends[r]) - starts[r] for r in range(rounds)]
 
 

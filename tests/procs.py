@@ -26,6 +26,10 @@ Layers, each built on the one before:
     as ``lh_addr``; the ``replicas`` fixture (tests/conftest.py) is the same, stopped after the
     test.
 
+``in_threads(fns, timeout)``, ``values(outs)``
+    Functions run on threads of this process with a bounded wait (several Managers, or ranks
+    of a group, in one process): each one's value or error, then the values or the first error.
+
 Whatever a test leaves running is killed when the session ends (``kill_leftovers``, from
 tests/conftest.py). Importing this module imports neither torch nor ft, so a child that must
 run without them (tests/coordination) can use it.
@@ -44,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Pattern, Sequence, Union
 
@@ -72,6 +77,34 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def in_threads(fns: List[Callable[[], Any]], timeout: float = 30) -> List[Dict[str, Any]]:
+    """Runs each fn on its own thread; returns [{"value"| "error", "t"}] (bounded wait)."""
+    outs: List[Dict[str, Any]] = [{} for _ in fns]
+
+    def run(i: int) -> None:
+        t0 = time.monotonic()
+        try:
+            outs[i]["value"] = fns[i]()
+        except BaseException as e:  # noqa: BLE001
+            outs[i]["error"] = e
+        outs[i]["t"] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "thread did not finish in time"
+    return outs
+
+
+def values(outs: List[Dict[str, Any]]) -> List[Any]:
+    for o in outs:
+        if "error" in o:
+            raise o["error"]
+    return [o["value"] for o in outs]
 
 
 def make_store(timeout_s: float = 30.0):

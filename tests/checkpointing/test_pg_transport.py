@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tests.checkpointing.ckpt_testlib import Peer, assert_same, check_payload, gloo_pg
 
-from tests.manager.inproc import in_threads  # noqa: E402
+from tests.procs import in_threads, values  # noqa: E402
 from ft.checkpointing import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointNotAvailableError,
@@ -32,25 +32,12 @@ def master_store(world: int) -> Any:
 
 def make_pgs(store: Any, ranks: List[int], world: int, timeout: timedelta = TO) -> Dict[int, Any]:
     """Creates Gloo PGs for ``ranks`` of a group concurrently (construction is collective)."""
-    pgs: Dict[int, Any] = {}
-    errors: List[BaseException] = []
 
-    def make(rank: int) -> None:
-        try:
-            client = dist.TCPStore("127.0.0.1", store.port, world, False, timeout=TO)
-            pgs[rank] = gloo_pg(client, rank, world, timeout)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def make(rank: int) -> Any:
+        client = dist.TCPStore("127.0.0.1", store.port, world, False, timeout=TO)
+        return gloo_pg(client, rank, world, timeout)
 
-    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    if errors:
-        raise errors[0]
-    assert len(pgs) == len(ranks), "process group construction timed out"
-    return pgs
+    return dict(zip(ranks, values(in_threads([lambda r=r: make(r) for r in ranks]))))
 
 
 def test_round_trip_separate_process_two_destinations(payload_path: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Set
 import torch
 from torch.distributed import ReduceOp
 
+from tests.procs import in_threads, values
+
 
 class FakeGroup:
     def __init__(self, n: int, timeout: float = 30.0) -> None:
@@ -168,20 +170,4 @@ class FakeManager:
 def run_replicas(n: int, body: Callable[[int, FakeGroup], Any]) -> List[Any]:
     """Runs body(rank, group) on n threads; returns results, re-raises errors."""
     group = FakeGroup(n)
-    results: List[Any] = [None] * n
-    errors: List[BaseException] = []
-
-    def target(r: int) -> None:
-        try:
-            results[r] = body(r, group)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
+    return values(in_threads([lambda r=r: body(r, group) for r in range(n)], timeout=60))

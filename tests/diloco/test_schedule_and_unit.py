@@ -62,36 +62,35 @@ def _timeline(sync_every, n, tau, steps, fail_syncs=()):
     return out
 
 
-def test_timeline_tables():
-    # plain DiLoCo, H=3
-    assert _timeline(3, 1, 0, 6) == [
-        (3, "send", 0),
-        (3, "commit", 0),
-        (6, "send", 0),
-        (6, "commit", 0),
-    ]
-    # streaming, 2 fragments, H=4 (P=2), tau=1: send one step before the sync
-    assert _timeline(4, 2, 1, 8) == [
-        (1, "send", 0),
-        (2, "commit", 0),
-        (3, "send", 1),
-        (4, "commit", 1),
-        (5, "send", 0),
-        (6, "commit", 0),
-        (7, "send", 1),
-        (8, "commit", 1),
-    ]
-    # a failed commit retries the same fragment (the manager step did not move)
-    assert _timeline(4, 2, 0, 8, fail_syncs={1}) == [
-        (2, "send", 0),
-        (2, "commit", 0),
-        (4, "send", 1),
-        (4, "fail", 1),
-        (6, "send", 1),
-        (6, "commit", 1),
-        (8, "send", 0),
-        (8, "commit", 0),
-    ]
+@pytest.mark.parametrize(
+    "sync_every,n,tau,steps,fail_syncs,timeline",
+    [
+        # plain DiLoCo, H=3
+        (3, 1, 0, 6, (), "3 send 0, 3 commit 0, 6 send 0, 6 commit 0"),
+        # streaming, 2 fragments, H=4 (P=2), tau=1: send one step before the sync
+        (
+            4,
+            2,
+            1,
+            8,
+            (),
+            "1 send 0, 2 commit 0, 3 send 1, 4 commit 1, 5 send 0, 6 commit 0, 7 send 1, 8 commit 1",
+        ),
+        # a failed commit retries the same fragment (the manager step did not move)
+        (
+            4,
+            2,
+            0,
+            8,
+            {1},
+            "2 send 0, 2 commit 0, 4 send 1, 4 fail 1, 6 send 1, 6 commit 1, 8 send 0, 8 commit 0",
+        ),
+    ],
+)
+def test_timeline_table(sync_every, n, tau, steps, fail_syncs, timeline):
+    """``timeline``: the (inner step, action, fragment) triples, as "step action fragment"."""
+    expected = [(int(s), a, int(f)) for s, a, f in (e.split() for e in timeline.split(", "))]
+    assert _timeline(sync_every, n, tau, steps, fail_syncs=fail_syncs) == expected
 
 
 # -- the DiLoCo update, by hand ------------------------------------------------

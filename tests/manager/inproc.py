@@ -3,12 +3,12 @@ threads with bounded waits (several Managers in one process)."""
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
 import ft
 from ft.checkpointing import HTTPTransport
+from tests.procs import in_threads, values  # noqa: F401  (re-exported)
 from tests.procs import lighthouse  # noqa: F401  (re-exported: tests/gpu imports it here)
 
 TO = timedelta(seconds=10)
@@ -74,36 +74,6 @@ def reporting_manager(
         last_step_error=lambda: last_step_error,
         errored=lambda: errored,
     )
-
-
-def in_threads(fns: List[Callable[[], Any]], timeout: float = 30) -> List[Dict[str, Any]]:
-    """Runs each fn on its own thread; returns [{"value"| "error", "t"}] (bounded wait)."""
-    import time
-
-    outs: List[Dict[str, Any]] = [{} for _ in fns]
-
-    def run(i: int) -> None:
-        t0 = time.monotonic()
-        try:
-            outs[i]["value"] = fns[i]()
-        except BaseException as e:  # noqa: BLE001
-            outs[i]["error"] = e
-        outs[i]["t"] = time.monotonic() - t0
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "thread did not finish in time"
-    return outs
-
-
-def values(outs: List[Dict[str, Any]]) -> List[Any]:
-    for o in outs:
-        if "error" in o:
-            raise o["error"]
-    return [o["value"] for o in outs]
 
 
 def on_each(managers: List[ft.Manager], fn: Callable[..., Any], *args: Any) -> List[Any]:
