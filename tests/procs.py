@@ -552,6 +552,17 @@ def max_step(store: Any, keys: List[str]) -> int:
 
 
 # --- a lighthouse plus N replica processes --------------------------------------------------------
+def lighthouse_argv(*command: Any, bind: str = "127.0.0.1:0", **flags: Any) -> List[Any]:
+    """The command line of a lighthouse process: ``command`` (``ft-lighthouse``, or
+    ``python -m ft.coordination.cli``) serving on ``bind`` without a dashboard, with ``flags``
+    as ``--name value`` (``min_replicas`` 1 unless given)."""
+    flags.setdefault("min_replicas", 1)
+    argv = [*command, "--bind", bind, "--http_bind", ""]
+    for name, value in flags.items():
+        argv += [f"--{name}", str(value)]
+    return argv
+
+
 def lighthouse(
     min_replicas: int = 1,
     heartbeat_timeout_ms: int = 1000,

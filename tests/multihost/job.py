@@ -19,7 +19,7 @@ import torch
 
 from ft.utils.auth import JobSecret
 from tests.multihost.netns import Hosts
-from tests.procs import REPO, Proc
+from tests.procs import REPO, Proc, lighthouse_argv
 
 LH_PORT = 29510
 
@@ -196,18 +196,14 @@ class Job:
             f.write(JobSecret.generate().export())
         self.env = {"PYTHONPATH": REPO, "FT_JOB_SECRET_FILE": secret_file, "FT_JOB_SECRET": ""}
         self.lighthouse = f"http://{self.hosts.addr['lh']}:{LH_PORT}"
-        self._lh_args = [
-            "--bind",
-            f"{self.hosts.addr['lh']}:{LH_PORT}",
-            "--min_replicas",
-            "1",
-            "--join_timeout_ms",
-            "1000",
-            "--heartbeat_timeout_ms",
-            str(heartbeat_timeout_ms),
-            "--http_bind",
-            "",
-        ]
+        self._lh_argv = lighthouse_argv(
+            sys.executable,
+            "-m",
+            "ft.coordination.cli",
+            bind=f"{self.hosts.addr['lh']}:{LH_PORT}",
+            join_timeout_ms=1000,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
         self.lh: Optional[Proc] = None
         self.lh_starts = 0
         self.start_lighthouse()
@@ -221,7 +217,7 @@ class Job:
         self.lh_starts += 1
         self.lh = self.hosts.popen(
             "lh",
-            [sys.executable, "-m", "ft.coordination.cli", *self._lh_args],
+            self._lh_argv,
             os.path.join(self.tmp, f"lighthouse.{self.lh_starts}.log"),
             env=self.env,
             label="lighthouse",

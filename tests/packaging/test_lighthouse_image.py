@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 from tests.packaging import _util
-from tests.procs import Proc
+from tests.procs import Proc, lighthouse_argv
 
 DOCKERFILE = _util.ROOT / "examples" / "deploy" / "Dockerfile.lighthouse"
 # One `pip install` command; no absolute path, redirection, substitution or other command.
@@ -125,17 +125,7 @@ def test_the_image_steps_give_a_lighthouse_without_torch(built_wheel, tmp_path):
     # The entrypoint serving for real, on loopback instead of 0.0.0.0 (the venv's ft only: no
     # source tree on its PYTHONPATH).
     with Proc(
-        [
-            venv / "bin" / entry[0],
-            "--bind",
-            "127.0.0.1:0",
-            "--http_bind",
-            "",
-            "--min_replicas",
-            "1",
-            "--join_timeout_ms",
-            "100",
-        ],
+        lighthouse_argv(venv / "bin" / entry[0], join_timeout_ms=100),
         cwd=outside,
         env=env,
         source_tree=False,

@@ -24,7 +24,7 @@ import shutil
 import signal
 
 from tests.packaging import _util
-from tests.procs import Proc
+from tests.procs import Proc, lighthouse_argv
 
 
 def test_pip_install_dot_in_a_fresh_venv_with_build_isolation(tmp_path):
@@ -67,8 +67,7 @@ def test_pip_install_dot_in_a_fresh_venv_with_build_isolation(tmp_path):
 
     # The lighthouse of this install says, once, that it serves with grpcio.
     with Proc(
-        [venv / "bin" / "ft-lighthouse", "--bind", "127.0.0.1:0", "--http_bind", ""]
-        + ["--min_replicas", "1"],
+        lighthouse_argv(venv / "bin" / "ft-lighthouse"),
         cwd=outside,
         env=_util.clean_env(),
         source_tree=False,

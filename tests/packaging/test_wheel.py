@@ -35,7 +35,7 @@ from typing import Dict, List, Sequence
 import pytest
 
 from tests.packaging import _util
-from tests.procs import Proc
+from tests.procs import Proc, lighthouse_argv
 
 # gRPC C++ and the libraries only it uses, by file name (Debian's libgrpc++-dev and its
 # dependencies; OpenSSL, zlib and the C/C++ runtime are shared with Python itself).
@@ -107,8 +107,7 @@ def serve_a_quorum(wheel, tmp_path: Path, wrap: Sequence[str] = (), must_fail: S
     env.pop("LD_LIBRARY_PATH", None)
     for name in ("FT_LIGHTHOUSE_TRANSPORT", "FT_CLIENT_TRANSPORT"):
         env.pop(name, None)
-    lighthouse = [venv / "bin" / "ft-lighthouse", "--bind", "127.0.0.1:0", "--http_bind", ""]
-    lighthouse += ["--min_replicas", "1", "--join_timeout_ms", "100"]
+    lighthouse = lighthouse_argv(venv / "bin" / "ft-lighthouse", join_timeout_ms=100)
     with Proc(
         [*wrap, *lighthouse], cwd=outside, env=env, source_tree=False, name="wheel ft-lighthouse"
     ) as lh:

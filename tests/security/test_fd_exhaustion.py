@@ -26,7 +26,7 @@ import pytest
 
 from ft.coordination import LighthouseClient
 from tests.coordination._helpers import TRANSPORTS
-from tests.procs import Proc, wait_for
+from tests.procs import Proc, lighthouse_argv, wait_for
 
 if not sys.platform.startswith("linux"):
     pytest.skip("counts the lighthouse's descriptors in /proc (Linux)", allow_module_level=True)
@@ -67,21 +67,13 @@ def _start_lighthouse(transport: str, tmp_path, stack: ExitStack) -> Proc:
     }
     return stack.enter_context(
         Proc(  # killed by its own id and reaped on the stack's exit
-            [
+            lighthouse_argv(
                 sys.executable,
                 "-c",
                 _LIMITED.format(n=FD_LIMIT),
-                "--bind",
-                "127.0.0.1:0",
-                "--http_bind",
-                "",
-                "--min_replicas",
-                "1",
-                "--transport",
-                transport,
-                "--log_level",
-                "WARNING",
-            ],
+                transport=transport,
+                log_level="WARNING",
+            ),
             env=env,
             log_path=tmp_path / "lighthouse.log",
             name=f"ft-lighthouse ({transport})",
