@@ -282,25 +282,19 @@ def train_sharded_groups(
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     save, load = healing_fns(model, inner)
 
-    if group_rank == 0:
-        port = 0
-    else:
-        store.wait([f"group{replica}-port"])
-        port = int(store.get(f"group{replica}-port"))
-    manager = inproc.make_manager(  # 10 s timeouts
+    manager = inproc.group_manager(  # 10 s timeouts
+        store,
+        f"group{replica}-port",
         lh_addr,
         f"shard{replica}",
-        rank=group_rank,
-        world_size=2,
-        store_port=port,
+        group_rank,
+        2,
         load_state_dict=load,
         state_dict=save,
         min_replica_size=2,
         use_async_quorum=False,
         quorum_timeout=timedelta(seconds=30),
     )
-    if group_rank == 0:
-        store.set(f"group{replica}-port", str(manager._store_port))
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     algo = DiLoCo(manager, [model], inner, outer, sync_every=sync_every)
     commits: Dict[int, str] = {}

@@ -104,7 +104,7 @@ def train(
     from torch.distributed.tensor import DTensor
 
     from ft.checkpointing import HTTPTransport
-    from tests.manager.inproc import make_manager
+    from tests.manager.inproc import group_manager
     from ft.device_mesh import ft_init_device_mesh
 
     logging.basicConfig(level=logging.WARNING)
@@ -143,17 +143,13 @@ def train(
         model.load_state_dict(sd["model"])
         opt_box[0].load_state_dict(sd["optim"])
 
-    if g == 0:
-        port = 0
-    else:  # the group's store is hosted by its rank 0's Manager
-        store.wait([f"{prefix}/port"], timedelta(seconds=60))
-        port = int(store.get(f"{prefix}/port"))
-    manager = make_manager(
+    manager = group_manager(
+        store,
+        f"{prefix}/port",
         lh_addr,
         f"{run}-group{group}",
-        rank=g,
-        world_size=GROUP_SIZE,
-        store_port=port,
+        g,
+        GROUP_SIZE,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=2,
@@ -161,8 +157,6 @@ def train(
         quorum_timeout=timedelta(seconds=60),
         checkpoint_transport=HTTPTransport(timeout=TO, num_chunks=2, advertise_host="127.0.0.1"),
     )
-    if g == 0:
-        store.set(f"{prefix}/port", str(manager._store_port))
     try:
         mesh = ft_init_device_mesh(
             device_type="cpu",

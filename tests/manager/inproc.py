@@ -76,6 +76,22 @@ def reporting_manager(
     )
 
 
+def group_manager(
+    store: Any, key: str, lh_addr: str, name: str, rank: int, world_size: int, **kw: Any
+) -> ft.Manager:
+    """Rank ``rank`` of replica group ``name`` (``world_size`` ranks, one per process): the
+    group's store is hosted by its rank 0's Manager, which publishes its port under ``key`` in
+    the test ``store``; the other ranks wait for it (60 s). ``kw``: :func:`make_manager`'s."""
+    port = 0
+    if rank != 0:
+        store.wait([key], timedelta(seconds=60))
+        port = int(store.get(key))
+    manager = make_manager(lh_addr, name, rank=rank, world_size=world_size, store_port=port, **kw)
+    if rank == 0:
+        store.set(key, str(manager._store_port))
+    return manager
+
+
 def on_each(managers: List[ft.Manager], fn: Callable[..., Any], *args: Any) -> List[Any]:
     """``fn(i, m, *args)`` for every Manager ``m`` (index ``i``) of ``managers``, each on its
     own thread (bounded wait, :func:`in_threads`); their values, or the first error raised."""
