@@ -14,6 +14,14 @@ from typing import Callable, List, Optional, Tuple
 Forward = Callable[[bytes], bytes]
 
 
+def _shut(s: socket.socket) -> None:
+    """Shuts both directions of ``s`` down (its readers wake up), whatever state it is in."""
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class LoopbackProxy:
     """Listens on 127.0.0.1 (``port``, ``address``) and forwards each connection to
     127.0.0.1:``target_port``. A subclass says in ``_connected`` what each direction does with
@@ -66,24 +74,15 @@ class LoopbackProxy:
             pass
         finally:
             for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _shut(s)
 
     def close(self) -> None:
-        try:
-            self._srv.shutdown(socket.SHUT_RDWR)  # wakes accept() (close alone does not)
-        except OSError:
-            pass
+        _shut(self._srv)  # wakes accept() (close alone does not)
         self._srv.close()
         with self._lock:
             socks = list(self._socks)
         for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(s)
             s.close()
         for t in list(self._threads):
             t.join(5)
