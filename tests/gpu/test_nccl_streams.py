@@ -1,6 +1,8 @@
 """Lane and stream semantics of the NCCL path."""
 
+import contextlib
 import time
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -9,9 +11,18 @@ import ft
 from tests.gpu._util import Store, nccl_pg, sleep_cycles, wait_until
 
 
-def test_wait_does_not_block_cpu_and_events_order_streams():
-    pg = nccl_pg(Store())
+@contextlib.contextmanager
+def nccl_group(**kw: Any) -> Iterator[Any]:
+    """A one-rank NCCL process group of ft (``kw``: ``nccl_pg``'s), shut down on exit."""
+    pg = nccl_pg(Store(), **kw)
     try:
+        yield pg
+    finally:
+        pg.shutdown()
+
+
+def test_wait_does_not_block_cpu_and_events_order_streams():
+    with nccl_group() as pg:
         x = torch.ones(1 << 20, device="cuda")
         # Load every kernel used below first: CUDA loads a kernel's module on its first
         # launch, which synchronizes the device and would block the CPU behind the sleep
@@ -30,13 +41,10 @@ def test_wait_does_not_block_cpu_and_events_order_streams():
         torch.cuda.synchronize()
         assert torch.equal(y, torch.full_like(x, 3.0))
         assert wait_until(work.is_completed, 5.0)
-    finally:
-        pg.shutdown()
 
 
 def test_synchronize_blocks_cpu():
-    pg = nccl_pg(Store())
-    try:
+    with nccl_group() as pg:
         x = torch.ones(16, device="cuda")
         torch.cuda._sleep(sleep_cycles(0.5))
         work = dist.all_reduce(x, group=pg, async_op=True)
@@ -44,13 +52,10 @@ def test_synchronize_blocks_cpu():
         work.synchronize()
         assert time.monotonic() - t0 > 0.2
         assert work.is_completed()
-    finally:
-        pg.shutdown()
 
 
 def test_lanes_are_independent():
-    pg = nccl_pg(Store(), num_lanes=2)
-    try:
+    with nccl_group(num_lanes=2) as pg:
         slow_stream = torch.cuda.Stream()
         a = torch.ones(1 << 16, device="cuda")
         b = torch.ones(1 << 16, device="cuda")
@@ -68,13 +73,10 @@ def test_lanes_are_independent():
         assert not slow.is_completed()
         torch.cuda.synchronize()
         assert wait_until(slow.is_completed, 5.0)
-    finally:
-        pg.shutdown()
 
 
 def test_future_is_cuda_aware():
-    pg = nccl_pg(Store())
-    try:
+    with nccl_group() as pg:
         x = torch.ones(1 << 20, device="cuda")
         torch.cuda._sleep(sleep_cycles(0.3))
         fut = dist.all_reduce(x, group=pg, async_op=True).get_future()
@@ -82,13 +84,10 @@ def test_future_is_cuda_aware():
         doubled = fut.then(lambda f: f.value()[0] * 2).wait()
         torch.cuda.synchronize()
         assert torch.equal(doubled, torch.full_like(x, 2.0))
-    finally:
-        pg.shutdown()
 
 
 def test_tensor_freed_while_op_in_flight_is_not_reused_early():
-    pg = nccl_pg(Store())
-    try:
+    with nccl_group() as pg:
         torch.cuda._sleep(sleep_cycles(0.5))
         x = torch.ones(1 << 20, device="cuda")
         work = dist.all_reduce(x, group=pg, async_op=True)
@@ -97,5 +96,3 @@ def test_tensor_freed_while_op_in_flight_is_not_reused_early():
         y = torch.zeros(1 << 20, device="cuda")
         assert y.data_ptr() != ptr or work.is_completed()
         torch.cuda.synchronize()
-    finally:
-        pg.shutdown()
