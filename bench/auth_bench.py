@@ -292,11 +292,7 @@ def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
                         raise RuntimeError(f"caller {i} failed: {got}")
                     per_group[i] = got
             finally:
-                for p in callers:
-                    p.join(10)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
+                quorum_bench.join_callers(callers)
         finally:
             set_auth(False)
             for lighthouse in procs.values():
@@ -322,10 +318,10 @@ def bench_paired(groups: List[int], rounds: int, transport: str) -> None:
 
 
 def main() -> None:
+    from bench import quorum_bench
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32])
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--trials", type=int, default=3)
+    quorum_bench.add_round_options(p, rounds=30)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--heal-mb", type=int, default=128)
     p.add_argument("--heal-reps", type=int, default=5)

@@ -175,11 +175,7 @@ def timed_rounds_mp(
                 raise RuntimeError(f"caller {i} ({kind}) failed: {got}")
             per_group[i], client_cpu[i], server_cpu[i] = got
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        join_callers(procs)
     if cpu is not None:
         cpu["client_ms"] = sum(client_cpu.values()) * 1000
         cpu["server_ms"] = server_cpu[0] * 1000
@@ -276,11 +272,26 @@ def bench_death(heartbeat_timeout_ms: int, tick_ms: int, trials: int, transport:
         server.stop()
 
 
+def join_callers(procs) -> None:
+    """Waits for the caller processes (10 s each); kills the ones still running."""
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def add_round_options(p: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of a quorum round measurement (``bench_rounds``): the numbers of groups, the
+    rounds of a trial (default ``rounds``) and the trials."""
+    p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32])
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--trials", type=int, default=3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", type=int, nargs="+", default=[2, 8, 32])
-    p.add_argument("--rounds", type=int, default=50)
-    p.add_argument("--trials", type=int, default=3)
+    add_round_options(p, rounds=50)
     p.add_argument("--heartbeat_timeout_ms", type=int, default=1000)
     p.add_argument("--tick_ms", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="fewer rounds and trials")
