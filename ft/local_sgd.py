@@ -376,8 +376,33 @@ class _OnOptimizerStep:
     that raises (a quorum timeout) is tried again at the next forward or step.
     """
 
+    _manager: ManagerLike
     _hooked_optimizer: torch.optim.Optimizer
     _hook: Any = None
+
+    def _set_sum_options(
+        self,
+        should_quantize: Union[bool, torch.dtype],
+        use_bucketization: bool,
+        bucket_cap_mb: Optional[float],
+    ) -> None:
+        """How a sync's allreduce is issued (the constructors' arguments of the same names)."""
+        self._should_quantize = should_quantize
+        self._use_bucketization = _bucketization(use_bucketization)
+        self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+
+    def _weighted_sum(self, tensors: Sequence[torch.Tensor], contribute: bool) -> _WeightedSum:
+        """Starts a sync's allreduce of ``tensors``: this group's own (weight 1) or zeros
+        (weight 0, ``contribute`` False)."""
+        return _WeightedSum(
+            self._manager,
+            tensors,
+            1.0 if contribute else 0.0,
+            self._should_quantize,
+            self._bucket_cap,
+            self._use_bucketization,
+        )
+
     _join_hooks: Optional[List[Any]] = None
     _joined = False
 
@@ -478,9 +503,7 @@ class LocalSGD(_OnOptimizerStep):
         self._hooked_optimizer = optimizer
         self._sync_every = sync_every
         self._warmup_steps = warmup_steps
-        self._use_bucketization = _bucketization(use_bucketization)
-        self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
-        self._should_quantize = should_quantize
+        self._set_sum_options(should_quantize, use_bucketization, bucket_cap_mb)
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         _check_placements(self._params)
         self._backup: Optional[Dict[str, torch.Tensor]] = None
@@ -543,14 +566,7 @@ class LocalSGD(_OnOptimizerStep):
             for _, p in self._params
         ]
         try:
-            summed = _WeightedSum(
-                self._manager,
-                averages,
-                1.0 if contribute else 0.0,
-                self._should_quantize,
-                self._bucket_cap,
-                self._use_bucketization,
-            )
+            summed = self._weighted_sum(averages, contribute)
             averages = summed.tensors
             summed.wait()
             total = summed.total()
@@ -699,9 +715,7 @@ class DiLoCo(_OnOptimizerStep):
         self._inner_optimizer = inner_optimizer
         self._hooked_optimizer = inner_optimizer
         self._alpha = float(fragment_update_alpha)
-        self._should_quantize = should_quantize
-        self._use_bucketization = _bucketization(use_bucketization)
-        self._bucket_cap = int((bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self._set_sum_options(should_quantize, use_bucketization, bucket_cap_mb)
         self._fragments = [
             _Fragment(i, m, outer[i], backup_device, pin_memory)
             for i, m in enumerate(model_fragments)
@@ -827,14 +841,7 @@ class DiLoCo(_OnOptimizerStep):
         contribute = self._contributes[f]
         pseudo = frag.pseudo_gradients() if contribute else frag.zeros()
         with lane(self.lane_for(f)):
-            handle = _WeightedSum(
-                self._manager,
-                pseudo,
-                1.0 if contribute else 0.0,
-                self._should_quantize,
-                self._bucket_cap,
-                self._use_bucketization,
-            )
+            handle = self._weighted_sum(pseudo, contribute)
         self._pending = (f, handle.tensors, handle)
         return True
 

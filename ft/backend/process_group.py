@@ -53,7 +53,7 @@ import threading
 import uuid as _uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -1071,6 +1071,51 @@ def _configure_group(
     configure(store_addr, replica_id, rank, world_size, **extra)
 
 
+def _forwarded_op(
+    name: str,
+    n_args: int,
+    *,
+    output_in_list: bool = False,
+    default_opts: Optional[Callable[[], Any]] = None,
+    takes_opts: bool = True,
+) -> Callable[..., dist.Work]:
+    """A :class:`ProcessGroupWrapper` method for the c10d op ``name``.
+
+    It takes the op's ``n_args`` arguments, then (``takes_opts``) its options, positionally or
+    as ``opts=`` (torch passes both ways); where torch may leave the options out,
+    ``default_opts()`` stands in. The options go through the wrapper's ``_opts_hook``, the op
+    is issued on the wrapped group through ``_dispatch``, and the op's future holds its first
+    argument, the output (``[output]`` for the ops whose output is one tensor).
+    """
+
+    def op(self: "ProcessGroupWrapper", *args: Any, **kwargs: Any) -> dist.Work:
+        op_args = args[:n_args]
+        rest = args[n_args:]
+        opts = None
+        if takes_opts:
+            opts = rest[0] if rest else kwargs.pop("opts", None)
+            rest = rest[1:]
+            if opts is None and default_opts is not None:
+                opts = default_opts()
+            if opts is None:
+                raise TypeError(f"{name}() needs its options after {n_args} arguments")
+            opts = self._opts_hook(opts)
+        if len(op_args) < n_args or rest or kwargs:
+            raise TypeError(
+                f"{name}() takes {n_args} arguments"
+                + (" and the options" if takes_opts else "")
+                + f", got {len(args)} and {sorted(kwargs)}"
+            )
+        call_args = (*op_args, opts) if takes_opts else op_args
+        output = op_args[0] if op_args else None
+        result = [output] if output_in_list else output
+        return self._dispatch(lambda pg: getattr(pg, name)(*call_args), result, opts)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"c10d's ``{name}``, issued on the wrapped group."
+    return op
+
+
 class ProcessGroupWrapper(ProcessGroup):
     """Sends every op to another process group, its ``parent``.
 
@@ -1106,6 +1151,7 @@ class ProcessGroupWrapper(ProcessGroup):
     def configure(
         self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
     ) -> None:
+        self._new_group_starts()
         self._replica_id = replica_id
         self._rank = rank
         if not self._owns_pg:
@@ -1114,6 +1160,10 @@ class ProcessGroupWrapper(ProcessGroup):
         self.abort(errored=False)  # the previous group, if any
         store = create_store_client(store_addr, timeout=self._timeout)
         self._pg = self._create_pg(store, rank, world_size)
+
+    def _new_group_starts(self) -> None:
+        """Called first by every configure and reconfigure: what a subclass recorded about the
+        previous group (an error, a pending injection) is forgotten here."""
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _TorchProcessGroup:
         raise NotImplementedError(
@@ -1126,16 +1176,11 @@ class ProcessGroupWrapper(ProcessGroup):
         pg = self._pg
         return not self._owns_pg and (isinstance(pg, ProcessGroup) or can_reconfigure(pg))
 
-    def set_rank_info(
-        self,
-        replica_id: str,
-        group_rank: int,
-        group_world_size: int,
-        global_rank: Optional[int] = None,
-    ) -> None:
-        super().set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+    def set_rank_info(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`ProcessGroup.set_rank_info`, passed on to a wrapped ft group as well."""
+        super().set_rank_info(*args, **kwargs)
         if isinstance(self._pg, ProcessGroup):
-            self._pg.set_rank_info(replica_id, group_rank, group_world_size, global_rank)
+            self._pg.set_rank_info(*args, **kwargs)
 
     def _handle_id(self) -> str:
         if not self._owns_pg and isinstance(self._pg, ProcessGroup):
@@ -1151,6 +1196,7 @@ class ProcessGroupWrapper(ProcessGroup):
         """Reconfigures the wrapped group when it has the reconfigure API; otherwise (a group
         this wrapper creates, or one with only ``configure``) rendezvouses on the handles and
         configures it as :meth:`configure` does."""
+        self._new_group_starts()
         if self._delegates_reconfigure():
             if isinstance(self._pg, ProcessGroup):
                 self._rank = _rendezvous(opts, self._handle_id()).rank
@@ -1165,18 +1211,18 @@ class ProcessGroupWrapper(ProcessGroup):
             logger.info(
                 "process group aborted (replica_id=%s rank=%s)", self._replica_id, self._rank
             )
-        pg = self._pg
-        if pg is None:
-            return
-        pg.abort()
-        if self._owns_pg:
-            self._pg = None
+        self._end_group("abort")
 
     def shutdown(self) -> None:
+        self._end_group("shutdown")
+
+    def _end_group(self, how: str) -> None:
+        """Aborts or shuts down the wrapped group; one this wrapper created is then dropped
+        (the next configure creates another), a given one kept."""
         pg = self._pg
         if pg is None:
             return
-        pg.shutdown()
+        getattr(pg, how)()
         if self._owns_pg:
             self._pg = None
 
@@ -1239,175 +1285,76 @@ class ProcessGroupWrapper(ProcessGroup):
         return self._wrap_work(work, opts)
 
     # -- ops: torchft's list, then the tensor-in/tensor-out ops torch's front end and
-    # ft.collectives call (the "_base" and "_single" names) --------------------------------
+    # ft.collectives call (the "_base" and "_single" names; torch 2.13's all_gather_into_tensor,
+    # reduce_scatter_tensor and all_to_all_single call the "_single" ones). Each forwards its
+    # arguments as it got them; the number is how many come before the options.
 
-    def allgather(
-        self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: Any
-    ) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(
-            lambda pg: pg.allgather(output_tensors, input_tensor, opts), output_tensors, opts
-        )
-
-    def allgather_into_tensor_coalesced(
-        self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
-    ) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(
-            lambda pg: pg.allgather_into_tensor_coalesced(output_tensors, input_tensors, opts),
-            output_tensors,
-            opts,
-        )
-
-    def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(lambda pg: pg.allreduce(tensors, opts), tensors, opts)
-
-    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(lambda pg: pg.allreduce_coalesced(tensors, opts), tensors, opts)
-
-    def alltoall_base(
-        self,
-        output_buffer: torch.Tensor,
-        input_buffer: torch.Tensor,
-        output_split_sizes: List[int],
-        input_split_sizes: List[int],
-        opts: Any,
-    ) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(
-            lambda pg: pg.alltoall_base(
-                output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts
-            ),
-            [output_buffer],
-            opts,
-        )
-
-    def barrier(self, opts: Optional[Any] = None) -> dist.Work:
-        opts = self._opts_hook(opts if opts is not None else dist.BarrierOptions())
-        return self._dispatch(lambda pg: pg.barrier(opts), None, opts)
-
-    def broadcast(self, tensor_list: List[torch.Tensor], opts: Any) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(lambda pg: pg.broadcast(tensor_list, opts), tensor_list, opts)
-
-    def recv(self, tensors: List[torch.Tensor], src_rank: int, tag: int) -> dist.Work:
-        return self._dispatch(lambda pg: pg.recv(tensors, src_rank, tag), tensors, None)
-
-    def reduce_scatter(
-        self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any
-    ) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(
-            lambda pg: pg.reduce_scatter(output_tensors, input_tensors, opts), output_tensors, opts
-        )
-
-    def reduce_scatter_tensor_coalesced(
-        self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
-    ) -> dist.Work:
-        opts = self._opts_hook(opts)
-        return self._dispatch(
-            lambda pg: pg.reduce_scatter_tensor_coalesced(output_tensors, input_tensors, opts),
-            output_tensors,
-            opts,
-        )
-
-    def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
-        return self._dispatch(lambda pg: pg.send(tensors, dst_rank, tag), tensors, None)
-
-    def _allgather_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        opts: Optional[Any] = None,
-    ) -> dist.Work:
-        opts = self._opts_hook(opts if opts is not None else AllgatherOptions())
-        # torch's name for the flat all-gather, on the wrapped group
-        return self._dispatch(lambda pg: pg._allgather_base(output, input, opts), [output], opts)
-
-    def _reduce_scatter_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        opts: Optional[Any] = None,
-    ) -> dist.Work:
-        opts = self._opts_hook(opts if opts is not None else ReduceScatterOptions())
-        return self._dispatch(
-            # torch's name for the flat reduce-scatter, on the wrapped group
-            lambda pg: pg._reduce_scatter_base(output, input, opts),
-            [output],
-            opts,
-        )
-
-    # torch 2.13's front end (all_gather_into_tensor, reduce_scatter_tensor,
-    # all_to_all_single) calls these names.
-
-    def all_gather_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        opts: Optional[Any] = None,
-    ) -> dist.Work:
-        opts = self._opts_hook(opts if opts is not None else AllgatherOptions())
-        return self._dispatch(lambda pg: pg.all_gather_single(output, input, opts), [output], opts)
-
-    def reduce_scatter_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        opts: Optional[Any] = None,
-    ) -> dist.Work:
-        opts = self._opts_hook(opts if opts is not None else ReduceScatterOptions())
-        return self._dispatch(
-            lambda pg: pg.reduce_scatter_single(output, input, opts), [output], opts
-        )
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,  # noqa: A002
-        output_split_sizes: List[int],
-        input_split_sizes: List[int],
-        opts: Optional[Any] = None,
-    ) -> dist.Work:
-        opts = self._opts_hook(opts if opts is not None else dist.AllToAllOptions())
-        return self._dispatch(
-            lambda pg: pg.all_to_all_single(
-                output, input, output_split_sizes, input_split_sizes, opts
-            ),
-            [output],
-            opts,
-        )
+    allgather = _forwarded_op("allgather", 2)
+    allgather_into_tensor_coalesced = _forwarded_op("allgather_into_tensor_coalesced", 2)
+    allreduce = _forwarded_op("allreduce", 1)
+    allreduce_coalesced = _forwarded_op("allreduce_coalesced", 1)
+    alltoall_base = _forwarded_op("alltoall_base", 4, output_in_list=True)
+    barrier = _forwarded_op("barrier", 0, default_opts=dist.BarrierOptions)
+    broadcast = _forwarded_op("broadcast", 1)
+    recv = _forwarded_op("recv", 3, takes_opts=False)
+    reduce_scatter = _forwarded_op("reduce_scatter", 2)
+    reduce_scatter_tensor_coalesced = _forwarded_op("reduce_scatter_tensor_coalesced", 2)
+    send = _forwarded_op("send", 3, takes_opts=False)
+    _allgather_base = _forwarded_op(
+        "_allgather_base", 2, output_in_list=True, default_opts=AllgatherOptions
+    )
+    _reduce_scatter_base = _forwarded_op(
+        "_reduce_scatter_base", 2, output_in_list=True, default_opts=ReduceScatterOptions
+    )
+    all_gather_single = _forwarded_op(
+        "all_gather_single", 2, output_in_list=True, default_opts=AllgatherOptions
+    )
+    reduce_scatter_single = _forwarded_op(
+        "reduce_scatter_single", 2, output_in_list=True, default_opts=ReduceScatterOptions
+    )
+    all_to_all_single = _forwarded_op(
+        "all_to_all_single", 4, output_in_list=True, default_opts=dist.AllToAllOptions
+    )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(pg={self._pg!r})"
 
 
-class _ErrorSwallowingWork(dist.Work):
+class _WorkAround(dist.Work):
+    """A Work around another one, ``_work``: :meth:`wait_inner` waits for it (with the
+    caller's timeout, if any) and :meth:`is_completed` reports it."""
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait_inner(self, timeout: Optional[timedelta]) -> None:
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class _ErrorSwallowingWork(_WorkAround):
     """A Work whose failure is reported to its wrapper instead of raised; its future then
     holds ``default_result`` (the op's output tensors, as they are)."""
 
     def __init__(
         self, pg: "ErrorSwallowingProcessGroupWrapper", work: dist.Work, default_result: Any
     ) -> None:
-        super().__init__()
+        super().__init__(work)
         self._pg = pg
-        self._work = work
         self._default_result = default_result
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         try:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
+            self.wait_inner(timeout)
         except Exception as e:  # noqa: BLE001 - swallowed by design, recorded on the wrapper
             self._pg.report_error(e)
         return True
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
 
     def is_success(self) -> bool:
         return True
@@ -1424,7 +1371,19 @@ class _ErrorSwallowingWork(dist.Work):
         return self._work.get_future().then(swallow)
 
 
-class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
+class _WrapperWithPendingError(ProcessGroupWrapper):
+    """A wrapper around a given ``pg`` that holds one error, ``_pending``, about the ops it
+    issues (what the subclass makes of it), forgotten at every configure and reconfigure."""
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__(pg=pg)
+        self._pending: Optional[Exception] = None
+
+    def _new_group_starts(self) -> None:
+        self._pending = None
+
+
+class ErrorSwallowingProcessGroupWrapper(_WrapperWithPendingError):
     """Wraps ``pg`` so that failed ops never raise: the first error is recorded
     (:meth:`error`), and every op after it is skipped (a completed ``_DummyWork`` whose
     future holds the op's output tensors untouched) until the next :meth:`configure`.
@@ -1436,34 +1395,20 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
     error is kept (later ones are usually consequences of it), torchft keeps the last.
     """
 
-    def __init__(self, pg: ProcessGroup) -> None:
-        super().__init__(pg=pg)
-        self._error: Optional[Exception] = None
-
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
-    ) -> None:
-        self._error = None
-        super().configure(store_addr, replica_id, rank, world_size, **kwargs)
-
-    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
-        self._error = None
-        return super().reconfigure(opts)
-
     def report_error(self, e: Exception) -> None:
         """Records ``e`` (unless an error is already recorded): later ops are skipped until
         the next configure."""
-        if self._error is None:
-            self._error = e
+        if self._pending is None:
+            self._pending = e
 
     def error(self) -> Optional[Exception]:
         """The recorded error, or None."""
-        return self._error
+        return self._pending
 
     def _dispatch(
         self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any, opts: Any
     ) -> dist.Work:
-        if self._error is not None:
+        if self._pending is not None:
             return _DummyWork(result)
         try:
             work = super()._dispatch(call, result, opts)  # the wrapper's hook this overrides
@@ -1473,26 +1418,19 @@ class ErrorSwallowingProcessGroupWrapper(ProcessGroupWrapper):
         return _ErrorSwallowingWork(self, work, result)
 
 
-class _InjectedFailureWork(dist.Work):
+class _InjectedFailureWork(_WorkAround):
     """A Work that lets the real op finish, then fails with an injected error."""
 
     def __init__(self, work: dist.Work, error: Exception) -> None:
-        super().__init__()
-        self._work = work
+        super().__init__(work)
         self._error = error
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         try:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
+            self.wait_inner(timeout)
         except Exception:  # noqa: BLE001 - the injected failure wins over the op's own
             pass
         raise self._error
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
 
     def is_success(self) -> bool:
         return False
@@ -1509,7 +1447,7 @@ class _InjectedFailureWork(dist.Work):
         return out
 
 
-class FakeProcessGroupWrapper(ProcessGroupWrapper):
+class FakeProcessGroupWrapper(_WrapperWithPendingError):
     """For tests: wraps ``pg`` and fails the *next* op on demand.
 
     After :meth:`report_future_error` the next op (of any kind) runs normally on ``pg``, and
@@ -1521,29 +1459,15 @@ class FakeProcessGroupWrapper(ProcessGroupWrapper):
     ``allreduce`` only; here the returned Work itself fails, whatever the op.
     """
 
-    def __init__(self, pg: ProcessGroup) -> None:
-        super().__init__(pg=pg)
-        self._future_error: Optional[Exception] = None
-
-    def configure(
-        self, store_addr: str, replica_id: str, rank: int, world_size: int, **kwargs: Any
-    ) -> None:
-        self._future_error = None
-        super().configure(store_addr, replica_id, rank, world_size, **kwargs)
-
-    def reconfigure(self, opts: "ReconfigureOptions") -> dist.Work:
-        self._future_error = None
-        return super().reconfigure(opts)
-
     def report_future_error(self, e: Exception) -> None:
         """Makes the next op's Work fail with ``e``."""
-        self._future_error = e
+        self._pending = e
 
     def _dispatch(
         self, call: Callable[[_TorchProcessGroup], dist.Work], result: Any, opts: Any
     ) -> dist.Work:
         work = super()._dispatch(call, result, opts)  # the wrapper's hook this overrides
-        error, self._future_error = self._future_error, None
+        error, self._pending = self._pending, None
         if error is None:
             return work
         return _InjectedFailureWork(work, error)
@@ -1584,7 +1508,13 @@ class ProcessGroupDummy(ProcessGroup):
         self.reconfigure_count += 1
         return _DummyWork(None)
 
-    def _done(self, result: Any) -> dist.Work:
+    def _done(
+        self, result: Any, copies: Iterable[Tuple[torch.Tensor, torch.Tensor]] = ()
+    ) -> dist.Work:
+        """A completed Work holding ``result``, after copying each ``(out, inp)`` of ``copies``
+        (what a group of one moves)."""
+        for out, inp in copies:
+            out.copy_(inp)
         work = _DummyWork(result)
         self._work.append(work)
         return work
@@ -1592,16 +1522,13 @@ class ProcessGroupDummy(ProcessGroup):
     def allgather(
         self, output_tensors: List[List[torch.Tensor]], input_tensor: List[torch.Tensor], opts: Any
     ) -> dist.Work:
-        for out, inp in zip(output_tensors[0], input_tensor):
-            out.copy_(inp)
-        return self._done(output_tensors)
+        return self._done(output_tensors, zip(output_tensors[0], input_tensor))
 
     def allgather_into_tensor_coalesced(
         self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
     ) -> dist.Work:
-        for out, inp in zip(output_tensors, input_tensors):
-            out.view(-1)[: inp.numel()].copy_(inp.view(-1))
-        return self._done(output_tensors)
+        flat = zip(output_tensors, input_tensors)
+        return self._done(output_tensors, ((o.view(-1)[: i.numel()], i.view(-1)) for o, i in flat))
 
     def allreduce(self, tensors: List[torch.Tensor], opts: Any) -> dist.Work:
         return self._done(tensors)
@@ -1632,16 +1559,13 @@ class ProcessGroupDummy(ProcessGroup):
     def reduce_scatter(
         self, output_tensors: List[torch.Tensor], input_tensors: List[List[torch.Tensor]], opts: Any
     ) -> dist.Work:
-        for out, inp in zip(output_tensors, input_tensors[0]):
-            out.copy_(inp)
-        return self._done(output_tensors)
+        return self._done(output_tensors, zip(output_tensors, input_tensors[0]))
 
     def reduce_scatter_tensor_coalesced(
         self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor], opts: Any
     ) -> dist.Work:
-        for out, inp in zip(output_tensors, input_tensors):
-            out.view(-1).copy_(inp.view(-1)[: out.numel()])
-        return self._done(output_tensors)
+        flat = zip(output_tensors, input_tensors)
+        return self._done(output_tensors, ((o.view(-1), i.view(-1)[: o.numel()]) for o, i in flat))
 
     def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int) -> dist.Work:
         return _DummyWork(None)
@@ -1776,15 +1700,8 @@ class ProcessGroupBabyXCCL(ProcessGroupBaby):
     none, and pointing to :class:`ProcessGroupXCCL` (torch's XCCL, reconfigurable) where
     there is one."""
 
-    def configure(
-        self,
-        store_addr: str,
-        replica_id: str,
-        rank: int,
-        world_size: int,
-        *args: Any,
-        **kwargs: Any,
-    ) -> None:
+    def configure(self, *args: Any, **kwargs: Any) -> None:
+        """Raises: see the class."""
         _require_xpu(type(self).__name__)
         raise RuntimeError(
             "ProcessGroupBabyXCCL: ft's backend has no XCCL path; use ft.ProcessGroupXCCL "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 from ft.utils.deadline import Deadline, Timeout, to_seconds
 
@@ -86,18 +86,23 @@ class RWLock:
         with self._cond:
             return self._readers
 
-    @contextmanager
-    def r_lock(self, timeout: Optional[float] = None) -> Iterator[None]:
-        self.r_acquire(timeout)
-        try:
-            yield
-        finally:
-            self.r_release()
+    def r_lock(self, timeout: Optional[float] = None) -> ContextManager[None]:
+        """The read lock, held for a ``with`` block."""
+        return _held(self.r_acquire, self.r_release, timeout)
 
-    @contextmanager
-    def w_lock(self, timeout: Optional[float] = None) -> Iterator[None]:
-        self.w_acquire(timeout)
-        try:
-            yield
-        finally:
-            self.w_release()
+    def w_lock(self, timeout: Optional[float] = None) -> ContextManager[None]:
+        """The write lock, held for a ``with`` block."""
+        return _held(self.w_acquire, self.w_release, timeout)
+
+
+@contextmanager
+def _held(
+    acquire: Callable[[Optional[float]], None],
+    release: Callable[[], None],
+    timeout: Optional[float],
+) -> Iterator[None]:
+    acquire(timeout)
+    try:
+        yield
+    finally:
+        release()

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -97,20 +98,16 @@ class StepPartiallyApplied(RemoteOptimizerError):
 # --------------------------------------------------------------------------- owner side
 
 
+@dataclass
 class _Prepared:
-    def __init__(
-        self,
-        token: str,
-        values: List[torch.Tensor],
-        state: Dict[Any, Any],
-        hyper: List[Dict[str, Any]],
-        versions: List[int],
-    ) -> None:
-        self.token = token
-        self.values = values
-        self.state = state
-        self.hyper = hyper
-        self.versions = versions
+    """A step prepared on an owner and not yet committed: the new parameter values and
+    optimizer state, and the versions of the parameters it was computed from."""
+
+    token: str
+    values: List[torch.Tensor]
+    state: Dict[Any, Any]
+    hyper: List[Dict[str, Any]]
+    versions: List[int]
 
 
 class _LocalOptimizer:
@@ -259,6 +256,11 @@ def _names(owners: Sequence[str]) -> str:
     return ", ".join(repr(o) for o in owners) if owners else "none"
 
 
+def _causes(failed: Dict[str, str]) -> str:
+    """``owner: cause`` for each failed owner, in order."""
+    return "; ".join(f"{o}: {c}" for o, c in sorted(failed.items()))
+
+
 class DistributedOptimizer:
     """torch.distributed.optim.DistributedOptimizer with a two-phase step (module docstring).
 
@@ -302,8 +304,7 @@ class DistributedOptimizer:
         if failed:
             raise RemoteOptimizerError(
                 f"could not create {getattr(optimizer_class, '__name__', optimizer_class)} on "
-                f"owner(s) {_names(sorted(failed))}: "
-                + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items())),
+                f"owner(s) {_names(sorted(failed))}: {_causes(failed)}",
                 failed,
             )
         self.remote_optimizers = remote
@@ -329,10 +330,9 @@ class DistributedOptimizer:
                 _call_all([(o, r) for o, r in targets if o in ok], _abort, (token,))
                 raise StepNotApplied(
                     f"DistributedOptimizer.step(context_id={context_id}) failed on owner(s) "
-                    f"{_names(sorted(failed))} ("
-                    + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items()))
-                    + f"); the step was applied on no owner: the parameters and optimizer "
-                    f"state of {_names(ok)} are as before the step",
+                    f"{_names(sorted(failed))} ({_causes(failed)}); the step was applied on no "
+                    f"owner: the parameters and optimizer state of {_names(ok)} are as before "
+                    f"the step",
                     failed,
                     ok,
                 )
@@ -341,10 +341,9 @@ class DistributedOptimizer:
                 applied = [o for o in self._owners if o not in failed]
                 raise StepPartiallyApplied(
                     f"DistributedOptimizer.step(context_id={context_id}): every owner prepared "
-                    f"the step, then the commit failed on {_names(sorted(failed))} ("
-                    + "; ".join(f"{o}: {c}" for o, c in sorted(failed.items()))
-                    + f"); it was applied on {_names(applied)} and may or may not have been "
-                    f"applied on the failed owner(s)",
+                    f"the step, then the commit failed on {_names(sorted(failed))} "
+                    f"({_causes(failed)}); it was applied on {_names(applied)} and may or may "
+                    f"not have been applied on the failed owner(s)",
                     failed,
                     applied,
                 )

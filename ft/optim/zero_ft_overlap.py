@@ -5,6 +5,7 @@ DDP")."""
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -19,49 +20,34 @@ from ft.utils.tensors import clone_state
 __all__ = ["ExchangeBucket", "BucketOptimizers", "StagedOverlap"]
 
 
+@dataclass(slots=True)
 class ExchangeBucket:
     """One DDP bucket as the overlapped step sees it: which of this optimizer's parameters it
     holds (global index, position in the bucket, offset in ``xbuf``) and the exchange buffer
     (the bucket's parameters, flat, in the order of ``entries``, then one sent-mark per
     participant: see :func:`ft.optim.zero_ft_exchange.missing_senders`)."""
 
-    __slots__ = ("index", "ids", "entries", "xbuf", "participants")
-
-    def __init__(
-        self,
-        index: int,
-        ids: Tuple[int, ...],
-        entries: List[Tuple[int, int, int]],
-        xbuf: Any,
-        participants: int,
-    ) -> None:
-        self.index = index
-        self.ids = ids
-        self.entries = entries
-        self.xbuf = xbuf
-        self.participants = participants
+    index: int
+    ids: Tuple[int, ...]
+    entries: List[Tuple[int, int, int]]
+    xbuf: Any
+    participants: int
 
     def marks(self) -> torch.Tensor:
         return self.xbuf[self.xbuf.numel() - self.participants :]
 
 
+@dataclass(slots=True)
 class BucketOptimizers:
     """The staging optimizers of one bucket for one layout: the owned parameters stepped on
     views into the bucket's exchange buffer, the standby ones on scratch tensors."""
 
-    __slots__ = ("own", "own_t", "own_opt", "sb", "sb_t", "sb_opt")
-
-    def __init__(
-        self,
-        own: List[Tuple[int, int]],
-        own_t: List[torch.Tensor],
-        own_opt: Optional[torch.optim.Optimizer],
-        sb: List[Tuple[int, int]],
-        sb_t: List[torch.Tensor],
-        sb_opt: Optional[torch.optim.Optimizer],
-    ) -> None:
-        self.own, self.own_t, self.own_opt = own, own_t, own_opt  # (global index, position)
-        self.sb, self.sb_t, self.sb_opt = sb, sb_t, sb_opt
+    own: List[Tuple[int, int]]  # (global index, position in the bucket)
+    own_t: List[torch.Tensor]
+    own_opt: Optional[torch.optim.Optimizer]
+    sb: List[Tuple[int, int]]
+    sb_t: List[torch.Tensor]
+    sb_opt: Optional[torch.optim.Optimizer]
 
 
 class StagedOverlap:

@@ -59,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ft.ddp import DistributedDataParallel as FtDDP
 from ft.optim.zero import ZeroRedundancyOptimizer
+from ft.optim.zero_overlap import ZeroOverlap
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved", "FaultTolerantZeroDDP"]
 
@@ -116,25 +117,14 @@ def hook_with_zero_step(
     Overlaps the optimizer's computation and broadcasts with the reductions still in flight;
     preferable when communication is slow relative to computation. See the module docstring.
     """
-    _check(hook, ddp, zero, shard_buckets)
-    ddp_ref = weakref.ref(ddp)
-    overlap = zero.overlap
 
-    def hook_with_zero_fn(
-        state: Any, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
-        fut = hook(state, bucket)
-        if not overlap.prepare(ddp_ref(), bucket):
-            return fut
-        overlap.record(bucket, fut)
-        if not bucket.is_last():
-            return fut
-        for index in range(bucket.index() + 1):
-            overlap.step_bucket(index)
-        overlap.finish_iteration()
-        return fut
+    def step_after_last(overlap: ZeroOverlap, bucket: dist.GradBucket) -> None:
+        if bucket.is_last():
+            for index in range(bucket.index() + 1):
+                overlap.step_bucket(index)
+            overlap.finish_iteration()
 
-    return hook_with_zero_fn
+    return _hook_stepping(hook, ddp, zero, shard_buckets, step_after_last)
 
 
 def hook_with_zero_step_interleaved(
@@ -150,26 +140,41 @@ def hook_with_zero_step_interleaved(
     Overlaps the optimizer with the backward computation as well; preferable when
     communication is fast relative to computation. See the module docstring.
     """
-    _check(hook, ddp, zero, shard_buckets)
-    ddp_ref = weakref.ref(ddp)
-    overlap = zero.overlap
 
-    def hook_with_zero_interleaved_fn(
-        state: Any, bucket: dist.GradBucket
-    ) -> torch.futures.Future[torch.Tensor]:
-        fut = hook(state, bucket)
-        if not overlap.prepare(ddp_ref(), bucket):
-            return fut
-        overlap.record(bucket, fut)
+    def step_previous(overlap: ZeroOverlap, bucket: dist.GradBucket) -> None:
         index = bucket.index()
         if index > 0:
             overlap.step_bucket(index - 1)
         if bucket.is_last():
             overlap.step_bucket(index)
             overlap.finish_iteration()
+
+    return _hook_stepping(hook, ddp, zero, shard_buckets, step_previous)
+
+
+def _hook_stepping(
+    hook: Hook,
+    ddp: DistributedDataParallel,
+    zero: "ZeroRedundancyOptimizer",
+    shard_buckets: bool,
+    step: Callable[[ZeroOverlap, dist.GradBucket], None],
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """``hook``, then ``step(overlap, bucket)`` once ``zero``'s overlap has recorded the
+    bucket's reduction (a bucket it does not take, as on a warm-up iteration, only ``hook``)."""
+    _check(hook, ddp, zero, shard_buckets)
+    ddp_ref = weakref.ref(ddp)  # ddp holds the hook: a strong reference would be a cycle
+    overlap = zero.overlap
+
+    def hook_with_zero_fn(
+        state: Any, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        fut = hook(state, bucket)
+        if overlap.prepare(ddp_ref(), bucket):
+            overlap.record(bucket, fut)
+            step(overlap, bucket)
         return fut
 
-    return hook_with_zero_interleaved_fn
+    return hook_with_zero_fn
 
 
 class FaultTolerantZeroDDP(FtDDP):
