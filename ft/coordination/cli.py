@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, Dict, Optional, Sequence
 
 from .lighthouse import (
     DEFAULT_DEAD_GRACE_MS,
@@ -206,21 +206,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+# The options that LighthouseServer takes under their flags' names: ``ft-launch`` passes the
+# quorum timings on too.
+QUORUM_TIMING_OPTIONS = (
+    "min_replicas",
+    "join_timeout_ms",
+    "quorum_tick_ms",
+    "heartbeat_timeout_ms",
+)
+_SERVER_OPTIONS = ("auth_token", "dead_grace_ms", "quorum_id_file", "hostname", "transport")
+
+
+def options_named(args: argparse.Namespace, names: Sequence[str]) -> Dict[str, Any]:
+    """``{name: args.name}`` for each of ``names``."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _start(args, http_bind: str, secret) -> LighthouseServer:
     return LighthouseServer(
-        bind=args.bind,
-        min_replicas=args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        quorum_tick_ms=args.quorum_tick_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        args.bind,
         http_bind=http_bind,
-        auth_token=args.auth_token,
-        dead_grace_ms=args.dead_grace_ms,
-        quorum_id_file=args.quorum_id_file,
-        hostname=args.hostname,
-        transport=args.transport,
         secret=secret,
         insecure=args.insecure or None,
+        **options_named(args, QUORUM_TIMING_OPTIONS + _SERVER_OPTIONS),
     )
 
 

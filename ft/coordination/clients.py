@@ -772,14 +772,11 @@ class ManagerClient(ManagerCalls, _Client):
         addr: str,
         connect_timeout: Timeout,
         *,
-        secret: SecretLike = None,
-        tls: Optional[TLSConfig] = None,
-        transport: str = "auto",
         replica_id: Optional[str] = None,
+        **options: Any,
     ) -> Self:
-        self = super().__new__(
-            cls, addr, connect_timeout, secret=secret, tls=tls, transport=transport
-        )
+        """``options``: ``secret``, ``tls`` and ``transport``, as for every ft client."""
+        self = super().__new__(cls, addr, connect_timeout, **options)
         self._replica_id = replica_id
         return self
 

@@ -53,7 +53,7 @@ from . import _rpc, wire
 from ._proto import torchft_pb2 as pb
 from .lighthouse_status import QuorumIdFile, status_document
 from .metrics import render_metrics
-from .rpc_server import Call, CallAborted, Method, RpcServer
+from .rpc_server import Call, CallAborted, Method, RpcServer, ServesRpc
 from ..utils.auth import (
     GRPC_PURPOSE,
     LIGHTHOUSE_SERVER_NAME,
@@ -700,7 +700,7 @@ def _methods(state: _LighthouseState) -> Dict[str, Method]:
 # The dashboard's server, its endpoints and who may use them: ft.coordination.dashboard.server.
 
 
-class LighthouseServer:
+class LighthouseServer(ServesRpc):
     """Runs the lighthouse gRPC service, its ticker and its HTTP dashboard in this process.
 
     Args:
@@ -943,16 +943,6 @@ class LighthouseServer:
             client.close()
         logger.warning("killed %s (%s): %s", replica_id, member.address, msg)
         return 200, {"killed": replica_id}
-
-    @property
-    def server_id(self) -> Optional[str]:
-        """This server life's id, which every signature it accepts is bound to (None without
-        a secret; ft.utils.auth)."""
-        return self._server.server_id
-
-    def address(self) -> str:
-        """``http://host:port`` of the gRPC service (what managers and clients dial)."""
-        return f"http://{net.join_hostport(self._host, self._port)}"
 
     def dashboard_address(self) -> Optional[str]:
         """``http://host:port`` of the dashboard (``https://`` with TLS), or None when

@@ -34,7 +34,7 @@ from ._proto import torchft_pb2 as pb
 from ._rpc import CoordinationError, Timeout
 from . import wire
 from .clients import LighthouseClient, ManagerCalls
-from .rpc_server import Call, Method, RpcServer
+from .rpc_server import Call, Method, RpcServer, ServesRpc
 from ..utils.auth import (
     GRPC_PURPOSE,
     SecretLike,
@@ -181,7 +181,7 @@ def _methods(
     }
 
 
-class ManagerServer:
+class ManagerServer(ServesRpc):
     """One replica group's coordination server (torchft-compatible constructor).
 
     Args:
@@ -541,16 +541,6 @@ class ManagerServer:
             rnd.error = error
             rnd.done = True
             self._cond.notify_all()
-
-    @property
-    def server_id(self) -> Optional[str]:
-        """This server life's id, which every signature it accepts is bound to (None without
-        a secret; ft.utils.auth)."""
-        return self._server.server_id
-
-    def address(self) -> str:
-        """``http://host:port`` of this server."""
-        return f"http://{net.join_hostport(self._host, self._port)}"
 
     def leave(self, timeout: float = 1.0) -> None:
         """Stops heartbeating and tells the lighthouse that this replica leaves cleanly, so

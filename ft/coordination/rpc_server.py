@@ -32,6 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from . import _rpc
+from ..utils import net
 from ..utils.auth import SERVER_ID_METHOD, AuthError, Verifier, split_signed
 
 if TYPE_CHECKING:
@@ -561,3 +562,23 @@ class _GrpcioHandler(grpc.GenericRpcHandler):
                     context.abort(item.code, item.details)
                 return
             yield item
+
+
+class ServesRpc:
+    """What a server that answers through an :class:`RpcServer` tells about itself (the
+    lighthouse, a ManagerServer). The subclass sets ``_server`` (its RpcServer), ``_host`` (the
+    host it advertises) and ``_port``."""
+
+    _server: RpcServer
+    _host: str
+    _port: int
+
+    @property
+    def server_id(self) -> Optional[str]:
+        """This server life's id, which every signature it accepts is bound to (None without
+        a secret; ft.utils.auth)."""
+        return self._server.server_id
+
+    def address(self) -> str:
+        """``http://host:port`` of the gRPC service: what clients dial."""
+        return f"http://{net.join_hostport(self._host, self._port)}"

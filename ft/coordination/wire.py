@@ -70,6 +70,19 @@ _member_fields = _field_reader(
     "shrink_only",
     "commit_failures",
 )
+# The fields of QuorumResult that cross the wire as they are (the optional ranks, the lists and
+# the heal donors are converted in result_to_pb / result_from_pb).
+_result_fields = _field_reader(
+    "quorum_id",
+    "replica_rank",
+    "replica_world_size",
+    "recover_src_manager_address",
+    "store_address",
+    "max_step",
+    "max_world_size",
+    "heal",
+    "commit_failures",
+)
 _group_request_fields = _field_reader(*(f.name for f in dataclasses.fields(GroupRequest)))
 
 
@@ -144,44 +157,29 @@ def quorum_from_response(data: bytes) -> Quorum:
 
 def result_from_pb(r: pb.ManagerQuorumResponse) -> QuorumResult:
     return QuorumResult(
-        quorum_id=r.quorum_id,
-        replica_rank=r.replica_rank,
-        replica_world_size=r.replica_world_size,
-        recover_src_manager_address=r.recover_src_manager_address,
         recover_src_replica_rank=(
             r.recover_src_replica_rank if r.HasField("recover_src_replica_rank") else None
         ),
         recover_dst_replica_ranks=list(r.recover_dst_replica_ranks),
-        store_address=r.store_address,
-        max_step=r.max_step,
         max_replica_rank=r.max_replica_rank if r.HasField("max_replica_rank") else None,
-        max_world_size=r.max_world_size,
-        heal=r.heal,
-        commit_failures=r.commit_failures,
         replica_ids=list(r.replica_ids),
         heal_donors=[(d.replica_rank, d.manager_address) for d in r.heal_donors],
         reconfigure_handles=list(r.reconfigure_handles),
+        **_result_fields(r),
     )
 
 
 def result_to_pb(r: QuorumResult) -> pb.ManagerQuorumResponse:
     out = pb.ManagerQuorumResponse(
-        quorum_id=r.quorum_id,
-        replica_rank=r.replica_rank,
-        replica_world_size=r.replica_world_size,
-        recover_src_manager_address=r.recover_src_manager_address,
         recover_dst_replica_ranks=r.recover_dst_replica_ranks,
-        store_address=r.store_address,
-        max_step=r.max_step,
-        max_world_size=r.max_world_size,
-        heal=r.heal,
-        commit_failures=r.commit_failures,
         replica_ids=r.replica_ids,
         reconfigure_handles=r.reconfigure_handles,
         heal_donors=[
             pb.HealDonor(replica_rank=rank, manager_address=addr) for rank, addr in r.heal_donors
         ],
+        **_result_fields(r),
     )
+    # Optional fields: set only when known (unset reads back as None).
     if r.recover_src_replica_rank is not None:
         out.recover_src_replica_rank = r.recover_src_replica_rank
     if r.max_replica_rank is not None:

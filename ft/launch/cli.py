@@ -179,12 +179,9 @@ class Supervisor:
             out, tty=out.isatty() and not args.no_tty, status_every=args.status_every
         )
         self.say = self.display.say
+        # RunLimits' fields are the flags' names.
         self.limits = RunLimits(
-            duration=args.duration,
-            max_steps=args.max_steps,
-            timeout=args.timeout,
-            stop_grace=args.stop_grace,
-            kill_grace=args.kill_grace,
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(RunLimits)}
         )
         self.duration_deadline = Deadline.after(args.duration)
         self.hard_deadline = Deadline.after(args.timeout)
@@ -335,14 +332,11 @@ class Supervisor:
             self.say(f"using lighthouse {self.env.lighthouse}")
             return
         from ft.coordination import LighthouseServer
+        from ft.coordination.cli import QUORUM_TIMING_OPTIONS, options_named
 
         args = self.args
         self.lighthouse = LighthouseServer(
-            bind=args.lighthouse_bind,
-            min_replicas=args.min_replicas,
-            join_timeout_ms=args.join_timeout_ms,
-            quorum_tick_ms=args.quorum_tick_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            args.lighthouse_bind, **options_named(args, QUORUM_TIMING_OPTIONS)
         )
         self.env.lighthouse = self.lighthouse.address()
         dashboard = self.lighthouse.dashboard_address()
