@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "host_staging.hpp"
 #include "lane.hpp"
@@ -85,7 +86,7 @@ void checkTensors(const std::vector<at::Tensor>& tensors, const char* op) {
   }
 }
 
-void checkTensorLists(
+void checkTensors(
     const std::vector<std::vector<at::Tensor>>& lists,
     const char* op) {
   for (const auto& list : lists) {
@@ -93,7 +94,22 @@ void checkTensorLists(
   }
 }
 
-std::vector<at::Tensor> flatten(
+// Each tensor argument of an op, in turn.
+template <typename... Args>
+void checkEach(const char* op, const Args&... args) {
+  (checkTensors(args, op), ...);
+}
+
+// An op's output argument as the tensors its FtWork reports: one list.
+std::vector<at::Tensor> tensorList(const at::Tensor& tensor) {
+  return {tensor};
+}
+
+std::vector<at::Tensor> tensorList(const std::vector<at::Tensor>& tensors) {
+  return tensors;
+}
+
+std::vector<at::Tensor> tensorList(
     const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> flat;
   for (const auto& list : lists) {
@@ -179,6 +195,21 @@ InnerCall callOnInner(
   };
   return call;
 }
+
+// callOnInner(method, args..., options): the adapter's arguments with its
+// options (the last one) replaced by `options`.
+template <typename Method, typename Args, size_t... I, typename Opts>
+InnerCall callWithOptions(
+    Method method,
+    const Args& args,
+    std::index_sequence<I...> /*allButLast*/,
+    const Opts& options) {
+  return callOnInner(method, std::get<I>(args)..., options);
+}
+
+// A lane's communicator (Gloo's, or an NcclLane): its c10d method of an
+// adapter's own name runs the op.
+using Lane = c10d::Backend;
 
 BlockingRegion& blockingRegion() {
   static BlockingRegion region = [](const std::function<void()>& fn) { fn(); };
@@ -318,9 +349,8 @@ void FtBackend::configure(
   const milliseconds timeout(timeoutMs_.load());
   Transports transports;
   try {
-    TransportOptions options;
-    options.hostStageSharedGpu = hostStageSharedGpu_.load();
-    transports = makeTransports(store, rank, size, numLanes_, timeout, options);
+    transports = makeTransports(
+        {store, rank, size, numLanes_, timeout, hostStageSharedGpu_.load()});
   } catch (const std::exception&) {
     C10_THROW_ERROR(
         DistBackendError,
@@ -804,244 +834,160 @@ void FtBackend::checkWorldMultiple(
       ")");
 }
 
-// The op adapters: each names itself once (its Op), checks its arguments, and
-// hands submit() the tensors it reports and the call the transport runs.
+template <auto Method, typename... Args>
+c10::intrusive_ptr<c10d::Work> FtBackend::run(const Op& op, Args&... args) {
+  const auto argsTuple = std::tie(args...);
+  std::vector<at::Tensor> outputs = tensorList(std::get<0>(argsTuple));
+  const auto& last = std::get<sizeof...(Args) - 1>(argsTuple);
+  if constexpr (!requires { last.timeout; }) {
+    // Point-to-point ops carry no options: the backend's timeout applies.
+    auto call = callOnInner(Method, args...);
+    return submit(op, std::move(outputs), c10d::kUnsetTimeout, call);
+  } else if constexpr (!requires { last.reduceOp; }) {
+    auto call = callOnInner(Method, args...);
+    return submit(op, std::move(outputs), last.timeout, call);
+  } else {
+    // A rooted reduction's result is the root's only.
+    bool holdsResult = true;
+    if constexpr (requires { last.rootRank; }) {
+      holdsResult = last.rootRank == currentRank();
+    }
+    auto [inner, finalize] = onTransport(last, outputs, op.name, holdsResult);
+    auto call = callWithOptions(
+        Method,
+        argsTuple,
+        std::make_index_sequence<sizeof...(Args) - 1>(),
+        inner);
+    return submit(op, std::move(outputs), last.timeout, call, finalize);
+  }
+}
 
-c10::intrusive_ptr<c10d::Work> FtBackend::broadcast(
-    std::vector<at::Tensor>& tensors,
-    const c10d::BroadcastOptions& opts) {
+// The op adapters: each names itself once (its Op), checks its arguments, and
+// hands run() the c10d method of its own name and its own arguments.
+
+FT_C10D_DEFINE(FtBackend, broadcast) {
   const Op op{c10d::OpType::BROADCAST, "broadcast"};
   checkTensors(tensors, op.name);
   checkRoot(opts.rootRank, op.name);
-  auto call = callOnInner(&c10d::Backend::broadcast, tensors, opts);
-  return submit(op, tensors, opts.timeout, call);
+  return run<&Lane::broadcast>(op, tensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::allreduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceOptions& opts) {
+FT_C10D_DEFINE(FtBackend, allreduce) {
   const Op op{c10d::OpType::ALLREDUCE, "allreduce"};
   checkTensors(tensors, op.name);
-  auto [inner, finalize] = onTransport(opts, tensors, op.name);
-  auto call = callOnInner(&c10d::Backend::allreduce, tensors, inner);
-  return submit(op, tensors, opts.timeout, call, finalize);
+  return run<&Lane::allreduce>(op, tensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceCoalescedOptions& opts) {
+FT_C10D_DEFINE(FtBackend, allreduce_coalesced) {
   const Op op{c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced"};
   checkTensors(tensors, op.name);
-  auto [inner, finalize] = onTransport(opts, tensors, op.name);
-  auto call = callOnInner(&c10d::Backend::allreduce_coalesced, tensors, inner);
-  return submit(op, tensors, opts.timeout, call, finalize);
+  return run<&Lane::allreduce_coalesced>(op, tensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::reduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::ReduceOptions& opts) {
+FT_C10D_DEFINE(FtBackend, reduce) {
   const Op op{c10d::OpType::REDUCE, "reduce"};
   checkTensors(tensors, op.name);
   checkRoot(opts.rootRank, op.name);
-  // Only the root holds the reduced value.
-  const bool root = opts.rootRank == currentRank();
-  auto [inner, finalize] = onTransport(opts, tensors, op.name, root);
-  auto call = callOnInner(&c10d::Backend::reduce, tensors, inner);
-  return submit(op, tensors, opts.timeout, call, finalize);
+  return run<&Lane::reduce>(op, tensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::allgather(
-    std::vector<std::vector<at::Tensor>>& outputTensors,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::AllgatherOptions& opts) {
+FT_C10D_DEFINE(FtBackend, allgather) {
   const Op op{c10d::OpType::ALLGATHER, "allgather"};
-  checkTensors(inputTensors, op.name);
-  checkTensorLists(outputTensors, op.name);
-  auto call =
-      callOnInner(&c10d::Backend::allgather, outputTensors, inputTensors, opts);
-  return submit(op, flatten(outputTensors), opts.timeout, call);
+  checkEach(op.name, inputTensors, outputTensors);
+  return run<&Lane::allgather>(op, outputTensors, inputTensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::_allgather_base(
-    at::Tensor& outputBuffer,
-    at::Tensor& inputBuffer,
-    const c10d::AllgatherOptions& opts) {
+FT_C10D_DEFINE(FtBackend, _allgather_base) {
   const Op op{c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor"};
   checkTensors({outputBuffer, inputBuffer}, op.name);
   checkWorldMultiple(outputBuffer, "output", inputBuffer, "input", op.name);
-  auto call = callOnInner(
-      &c10d::Backend::_allgather_base,
-      outputBuffer,
-      inputBuffer,
-      opts);
-  return submit(op, {outputBuffer}, opts.timeout, call);
+  return run<&Lane::_allgather_base>(op, outputBuffer, inputBuffer, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& outputTensorLists,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::AllgatherOptions& opts) {
+FT_C10D_DEFINE(FtBackend, allgather_coalesced) {
   const Op op{c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced"};
-  checkTensors(inputTensors, op.name);
-  checkTensorLists(outputTensorLists, op.name);
-  auto call = callOnInner(
-      &c10d::Backend::allgather_coalesced,
-      outputTensorLists,
-      inputTensors,
-      opts);
-  return submit(op, flatten(outputTensorLists), opts.timeout, call);
+  checkEach(op.name, inputTensors, outputTensors);
+  return run<&Lane::allgather_coalesced>(op, outputTensors, inputTensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::allgather_into_tensor_coalesced(
-    std::vector<at::Tensor>& outputs,
-    std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+FT_C10D_DEFINE(FtBackend, allgather_into_tensor_coalesced) {
   const Op op{c10d::OpType::COALESCED, "allgather_into_tensor_coalesced"};
-  checkTensors(inputs, op.name);
-  checkTensors(outputs, op.name);
-  auto call = callOnInner(
-      &c10d::Backend::allgather_into_tensor_coalesced,
-      outputs,
-      inputs,
-      opts);
-  return submit(op, outputs, opts.timeout, call);
+  checkEach(op.name, inputs, outputs);
+  return run<&Lane::allgather_into_tensor_coalesced>(op, outputs, inputs, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::gather(
-    std::vector<std::vector<at::Tensor>>& outputTensors,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::GatherOptions& opts) {
+FT_C10D_DEFINE(FtBackend, gather) {
   const Op op{c10d::OpType::GATHER, "gather"};
-  checkTensors(inputTensors, op.name);
-  checkTensorLists(outputTensors, op.name);
+  checkEach(op.name, inputTensors, outputTensors);
   checkRoot(opts.rootRank, op.name);
-  auto call =
-      callOnInner(&c10d::Backend::gather, outputTensors, inputTensors, opts);
-  return submit(op, flatten(outputTensors), opts.timeout, call);
+  return run<&Lane::gather>(op, outputTensors, inputTensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::scatter(
-    std::vector<at::Tensor>& outputTensors,
-    std::vector<std::vector<at::Tensor>>& inputTensors,
-    const c10d::ScatterOptions& opts) {
+FT_C10D_DEFINE(FtBackend, scatter) {
   const Op op{c10d::OpType::SCATTER, "scatter"};
-  checkTensors(outputTensors, op.name);
-  checkTensorLists(inputTensors, op.name);
+  checkEach(op.name, outputTensors, inputTensors);
   checkRoot(opts.rootRank, op.name);
-  auto call =
-      callOnInner(&c10d::Backend::scatter, outputTensors, inputTensors, opts);
-  return submit(op, outputTensors, opts.timeout, call);
+  return run<&Lane::scatter>(op, outputTensors, inputTensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter(
-    std::vector<at::Tensor>& outputTensors,
-    std::vector<std::vector<at::Tensor>>& inputTensors,
-    const c10d::ReduceScatterOptions& opts) {
+FT_C10D_DEFINE(FtBackend, reduce_scatter) {
   const Op op{c10d::OpType::REDUCE_SCATTER, "reduce_scatter"};
-  checkTensors(outputTensors, op.name);
-  checkTensorLists(inputTensors, op.name);
-  auto [inner, finalize] = onTransport(opts, outputTensors, op.name);
-  auto call = callOnInner(
-      &c10d::Backend::reduce_scatter,
-      outputTensors,
-      inputTensors,
-      inner);
-  return submit(op, outputTensors, opts.timeout, call, finalize);
+  checkEach(op.name, outputTensors, inputTensors);
+  return run<&Lane::reduce_scatter>(op, outputTensors, inputTensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::_reduce_scatter_base(
-    at::Tensor& outputBuffer,
-    at::Tensor& inputBuffer,
-    const c10d::ReduceScatterOptions& opts) {
+FT_C10D_DEFINE(FtBackend, _reduce_scatter_base) {
   const Op op{c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor"};
   checkTensors({outputBuffer, inputBuffer}, op.name);
   checkWorldMultiple(inputBuffer, "input", outputBuffer, "output", op.name);
-  auto [inner, finalize] = onTransport(opts, {outputBuffer}, op.name);
-  auto call = callOnInner(
-      &c10d::Backend::_reduce_scatter_base,
-      outputBuffer,
-      inputBuffer,
-      inner);
-  return submit(op, {outputBuffer}, opts.timeout, call, finalize);
+  return run<&Lane::_reduce_scatter_base>(op, outputBuffer, inputBuffer, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs,
-    std::vector<at::Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+FT_C10D_DEFINE(FtBackend, reduce_scatter_tensor_coalesced) {
   const Op op{kReduceScatterTensorCoalesced, "reduce_scatter_tensor_coalesced"};
-  checkTensors(outputs, op.name);
-  checkTensors(inputs, op.name);
-  auto [inner, finalize] = onTransport(opts, outputs, op.name);
-  auto call = callOnInner(
-      &c10d::Backend::reduce_scatter_tensor_coalesced,
-      outputs,
-      inputs,
-      inner);
-  return submit(op, outputs, opts.timeout, call, finalize);
+  checkEach(op.name, outputs, inputs);
+  return run<&Lane::reduce_scatter_tensor_coalesced>(op, outputs, inputs, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::alltoall_base(
-    at::Tensor& outputBuffer,
-    at::Tensor& inputBuffer,
-    std::vector<int64_t>& outputSplitSizes,
-    std::vector<int64_t>& inputSplitSizes,
-    const c10d::AllToAllOptions& opts) {
+FT_C10D_DEFINE(FtBackend, alltoall_base) {
   const Op op{c10d::OpType::ALLTOALL_BASE, "all_to_all_single"};
   checkTensors({outputBuffer, inputBuffer}, op.name);
-  auto call = callOnInner(
-      &c10d::Backend::alltoall_base,
+  return run<&Lane::alltoall_base>(
+      op,
       outputBuffer,
       inputBuffer,
       outputSplitSizes,
       inputSplitSizes,
       opts);
-  return submit(op, {outputBuffer}, opts.timeout, call);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::alltoall(
-    std::vector<at::Tensor>& outputTensors,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::AllToAllOptions& opts) {
+FT_C10D_DEFINE(FtBackend, alltoall) {
   const Op op{c10d::OpType::ALLTOALL, "all_to_all"};
-  checkTensors(outputTensors, op.name);
-  checkTensors(inputTensors, op.name);
-  auto call =
-      callOnInner(&c10d::Backend::alltoall, outputTensors, inputTensors, opts);
-  return submit(op, outputTensors, opts.timeout, call);
+  checkEach(op.name, outputTensors, inputTensors);
+  return run<&Lane::alltoall>(op, outputTensors, inputTensors, opts);
 }
 
-// Point-to-point ops carry no options: the backend's timeout applies.
-
-c10::intrusive_ptr<c10d::Work>
-FtBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+FT_C10D_DEFINE(FtBackend, send) {
   const Op op{c10d::OpType::SEND, "send"};
   checkTensors(tensors, op.name);
   checkPeer(dstRank, op.name, "destination");
-  auto call = callOnInner(&c10d::Backend::send, tensors, dstRank, tag);
-  return submit(op, tensors, c10d::kUnsetTimeout, call);
+  return run<&Lane::send>(op, tensors, dstRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work>
-FtBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+FT_C10D_DEFINE(FtBackend, recv) {
   const Op op{c10d::OpType::RECV, "recv"};
   checkTensors(tensors, op.name);
   checkPeer(srcRank, op.name, "source");
-  auto call = callOnInner(&c10d::Backend::recv, tensors, srcRank, tag);
-  return submit(op, tensors, c10d::kUnsetTimeout, call);
+  return run<&Lane::recv>(op, tensors, srcRank, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::recvAnysource(
-    std::vector<at::Tensor>& tensors,
-    int tag) {
+FT_C10D_DEFINE(FtBackend, recvAnysource) {
   const Op op{c10d::OpType::RECVANYSOURCE, "recv (any source)"};
   checkTensors(tensors, op.name);
-  auto call = callOnInner(&c10d::Backend::recvAnysource, tensors, tag);
-  return submit(op, tensors, c10d::kUnsetTimeout, call);
+  return run<&Lane::recvAnysource>(op, tensors, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> FtBackend::barrier(
-    const c10d::BarrierOptions& opts) {
+FT_C10D_DEFINE(FtBackend, barrier) {
   const Op op{c10d::OpType::BARRIER, "barrier"};
   // A CUDA barrier runs on the CUDA transport (and its wait() blocks the CPU)
   // when the backend has a CUDA device (only an NCCL build lets one be set);

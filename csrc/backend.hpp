@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 
+#include "c10d_ops.hpp"
 #include "deadline.hpp"
 #include "generation.hpp"
 #include "work.hpp"
@@ -155,73 +156,10 @@ class FtBackend : public c10d::Backend {
     return "ft";
   }
 
-  c10::intrusive_ptr<c10d::Work> broadcast(
-      std::vector<at::Tensor>& tensors,
-      const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(
-      std::vector<std::vector<at::Tensor>>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputTensorLists,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> gather(
-      std::vector<std::vector<at::Tensor>>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<std::vector<at::Tensor>>& inputTensors,
-      const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<std::vector<at::Tensor>>& inputTensors,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      std::vector<int64_t>& outputSplitSizes,
-      std::vector<int64_t>& inputSplitSizes,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work>
-  send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
-  c10::intrusive_ptr<c10d::Work>
-  recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(
-      std::vector<at::Tensor>& tensors,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> barrier(
-      const c10d::BarrierOptions& opts) override;
+  // Every c10d op (c10d_ops.hpp): checks its arguments, then runs on the
+  // transport serving its tensors (see submit()).
+  FT_C10D_LANE_OPS(FT_C10D_OVERRIDE)
+  FT_C10D_BACKEND_ONLY_OPS(FT_C10D_OVERRIDE)
 
  private:
   // Runs on success only, with the generation's world size; the one place ft
@@ -254,6 +192,14 @@ class FtBackend : public c10d::Backend {
       std::chrono::milliseconds optsTimeout,
       const InnerCall& call,
       Finalize finalize = Finalize());
+
+  // The mechanical half of every adapter: the inner op is `Method` (the c10d
+  // method of the adapter's own name) called with the adapter's arguments,
+  // the FtWork reports the first of them (the outputs, as one list), and the
+  // options, last where the op has them, give the timeout and, for a
+  // reduction, the reduce op the transport runs and the finalize owed.
+  template <auto Method, typename... Args>
+  c10::intrusive_ptr<c10d::Work> run(const Op& op, Args&... args);
 
   // With checkAgreement(): an allgather of the op's signature on the lane's
   // CPU transport, raising on every rank if they differ.

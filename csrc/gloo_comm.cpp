@@ -127,12 +127,7 @@ class GlooTransport final : public Transport {
 
 } // namespace
 
-std::shared_ptr<Transport> connectGloo(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    std::chrono::milliseconds timeout) {
+std::shared_ptr<Transport> connectGloo(const TransportSpec& spec) {
   GlooFactory factory;
   {
     std::lock_guard<std::mutex> lock(factoryMutex);
@@ -141,12 +136,12 @@ std::shared_ptr<Transport> connectGloo(
   TORCH_CHECK(factory, "ft: no Gloo factory installed (import ft first)");
   std::vector<c10::intrusive_ptr<c10d::Backend>> lanes;
   std::vector<int> epolls;
-  lanes.reserve(numLanes);
-  for (int i = 0; i < numLanes; ++i) {
+  lanes.reserve(spec.numLanes);
+  for (int i = 0; i < spec.numLanes; ++i) {
     auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
         "lane" + std::to_string(i),
-        store);
-    auto lane = factory(laneStore, rank, size, timeout);
+        spec.store);
+    auto lane = factory(laneStore, spec.rank, spec.size, spec.timeout);
     TORCH_CHECK(lane.backend, "ft: the Gloo factory returned no backend");
     lanes.push_back(std::move(lane.backend));
     epolls.insert(epolls.end(), lane.epolls.begin(), lane.epolls.end());
@@ -156,10 +151,10 @@ std::shared_ptr<Transport> connectGloo(
   // finishing the handshake. Wait until every rank is done, so that a quick
   // reconfigure (which severs this generation's sockets) cannot break a peer
   // that is still connecting.
-  if (store->add("ft_connected", 1) == size) {
-    store->set("ft_all_connected", std::vector<uint8_t>{1});
+  if (spec.store->add("ft_connected", 1) == spec.size) {
+    spec.store->set("ft_all_connected", std::vector<uint8_t>{1});
   }
-  store->wait({"ft_all_connected"}, timeout);
+  spec.store->wait({"ft_all_connected"}, spec.timeout);
   return std::make_shared<GlooTransport>(std::move(lanes), std::move(sockets));
 }
 

@@ -77,14 +77,10 @@ class OwnedSockets {
   std::vector<int> epolls_;
 };
 
-// The Gloo transport: `numLanes` Gloo communicators under per-lane store
+// The Gloo transport: `spec.numLanes` Gloo communicators under per-lane store
 // prefixes ("lane<k>/"), and the sockets they opened, severed on abort.
-// Blocks until every peer has connected or `timeout` passes (then throws).
-std::shared_ptr<Transport> connectGloo(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    std::chrono::milliseconds timeout);
+// Blocks until every peer has connected or `spec.timeout` passes (then
+// throws).
+std::shared_ptr<Transport> connectGloo(const TransportSpec& spec);
 
 } // namespace ft

@@ -1694,25 +1694,20 @@ class NcclTransport final : public Transport {
 
 } // namespace
 
-std::shared_ptr<Transport> makeNcclTransport(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    const TransportOptions& options) {
+std::shared_ptr<Transport> makeNcclTransport(const TransportSpec& spec) {
   std::vector<c10::intrusive_ptr<NcclLane>> lanes;
-  lanes.reserve(numLanes);
-  for (int i = 0; i < numLanes; ++i) {
+  lanes.reserve(spec.numLanes);
+  for (int i = 0; i < spec.numLanes; ++i) {
     auto laneStore = c10::make_intrusive<c10d::PrefixStore>(
         "nccl" + std::to_string(i),
-        store);
+        spec.store);
     lanes.push_back(
         c10::make_intrusive<NcclLane>(
             laneStore,
-            rank,
-            size,
+            spec.rank,
+            spec.size,
             i,
-            options.hostStageSharedGpu));
+            spec.hostStageSharedGpu));
   }
   return std::make_shared<NcclTransport>(std::move(lanes));
 }

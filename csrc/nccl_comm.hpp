@@ -54,6 +54,7 @@
 #include <memory>
 #include <string>
 
+#include "c10d_ops.hpp"
 #include "transport.hpp"
 
 namespace ft {
@@ -102,56 +103,9 @@ class NcclLane : public c10d::Backend {
     return "ft-nccl";
   }
 
-  c10::intrusive_ptr<c10d::Work> broadcast(
-      std::vector<at::Tensor>& tensors,
-      const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(
-      std::vector<std::vector<at::Tensor>>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<std::vector<at::Tensor>>& inputTensors,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      std::vector<int64_t>& outputSplitSizes,
-      std::vector<int64_t>& inputSplitSizes,
-      const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work>
-  send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
-  c10::intrusive_ptr<c10d::Work>
-  recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
-  // An allreduce of one int on `opts.device` (FtBackend resolves it); its
-  // wait() blocks the CPU.
-  c10::intrusive_ptr<c10d::Work> barrier(
-      const c10d::BarrierOptions& opts) override;
+  // The lane ops (c10d_ops.hpp). A barrier is an allreduce of one int on
+  // `opts.device` (FtBackend resolves it); its wait() blocks the CPU.
+  FT_C10D_LANE_OPS(FT_C10D_OVERRIDE)
 
   struct State;
 
@@ -161,12 +115,7 @@ class NcclLane : public c10d::Backend {
 
 // The NCCL transport: one NcclLane per lane, under the store prefixes
 // "nccl<lane>/". Connects nothing yet.
-std::shared_ptr<Transport> makeNcclTransport(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    const TransportOptions& options);
+std::shared_ptr<Transport> makeNcclTransport(const TransportSpec& spec);
 
 } // namespace ft
 

@@ -18,38 +18,23 @@ namespace {
 constexpr bool kHasCudaTransport = true;
 // Its communicators are created by configure() (eager) or on each lane's
 // first CUDA op. Nothing here touches CUDA.
-std::shared_ptr<Transport> makeCudaTransport(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    const TransportOptions& options) {
-  return makeNcclTransport(store, rank, size, numLanes, options);
+std::shared_ptr<Transport> makeCudaTransport(const TransportSpec& spec) {
+  return makeNcclTransport(spec);
 }
 #else
 constexpr bool kHasCudaTransport = false;
-std::shared_ptr<Transport> makeCudaTransport(
-    const c10::intrusive_ptr<c10d::Store>& /*store*/,
-    int /*rank*/,
-    int /*size*/,
-    int /*numLanes*/,
-    const TransportOptions& /*options*/) {
+std::shared_ptr<Transport> makeCudaTransport(const TransportSpec& /*spec*/) {
   return nullptr;
 }
 #endif
 
 } // namespace
 
-Transports makeTransports(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    std::chrono::milliseconds timeout,
-    const TransportOptions& options) {
-  Transports transports{connectGloo(store, rank, size, numLanes, timeout)};
-  // No timeout: a CUDA transport waits against each op's own deadline.
-  if (auto cuda = makeCudaTransport(store, rank, size, numLanes, options)) {
+Transports makeTransports(const TransportSpec& spec) {
+  Transports transports{connectGloo(spec)};
+  // spec.timeout does not apply: a CUDA transport waits against each op's own
+  // deadline.
+  if (auto cuda = makeCudaTransport(spec)) {
     transports.push_back(std::move(cuda));
   }
   return transports;

@@ -90,24 +90,25 @@ class Transport {
 
 using Transports = std::vector<std::shared_ptr<Transport>>;
 
-// What a generation's transports are told beyond where and who they are.
-struct TransportOptions {
+// One generation's transports: `numLanes` lanes under `store` (which carries
+// the generation's prefix), as `rank` of `size`, and what they are told
+// beyond that. Every transport maker takes this.
+struct TransportSpec {
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int size = 0;
+  int numLanes = 1;
+  // How long a transport that connects when built waits for its peers.
+  std::chrono::milliseconds timeout{0};
   // Ranks of one communicator on one GPU: carry its CUDA ops host-staged over
   // Gloo (true), or refuse them with a ValueError (false).
   bool hostStageSharedGpu = true;
 };
 
-// Every transport this build has, for one generation: `numLanes` lanes under
-// `store` (which carries the generation's prefix). Blocks until the
-// transports that connect when built have connected, or `timeout` passes
-// (then throws).
-Transports makeTransports(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    int numLanes,
-    std::chrono::milliseconds timeout,
-    const TransportOptions& options);
+// Every transport this build has, for one generation. Blocks until the
+// transports that connect when built have connected, or `spec.timeout`
+// passes (then throws).
+Transports makeTransports(const TransportSpec& spec);
 
 // Argument checks that depend on the transports this build has (ValueError):
 // a tensor's device, and the CUDA device a backend may connect eagerly to.
