@@ -37,11 +37,10 @@ encodeRequest(int64_t timeoutMs, std::string_view head, std::string_view body) {
   std::string out;
   out.reserve(head.size() + body.size() + 16);
   if (timeoutMs != 0) {
-    ft_wire::appendVarint(&out, (1u << 3) | 0);
-    ft_wire::appendVarint(&out, static_cast<uint64_t>(timeoutMs));
+    ft_wire::appendVarintField(&out, 1, static_cast<uint64_t>(timeoutMs));
   }
   if (!head.empty() || !body.empty()) {
-    ft_wire::appendVarint(&out, (2u << 3) | 2);
+    ft_wire::appendVarint(&out, (2u << 3) | ft_wire::kBytes);
     ft_wire::appendVarint(&out, head.size() + body.size());
     out.append(head);
     out.append(body);
@@ -54,74 +53,57 @@ encodeResponse(int32_t code, std::string_view details, std::string_view body) {
   std::string out;
   out.reserve(details.size() + body.size() + 16);
   if (code != 0) {
-    ft_wire::appendVarint(&out, (1u << 3) | 0);
     // int32: a negative value is sign-extended to 64 bits, as protobuf does.
-    ft_wire::appendVarint(
+    ft_wire::appendVarintField(
         &out,
+        1,
         static_cast<uint64_t>(static_cast<int64_t>(code)));
   }
   if (!details.empty()) {
-    ft_wire::appendVarint(&out, (2u << 3) | 2);
-    ft_wire::appendVarint(&out, details.size());
-    out.append(details);
+    ft_wire::appendBytesField(&out, 2, details);
   }
   if (!body.empty()) {
-    ft_wire::appendVarint(&out, (3u << 3) | 2);
-    ft_wire::appendVarint(&out, body.size());
-    out.append(body);
+    ft_wire::appendBytesField(&out, 3, body);
   }
   return out;
 }
 
-inline bool decodeRequest(std::string_view b, Request* r) {
+// Each field of `b` in turn, as `onField(number, wireType, value, bytes)`
+// (ft_wire::readField's); false on anything malformed.
+template <typename OnField>
+bool readFields(std::string_view b, OnField&& onField) {
   size_t i = 0;
   while (i < b.size()) {
-    uint64_t tag = 0, v = 0;
-    if (!ft_wire::readTag(b, &i, &tag))
+    uint64_t field = 0, value = 0;
+    uint32_t wt = 0;
+    std::string_view bytes;
+    if (!ft_wire::readField(b, &i, &field, &wt, &value, &bytes))
       return false;
-    const uint32_t wt = tag & 7;
-    if (tag == ((1u << 3) | 0)) {
-      if (!ft_wire::readVarint(b, &i, &v))
-        return false;
-      r->timeoutMs = static_cast<int64_t>(v);
-    } else if (tag == ((2u << 3) | 2)) {
-      if (!ft_wire::readLength(b, &i, &v))
-        return false;
-      r->request = b.substr(i, v);
-      i += v;
-    } else if (!ft_wire::skipValue(b, &i, wt)) {
-      return false;
-    }
+    onField(field, wt, value, bytes);
   }
   return true;
 }
 
+inline bool decodeRequest(std::string_view b, Request* r) {
+  using ft_wire::kBytes, ft_wire::kVarint;
+  return readFields(b, [r](uint64_t field, uint32_t wt, uint64_t v, auto s) {
+    if (field == 1 && wt == kVarint)
+      r->timeoutMs = static_cast<int64_t>(v);
+    else if (field == 2 && wt == kBytes)
+      r->request = s;
+  });
+}
+
 inline bool decodeResponse(std::string_view b, Response* r) {
-  size_t i = 0;
-  while (i < b.size()) {
-    uint64_t tag = 0, v = 0;
-    if (!ft_wire::readTag(b, &i, &tag))
-      return false;
-    const uint32_t wt = tag & 7;
-    if (tag == ((1u << 3) | 0)) {
-      if (!ft_wire::readVarint(b, &i, &v))
-        return false;
+  using ft_wire::kBytes, ft_wire::kVarint;
+  return readFields(b, [r](uint64_t field, uint32_t wt, uint64_t v, auto s) {
+    if (field == 1 && wt == kVarint)
       r->code = static_cast<int32_t>(v); // int32: protobuf truncates too
-    } else if (tag == ((2u << 3) | 2)) {
-      if (!ft_wire::readLength(b, &i, &v))
-        return false;
-      r->details.assign(b.substr(i, v));
-      i += v;
-    } else if (tag == ((3u << 3) | 2)) {
-      if (!ft_wire::readLength(b, &i, &v))
-        return false;
-      r->response = b.substr(i, v);
-      i += v;
-    } else if (!ft_wire::skipValue(b, &i, wt)) {
-      return false;
-    }
-  }
-  return true;
+    else if (field == 2 && wt == kBytes)
+      r->details.assign(s);
+    else if (field == 3 && wt == kBytes)
+      r->response = s;
+  });
 }
 
 } // namespace ft_call_stream

@@ -92,6 +92,15 @@ class GilRelease {
   PyThreadState* state_;
 };
 
+// A Python bytes object's contents, in place: valid while it lives (GIL held).
+std::string_view bytesView(const py::bytes& b) {
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  if (PyBytes_AsStringAndSize(b.ptr(), &data, &size) != 0)
+    throw py::error_already_set();
+  return {data, static_cast<size_t>(size)};
+}
+
 // grpcio-style options ([(name, int or str)],
 // ft.coordination._rpc.CHANNEL_OPTIONS) as gRPC C++ channel arguments. GIL
 // held.
@@ -321,11 +330,8 @@ class ClientStream {
   }
 
   void send(const py::bytes& request, double timeoutS) {
-    char* data = nullptr;
-    Py_ssize_t size = 0;
-    if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
-      throw py::error_already_set();
-    grpc::Slice body(data, static_cast<size_t>(size));
+    const std::string_view contents = bytesView(request);
+    grpc::Slice body(contents.data(), contents.size());
     grpc::Status status;
     {
       GilRelease nogil;
@@ -634,11 +640,7 @@ class ClientCallStream {
     std::unique_lock<std::mutex> busy(mu_, std::try_to_lock);
     if (!busy.owns_lock() || closed_)
       return py::none();
-    char* data = nullptr;
-    Py_ssize_t size = 0;
-    if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
-      throw py::error_already_set();
-    const std::string_view body(data, static_cast<size_t>(size));
+    const std::string_view body = bytesView(request);
     std::string response;
     grpc::Status status;
     {
@@ -936,12 +938,9 @@ class ClientChannel {
       bool waitForReady,
       bool sign) {
     std::shared_ptr<grpc::GenericStub> stub = currentStub();
-    char* data = nullptr;
-    Py_ssize_t size = 0;
-    if (PyBytes_AsStringAndSize(request.ptr(), &data, &size) != 0)
-      throw py::error_already_set();
+    const std::string_view contents = bytesView(request);
     // A copy: the call may outlive this frame (see the end of run()).
-    grpc::Slice body(data, static_cast<size_t>(size));
+    grpc::Slice body(contents.data(), contents.size());
     grpc::ByteBuffer response;
     grpc::Status status;
     {
@@ -1410,6 +1409,8 @@ class LoadGenerator {
     }
   }
 
+  // The load as unary calls (run) or over streams (run_streams).
+  template <bool kOnStreams>
   py::dict run(
       const std::string& method,
       const std::vector<py::bytes>& bodies,
@@ -1422,22 +1423,7 @@ class LoadGenerator {
         rate,
         durationS,
         timeoutS,
-        &LoadGenerator::send);
-  }
-
-  py::dict runStreams(
-      const std::string& method,
-      const std::vector<py::bytes>& bodies,
-      double rate,
-      double durationS,
-      double timeoutS) {
-    return load(
-        method,
-        bodies,
-        rate,
-        durationS,
-        timeoutS,
-        &LoadGenerator::sendOnStreams);
+        kOnStreams ? &LoadGenerator::sendOnStreams : &LoadGenerator::send);
   }
 
  private:
@@ -1737,7 +1723,8 @@ void bindClient(py::module_& m) {
       .def("send", &ClientStream::send, py::arg("request"), py::arg("timeout"))
       .def("close", &ClientStream::close, py::arg("timeout"));
 
-  py::class_<LoadGenerator>(m, "LoadGenerator")
+  py::class_<LoadGenerator> loadGenerator(m, "LoadGenerator");
+  loadGenerator
       .def(
           py::init<
               const std::string&,
@@ -1749,26 +1736,22 @@ void bindClient(py::module_& m) {
           py::arg("connections"),
           py::arg("connect_timeout_s"))
       .def(
-          "run",
-          &LoadGenerator::run,
-          py::arg("method"),
-          py::arg("bodies"),
-          py::arg("rate"),
-          py::arg("duration_s"),
-          py::arg("timeout_s"))
-      .def(
-          "run_streams",
-          &LoadGenerator::runStreams,
-          py::arg("method"),
-          py::arg("bodies"),
-          py::arg("rate"),
-          py::arg("duration_s"),
-          py::arg("timeout_s"))
-      .def(
           "run_rounds",
           &LoadGenerator::runRounds,
           py::arg("method"),
           py::arg("bodies"),
           py::arg("rounds"),
           py::arg("timeout_s"));
+  for (const auto& [name, run] :
+       {std::pair{"run", &LoadGenerator::run<false>},
+        std::pair{"run_streams", &LoadGenerator::run<true>}}) {
+    loadGenerator.def(
+        name,
+        run,
+        py::arg("method"),
+        py::arg("bodies"),
+        py::arg("rate"),
+        py::arg("duration_s"),
+        py::arg("timeout_s"));
+  }
 }

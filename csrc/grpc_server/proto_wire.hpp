@@ -56,9 +56,17 @@ inline void appendVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
-inline void
-appendBytesField(std::string* out, int field, const std::string& v) {
-  appendVarint(out, (static_cast<uint64_t>(field) << 3) | 2);
+// Wire types.
+constexpr uint32_t kVarint = 0;
+constexpr uint32_t kBytes = 2;
+
+inline void appendVarintField(std::string* out, int field, uint64_t v) {
+  appendVarint(out, (static_cast<uint64_t>(field) << 3) | kVarint);
+  appendVarint(out, v);
+}
+
+inline void appendBytesField(std::string* out, int field, std::string_view v) {
+  appendVarint(out, (static_cast<uint64_t>(field) << 3) | kBytes);
   appendVarint(out, v.size());
   out->append(v);
 }
@@ -88,6 +96,33 @@ inline bool skipValue(std::string_view b, size_t* i, uint32_t wt) {
     default:
       return false;
   }
+}
+
+// One field at b[*i]: its number, wire type, and for kVarint its value, for
+// kBytes its contents (other wire types are skipped). False when malformed.
+inline bool readField(
+    std::string_view b,
+    size_t* i,
+    uint64_t* field,
+    uint32_t* wt,
+    uint64_t* value,
+    std::string_view* bytes) {
+  uint64_t tag = 0;
+  if (!readTag(b, i, &tag))
+    return false; // protobuf refuses it
+  *field = tag >> 3;
+  *wt = static_cast<uint32_t>(tag & 7);
+  if (*wt == kVarint)
+    return readVarint(b, i, value);
+  if (*wt == kBytes) {
+    uint64_t n = 0;
+    if (!readLength(b, i, &n))
+      return false;
+    *bytes = b.substr(*i, static_cast<size_t>(n));
+    *i += static_cast<size_t>(n);
+    return true;
+  }
+  return skipValue(b, i, *wt);
 }
 
 // Whether protobuf would accept `s` as a string field (valid UTF-8; no

@@ -34,40 +34,9 @@ namespace py = pybind11;
 
 namespace {
 
-using ft_wire::readLength;
-using ft_wire::readTag;
-using ft_wire::readVarint;
-using ft_wire::skipValue;
-
-constexpr uint32_t kVarint = 0;
-constexpr uint32_t kBytes = 2;
-
-// One field at b[*i]: its number, wire type, and for kVarint its value, for
-// kBytes its contents. False when malformed.
-bool readField(
-    std::string_view b,
-    size_t* i,
-    uint64_t* field,
-    uint32_t* wt,
-    uint64_t* value,
-    std::string_view* bytes) {
-  uint64_t tag = 0;
-  if (!readTag(b, i, &tag))
-    return false; // protobuf refuses it
-  *field = tag >> 3;
-  *wt = static_cast<uint32_t>(tag & 7);
-  if (*wt == kVarint)
-    return readVarint(b, i, value);
-  if (*wt == kBytes) {
-    uint64_t n = 0;
-    if (!readLength(b, i, &n))
-      return false;
-    *bytes = b.substr(*i, static_cast<size_t>(n));
-    *i += static_cast<size_t>(n);
-    return true;
-  }
-  return skipValue(b, i, *wt);
-}
+using ft_wire::kBytes;
+using ft_wire::kVarint;
+using ft_wire::readField;
 
 // Owned reference, released on scope exit (the C API, for speed: this runs
 // once per field of every member of every quorum a client gets).
