@@ -350,6 +350,21 @@ class _Fallback(Exception):
     """The same-host path cannot be used; nothing was copied."""
 
 
+def _copy_plan(
+    reply: Dict[str, Any], offsets: Sequence[int], views: Sequence[memoryview]
+) -> Tuple[List[Tuple[int, int]], List[Any]]:
+    """What a same-host copy does, from the source's reply: the byte ranges it checksums (in
+    the layout ``offsets`` gives, tensor after tensor) and, for each, the pieces that fill it:
+    (address in the source's memory, view into ``views``)."""
+    regions = _parse_regions(reply.get("regions"), offsets)
+    ranges = parse_ranges(reply.get("ranges"), offsets[-1])
+    plan = [
+        [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
+        for a, b in ranges
+    ]
+    return ranges, plan
+
+
 class Session:
     """One receiver's connection to a same-host source. Not thread-safe: one caller.
 
@@ -510,7 +525,8 @@ class Session:
         end, as the header the source sent), verifying each range. False: the kernel refused
         before anything was copied (the source was told; fetch over HTTP with the lease)."""
         try:
-            return self._copy(reply, offsets, views, deadline)
+            ranges, plan = _copy_plan(reply, offsets, views)
+            return self._copy(ranges, plan, deadline)
         except _Fallback as e:
             logger.info("%s: same-host path unusable (%s); using HTTP", self._where, e)
             try:
@@ -523,19 +539,7 @@ class Session:
         except (OSError, EOFError, ValueError, RuntimeError) as e:
             raise self._translate(e) from None
 
-    def _copy(
-        self,
-        reply: Dict[str, Any],
-        offsets: Sequence[int],
-        views: Sequence[memoryview],
-        deadline: Deadline,
-    ) -> bool:
-        regions = _parse_regions(reply.get("regions"), offsets)
-        ranges = parse_ranges(reply.get("ranges"), offsets[-1])
-        plan = [
-            [(regions[i][0] + lo, views[i][lo:hi]) for i, lo, hi in segments(offsets, a, b)]
-            for a, b in ranges
-        ]
+    def _copy(self, ranges: List[Tuple[int, int]], plan: List[Any], deadline: Deadline) -> bool:
         # One native call copies and checksums everything with the GIL released; the source's
         # CRCs (usually computed before the fetch arrived) are waiting in the socket by then.
         crcs, err = _copy_ranges(self._pid, plan)

@@ -19,26 +19,11 @@
 docs/optim.md has the whole table, with each name's torch counterpart.
 """
 
-from ft.optim.functional import (
-    FunctionalAdadelta,
-    FunctionalAdagrad,
-    FunctionalAdam,
-    FunctionalAdamax,
-    FunctionalAdamW,
-    FunctionalRMSprop,
-    FunctionalRprop,
-    FunctionalSGD,
-    as_functional_optim,
-    functional_adadelta,
-    functional_adagrad,
-    functional_adam,
-    functional_adamax,
-    functional_adamw,
-    functional_rmsprop,
-    functional_rprop,
-    functional_sgd,
-    register_functional_optim,
-)
+from ft.optim import functional
+
+# The functional optimizers: as_functional_optim, the Functional* classes and the functional_*
+# updates, as functional.__all__ lists them.
+from ft.optim.functional import *  # noqa: F403
 from ft.optim.in_backward import (
     apply_optimizer_in_backward,
     commit_in_backward,
@@ -74,24 +59,6 @@ __all__ = [
     "hook_with_zero_step_interleaved",
     "Optimizer",
     "OptimizerWrapper",
-    "as_functional_optim",
-    "register_functional_optim",
-    "FunctionalAdam",
-    "FunctionalAdamW",
-    "FunctionalSGD",
-    "FunctionalRMSprop",
-    "FunctionalAdagrad",
-    "FunctionalAdadelta",
-    "FunctionalAdamax",
-    "FunctionalRprop",
-    "functional_adam",
-    "functional_adamw",
-    "functional_sgd",
-    "functional_rmsprop",
-    "functional_adagrad",
-    "functional_adadelta",
-    "functional_adamax",
-    "functional_rprop",
     "apply_optimizer_in_backward",
     "get_in_backward_optimizers",
     "commit_in_backward",
@@ -105,3 +72,4 @@ __all__ = [
     "StepNotApplied",
     "StepPartiallyApplied",
 ]
+__all__ += functional.__all__

@@ -37,7 +37,10 @@ an error naming the list instead of being silently truncated by ``zip``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+import ast
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -55,8 +58,6 @@ from torch.optim.sgd import sgd as _sgd
 __all__ = [
     "as_functional_optim",
     "register_functional_optim",
-    "registered_functional_optim",
-    "registered_functional_classes",
     "FunctionalOptimizer",
     "functional_adam",
     "functional_adamw",
@@ -75,6 +76,23 @@ __all__ = [
     "FunctionalAdamax",
     "FunctionalRprop",
 ]
+
+_P = inspect.Parameter
+
+
+def _arguments(spec: str) -> Dict[str, Any]:
+    """A signature's arguments written on one line, as ``collections.namedtuple`` takes its
+    fields: ``"lr eps=1e-8 betas=(0.9,0.999)"`` is ``lr`` (required), then ``eps`` and
+    ``betas`` with those defaults (Python literals, without spaces). Name -> default
+    (``inspect.Parameter.empty`` for a required one), in order.
+
+    The eight optimizers differ only in these lists; declaring them as data keeps one
+    implementation of the checks and the calls for all of them."""
+    out: Dict[str, Any] = {}
+    for item in spec.split():
+        name, has_default, default = item.partition("=")
+        out[name] = ast.literal_eval(default) if has_default else _P.empty
+    return out
 
 
 # ------------------------------------------------------------------ checks shared by all
@@ -96,397 +114,214 @@ def _check_lists(fn: str, params: Sequence[Tensor], **lists: Sequence[Any]) -> N
             )
 
 
-def _has_complex(params: Sequence[Tensor]) -> bool:
-    return any(torch.is_complex(p) for p in params)
+# What torch's functional forms are told about the tensors, beside the options.
+_TENSOR_FLAGS: Dict[str, Callable[[Sequence[Tensor], Sequence[Tensor]], bool]] = {
+    "has_complex": lambda params, grads: any(torch.is_complex(p) for p in params),
+    "has_sparse_grad": lambda params, grads: any(g.is_sparse for g in grads),
+}
 
 
-def _has_sparse(grads: Sequence[Tensor]) -> bool:
-    return any(g.is_sparse for g in grads)
+def _check_nesterov(fn: str, options: Mapping[str, Any]) -> None:
+    if options["nesterov"] and (options["momentum"] <= 0 or options["dampening"] != 0):
+        raise ValueError(f"{fn}: nesterov needs momentum > 0 and dampening == 0")
 
 
 # ------------------------------------------------------------------ stateless updates
 
 
-def functional_adam(
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-    fused: Optional[bool] = None,
-) -> None:
+@dataclass(frozen=True)
+class _Update:
+    """How one ``functional_*`` update calls torch's functional form.
+
+    ``lists``: the state lists after ``params`` and ``grads``, in torch's order;
+    ``keywords``: the keyword options (:func:`_arguments`); ``needed_when``: a list that must
+    have one entry per parameter only when this option is set (otherwise torch ignores it and
+    it may be empty); ``flags``: what torch is told about the tensors (``_TENSOR_FLAGS``);
+    ``check``: a further check of the options.
+    """
+
+    name: str
+    torch_fn: Callable[..., None]
+    lists: Tuple[str, ...]
+    keywords: Dict[str, Any]
+    needed_when: Mapping[str, str] = field(default_factory=dict)
+    flags: Tuple[str, ...] = ("has_complex",)
+    check: Optional[Callable[[str, Mapping[str, Any]], None]] = None
+
+    def apply(
+        self,
+        params: List[Tensor],
+        grads: List[Tensor],
+        lists: Sequence[List[Any]],
+        options: Mapping[str, Any],
+    ) -> None:
+        """One step in place, under ``torch.no_grad()``, once the lists are checked."""
+        needed = {
+            name: values
+            for name, values in zip(self.lists, lists)
+            if name not in self.needed_when or options[self.needed_when[name]]
+        }
+        _check_lists(self.name, params, grads=grads, **needed)
+        if self.check is not None:
+            self.check(self.name, options)
+        if not params:
+            return
+        flags = {flag: _TENSOR_FLAGS[flag](params, grads) for flag in self.flags}
+        with torch.no_grad():
+            self.torch_fn(params, grads, *lists, **options, **flags)
+
+    def signature(self) -> inspect.Signature:
+        positional = [_P(n, _P.POSITIONAL_OR_KEYWORD) for n in ("params", "grads", *self.lists)]
+        keywords = [_P(n, _P.KEYWORD_ONLY, default=d) for n, d in self.keywords.items()]
+        return inspect.Signature(positional + keywords, return_annotation=None)
+
+
+def _stateless(update: _Update, doc: str) -> Callable[..., None]:
+    """The public function for ``update``: ``name(params, grads, *lists, **keywords)``, with
+    that signature (``inspect.signature``, ``help``) and a TypeError for a missing or unknown
+    argument, as a ``def`` gives."""
+    signature = update.signature()
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        lists = [values[name] for name in update.lists]
+        options = {name: values[name] for name in update.keywords}
+        update.apply(values["params"], values["grads"], lists, options)
+
+    step.__signature__ = signature  # type: ignore[attr-defined]
+    step.__name__ = step.__qualname__ = update.name
+    step.__doc__ = doc
+    return step
+
+
+_ADAM_LISTS = ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")
+_ADAM_KEYWORDS = (
+    "lr beta1 beta2 eps weight_decay amsgrad=False maximize=False foreach=None fused=None"
+)
+_ADAM = _Update(
+    "functional_adam",
+    _adam,
+    _ADAM_LISTS,
+    _arguments(_ADAM_KEYWORDS),
+    {"max_exp_avg_sqs": "amsgrad"},
+)
+functional_adam = _stateless(
+    _ADAM,
     """One Adam step in place (``torch.optim.Adam``); ``state_steps`` are scalar tensors.
 
-    ``max_exp_avg_sqs`` has one tensor per parameter with ``amsgrad``, else is empty.
-    """
-    _check_lists(
-        "functional_adam",
-        params,
-        grads=grads,
-        exp_avgs=exp_avgs,
-        exp_avg_sqs=exp_avg_sqs,
-        state_steps=state_steps,
-    )
-    if amsgrad:
-        _check_lists("functional_adam", params, max_exp_avg_sqs=max_exp_avg_sqs)
-    if not params:
-        return
-    with torch.no_grad():
-        _adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            state_steps,
-            foreach=foreach,
-            fused=fused,
-            has_complex=_has_complex(params),
-            amsgrad=amsgrad,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=weight_decay,
-            eps=eps,
-            maximize=maximize,
-        )
+    ``max_exp_avg_sqs`` has one tensor per parameter with ``amsgrad``, else is empty.""",
+)
 
+_ADAMW = _Update("functional_adamw", _adamw, _ADAM_LISTS, _ADAM.keywords, _ADAM.needed_when)
+functional_adamw = _stateless(
+    _ADAMW, "One AdamW step (decoupled weight decay) in place; lists as :func:`functional_adam`."
+)
 
-def functional_adamw(
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool = False,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-    fused: Optional[bool] = None,
-) -> None:
-    """One AdamW step (decoupled weight decay) in place; lists as :func:`functional_adam`."""
-    _check_lists(
-        "functional_adamw",
-        params,
-        grads=grads,
-        exp_avgs=exp_avgs,
-        exp_avg_sqs=exp_avg_sqs,
-        state_steps=state_steps,
-    )
-    if amsgrad:
-        _check_lists("functional_adamw", params, max_exp_avg_sqs=max_exp_avg_sqs)
-    if not params:
-        return
-    with torch.no_grad():
-        _adamw(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            state_steps,
-            foreach=foreach,
-            fused=fused,
-            has_complex=_has_complex(params),
-            amsgrad=amsgrad,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=weight_decay,
-            eps=eps,
-            maximize=maximize,
-        )
-
-
-def functional_sgd(
-    params: List[Tensor],
-    grads: List[Tensor],
-    momentum_buffer_list: List[Optional[Tensor]],
-    *,
-    lr: float,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    weight_decay: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-    fused: Optional[bool] = None,
-) -> None:
+_SGD = _Update(
+    "functional_sgd",
+    _sgd,
+    ("momentum_buffer_list",),
+    _arguments(
+        "lr momentum=0.0 dampening=0.0 weight_decay=0.0 nesterov=False maximize=False "
+        "foreach=None fused=None"
+    ),
+    needed_when={"momentum_buffer_list": "momentum"},
+    flags=("has_sparse_grad",),
+    check=_check_nesterov,
+)
+functional_sgd = _stateless(
+    _SGD,
     """One SGD step in place (``torch.optim.SGD``).
 
     With ``momentum != 0``, ``momentum_buffer_list`` has one entry per parameter; a None entry
     is replaced, in the list, by the new buffer (keep it for the next step). Otherwise it is
-    ignored (pass an empty list, as torch.optim.SGD does).
-    """
-    _check_lists("functional_sgd", params, grads=grads)
-    if momentum != 0:
-        _check_lists("functional_sgd", params, momentum_buffer_list=momentum_buffer_list)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("functional_sgd: nesterov needs momentum > 0 and dampening == 0")
-    if not params:
-        return
-    with torch.no_grad():
-        _sgd(
-            params,
-            grads,
-            momentum_buffer_list,
-            has_sparse_grad=_has_sparse(grads),
-            foreach=foreach,
-            fused=fused,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            lr=lr,
-            dampening=dampening,
-            nesterov=nesterov,
-            maximize=maximize,
-        )
+    ignored (pass an empty list, as torch.optim.SGD does).""",
+)
 
-
-def functional_rmsprop(
-    params: List[Tensor],
-    grads: List[Tensor],
-    square_avgs: List[Tensor],
-    grad_avgs: List[Tensor],
-    momentum_buffer_list: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    lr: float,
-    alpha: float = 0.99,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
-    centered: bool = False,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-) -> None:
+_RMSPROP_OPTIONS = "alpha=0.99 eps=1e-8 weight_decay=0.0 momentum=0.0 centered=False"
+_RMSPROP = _Update(
+    "functional_rmsprop",
+    _rmsprop,
+    ("square_avgs", "grad_avgs", "momentum_buffer_list", "state_steps"),
+    _arguments(f"lr {_RMSPROP_OPTIONS} maximize=False foreach=None"),
+    {"grad_avgs": "centered", "momentum_buffer_list": "momentum"},
+)
+functional_rmsprop = _stateless(
+    _RMSPROP,
     """One RMSprop step in place. ``grad_avgs`` is used only with ``centered`` and
-    ``momentum_buffer_list`` only with ``momentum > 0`` (pass empty lists otherwise)."""
-    fn = "functional_rmsprop"
-    _check_lists(fn, params, grads=grads, square_avgs=square_avgs, state_steps=state_steps)
-    if centered:
-        _check_lists(fn, params, grad_avgs=grad_avgs)
-    if momentum > 0:
-        _check_lists(fn, params, momentum_buffer_list=momentum_buffer_list)
-    if not params:
-        return
-    with torch.no_grad():
-        _rmsprop(
-            params,
-            grads,
-            square_avgs,
-            grad_avgs,
-            momentum_buffer_list,
-            state_steps,
-            foreach=foreach,
-            maximize=maximize,
-            has_complex=_has_complex(params),
-            lr=lr,
-            alpha=alpha,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            centered=centered,
-        )
+    ``momentum_buffer_list`` only with ``momentum > 0`` (pass empty lists otherwise).""",
+)
 
+_ADAGRAD = _Update(
+    "functional_adagrad",
+    _adagrad,
+    ("state_sums", "state_steps"),
+    _arguments("lr lr_decay=0.0 weight_decay=0.0 eps=1e-10 maximize=False foreach=None fused=None"),
+    flags=("has_sparse_grad", "has_complex"),
+)
+functional_adagrad = _stateless(
+    _ADAGRAD, "One Adagrad step in place; ``state_sums`` start at ``initial_accumulator_value``."
+)
 
-def functional_adagrad(
-    params: List[Tensor],
-    grads: List[Tensor],
-    state_sums: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    lr: float,
-    lr_decay: float = 0.0,
-    weight_decay: float = 0.0,
-    eps: float = 1e-10,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-    fused: Optional[bool] = None,
-) -> None:
-    """One Adagrad step in place; ``state_sums`` start at ``initial_accumulator_value``."""
-    _check_lists(
-        "functional_adagrad", params, grads=grads, state_sums=state_sums, state_steps=state_steps
-    )
-    if not params:
-        return
-    with torch.no_grad():
-        _adagrad(
-            params,
-            grads,
-            state_sums,
-            state_steps,
-            fused=fused,
-            has_sparse_grad=_has_sparse(grads),
-            foreach=foreach,
-            has_complex=_has_complex(params),
-            lr=lr,
-            weight_decay=weight_decay,
-            lr_decay=lr_decay,
-            eps=eps,
-            maximize=maximize,
-        )
+_ADADELTA_OPTIONS = "lr=1.0 rho=0.9 eps=1e-6 weight_decay=0.0"
+_ADADELTA = _Update(
+    "functional_adadelta",
+    _adadelta,
+    ("square_avgs", "acc_deltas", "state_steps"),
+    _arguments(f"{_ADADELTA_OPTIONS} maximize=False foreach=None"),
+)
+functional_adadelta = _stateless(_ADADELTA, "One Adadelta step in place.")
 
+_ADAMAX = _Update(
+    "functional_adamax",
+    _adamax,
+    ("exp_avgs", "exp_infs", "state_steps"),
+    _arguments("lr beta1=0.9 beta2=0.999 eps=1e-8 weight_decay=0.0 maximize=False foreach=None"),
+)
+functional_adamax = _stateless(_ADAMAX, "One Adamax step in place.")
 
-def functional_adadelta(
-    params: List[Tensor],
-    grads: List[Tensor],
-    square_avgs: List[Tensor],
-    acc_deltas: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    lr: float = 1.0,
-    rho: float = 0.9,
-    eps: float = 1e-6,
-    weight_decay: float = 0.0,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-) -> None:
-    """One Adadelta step in place."""
-    _check_lists(
-        "functional_adadelta",
-        params,
-        grads=grads,
-        square_avgs=square_avgs,
-        acc_deltas=acc_deltas,
-        state_steps=state_steps,
-    )
-    if not params:
-        return
-    with torch.no_grad():
-        _adadelta(
-            params,
-            grads,
-            square_avgs,
-            acc_deltas,
-            state_steps,
-            foreach=foreach,
-            has_complex=_has_complex(params),
-            lr=lr,
-            rho=rho,
-            eps=eps,
-            weight_decay=weight_decay,
-            maximize=maximize,
-        )
-
-
-def functional_adamax(
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_infs: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    lr: float,
-    beta1: float = 0.9,
-    beta2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-) -> None:
-    """One Adamax step in place."""
-    _check_lists(
-        "functional_adamax",
-        params,
-        grads=grads,
-        exp_avgs=exp_avgs,
-        exp_infs=exp_infs,
-        state_steps=state_steps,
-    )
-    if not params:
-        return
-    with torch.no_grad():
-        _adamax(
-            params,
-            grads,
-            exp_avgs,
-            exp_infs,
-            state_steps,
-            foreach=foreach,
-            maximize=maximize,
-            has_complex=_has_complex(params),
-            eps=eps,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=weight_decay,
-        )
-
-
-def functional_rprop(
-    params: List[Tensor],
-    grads: List[Tensor],
-    prevs: List[Tensor],
-    step_sizes: List[Tensor],
-    state_steps: List[Tensor],
-    *,
-    step_size_min: float = 1e-6,
-    step_size_max: float = 50.0,
-    etaminus: float = 0.5,
-    etaplus: float = 1.2,
-    maximize: bool = False,
-    foreach: Optional[bool] = None,
-) -> None:
-    """One Rprop step in place; ``step_sizes`` start filled with the learning rate."""
-    _check_lists(
-        "functional_rprop",
-        params,
-        grads=grads,
-        prevs=prevs,
-        step_sizes=step_sizes,
-        state_steps=state_steps,
-    )
-    if not params:
-        return
-    with torch.no_grad():
-        _rprop(
-            params,
-            grads,
-            prevs,
-            step_sizes,
-            state_steps,
-            foreach=foreach,
-            maximize=maximize,
-            has_complex=_has_complex(params),
-            step_size_min=step_size_min,
-            step_size_max=step_size_max,
-            etaminus=etaminus,
-            etaplus=etaplus,
-        )
+_RPROP = _Update(
+    "functional_rprop",
+    _rprop,
+    ("prevs", "step_sizes", "state_steps"),
+    _arguments(
+        "step_size_min=1e-6 step_size_max=50.0 etaminus=0.5 etaplus=1.2 maximize=False foreach=None"
+    ),
+)
+functional_rprop = _stateless(
+    _RPROP, "One Rprop step in place; ``step_sizes`` start filled with the learning rate."
+)
 
 
 # ------------------------------------------------------------------ stateful objects
 
+# torch.optim's checks of the constructor arguments, by name (any class that takes the argument
+# checks it), with torch's messages: "Invalid learning rate: -1.0".
+_ARGUMENT_CHECKS: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
+    "lr": ("learning rate", lambda v: 0.0 <= v),
+    "lr_decay": ("lr_decay value", lambda v: 0.0 <= v),
+    "eps": ("epsilon value", lambda v: 0.0 <= v),
+    "alpha": ("alpha value", lambda v: 0.0 <= v),
+    "rho": ("rho value", lambda v: 0.0 <= v <= 1.0),
+    "momentum": ("momentum value", lambda v: 0.0 <= v),
+    "weight_decay": ("weight_decay value", lambda v: 0.0 <= v),
+    "initial_accumulator_value": ("initial_accumulator_value value", lambda v: 0.0 <= v),
+    "etas": ("eta values", lambda v: 0.0 < v[0] < 1.0 < v[1]),
+}
 
-def _check_range(name: str, value: float, ok: bool) -> None:
-    if not ok:
-        raise ValueError(f"Invalid {name}: {value}")
 
-
-def _check_adam_like(
-    lr: float, betas: Tuple[float, float], eps: float, weight_decay: float
-) -> None:
-    _check_range("learning rate", lr, 0.0 <= lr)
-    _check_range("epsilon value", eps, 0.0 <= eps)
-    _check_range("beta parameter at index 0", betas[0], 0.0 <= betas[0] < 1.0)
-    _check_range("beta parameter at index 1", betas[1], 0.0 <= betas[1] < 1.0)
-    _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
+def _check_arguments(values: Mapping[str, Any]) -> None:
+    for name, value in values.items():
+        if name == "betas":
+            for i, beta in enumerate(value):
+                if not 0.0 <= beta < 1.0:
+                    raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        elif name in _ARGUMENT_CHECKS:
+            label, ok = _ARGUMENT_CHECKS[name]
+            if not ok(value):
+                raise ValueError(f"Invalid {label}: {value}")
 
 
 def _step_tensor(param: Tensor, on_device: bool) -> Tensor:
@@ -502,43 +337,76 @@ def _zeros(param: Tensor) -> Tensor:
 
 
 class FunctionalOptimizer:
-    """One param group, state keyed by parameter, stepped with explicit gradients."""
+    """One param group, state keyed by parameter, stepped with explicit gradients.
+
+    A subclass declares, as data (so that one implementation serves them all):
+
+    - ``_arguments``: its constructor's arguments after ``params``, with their defaults, in
+      the order of torch's ``_FunctionalX`` (:func:`_arguments`'s form); the constructor checks
+      them as torch.optim does (``_ARGUMENT_CHECKS``);
+    - ``_in_defaults``: those kept in ``defaults`` (``betas`` as ``beta1`` and ``beta2``), in
+      that dict's order; the others become attributes of the same name;
+    - ``_update``: its stateless update, called with the per-parameter lists of the state keys
+      ``_state_lists`` (a key the options leave out of the state, like ``max_exp_avg_sq``
+      without ``amsgrad``, is passed as an empty list, as torch.optim does) and the keyword
+      options named in ``_options_from_defaults`` and ``_options_from_attributes``;
+    - ``_zero_state``: the state keys that start as zeros, after ``step`` (``_init_state``
+      for anything else).
+    """
 
     defaults: Dict[str, Any]
 
-    def __init__(self, params: Iterable[Tensor], allow_empty: bool) -> None:
-        params = list(params)
+    _arguments: str = ""
+    _in_defaults: str = ""
+    _update: _Update
+    _state_lists: Tuple[str, ...] = ()
+    _options_from_defaults: Tuple[str, ...] = ()
+    _options_from_attributes: Tuple[str, ...] = ("maximize", "foreach")
+    _zero_state: Tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _declare_signature(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = type(self).__signature__.bind(*args, **kwargs)  # type: ignore[attr-defined]
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        params = list(values.pop("params"))
+        allow_empty = values.pop("_allow_empty_param_list")
+        _check_arguments(values)
         if not params and not allow_empty:
             raise ValueError("optimizer got an empty parameter list")
         self.state: Dict[Tensor, Dict[str, Tensor]] = {}
         # One group only, as in torch: functional optimizers serve one parameter set each.
         self.param_group: Dict[str, List[Tensor]] = {"params": params}
-
-    # What a subclass declares, so that one ``_update`` serves them all: its stateless update
-    # (``functional_*`` above), the state keys whose per-parameter lists it takes, in its
-    # positional order (a key the options leave out of the state, like ``max_exp_avg_sq``
-    # without ``amsgrad``, is passed as an empty list, as torch.optim does), and the keyword
-    # options it takes from ``defaults`` and from attributes of the same name.
-    _functional: Callable[..., None]
-    _state_lists: Tuple[str, ...] = ()
-    _options_from_defaults: Tuple[str, ...] = ()
-    _options_from_attributes: Tuple[str, ...] = ("maximize", "foreach")
+        self.defaults = {}
+        kept = self._in_defaults.split()
+        for name in kept:
+            if name == "betas":
+                self.defaults["beta1"], self.defaults["beta2"] = values[name]
+            else:
+                self.defaults[name] = values[name]
+        for name, value in values.items():
+            if name not in kept:
+                setattr(self, name, value)
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        raise NotImplementedError
+        state = {"step": _step_tensor(param, getattr(self, "fused", False))}
+        state.update((key, _zeros(param)) for key in self._zero_state)
+        return state
 
     def _options(self) -> Dict[str, Any]:
         options = {k: self.defaults[k] for k in self._options_from_defaults}
         options.update((a, getattr(self, a)) for a in self._options_from_attributes)
         return options
 
-    def _update(
+    def _apply(
         self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
     ) -> None:
         # Every parameter's state has the same keys: the options that decide them are fixed.
         lists = [[s[k] for s in states] if k in states[0] else [] for k in self._state_lists]
-        # Through the class: ``_functional`` is a staticmethod declared by each subclass.
-        type(self)._functional(params, grads, *lists, **self._options())
+        self._update.apply(params, grads, lists, self._options())
 
     def _states(self, params: List[Tensor], grads: List[Tensor]) -> List[Dict[str, Tensor]]:
         out = []
@@ -553,7 +421,7 @@ class FunctionalOptimizer:
         """Updates ``params`` (any of this optimizer's parameters) with ``grads``, creating
         their state on first use. The cost is that of ``params`` alone: ZeRO's overlapped step
         updates one DDP bucket's share at a time with it."""
-        self._update(params, grads, self._states(params, grads))
+        self._apply(params, grads, self._states(params, grads))
 
     def step_param(self, param: Tensor, grad: Optional[Tensor]) -> None:
         """Updates ``param`` alone with ``grad`` (no-op for None)."""
@@ -579,111 +447,51 @@ class FunctionalOptimizer:
         return f"ft.optim.{type(self).__name__}({self.defaults})"
 
 
-class _AdamBase(FunctionalOptimizer):
+def _declare_signature(cls: type) -> None:
+    """``cls(params, <_arguments>, _allow_empty_param_list=False)``: what the constructor binds
+    its arguments to, and what ``inspect.signature`` shows."""
+    arguments = [
+        _P(name, _P.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in _arguments(cls._arguments).items()
+    ]
+    cls.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [_P("params", _P.POSITIONAL_OR_KEYWORD), *arguments]
+        + [_P("_allow_empty_param_list", _P.POSITIONAL_OR_KEYWORD, default=False)]
+    )
+
+
+_declare_signature(FunctionalOptimizer)
+
+
+class FunctionalAdam(FunctionalOptimizer):
+    """Functional ``torch.optim.Adam`` (torch's ``_FunctionalAdam`` arguments)."""
+
+    _arguments = "lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0.0 amsgrad=False " + (
+        "maximize=False foreach=False fused=False"
+    )
+    _in_defaults = "lr eps betas weight_decay"
+    _update = _ADAM
     _state_lists = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
     _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
     _options_from_attributes = ("amsgrad", "maximize", "foreach", "fused")
 
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float,
-        betas: Tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        amsgrad: bool,
-        maximize: bool,
-        foreach: bool,
-        fused: bool,
-        _allow_empty_param_list: bool,
-    ) -> None:
-        _check_adam_like(lr, betas, eps, weight_decay)
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {
-            "lr": lr,
-            "eps": eps,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "weight_decay": weight_decay,
-        }
-        self.amsgrad = amsgrad
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
+    _zero_state = ("exp_avg", "exp_avg_sq")
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        st = {
-            "step": _step_tensor(param, self.fused),
-            "exp_avg": _zeros(param),
-            "exp_avg_sq": _zeros(param),
-        }
-        if self.amsgrad:
-            st["max_exp_avg_sq"] = _zeros(param)
-        return st
+        state = super()._init_state(param, grad)
+        if self.amsgrad:  # type: ignore[attr-defined]
+            state["max_exp_avg_sq"] = _zeros(param)
+        return state
 
 
-class FunctionalAdam(_AdamBase):
-    """Functional ``torch.optim.Adam`` (torch's ``_FunctionalAdam`` arguments)."""
+class FunctionalAdamW(FunctionalAdam):
+    """Functional ``torch.optim.AdamW`` (torch's ``_FunctionalAdamW`` arguments: Adam's, with
+    ``weight_decay`` 1e-2)."""
 
-    _functional = staticmethod(functional_adam)
-
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            maximize,
-            foreach,
-            fused,
-            _allow_empty_param_list,
-        )
-
-
-class FunctionalAdamW(_AdamBase):
-    """Functional ``torch.optim.AdamW`` (torch's ``_FunctionalAdamW`` arguments)."""
-
-    _functional = staticmethod(functional_adamw)
-
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            maximize,
-            foreach,
-            fused,
-            _allow_empty_param_list,
-        )
+    _arguments = "lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=False " + (
+        "maximize=False foreach=False fused=False"
+    )
+    _update = _ADAMW
 
 
 class FunctionalSGD(FunctionalOptimizer):
@@ -692,57 +500,23 @@ class FunctionalSGD(FunctionalOptimizer):
     ``state[p]`` is empty until a step with ``momentum > 0`` creates ``momentum_buffer``.
     """
 
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-2,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        maximize: bool = False,
-        foreach: bool = False,
-        fused: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        _check_range("learning rate", lr, 0.0 <= lr)
-        _check_range("momentum value", momentum, 0.0 <= momentum)
-        _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-        }
-        self.nesterov = nesterov
-        self.maximize = maximize
-        self.foreach = foreach
-        self.fused = fused
+    _arguments = "lr=1e-2 momentum=0.0 dampening=0.0 weight_decay=0.0 nesterov=False " + (
+        "maximize=False foreach=False fused=False"
+    )
+    _in_defaults = "lr momentum dampening weight_decay"
+    _options_from_defaults = ("lr", "momentum", "dampening", "weight_decay")
+    _options_from_attributes = ("nesterov", "maximize", "foreach", "fused")
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         return {}
 
-    def _update(
+    def _apply(
         self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
     ) -> None:
-        d = self.defaults
-        bufs: List[Optional[Tensor]] = [s.get("momentum_buffer") for s in states]
-        functional_sgd(
-            params,
-            grads,
-            bufs,
-            lr=d["lr"],
-            momentum=d["momentum"],
-            dampening=d["dampening"],
-            weight_decay=d["weight_decay"],
-            nesterov=self.nesterov,
-            maximize=self.maximize,
-            foreach=self.foreach,
-            fused=self.fused,
-        )
-        # The first momentum step creates the buffers inside ``bufs``; keep them.
-        for s, b in zip(states, bufs):
+        buffers: List[Optional[Tensor]] = [s.get("momentum_buffer") for s in states]
+        _SGD.apply(params, grads, [buffers], self._options())
+        # The first momentum step creates the buffers inside ``buffers``; keep them.
+        for s, b in zip(states, buffers):
             if b is not None:
                 s["momentum_buffer"] = b
 
@@ -750,48 +524,20 @@ class FunctionalSGD(FunctionalOptimizer):
 class FunctionalRMSprop(FunctionalOptimizer):
     """Functional ``torch.optim.RMSprop`` (torch's ``_FunctionalRMSprop`` arguments)."""
 
-    _functional = staticmethod(functional_rmsprop)
+    _arguments = f"lr=1e-2 {_RMSPROP_OPTIONS} foreach=False maximize=False"
+    _in_defaults = "lr alpha eps weight_decay momentum"
+    _update = _RMSPROP
     _state_lists = ("square_avg", "grad_avg", "momentum_buffer", "step")
     _options_from_defaults = ("lr", "alpha", "eps", "weight_decay", "momentum")
     _options_from_attributes = ("centered", "maximize", "foreach")
 
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-2,
-        alpha: float = 0.99,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        momentum: float = 0.0,
-        centered: bool = False,
-        foreach: bool = False,
-        maximize: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        _check_range("learning rate", lr, 0.0 <= lr)
-        _check_range("epsilon value", eps, 0.0 <= eps)
-        _check_range("alpha value", alpha, 0.0 <= alpha)
-        _check_range("momentum value", momentum, 0.0 <= momentum)
-        _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {
-            "lr": lr,
-            "alpha": alpha,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "momentum": momentum,
-        }
-        self.centered = centered
-        self.foreach = foreach
-        self.maximize = maximize
-
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        st = {"step": _step_tensor(param, False), "square_avg": _zeros(param)}
+        state = {"step": _step_tensor(param, False), "square_avg": _zeros(param)}
         if self.defaults["momentum"] > 0:
-            st["momentum_buffer"] = _zeros(param)
-        if self.centered:
-            st["grad_avg"] = _zeros(param)
-        return st
+            state["momentum_buffer"] = _zeros(param)
+        if self.centered:  # type: ignore[attr-defined]
+            state["grad_avg"] = _zeros(param)
+        return state
 
 
 class FunctionalAdagrad(FunctionalOptimizer):
@@ -802,50 +548,22 @@ class FunctionalAdagrad(FunctionalOptimizer):
     ``defaults``/attributes for compatibility and, as in torch, have no effect.
     """
 
-    _functional = staticmethod(functional_adagrad)
+    _arguments = (
+        "lr=1e-2 lr_decay=0.0 weight_decay=0.0 initial_accumulator_value=0.0 "
+        "warmup_lr_multiplier=1.0 warmup_num_iters=0.0 eps=1e-10 coalesce_grad=True "
+        "foreach=False fused=False maximize=False"
+    )
+    _in_defaults = (
+        "lr lr_decay eps weight_decay initial_accumulator_value warmup_lr_multiplier "
+        "warmup_num_iters"
+    )
+    _update = _ADAGRAD
     _state_lists = ("sum", "step")
     _options_from_defaults = ("lr", "lr_decay", "weight_decay", "eps")
     _options_from_attributes = ("maximize", "foreach", "fused")
 
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-2,
-        lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
-        initial_accumulator_value: float = 0.0,
-        warmup_lr_multiplier: float = 1.0,
-        warmup_num_iters: float = 0.0,
-        eps: float = 1e-10,
-        coalesce_grad: bool = True,
-        foreach: bool = False,
-        fused: bool = False,
-        maximize: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        _check_range("learning rate", lr, 0.0 <= lr)
-        _check_range("lr_decay value", lr_decay, 0.0 <= lr_decay)
-        _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
-        _check_range(
-            "initial_accumulator_value value",
-            initial_accumulator_value,
-            0.0 <= initial_accumulator_value,
-        )
-        _check_range("epsilon value", eps, 0.0 <= eps)
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {
-            "lr": lr,
-            "lr_decay": lr_decay,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "initial_accumulator_value": initial_accumulator_value,
-            "warmup_lr_multiplier": warmup_lr_multiplier,
-            "warmup_num_iters": warmup_num_iters,
-        }
-        self.coalesce_grad = coalesce_grad
-        self.foreach = foreach
-        self.fused = fused
-        self.maximize = maximize
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         for p in self.param_group["params"]:
             self.state[p] = self._init_state(p, p)
 
@@ -853,129 +571,60 @@ class FunctionalAdagrad(FunctionalOptimizer):
         init = self.defaults["initial_accumulator_value"]
         # A complex parameter is two real ones: both halves start at the accumulator value.
         value = complex(init, init) if torch.is_complex(param) else init
-        return {
-            "step": _step_tensor(param, self.fused),
-            "sum": torch.full_like(param, value, memory_format=torch.preserve_format),
-        }
+        state = super()._init_state(param, grad)
+        state["sum"] = torch.full_like(param, value, memory_format=torch.preserve_format)
+        return state
 
 
 class FunctionalAdadelta(FunctionalOptimizer):
     """Functional ``torch.optim.Adadelta`` (torch's ``_FunctionalAdadelta`` arguments)."""
 
-    _functional = staticmethod(functional_adadelta)
+    _arguments = f"{_ADADELTA_OPTIONS} foreach=False maximize=False"
+    _in_defaults = "lr rho eps weight_decay"
+    _update = _ADADELTA
     _state_lists = ("square_avg", "acc_delta", "step")
     _options_from_defaults = ("lr", "rho", "eps", "weight_decay")
-
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1.0,
-        rho: float = 0.9,
-        eps: float = 1e-6,
-        weight_decay: float = 0.0,
-        foreach: bool = False,
-        maximize: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        _check_range("learning rate", lr, 0.0 <= lr)
-        _check_range("rho value", rho, 0.0 <= rho <= 1.0)
-        _check_range("epsilon value", eps, 0.0 <= eps)
-        _check_range("weight_decay value", weight_decay, 0.0 <= weight_decay)
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
-        self.foreach = foreach
-        self.maximize = maximize
-
-    def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        return {
-            "step": _step_tensor(param, False),
-            "square_avg": _zeros(param),
-            "acc_delta": _zeros(param),
-        }
+    _zero_state = ("square_avg", "acc_delta")
 
 
 class FunctionalAdamax(FunctionalOptimizer):
     """Functional ``torch.optim.Adamax`` (torch's ``_FunctionalAdamax`` arguments; note its
     default ``lr`` is 1e-3, where ``torch.optim.Adamax``'s is 2e-3)."""
 
-    _functional = staticmethod(functional_adamax)
+    _arguments = "lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0.0 foreach=False maximize=False"
+    _in_defaults = "lr eps betas weight_decay"
+    _update = _ADAMAX
     _state_lists = ("exp_avg", "exp_inf", "step")
     _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
-
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        foreach: bool = False,
-        maximize: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        _check_adam_like(lr, betas, eps, weight_decay)
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {
-            "lr": lr,
-            "eps": eps,
-            "beta1": betas[0],
-            "beta2": betas[1],
-            "weight_decay": weight_decay,
-        }
-        self.foreach = foreach
-        self.maximize = maximize
-
-    def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        return {
-            "step": _step_tensor(param, False),
-            "exp_avg": _zeros(param),
-            "exp_inf": _zeros(param),
-        }
+    _zero_state = ("exp_avg", "exp_inf")
 
 
 class FunctionalRprop(FunctionalOptimizer):
     """Functional ``torch.optim.Rprop`` (torch's ``_FunctionalRprop`` arguments)."""
 
-    _functional = staticmethod(functional_rprop)
+    _arguments = "lr=1e-2 etas=(0.5,1.2) step_sizes=(1e-6,50) foreach=False maximize=False"
+    _in_defaults = "lr"
+    _update = _RPROP
     _state_lists = ("prev", "step_size", "step")
-
-    def __init__(
-        self,
-        params: List[Tensor],
-        lr: float = 1e-2,
-        etas: Tuple[float, float] = (0.5, 1.2),
-        step_sizes: Tuple[float, float] = (1e-6, 50),
-        foreach: bool = False,
-        maximize: bool = False,
-        _allow_empty_param_list: bool = False,
-    ) -> None:
-        _check_range("learning rate", lr, 0.0 <= lr)
-        _check_range("eta values", etas, 0.0 < etas[0] < 1.0 < etas[1])
-        super().__init__(params, _allow_empty_param_list)
-        self.defaults = {"lr": lr}
-        self.etas = etas
-        self.step_sizes = step_sizes
-        self.foreach = foreach
-        self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         lr = self.defaults["lr"]
         # A complex parameter is two real ones: the imaginary half needs a step size too.
         value = complex(lr, lr) if torch.is_complex(param) else lr
-        return {
-            "step": _step_tensor(param, False),
-            "prev": _zeros(param),
-            "step_size": torch.full_like(grad, value),
-        }
+        state = super()._init_state(param, grad)
+        state["prev"] = _zeros(param)
+        state["step_size"] = torch.full_like(grad, value)
+        return state
 
     def _options(self) -> Dict[str, Any]:
+        etas, step_sizes = self.etas, self.step_sizes  # type: ignore[attr-defined]
         return {
-            "step_size_min": self.step_sizes[0],
-            "step_size_max": self.step_sizes[1],
-            "etaminus": self.etas[0],
-            "etaplus": self.etas[1],
-            "maximize": self.maximize,
-            "foreach": self.foreach,
+            "step_size_min": step_sizes[0],
+            "step_size_max": step_sizes[1],
+            "etaminus": etas[0],
+            "etaplus": etas[1],
+            "maximize": self.maximize,  # type: ignore[attr-defined]
+            "foreach": self.foreach,  # type: ignore[attr-defined]
         }
 
 
