@@ -147,9 +147,7 @@ class CheckpointFetcher:
         deadline = Deadline.after(timeout)
         url = urlsplit(metadata)
         if url.scheme not in ("http", "https") or not url.hostname or not url.port:
-            raise errors.CheckpointError(
-                f"bad checkpoint address {metadata!r} (want http://host:port)"
-            )
+            raise errors.CheckpointError(f"bad source address {metadata!r} (want http://host:port)")
         host, port = url.hostname, url.port
         secure = url.scheme == "https"
         if secure and (self._tls is None or not self._tls.ca_file):
@@ -179,9 +177,7 @@ class CheckpointFetcher:
                 path = f"{wire.PREFIX}{step}/meta?chunks={self._num_chunks}&wait={wait_s:.3f}"
                 body, lease = self.get_metadata(host, port, path, deadline, where, secure=secure)
             if deadline.expired:
-                raise errors.CheckpointTransferError(
-                    f"{where}: timed out before parsing the metadata"
-                )
+                raise errors.CheckpointTransferError(f"{where}: timed out once the metadata came")
             tree, specs, staging, lease = self.parse_metadata(body, lease, step, where)
             if deadline.expired:
                 raise errors.CheckpointTransferError(f"{where}: timed out parsing the metadata")

@@ -350,8 +350,8 @@ class FunctionalOptimizer:
       ``_state_lists`` (a key the options leave out of the state, like ``max_exp_avg_sq``
       without ``amsgrad``, is passed as an empty list, as torch.optim does) and the keyword
       options named in ``_options_from_defaults`` and ``_options_from_attributes``;
-    - ``_zero_state``: the state keys that start as zeros, after ``step`` (``_init_state``
-      for anything else).
+    - ``_zero_state``: the state keys that start as zeros, after ``step``; ``_other_state``
+      adds the rest.
     """
 
     defaults: Dict[str, Any]
@@ -394,7 +394,12 @@ class FunctionalOptimizer:
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         state = {"step": _step_tensor(param, getattr(self, "fused", False))}
         state.update((key, _zeros(param)) for key in self._zero_state)
+        state.update(self._other_state(param, grad))
         return state
+
+    def _other_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+        """The state keys that do not start as zeros (or only with some options)."""
+        return {}
 
     def _options(self) -> Dict[str, Any]:
         options = {k: self.defaults[k] for k in self._options_from_defaults}
@@ -477,11 +482,9 @@ class FunctionalAdam(FunctionalOptimizer):
 
     _zero_state = ("exp_avg", "exp_avg_sq")
 
-    def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
-        state = super()._init_state(param, grad)
-        if self.amsgrad:  # type: ignore[attr-defined]
-            state["max_exp_avg_sq"] = _zeros(param)
-        return state
+    def _other_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+        amsgrad = self.amsgrad  # type: ignore[attr-defined]
+        return {"max_exp_avg_sq": _zeros(param)} if amsgrad else {}
 
 
 class FunctionalAdamW(FunctionalAdam):
@@ -567,13 +570,11 @@ class FunctionalAdagrad(FunctionalOptimizer):
         for p in self.param_group["params"]:
             self.state[p] = self._init_state(p, p)
 
-    def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+    def _other_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         init = self.defaults["initial_accumulator_value"]
         # A complex parameter is two real ones: both halves start at the accumulator value.
         value = complex(init, init) if torch.is_complex(param) else init
-        state = super()._init_state(param, grad)
-        state["sum"] = torch.full_like(param, value, memory_format=torch.preserve_format)
-        return state
+        return {"sum": torch.full_like(param, value, memory_format=torch.preserve_format)}
 
 
 class FunctionalAdadelta(FunctionalOptimizer):
@@ -606,15 +607,13 @@ class FunctionalRprop(FunctionalOptimizer):
     _in_defaults = "lr"
     _update = _RPROP
     _state_lists = ("prev", "step_size", "step")
+    _zero_state = ("prev",)
 
-    def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
+    def _other_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         lr = self.defaults["lr"]
         # A complex parameter is two real ones: the imaginary half needs a step size too.
         value = complex(lr, lr) if torch.is_complex(param) else lr
-        state = super()._init_state(param, grad)
-        state["prev"] = _zeros(param)
-        state["step_size"] = torch.full_like(grad, value)
-        return state
+        return {"step_size": torch.full_like(grad, value)}
 
     def _options(self) -> Dict[str, Any]:
         etas, step_sizes = self.etas, self.step_sizes  # type: ignore[attr-defined]
