@@ -172,7 +172,7 @@ class FailureStreak:
 
     count: int = 0
     failure: Optional[StepFailure] = None
-    """The fault the streak repeats."""
+    """The fault the streak repeats; None for steps short of replicas (no fault)."""
     members: FrozenSet[str] = frozenset()
     """The replica ids of the quorum the failures happened in."""
 
@@ -201,27 +201,37 @@ def next_streak(
     """The rule (docs/design.md, "Persistent failures").
 
     * A committed step ends the streak.
-    * A step that failed without an error (too few replicas for ``min_replica_size``, which
-      waiting for a replica to come back can cure) ends it too and counts toward nothing.
     * A failure with the fault (phase, error type, normalized message) and the members of the
       streak's last one extends it; any other failure starts a new streak of 1: a
       membership change (a replica left, died, or joined) is a new situation, worth a
       retry at once.
+    * A step that failed without an error (``failure`` None: too few replicas for
+      ``min_replica_size``) is a streak of its own kind, extended by the next such step with
+      the same members. Waiting for a replica to come back cures it, so it never gives up;
+      it backs off like any other, so that groups short of replicas do not re-form the same
+      quorum as fast as they can.
     * From ``backoff_after`` failures on, the Manager backs off before the next quorum; at
       ``max_consecutive_failures`` (when not 0) it gives up.
     """
-    if committed or failure is None:
+    if committed:
         return StreakDecision(FailureStreak(), backoff_attempt=None, give_up=False)
-    same = (
-        streak.count > 0
-        and streak.failure is not None
-        and streak.failure.key == failure.key
-        and streak.members == members
-    )
+    if failure is None:
+        same = streak.count > 0 and streak.failure is None and streak.members == members
+    else:
+        same = (
+            streak.count > 0
+            and streak.failure is not None
+            and streak.failure.key == failure.key
+            and streak.members == members
+        )
     count = streak.count + 1 if same else 1
     new = FailureStreak(count=count, failure=failure, members=frozenset(members))
     backoff = count - policy.backoff_after if count >= policy.backoff_after else None
-    give_up = policy.max_consecutive_failures > 0 and count >= policy.max_consecutive_failures
+    give_up = (
+        failure is not None
+        and policy.max_consecutive_failures > 0
+        and count >= policy.max_consecutive_failures
+    )
     return StreakDecision(new, backoff_attempt=backoff, give_up=give_up)
 
 

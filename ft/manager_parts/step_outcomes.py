@@ -9,7 +9,7 @@ Contract:
   * ``settle`` returns the PersistentStepFailure to raise once the streak reaches the
     policy's bound, else None; it sets the wait owed before the next quorum (one jittered
     exponential sequence per streak, ``ft.utils.retry.backoff_delays``) and logs a backoff or
-    a give-up at ERROR.
+    a give-up at ERROR (a backoff while short of replicas, which is no fault, at WARNING).
   * ``take_backoff()`` returns the wait owed and clears it.
   * ``last_error`` is "phase: Type: message" of the last step that did not commit, None after
     a commit.
@@ -76,8 +76,8 @@ class StepOutcomes:
         why_not: str,
     ) -> Optional[PersistentStepFailure]:
         """Feeds the step's outcome to the streak. ``failure`` None on a step that did not
-        commit: too few replicas, which ``why_not`` says in one line (no fault: not
-        counted)."""
+        commit: too few replicas, which ``why_not`` says in one line (no fault: backed off
+        from, never given up on)."""
         decision = next_streak(
             self.policy, self.streak, committed=committed, failure=failure, members=members
         )
@@ -98,6 +98,15 @@ class StepOutcomes:
         if self._settled is None:
             self._settled = False
         if streak.failure is None:
+            if decision.backoff_attempt is not None:
+                self._log.warning(
+                    "short_of_replicas_backoff",
+                    f"step {step} did not commit {streak.count} times in a row, short of "
+                    f"replicas while the quorum's {len(streak.members)} members stayed the "
+                    f"same ({why_not}); waiting {self._owed_s:.2f}s before the next quorum",
+                    backoff_s=round(self._owed_s, 3),
+                    consecutive_failures=streak.count,
+                )
             return None
         fields = {
             "phase": streak.failure.phase,

@@ -81,9 +81,13 @@ def test_reporting_survives_a_group_whose_abort_raises():
 class _RecordingLog:
     def __init__(self):
         self.errors = []
+        self.warnings = []
 
     def error(self, event, message, **fields):
         self.errors.append((event, fields))
+
+    def warning(self, event, message, **fields):
+        self.warnings.append((event, fields))
 
 
 def test_identical_failures_back_off_then_give_up_and_a_commit_clears_the_streak():
@@ -119,7 +123,11 @@ def test_identical_failures_back_off_then_give_up_and_a_commit_clears_the_streak
     out.new_step()
     assert out.settle(True, None, members, 8, "") is None
     assert (out.streak.count, out.last_error, out.take_backoff()) == (0, None, 0.0)
-    # too few replicas is no fault: not counted, and said as given
-    out.new_step()
-    assert out.settle(False, None, members, 8, "commit: 1 replica(s)") is None
-    assert out.last_error == "commit: 1 replica(s)" and out.streak.count == 0
+    # too few replicas is no fault: a streak of its own, said as given, backed off from after
+    # backoff_after steps and never given up on (max_consecutive_failures is 4 here)
+    for count in range(1, 7):
+        out.new_step()
+        assert out.settle(False, None, members, 8, "commit: 1 replica(s)") is None
+        assert out.last_error == "commit: 1 replica(s)" and out.streak.count == count
+        assert (out.take_backoff() > 0) == (count >= policy.backoff_after), count
+    assert [e for e, _ in log.warnings] == ["short_of_replicas_backoff"] * 5

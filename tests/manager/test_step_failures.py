@@ -4,6 +4,8 @@ record's error, and a quorum that keeps failing (a real lighthouse, in process).
 
 from __future__ import annotations
 
+import logging
+
 import pickle
 import sys
 import time
@@ -53,7 +55,13 @@ CASES = [
     ("another type: new streak", streak(4), False, SAME_TEXT_OTHER_TYPE, AB, 1, None, False),
     ("membership changed: new streak", streak(4), False, NCCL, A, 1, None, False),
     ("a commit ends it", streak(4), True, None, AB, 0, None, False),
-    ("too few replicas ends it, counts nothing", streak(4), False, None, AB, 0, None, False),
+    ("too few replicas: a streak of its own", streak(4), False, None, AB, 1, None, False),
+    ("too few again, same members", streak(1, None), False, None, AB, 2, None, False),
+    ("too few a third time backs off", streak(2, None), False, None, AB, 3, 0, False),
+    ("too few never gives up", streak(4, None), False, None, AB, 5, 2, False),
+    ("too few with other members: new streak", streak(3, None), False, None, A, 1, None, False),
+    ("a fault after too few: new streak", streak(3, None), False, NCCL, AB, 1, None, False),
+    ("a commit ends too few", streak(3, None), True, None, AB, 0, None, False),
 ]
 
 
@@ -209,6 +217,37 @@ def test_a_quorum_that_keeps_failing_raises_persistent_step_failure() -> None:
         with pytest.raises(PersistentStepFailure) as again:
             manager.wait_quorum()
         assert again.value is last
+    finally:
+        manager.shutdown(wait=False)
+        lh.shutdown()
+
+
+def test_a_group_short_of_replicas_backs_off_and_never_gives_up(caplog) -> None:
+    # One replica where min_replica_size wants two: the lighthouse forms a quorum of one, and
+    # every step fails for want of a second replica, with the same members. From the third
+    # such step on the Manager waits before its next quorum (logged), and it never raises
+    # PersistentStepFailure, not even past max_consecutive_failures.
+    lh = lighthouse()
+    manager = make_manager(
+        lh.address(),
+        "short",
+        use_async_quorum=False,
+        min_replica_size=2,
+        max_consecutive_failures=3,
+    )
+    caplog.set_level(logging.WARNING, logger="ft.manager")
+    try:
+        for _ in range(5):
+            manager.start_quorum()
+            assert manager.should_commit() is False
+        backoffs = [
+            r.ft
+            for r in caplog.records
+            if getattr(r, "ft", {}).get("event") == "short_of_replicas_backoff"
+        ]
+        assert [b["consecutive_failures"] for b in backoffs] == [3, 4, 5], backoffs
+        assert all(b["backoff_s"] > 0 for b in backoffs), backoffs
+        assert "min_replica_size=2" in manager.last_step_error()
     finally:
         manager.shutdown(wait=False)
         lh.shutdown()
