@@ -132,7 +132,7 @@ class Healer:
                 timeout=timeout,
             )
         except Exception as e:
-            self.transport.abandon_checkpoint(quorum.max_step, f"{type(e).__name__}: {e}")
+            self.abandon(quorum, f"{type(e).__name__}: {e}")
             raise
 
     def confirms_delivery(self) -> bool:
@@ -144,11 +144,16 @@ class Healer:
     def announce(self, quorum: QuorumResult) -> None:
         """Tells the transport that the checkpoint of ``quorum.max_step`` comes (receivers
         wait for it, even where an earlier attempt at that step withdrew or abandoned it)."""
-        self.transport.expect_checkpoint(quorum.max_step)
+        self._optional("expect_checkpoint")(quorum.max_step)
 
     def abandon(self, quorum: QuorumResult, reason: str) -> None:
         """Receivers waiting for the checkpoint of ``quorum.max_step`` fail now."""
-        self.transport.abandon_checkpoint(quorum.max_step, reason)
+        self._optional("abandon_checkpoint")(quorum.max_step, reason)
+
+    def _optional(self, method: str) -> Callable[..., None]:
+        """The transport's ``method``, one of ft's additions to torchft's transport interface,
+        or a no-op for a transport written for torchft, which lacks them."""
+        return getattr(self.transport, method, None) or (lambda *args: None)
 
     def wait_delivered(
         self, quorum: QuorumResult, timeout: timedelta, stop: Callable[[], bool]

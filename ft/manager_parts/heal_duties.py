@@ -7,11 +7,13 @@ Contract (HealDuties):
     source sends its state there (sync quorum, or a transport that cannot confirm delivery)
     and waits until its receivers have it; a healing replica receives, sets the step counters
     it received, and keeps the state ``pending`` until the training thread applies it.
-  * ``defer(quorum, allow_heal)``: where a source sends from the training thread instead (an
-    async quorum on a transport that confirms delivery), the checkpoint is announced to the
-    transport at once and ``send_due`` is set once the group is configured. ``send_pending()``
-    (the training thread, at should_commit at the latest) sends it, unless the step already
-    failed: then its receivers are told to give up now.
+  * ``announce(quorum, allow_heal)``, before the group is configured: a source announces its
+    checkpoint to the transport, so that receivers wait for it even at a step whose earlier
+    attempt withdrew it. ``defers()``: where a source sends from the training thread instead
+    (an async quorum on a transport that confirms delivery), ``send_due`` is set once the
+    group is configured, and ``send_pending()`` (the training thread, at should_commit at the
+    latest) sends it, unless the step already failed: then its receivers are told to give up
+    now.
   * ``apply_pending()`` (the training thread) loads a received state; a state that does not
     load puts the counters back, so that the next quorum heals this replica again.
   * Every failure is reported (``report``), with phase "heal", aborting the process group.
@@ -85,21 +87,19 @@ class HealDuties:
 
     # ------------------------------------------------------------------ source
 
-    def defers(self, quorum: QuorumResult, allow_heal: bool) -> bool:
-        """Whether this replica, a source, sends from the training thread (module docstring);
-        if so the checkpoint is announced now, before the process group is configured, which
-        its receivers wait for before they ask: they then wait for it even where an earlier
-        attempt at this step withdrew or abandoned it."""
-        defer = (
-            allow_heal
-            and self._state.use_async_quorum
-            and self.healer.serves(quorum)
-            and not quorum.heal
-            and self.healer.confirms_delivery()
-        )
-        if defer:
+    def announce(self, quorum: QuorumResult, allow_heal: bool) -> bool:
+        """Whether this replica is a source of the quorum's heal; if so its checkpoint is
+        announced now, before the process group is configured, which its receivers wait for
+        before they ask: they then wait for it even where an earlier attempt at this step
+        (a step that failed and is tried again) withdrew or abandoned it."""
+        source = allow_heal and self.healer.serves(quorum) and not quorum.heal
+        if source:
             self.healer.announce(quorum)
-        return defer
+        return source
+
+    def defers(self) -> bool:
+        """Whether a source sends from the training thread (module docstring)."""
+        return self._state.use_async_quorum and self.healer.confirms_delivery()
 
     def send_pending(self) -> None:
         """Sends the heal ``send_due`` names, on the calling thread (module docstring)."""

@@ -148,7 +148,8 @@ class QuorumRound:
             self.error = e
             self.decided.set()
             raise
-        defer = self._duties.defers(quorum, allow_heal)
+        source = self._duties.announce(quorum, allow_heal)
+        defer = source and self._duties.defers()
         try:
             configured = self._take_in(quorum, t0, allow_heal)
             if configured and defer:
@@ -159,7 +160,7 @@ class QuorumRound:
         finally:
             self.decided.set()
         if not configured:
-            if defer:
+            if source:
                 self._duties.healer.abandon(
                     quorum, "the source could not configure its process group"
                 )

@@ -289,3 +289,43 @@ def test_max_retries_ends_a_run_of_failed_votes() -> None:
             _step(parts)
     finally:
         parts.close(wait=True)
+
+
+def test_a_source_announces_its_checkpoint_before_the_group_is_configured_in_sync_mode() -> None:
+    # Its receivers ask only once the group is configured (a rendezvous the source is part
+    # of). Announced before, a checkpoint is waited for even at a step whose earlier attempt
+    # withdrew it (a failed step tried again); not announced, a receiver faster than the
+    # source's staging was told "withdrawn" and failed its heal.
+    events: List[str] = []
+    parts = _parts(
+        _Client([_quorum()], [True]), _Group(TO), [], rebuild=lambda q: events.append("configure")
+    )
+    parts.heal.healer = SimpleNamespace(
+        serves=lambda q: True,
+        striped=lambda q: False,
+        confirms_delivery=lambda: True,
+        announce=lambda q: events.append(f"announce {q.max_step}"),
+        send=lambda q, state, timeout: events.append("send"),
+        wait_delivered=lambda q, timeout, stop: events.append("delivered") or True,
+        abandon=lambda q, reason: events.append("abandon"),
+    )
+    try:
+        assert _step(parts) is True
+        assert events == ["announce 0", "configure", "send", "delivered"], events
+    finally:
+        parts.close(wait=True)
+
+
+def test_a_healer_drives_a_transport_written_for_torchft() -> None:
+    # torchft's transport interface has no expect_checkpoint / abandon_checkpoint: announcing
+    # to such a transport, or abandoning on it, does nothing (and raises nothing).
+    from ft.manager_parts.heal import Healer
+
+    class TorchftStyle:
+        def metadata(self) -> str:
+            return "meta"
+
+    healer = Healer(TorchftStyle(), TO, client_factory=lambda *a, **k: None)
+    q = _quorum(max_step=4)
+    healer.announce(q)
+    healer.abandon(q, "no reason")
