@@ -348,8 +348,8 @@ class FunctionalOptimizer:
       that dict's order; the others become attributes of the same name;
     - ``_update``: its stateless update, called with the per-parameter lists of the state keys
       ``_state_lists`` (a key the options leave out of the state, like ``max_exp_avg_sq``
-      without ``amsgrad``, is passed as an empty list, as torch.optim does) and the keyword
-      options named in ``_options_from_defaults`` and ``_options_from_attributes``;
+      without ``amsgrad``, is passed as an empty list, as torch.optim does) and its keyword
+      options, each read from ``defaults`` or the attribute of its name;
     - ``_zero_state``: the state keys that start as zeros, after ``step``; ``_other_state``
       adds the rest.
     """
@@ -360,8 +360,6 @@ class FunctionalOptimizer:
     _in_defaults: str = ""
     _update: _Update
     _state_lists: Tuple[str, ...] = ()
-    _options_from_defaults: Tuple[str, ...] = ()
-    _options_from_attributes: Tuple[str, ...] = ("maximize", "foreach")
     _zero_state: Tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -402,9 +400,12 @@ class FunctionalOptimizer:
         return {}
 
     def _options(self) -> Dict[str, Any]:
-        options = {k: self.defaults[k] for k in self._options_from_defaults}
-        options.update((a, getattr(self, a)) for a in self._options_from_attributes)
-        return options
+        """The update's keyword options, each from ``defaults`` or the attribute of its name
+        (where the constructor put the argument of that name)."""
+        return {
+            k: self.defaults[k] if k in self.defaults else getattr(self, k)
+            for k in self._update.keywords
+        }
 
     def _apply(
         self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
@@ -477,8 +478,6 @@ class FunctionalAdam(FunctionalOptimizer):
     _in_defaults = "lr eps betas weight_decay"
     _update = _ADAM
     _state_lists = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
-    _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
-    _options_from_attributes = ("amsgrad", "maximize", "foreach", "fused")
 
     _zero_state = ("exp_avg", "exp_avg_sq")
 
@@ -507,8 +506,7 @@ class FunctionalSGD(FunctionalOptimizer):
         "maximize=False foreach=False fused=False"
     )
     _in_defaults = "lr momentum dampening weight_decay"
-    _options_from_defaults = ("lr", "momentum", "dampening", "weight_decay")
-    _options_from_attributes = ("nesterov", "maximize", "foreach", "fused")
+    _update = _SGD
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         return {}
@@ -517,7 +515,7 @@ class FunctionalSGD(FunctionalOptimizer):
         self, params: List[Tensor], grads: List[Tensor], states: List[Dict[str, Tensor]]
     ) -> None:
         buffers: List[Optional[Tensor]] = [s.get("momentum_buffer") for s in states]
-        _SGD.apply(params, grads, [buffers], self._options())
+        self._update.apply(params, grads, [buffers], self._options())
         # The first momentum step creates the buffers inside ``buffers``; keep them.
         for s, b in zip(states, buffers):
             if b is not None:
@@ -531,8 +529,6 @@ class FunctionalRMSprop(FunctionalOptimizer):
     _in_defaults = "lr alpha eps weight_decay momentum"
     _update = _RMSPROP
     _state_lists = ("square_avg", "grad_avg", "momentum_buffer", "step")
-    _options_from_defaults = ("lr", "alpha", "eps", "weight_decay", "momentum")
-    _options_from_attributes = ("centered", "maximize", "foreach")
 
     def _init_state(self, param: Tensor, grad: Tensor) -> Dict[str, Tensor]:
         state = {"step": _step_tensor(param, False), "square_avg": _zeros(param)}
@@ -562,8 +558,6 @@ class FunctionalAdagrad(FunctionalOptimizer):
     )
     _update = _ADAGRAD
     _state_lists = ("sum", "step")
-    _options_from_defaults = ("lr", "lr_decay", "weight_decay", "eps")
-    _options_from_attributes = ("maximize", "foreach", "fused")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -584,7 +578,6 @@ class FunctionalAdadelta(FunctionalOptimizer):
     _in_defaults = "lr rho eps weight_decay"
     _update = _ADADELTA
     _state_lists = ("square_avg", "acc_delta", "step")
-    _options_from_defaults = ("lr", "rho", "eps", "weight_decay")
     _zero_state = ("square_avg", "acc_delta")
 
 
@@ -596,7 +589,6 @@ class FunctionalAdamax(FunctionalOptimizer):
     _in_defaults = "lr eps betas weight_decay"
     _update = _ADAMAX
     _state_lists = ("exp_avg", "exp_inf", "step")
-    _options_from_defaults = ("lr", "beta1", "beta2", "eps", "weight_decay")
     _zero_state = ("exp_avg", "exp_inf")
 
 
